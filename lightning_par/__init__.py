@@ -1,0 +1,76 @@
+"""lightning-par: PyTorch Lightning strategies for data, sharded, tensor, pipeline, context and expert parallel.
+
+Importing this package makes the strategy names (``Trainer(strategy="data_parallel")``) known to Lightning.
+It does so without importing Lightning itself: ``lightning_par.config``, ``lightning_par.parallel`` and
+``lightning_par.planner`` must stay usable without it (DESIGN.md). If Lightning is already imported the
+names are registered now; otherwise they are registered the moment ``lightning.pytorch`` finishes
+importing. Public classes are loaded on first access (PEP 562).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import sys
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "ParallelConfig": "lightning_par.config",
+    "ParallelMesh": "lightning_par.mesh",
+    "ModelPlan": "lightning_par.parallel.plan",
+    "MeshStrategy": "lightning_par.strategies",
+    "DataParallelStrategy": "lightning_par.strategies",
+    "register_strategies": "lightning_par.strategies",
+    "LlamaLM": "lightning_par.models",
+    "LlamaConfig": "lightning_par.models",
+    "TokenDataModule": "lightning_par.data",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _register() -> None:
+    from lightning_par.strategies import register_strategies
+
+    register_strategies()
+
+
+class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
+    """Runs :func:`_register` right after ``lightning.pytorch`` has executed, then removes itself."""
+
+    _target = "lightning.pytorch"
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self._target:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                break
+        else:
+            return None
+        original_exec = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            original_exec(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            _register()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if "lightning.pytorch" in sys.modules:
+    _register()
+elif not any(isinstance(f, _RegisterWhenLightningLoads) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWhenLightningLoads())

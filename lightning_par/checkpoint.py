@@ -1,0 +1,171 @@
+"""Checkpoints for every layout, on PyTorch Distributed Checkpoint (DCP).
+
+Two formats, both written atomically (a checkpoint is staged beside its final name and renamed into
+place only when every rank has finished, so a crash mid-save never leaves something that looks whole):
+
+- sharded (default): a directory. Every rank writes the tensors it owns through
+  ``torch.distributed.checkpoint`` (replicated tensors once), rank 0 adds ``meta.pt`` with the rest of
+  Lightning's checkpoint (loops, schedulers, hyper-parameters). Because DCP stores tensors by fully
+  qualified name and global shape, a sharded checkpoint can be loaded under another layout.
+- full: one ``torch.save`` file written by rank 0 holding whole tensors, loadable by plain PyTorch.
+
+The functions here are collectives: every rank calls them. No lightning import (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+MODEL_KEY = "state_dict"  # Lightning's own key for the model weights
+OPTIMIZERS_KEY = "optimizer_states"  # Lightning's own key: a list, one entry per optimizer
+META_FILE = "meta.pt"
+_DCP_METADATA = ".metadata"
+
+
+def model_state_dict(module: nn.Module, *, full: bool) -> dict[str, Any]:
+    """The model's state by fully qualified name: whole tensors on CPU if ``full`` else this rank's shards."""
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+
+
+def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, *, full: bool) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name (not by position), so it survives re-wrapping."""
+    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / _DCP_METADATA).is_file()
+
+
+def save_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike, *, sharded: bool) -> None:
+    """Write ``checkpoint`` to ``path`` atomically. Collective; ``path`` must be the same on every rank.
+
+    ``checkpoint`` is Lightning's checkpoint dict whose ``state_dict`` / ``optimizer_states`` entries come
+    from :func:`model_state_dict` / :func:`optimizer_state_dict` with ``full=not sharded``.
+    """
+    final = Path(path)
+    staging = final.with_name(f".{final.name}.partial")
+    rank = _rank()
+    if rank == 0:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _remove(staging)  # left behind by an earlier crash: never complete, never loaded
+    _barrier()
+    if sharded:
+        checkpoint = dict(checkpoint)
+        tensors = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
+        for index, state in enumerate(checkpoint.pop(OPTIMIZERS_KEY, [])):
+            tensors[f"optimizer_{index}"] = state
+        dcp.save(tensors, checkpoint_id=staging)
+        if rank == 0:
+            torch.save(checkpoint, staging / META_FILE)
+    elif rank == 0:
+        torch.save(checkpoint, staging)
+    _barrier()
+    if rank == 0:
+        _move_into_place(staging, final)
+    _barrier()
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    module: nn.Module,
+    optimizers: list[Optimizer],
+    *,
+    strict: bool = True,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Load weights into ``module`` and states into ``optimizers`` in place; return the other entries.
+
+    Works with both formats, whatever layout ``module`` has now: DCP reshards tensors saved under
+    another layout, and a full checkpoint is re-sharded by ``set_model_state_dict``.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    if is_sharded_checkpoint(path):
+        model_state = {MODEL_KEY: model_state_dict(module, full=False)}
+        dcp.load(model_state, checkpoint_id=path)
+        set_model_state_dict(module, model_state[MODEL_KEY], options=StateDictOptions(strict=strict))
+        for index, optimizer in enumerate(optimizers):
+            key = f"optimizer_{index}"
+            optim_state = {key: optimizer_state_dict(module, optimizer, full=False)}
+            dcp.load(optim_state, checkpoint_id=path)
+            set_optimizer_state_dict(module, optimizer, optim_state[key])
+        return torch.load(path / META_FILE, map_location="cpu", weights_only=_weights_only(weights_only))
+    if path.is_dir():
+        raise ValueError(f"{str(path)!r} is a directory but not a sharded checkpoint (no {_DCP_METADATA} inside)")
+
+    checkpoint = torch.load(path, map_location="cpu", weights_only=_weights_only(weights_only))
+    full = StateDictOptions(full_state_dict=True, strict=strict)
+    set_model_state_dict(module, checkpoint.pop(MODEL_KEY), options=full)
+    saved_optimizers = checkpoint.pop(OPTIMIZERS_KEY, [])
+    if optimizers and len(saved_optimizers) != len(optimizers):
+        raise ValueError(f"checkpoint {str(path)!r} has {len(saved_optimizers)} optimizer states, "
+                         f"the model configured {len(optimizers)} optimizers")
+    for optimizer, state in zip(optimizers, saved_optimizers):
+        set_optimizer_state_dict(module, optimizer, state, options=full)
+    return checkpoint
+
+
+def remove_checkpoint(path: str | os.PathLike) -> None:
+    """Delete a checkpoint of either format (call on one rank)."""
+    _remove(Path(path))
+
+
+def _weights_only(weights_only: bool | None) -> bool:
+    # Lightning's metadata (hyper-parameters, loop state) holds plain Python objects that the restricted
+    # unpickler refuses unless the caller says otherwise; the default follows Lightning's own loader.
+    return False if weights_only is None else weights_only
+
+
+def _move_into_place(staging: Path, final: Path) -> None:
+    if final.is_dir():
+        retired = final.with_name(f".{final.name}.old")
+        _remove(retired)
+        os.replace(final, retired)
+        os.replace(staging, final)
+        _remove(retired)
+    else:
+        os.replace(staging, final)  # atomic over an existing file on POSIX
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+__all__ = [
+    "model_state_dict",
+    "optimizer_state_dict",
+    "save_checkpoint",
+    "load_checkpoint",
+    "is_sharded_checkpoint",
+    "remove_checkpoint",
+]

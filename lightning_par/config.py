@@ -1,0 +1,184 @@
+"""ParallelConfig: the size of every mesh dimension and the knobs of each technique.
+
+One frozen dataclass describes a layout. ``validate(world_size)`` checks it against the number of
+processes and returns a copy with every ``"auto"`` resolved; ``build_mesh()`` turns it into one named
+:class:`~lightning_par.mesh.ParallelMesh`. Nothing here talks to other ranks before the sizes are known
+to fit, so a bad layout fails with the same ``ValueError`` on every rank instead of hanging a collective.
+
+This module never imports lightning (see DESIGN.md, dependency direction).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from lightning_par.mesh import MESH_DIM_NAMES, ParallelMesh, build_device_mesh
+
+Size = Union[int, Literal["auto"]]
+
+# Only the data-parallel sizes can absorb "whatever is left" without a planner; the model-parallel
+# sizes change memory and speed too much to be guessed (the planner of the auto_parallel strategy
+# chooses them from a cost model instead).
+AUTO_SIZES = ("dp_replicate", "dp_shard")
+GRADIENT_COMPRESSIONS = ("none", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Sizes of the mesh dimensions ``pp, dp_replicate, dp_shard, cp, tp`` (outermost first) plus ``ep``.
+
+    Expert parallel (``ep``) is not a mesh dimension of its own: it borrows ranks from ``dp_shard x cp``
+    (as in torchtitan and Megatron-Core), so adding experts does not multiply the world size.
+
+    Data-parallel knobs (``ddp_*``, ``gradient_compression``) configure PyTorch's
+    ``DistributedDataParallel`` (Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data
+    Parallel Training").
+    """
+
+    pp: int = 1
+    dp_replicate: Size = 1
+    dp_shard: Size = "auto"
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    ddp_bucket_cap_mb: float = 25.0
+    ddp_static_graph: bool = False
+    ddp_find_unused_parameters: bool = False
+    gradient_compression: Literal["none", "bf16", "fp16"] = "none"
+
+    # ----------------------------------------------------------------------------------- sizes
+    def mesh_shape(self) -> tuple[int, ...]:
+        """Sizes in mesh order ``(pp, dp_replicate, dp_shard, cp, tp)``; the config must be resolved."""
+        shape = tuple(getattr(self, name) for name in MESH_DIM_NAMES)
+        if any(not isinstance(size, int) for size in shape):
+            raise ValueError(f"{self.describe()} still has 'auto' sizes: call validate(world_size) first")
+        return shape
+
+    @property
+    def dp(self) -> int:
+        """Number of data-parallel replicas of the model: ranks that read different samples."""
+        return _as_int(self.dp_replicate) * _as_int(self.dp_shard)
+
+    def describe(self) -> str:
+        """The sizes as ``pp=1 x dp_replicate=2 x ...`` (used in every error message)."""
+        return " x ".join(f"{name}={getattr(self, name)!r}" for name in MESH_DIM_NAMES) + f", ep={self.ep!r}"
+
+    # ------------------------------------------------------------------------------ validation
+    def validate(self, world_size: int) -> ParallelConfig:
+        """Check the layout against ``world_size`` processes and return it with ``"auto"`` resolved.
+
+        Raises ``ValueError`` naming the offending sizes and what would fit.
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        self._check_knobs()
+        for name in (*MESH_DIM_NAMES, "ep"):
+            _check_size(name, getattr(self, name), allow_auto=name in AUTO_SIZES)
+
+        fixed = {name: getattr(self, name) for name in MESH_DIM_NAMES if getattr(self, name) != "auto"}
+        product = math.prod(fixed.values())
+        auto = [name for name in MESH_DIM_NAMES if getattr(self, name) == "auto"]
+        if not auto and product != world_size:
+            raise ValueError(
+                f"{_product_text(fixed)} = {product} does not equal the world size {world_size}: "
+                f"the mesh sizes must multiply to the number of processes. {_suggest(fixed, world_size)}"
+            )
+        if auto and world_size % product != 0:
+            raise ValueError(
+                f"{_product_text(fixed)} = {product} does not divide the world size {world_size}. "
+                f"{_suggest(fixed, world_size)}"
+            )
+        resolved = dict(fixed)
+        if auto:
+            # One "auto" data dimension absorbs the remaining ranks; with both, sharding takes them
+            # (replication across nodes is something a user asks for, sharding is the better default).
+            for name in auto:
+                resolved[name] = 1
+            resolved["dp_shard" if "dp_shard" in auto else auto[0]] = world_size // product
+        config = dataclasses.replace(self, **resolved)
+
+        ep_host = _as_int(config.dp_shard) * config.cp
+        if ep_host % config.ep != 0:
+            fits = [d for d in _divisors(ep_host)]
+            raise ValueError(
+                f"ep={config.ep} does not divide dp_shard x cp = {config.dp_shard} x {config.cp} = {ep_host}: "
+                f"expert parallel borrows its ranks from the sharded data-parallel and context-parallel "
+                f"dimensions. Try ep in {fits}, or raise dp_shard."
+            )
+        return config
+
+    def _check_knobs(self) -> None:
+        if self.gradient_compression not in GRADIENT_COMPRESSIONS:
+            raise ValueError(
+                f"gradient_compression={self.gradient_compression!r} is not one of {GRADIENT_COMPRESSIONS}"
+            )
+        if isinstance(self.ddp_bucket_cap_mb, bool) or not isinstance(self.ddp_bucket_cap_mb, (int, float)) or not (
+            self.ddp_bucket_cap_mb > 0
+        ):
+            raise ValueError(f"ddp_bucket_cap_mb must be a positive number of MiB, got {self.ddp_bucket_cap_mb!r}")
+        for flag in ("ddp_static_graph", "ddp_find_unused_parameters"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
+        if self.ddp_static_graph and self.ddp_find_unused_parameters:
+            raise ValueError(
+                "ddp_static_graph=True and ddp_find_unused_parameters=True exclude each other: a static graph "
+                "already records which parameters are unused in the first iteration; keep one of them"
+            )
+
+    # ------------------------------------------------------------------------------------ mesh
+    def build_mesh(self, device_type: str = "cpu") -> ParallelMesh:
+        """The one named device mesh of this layout over the initialized default process group.
+
+        Validates against the process group's world size first (every rank computes the same answer,
+        so a bad layout raises everywhere before any collective is issued).
+        """
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("build_mesh() needs an initialized torch.distributed process group")
+        config = self.validate(dist.get_world_size())
+        return build_device_mesh(device_type, dict(zip(MESH_DIM_NAMES, config.mesh_shape())))
+
+
+def _check_size(name: str, value: object, *, allow_auto: bool) -> None:
+    if value == "auto" and allow_auto:
+        return
+    if value == "auto":
+        raise ValueError(
+            f"{name}='auto' is not supported: only {' and '.join(AUTO_SIZES)} can be 'auto' "
+            f"(give {name} as a positive integer, or use the auto_parallel strategy to plan it)"
+        )
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        hint = " or 'auto'" if allow_auto else ""
+        raise ValueError(f"{name} must be a positive integer{hint}, got {value!r}")
+
+
+def _as_int(value: Size) -> int:
+    if not isinstance(value, int):
+        raise ValueError(f"size {value!r} is not resolved: call validate(world_size) first")
+    return value
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _product_text(sizes: dict[str, int]) -> str:
+    shown = {k: v for k, v in sizes.items() if v != 1} or sizes
+    return " x ".join(f"{name}={size}" for name, size in shown.items())
+
+
+def _suggest(fixed: dict[str, int], world_size: int) -> str:
+    """Name the values of the largest model-parallel size that would fit, e.g. 'try tp=2 or tp=4'."""
+    model_dims = [name for name in ("tp", "cp", "pp") if fixed.get(name, 1) > 1]
+    if not model_dims:
+        return f"Sizes whose product divides {world_size}: {_divisors(world_size)}."
+    name = max(model_dims, key=lambda n: fixed[n])
+    others = math.prod(v for k, v in fixed.items() if k != name and k in ("tp", "cp", "pp"))
+    fits = [d for d in _divisors(world_size) if d > 1 and world_size % (d * others) == 0 and d != fixed[name]]
+    if not fits:
+        return f"No {name} fits with the other sizes; world size {world_size} has divisors {_divisors(world_size)}."
+    return "try " + " or ".join(f"{name}={d}" for d in fits)

@@ -1,0 +1,226 @@
+"""``TokenDataModule``: next-token batches from the stdlib corpus or synthetic sequences.
+
+Batches are plain ``LongTensor`` of shape ``(B, seq_len + 1)``; the model takes ``[:, :-1]`` as
+inputs and ``[:, 1:]`` as targets.
+
+Sharding is left to Lightning, which wraps each loader in
+``DistributedSampler(num_replicas, rank)`` from ``trainer.strategy.distributed_sampler_kwargs``.
+lightning-par's strategies set ``num_replicas`` to the *data-parallel* size (ranks in one
+tensor/context/pipeline group must read the same samples), so this module never looks at the
+global rank. What it does do is make the split sizes a multiple of ``num_replicas``: otherwise
+``DistributedSampler`` pads the last round by repeating samples, which double-counts them in
+training and skews validation metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader, Dataset, Subset
+from typing_extensions import override
+
+from lightning_par.data.corpus import SyntheticTokenDataset, TokenWindowDataset, load_stdlib_tokens
+
+__all__ = ["TokenDataModule"]
+
+_SOURCES = ("stdlib", "synthetic")
+# Byte tokens take every value in [0, 256).
+_BYTE_VOCAB = 256
+# The synthetic validation split uses seed + 2**31: train seeds are < 2**31, so no configuration's
+# validation stream is any configuration's training stream.
+_VAL_SEED_OFFSET = 2**31
+
+
+class TokenDataModule(pl.LightningDataModule):
+    """Token batches for language-model training, with no download.
+
+    Args:
+        source: ``"stdlib"`` (the Python standard library sources as bytes, vocab 256) or
+            ``"synthetic"`` (arithmetic progressions, see ``SyntheticTokenDataset``).
+        seq_len: tokens per sample fed to the model; each sample holds ``seq_len + 1`` tokens.
+        batch_size: samples per batch on each data-parallel rank.
+        max_bytes: stdlib only: bytes of corpus to load, both splits together.
+        val_fraction: stdlib only: share of documents (and bytes) held out for validation.
+        vocab_size: token range; must be 256 for ``"stdlib"`` (byte tokens).
+        num_samples: synthetic only: training samples.
+        num_val_samples: synthetic only: validation samples.
+        seed: synthetic only: seed of the sample generator.
+        num_workers: DataLoader worker processes (0 loads in the main process).
+        shuffle: shuffle the training set (Lightning's DistributedSampler shuffles when sharding).
+    """
+
+    def __init__(
+        self,
+        source: str = "stdlib",
+        seq_len: int = 128,
+        batch_size: int = 8,
+        max_bytes: int = 8_000_000,
+        val_fraction: float = 0.05,
+        vocab_size: int = 256,
+        num_samples: int = 4096,
+        num_val_samples: int = 256,
+        seed: int = 0,
+        num_workers: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__()
+        _validate_args(
+            source=source,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            max_bytes=max_bytes,
+            val_fraction=val_fraction,
+            vocab_size=vocab_size,
+            num_samples=num_samples,
+            num_val_samples=num_val_samples,
+            seed=seed,
+            num_workers=num_workers,
+        )
+        self.save_hyperparameters()
+        self.source = source
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.max_bytes = max_bytes
+        self.val_fraction = val_fraction
+        self.vocab_size = vocab_size
+        self.num_samples = num_samples
+        self.num_val_samples = num_val_samples
+        self.seed = seed
+        self.num_workers = num_workers
+        self.shuffle = shuffle
+
+        # Full datasets, built once and reused across setup() calls (fit, then validate/test).
+        self._full: Dict[str, Dataset] = {}
+        # Trimmed views handed to the loaders; rebuilt by every setup() for the current trainer.
+        self.train_dataset: Optional[Dataset] = None
+        self.val_dataset: Optional[Dataset] = None
+        # Trailing samples left out of each split by the last setup(), for logs and tests.
+        self.dropped_samples: Dict[str, int] = {}
+        self._reported: set = set()
+
+    # ------------------------------------------------------------------ sharding
+    def data_parallel_world(self) -> Tuple[int, int]:
+        """``(num_replicas, rank)`` the trainer's DistributedSampler will use; ``(1, 0)`` alone."""
+        strategy = getattr(self.trainer, "strategy", None) if self.trainer is not None else None
+        kwargs = getattr(strategy, "distributed_sampler_kwargs", None)
+        if not kwargs:
+            return 1, 0
+        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+
+    def _trim(self, split: str, dataset: Dataset, num_replicas: int) -> Dataset:
+        """Cut ``dataset`` to a multiple of ``num_replicas`` so DistributedSampler never pads."""
+        n = len(dataset)
+        keep = n - n % num_replicas
+        self.dropped_samples[split] = n - keep
+        if keep == n:
+            return dataset
+        key = (split, n, num_replicas)
+        if key not in self._reported:
+            self._reported.add(key)
+            rank_zero_info(
+                f"TokenDataModule: dropped the last {n - keep} of {n} {split} samples so that "
+                f"{num_replicas} data-parallel ranks get {keep // num_replicas} each "
+                "(DistributedSampler would otherwise repeat samples to even them out)."
+            )
+        return Subset(dataset, range(keep))
+
+    # ------------------------------------------------------------------ datasets
+    def _build(self, split: str) -> Dataset:
+        if split not in self._full:
+            if self.source == "stdlib":
+                tokens = load_stdlib_tokens(split, max_bytes=self.max_bytes, val_fraction=self.val_fraction)
+                self._full[split] = TokenWindowDataset(tokens, self.seq_len)
+            else:
+                train = split == "train"
+                self._full[split] = SyntheticTokenDataset(
+                    num_samples=self.num_samples if train else self.num_val_samples,
+                    seq_len=self.seq_len,
+                    vocab_size=self.vocab_size,
+                    seed=self.seed if train else self.seed + _VAL_SEED_OFFSET,
+                )
+        return self._full[split]
+
+    @override
+    def setup(self, stage: Optional[str] = None) -> None:
+        """Build the split(s) that ``stage`` needs, trimmed for the current data-parallel size."""
+        num_replicas, _ = self.data_parallel_world()
+        if stage in (None, "fit"):
+            self.train_dataset = self._trim("train", self._build("train"), num_replicas)
+        if stage in (None, "fit", "validate", "test"):
+            self.val_dataset = self._trim("val", self._build("val"), num_replicas)
+
+    # ------------------------------------------------------------------ loaders
+    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            drop_last=False,
+            num_workers=self.num_workers,
+            pin_memory=False,
+            # Re-forking workers every epoch costs seconds; keep them only when there are any.
+            persistent_workers=self.num_workers > 0,
+        )
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            self.setup("fit")
+        return self._loader(self.train_dataset, shuffle=self.shuffle)
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        if self.val_dataset is None:
+            self.setup("validate")
+        return self._loader(self.val_dataset, shuffle=False)
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        # No separate test split: the held-out validation documents serve for both.
+        if self.val_dataset is None:
+            self.setup("test")
+        return self._loader(self.val_dataset, shuffle=False)
+
+
+def _validate_args(
+    *,
+    source: str,
+    seq_len: int,
+    batch_size: int,
+    max_bytes: int,
+    val_fraction: float,
+    vocab_size: int,
+    num_samples: int,
+    num_val_samples: int,
+    seed: int,
+    num_workers: int,
+) -> None:
+    """Raise ``ValueError`` naming the bad value, before any rank builds a loader."""
+    if source not in _SOURCES:
+        raise ValueError(f"source={source!r} is not one of {list(_SOURCES)}")
+    for name, value in (
+        ("seq_len", seq_len),
+        ("batch_size", batch_size),
+        ("max_bytes", max_bytes),
+        ("num_samples", num_samples),
+        ("num_val_samples", num_val_samples),
+    ):
+        if value <= 0:
+            raise ValueError(f"{name}={value!r} must be positive")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction={val_fraction!r} must be in [0, 1)")
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size={vocab_size!r} must be at least 2")
+    # Bytes span [0, 256): a larger vocabulary would promise tokens the corpus never has, a smaller
+    # one would index past the model's embedding table.
+    if source == "stdlib" and vocab_size != _BYTE_VOCAB:
+        raise ValueError(
+            f"vocab_size={vocab_size!r} does not fit source='stdlib', whose byte tokens need "
+            f"vocab_size={_BYTE_VOCAB}"
+        )
+    if not 0 <= seed < 2**31:
+        raise ValueError(f"seed={seed!r} must be in [0, 2**31)")
+    if num_workers < 0:
+        raise ValueError(f"num_workers={num_workers!r} must be >= 0")

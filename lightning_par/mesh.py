@@ -1,0 +1,73 @@
+"""One named device mesh for every parallel dimension, and the sub-meshes techniques ask for.
+
+The root mesh has the dimensions ``pp, dp_replicate, dp_shard, cp, tp``, outermost first: tensor
+parallel is innermost so its heavy all-reduces stay on the fastest links (inside a node), pipeline
+parallel is outermost because its point-to-point traffic tolerates slow links. Dimensions of size 1
+are kept so that every technique can look its dimension up by name whatever the layout.
+
+Flattened views (kept here, as PyTorch asks callers to keep them rather than re-slice the root):
+- ``dp``          = dp_replicate x dp_shard: ranks that read different samples (data loader, DDP);
+- ``dp_cp``       = dp_replicate x dp_shard x cp: ranks over which the loss is averaged;
+- ``dp_shard_cp`` = dp_shard x cp: ranks that shard parameters under ZeRO-3 and host experts.
+"""
+
+from __future__ import annotations
+
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+FLATTENED_DIMS = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+}
+
+
+class ParallelMesh:
+    """Owns the root :class:`DeviceMesh` and its named flattened sub-meshes (torchtitan's ParallelDims)."""
+
+    def __init__(self, root: DeviceMesh) -> None:
+        if root.mesh_dim_names != MESH_DIM_NAMES:
+            raise ValueError(f"mesh dimensions must be {MESH_DIM_NAMES}, got {root.mesh_dim_names}")
+        self.root = root
+        self._flat = {name: root[dims]._flatten(name) for name, dims in FLATTENED_DIMS.items()}
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        """The 1-D mesh of a root dimension (``"tp"``) or of a flattened one (``"dp"``)."""
+        if name in self._flat:
+            return self._flat[name]
+        if name in MESH_DIM_NAMES:
+            return self.root[name]
+        raise KeyError(f"unknown mesh dimension {name!r}; known: {MESH_DIM_NAMES + tuple(FLATTENED_DIMS)}")
+
+    def size(self, name: str) -> int:
+        return self[name].size()
+
+    def local_rank(self, name: str) -> int:
+        """This process's coordinate along ``name``."""
+        return self[name].get_local_rank()
+
+    def group(self, name: str) -> ProcessGroup:
+        return self[name].get_group()
+
+    @property
+    def device_type(self) -> str:
+        return self.root.device_type
+
+    def sizes(self) -> dict[str, int]:
+        return {name: self.size(name) for name in MESH_DIM_NAMES}
+
+    def coordinates(self) -> dict[str, int]:
+        """This rank's position on every root dimension, e.g. ``{"pp": 0, "dp_replicate": 1, ...}``."""
+        return {name: self.local_rank(name) for name in MESH_DIM_NAMES}
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{k}={v}" for k, v in self.sizes().items())
+        return f"ParallelMesh({sizes}, device_type={self.device_type!r})"
+
+
+def build_device_mesh(device_type: str, sizes: dict[str, int]) -> ParallelMesh:
+    """Initialize the root mesh with ``sizes`` given for every name of :data:`MESH_DIM_NAMES`."""
+    shape = tuple(sizes[name] for name in MESH_DIM_NAMES)
+    return ParallelMesh(init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES))

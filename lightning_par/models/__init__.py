@@ -1,0 +1,45 @@
+"""Reference Llama-style decoder: a pure PyTorch ``Transformer`` and its LightningModule ``LlamaLM``.
+
+``LlamaLM`` is imported lazily (PEP 562) so that ``lightning_par.models.llama`` and the names below
+other than ``LlamaLM`` can be used without importing Lightning (the planner and ``parallel/`` must not).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lightning_par.models.llama import (
+    Attention,
+    FeedForward,
+    LlamaConfig,
+    RMSNorm,
+    Transformer,
+    TransformerBlock,
+    apply_rotary,
+    llama_flops_per_token,
+    rope_tables,
+)
+
+if TYPE_CHECKING:
+    from lightning_par.models.lightning_module import LlamaLM
+
+__all__ = [
+    "Attention",
+    "FeedForward",
+    "LlamaConfig",
+    "LlamaLM",
+    "RMSNorm",
+    "Transformer",
+    "TransformerBlock",
+    "apply_rotary",
+    "llama_flops_per_token",
+    "rope_tables",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LlamaLM":
+        from lightning_par.models.lightning_module import LlamaLM
+
+        return LlamaLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,165 @@
+"""LlamaLM: the reference Llama-style decoder as a LightningModule."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_par.models.llama import LlamaConfig, Transformer
+
+
+@dataclass
+class WarmupCosine:
+    """LR multiplier: linear warmup to 1, then cosine decay to ``min_lr_ratio`` at ``total_steps``.
+
+    Cosine decay as in SGDR (Loshchilov & Hutter 2017) and the Llama recipe (decay to 10%). With
+    ``total_steps=None`` the multiplier stays at 1 after warmup. A callable object rather than a closure
+    so that ``LambdaLR.state_dict`` records its settings.
+    """
+
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.1
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.total_steps is None:
+            return 1.0
+        decay_steps = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class LlamaLM(pl.LightningModule):
+    """Next-token language modelling with :class:`~lightning_par.models.llama.Transformer`.
+
+    Model contract (pipeline and tensor-parallel strategies rely on these three methods rather than on
+    ``training_step``, because a pipeline schedule runs forward and loss itself):
+
+    * ``split_batch(batch) -> (inputs, targets)``: a batch is a LongTensor (B, T + 1) of token ids;
+      ``inputs = batch[:, :-1]`` and ``targets = batch[:, 1:]``, both (B, T).
+    * ``forward(inputs) -> logits`` of shape (B, T, vocab_size).
+    * ``loss_fn(logits, targets) -> scalar``: mean cross-entropy over all B * T tokens, computed on
+      logits upcast to fp32.
+
+    The transformer is built in ``__init__`` (so ``self.model`` exists before any strategy runs) and its
+    configuration is validated there.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        dim: int = 128,
+        n_layers: int = 4,
+        n_heads: int = 4,
+        n_kv_heads: int | None = None,
+        ffn_hidden_size: int | None = None,
+        max_seq_len: int = 256,
+        rope_theta: float = 10000.0,
+        norm_eps: float = 1e-5,
+        tie_embeddings: bool = False,
+        init_std: float = 0.02,
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.1,
+        max_steps: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = LlamaConfig(
+            vocab_size=vocab_size,
+            dim=dim,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            ffn_hidden_size=ffn_hidden_size,
+            max_seq_len=max_seq_len,
+            rope_theta=rope_theta,
+            norm_eps=norm_eps,
+            tie_embeddings=tie_embeddings,
+            init_std=init_std,
+        )
+        self.model = Transformer(self.config)  # validates the config
+
+    def split_batch(self, batch: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, T + 1) token ids -> inputs (B, T) and next-token targets (B, T)."""
+        if not isinstance(batch, Tensor) or batch.dim() != 2:
+            raise TypeError(f"LlamaLM expects a batch of token ids of shape (B, T + 1), got {type(batch).__name__}")
+        return batch[:, :-1], batch[:, 1:]
+
+    @override
+    def forward(self, inputs: Tensor) -> Tensor:
+        return self.model(inputs)  # (B, T, V)
+
+    def loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean cross-entropy over all tokens; fp32 logits so bf16 training keeps an accurate softmax."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+    def _shared_step(self, batch: Tensor) -> Tensor:
+        inputs, targets = self.split_batch(batch)
+        return self.loss_fn(self(inputs), targets)
+
+    @override
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss = self._shared_step(batch)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss = self._shared_step(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    @override
+    def test_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss = self._shared_step(batch)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def _total_steps(self) -> int | None:
+        if self.hparams.max_steps is not None:
+            return self.hparams.max_steps
+        # `self.trainer` raises when detached; the private attribute lets the module be used on its own.
+        if self._trainer is None:
+            return None
+        estimated = self._trainer.estimated_stepping_batches
+        # Infinite training reports inf (or -1 for an iterable dataset without max_steps).
+        return int(estimated) if math.isfinite(estimated) and estimated > 0 else None
+
+    @override
+    def configure_optimizers(self) -> Any:
+        """AdamW (Loshchilov & Hutter 2019) with warmup + cosine decay, stepped every optimizer step.
+
+        Weight decay applies to matrices (linear and embedding weights) only; norm gains are left
+        undecayed, as in GPT-2/nanoGPT and Llama.
+        """
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        # fused=False keeps the portable implementation whatever device or DTensor a strategy leaves
+        # the parameters on.
+        optimizer = torch.optim.AdamW(
+            groups, lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas), fused=False
+        )
+        schedule = WarmupCosine(self.hparams.warmup_steps, self._total_steps(), self.hparams.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token of the model (PaLM appendix B); used by the MFU callback."""
+        return self.model.flops_per_token(seq_len)

@@ -1,0 +1,330 @@
+"""A Llama-style decoder-only transformer in pure PyTorch (no Lightning).
+
+The architecture follows Llama (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language
+Models"): pre-norm blocks with RMSNorm (Zhang & Sennrich 2019), rotary position embeddings (Su et
+al. 2021, "RoFormer"), a SwiGLU feed-forward (Shazeer 2020, "GLU Variants Improve Transformer") and
+optional grouped-query attention (Ainslie et al. 2023, "GQA").
+
+The module is written so that the parallel techniques in ``lightning_par.parallel`` can be applied to
+it without special cases:
+
+* tensor parallel: attention derives its number of heads from the projection output, so a
+  column-sharded ``q_proj`` simply yields fewer local heads;
+* pipeline parallel: ``embed_tokens``, ``norm`` and ``lm_head`` may be set to ``None`` and entries of
+  the ``layers`` ModuleDict deleted; names of the remaining layers stay stable ("0", "1", ...);
+* context parallel: ``forward`` takes explicit ``positions`` so a rank holding a slice of the
+  sequence uses the right rotary angles;
+* meta-device initialisation: ``init_weights`` (re)computes everything, including the rotary tables,
+  after ``to_empty``.
+
+Submodule names match Hugging Face's Llama (``q_proj``, ``gate_proj``, ``embed_tokens``, ...) so that
+one automatic plan covers both.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class LlamaConfig:
+    """Hyperparameters of :class:`Transformer`. ``None`` sizes are resolved by the properties below."""
+
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None -> n_heads (multi-head); fewer -> grouped-query attention
+    ffn_hidden_size: int | None = None  # None -> SwiGLU rule from the Llama paper, see below
+    multiple_of: int = 32
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def resolved_n_kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def resolved_ffn_hidden_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        # SwiGLU has three matrices instead of two; 2/3 of the usual 4*dim keeps the parameter count
+        # of a classic MLP (Shazeer 2020). Rounding up to `multiple_of` keeps matmuls aligned.
+        hidden = int(8 * self.dim / 3)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the offending values if the configuration cannot be built."""
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
+        for name in ("n_kv_heads", "ffn_hidden_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"LlamaConfig.{name} must be a positive integer or None, got {value!r}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"LlamaConfig.{name} must be positive, got {value!r}")
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"LlamaConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_heads % self.resolved_n_kv_heads != 0:
+            raise ValueError(
+                f"LlamaConfig.n_heads ({self.n_heads}) must be divisible by n_kv_heads "
+                f"({self.resolved_n_kv_heads}) for grouped-query attention"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(
+                f"rotary embeddings need an even head_dim, got dim // n_heads = "
+                f"{self.dim} // {self.n_heads} = {self.head_dim}"
+            )
+
+
+def llama_flops_per_token(config: LlamaConfig, seq_len: int | None = None) -> int:
+    """Training FLOPs per token (forward + backward), as in PaLM (Chowdhery et al. 2022, appendix B).
+
+    ``6 * N + 12 * n_layers * dim * seq_len``, where ``N`` counts the weights of every matmul: the
+    attention and MLP projections of each layer and the ``lm_head`` (counted once even when tied to the
+    embedding). The embedding lookup does no matmul and is excluded, as are the norm weights. The second
+    term is the attention score and value matmuls (no discount for the causal mask, as in PaLM).
+    ``seq_len`` defaults to ``config.max_seq_len``.
+    """
+    seq_len = config.max_seq_len if seq_len is None else seq_len
+    d, hd = config.dim, config.head_dim
+    kv_dim = config.resolved_n_kv_heads * hd
+    attention = d * d + 2 * d * kv_dim + d * d  # q, k, v, o
+    mlp = 3 * d * config.resolved_ffn_hidden_size  # gate, up, down
+    n_matmul = config.n_layers * (attention + mlp) + d * config.vocab_size  # + lm_head
+    return 6 * n_matmul + 12 * config.n_layers * d * seq_len
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019): rescale only, no mean-centering, no bias."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32: the mean of squares loses precision in bf16/fp16.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, positions: Tensor, theta: float = 10000.0) -> tuple[Tensor, Tensor]:
+    """Rotary angles for ``positions`` (RoFormer, Su et al. 2021) as real ``(cos, sin)`` tensors.
+
+    Returns two tensors of shape ``positions.shape + (head_dim // 2,)``. Real tables instead of complex
+    numbers keep the computation friendly to DTensor and sharding.
+    """
+    # Frequency i rotates the pair (x_i, x_{i + head_dim/2}) by position * theta^(-2i/head_dim).
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., D/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` of shape (B, T, H, D) by angles ``cos``/``sin`` of shape (T, D/2) or (B, T, D/2).
+
+    Uses the "rotate half" pairing (dimension i with i + D/2), as in GPT-NeoX and Hugging Face Llama.
+    """
+    cos = cos.unsqueeze(-2).to(x.dtype)  # (T, 1, D/2) or (B, T, 1, D/2): broadcast over heads
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)  # (B, T, H, D/2) each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (B, T, H, D)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with rotary embeddings and optional grouped-query attention (GQA)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        kv_dim = config.resolved_n_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.dim, kv_dim, bias=False)
+        self.v_proj = nn.Linear(config.dim, kv_dim, bias=False)
+        self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.normal_(proj.weight, mean=0.0, std=init_std)
+        nn.init.normal_(self.o_proj.weight, mean=0.0, std=out_std)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        # Head counts come from the projection outputs, not the config: under tensor parallel the
+        # column-sharded projections return only this rank's heads, and everything below still holds.
+        q = self.q_proj(x)
+        B, T, _ = q.shape
+        q = q.view(B, T, -1, self.head_dim)  # (B, T, Hq, D)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:
+            # GQA: query head h reads kv head h // n_rep. Consecutive grouping stays consistent when
+            # q and kv heads are both split into contiguous chunks across tensor-parallel ranks.
+            k = k.repeat_interleave(n_rep, dim=1)  # (B, Hq, T, D)
+            v = v.repeat_interleave(n_rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, Hq, T, D)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, Hq * D)
+        return self.o_proj(y)  # (B, T, C)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, dim: int, hidden_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_size, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_size, bias=False)
+        self.down_proj = nn.Linear(hidden_size, dim, bias=False)
+
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        nn.init.normal_(self.gate_proj.weight, mean=0.0, std=init_std)
+        nn.init.normal_(self.up_proj.weight, mean=0.0, std=init_std)
+        nn.init.normal_(self.down_proj.weight, mean=0.0, std=out_std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, C)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: ``x + attn(norm(x))`` then ``h + mlp(norm(h))``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = FeedForward(config.dim, config.resolved_ffn_hidden_size)
+
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        self.attention_norm.reset_parameters()
+        self.attention.init_weights(init_std, out_std)
+        self.mlp_norm.reset_parameters()
+        self.mlp.init_weights(init_std, out_std)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)  # (B, T, C)
+        return h + self.mlp(self.mlp_norm(h))  # (B, T, C)
+
+
+class Transformer(nn.Module):
+    """Decoder-only Llama-style language model: ``embed_tokens -> layers -> norm -> lm_head``.
+
+    ``forward(tokens, positions=None)`` maps token ids (B, T) to logits (B, T, vocab). For pipeline
+    stages, ``embed_tokens``, ``norm`` and ``lm_head`` may be ``None`` (the stage then takes or returns
+    hidden states (B, T, dim)) and entries of ``layers`` may be deleted.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
+        # A ModuleDict keyed by the layer index: a pipeline stage deletes the layers it does not own and
+        # the remaining parameter names ("layers.5.attention.q_proj.weight") match the full model's.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
+        # Non-persistent: derived from the config, so they stay out of state_dict and checkpoints.
+        rope_shape = (config.max_seq_len, config.head_dim // 2)
+        self.register_buffer("rope_cos", torch.empty(rope_shape), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(rope_shape), persistent=False)
+        self.tie_weights()
+        self.init_weights()
+
+    def tie_weights(self) -> None:
+        """Share one tensor between ``embed_tokens`` and ``lm_head`` when ``config.tie_embeddings``.
+
+        Called again by :meth:`init_weights` because ``to_empty`` materialises each module's parameters
+        separately and so unties them.
+        """
+        if self.config.tie_embeddings and self.embed_tokens is not None and self.lm_head is not None:
+            if self.lm_head.weight is not self.embed_tokens.weight:
+                self.lm_head.weight = self.embed_tokens.weight
+
+    def _init_rope(self) -> None:
+        positions = torch.arange(self.config.max_seq_len, device=self.rope_cos.device)
+        cos, sin = rope_tables(self.config.head_dim, positions, self.config.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter and buffer; deterministic under ``torch.manual_seed``.
+
+        Normal(0, init_std) for embeddings and linear weights; the projections that write into the
+        residual stream (``o_proj``, ``down_proj``) use ``init_std / sqrt(2 * n_layers)`` so the residual
+        variance does not grow with depth (GPT-2, Radford et al. 2019; Megatron-LM, Shoeybi et al. 2019).
+        Works after ``to_empty`` on a module built on the meta device.
+        """
+        self.tie_weights()
+        self._init_rope()
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.n_layers)
+        if self.embed_tokens is not None:
+            nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=std)
+        for layer in self.layers.values():
+            layer.init_weights(std, out_std)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.lm_head is not None:
+            tied = self.embed_tokens is not None and self.lm_head.weight is self.embed_tokens.weight
+            if not tied:
+                nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
+
+    def rope(self, seq_len: int, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Rotary ``(cos, sin)`` for ``positions`` (default ``arange(seq_len)``): (T, D/2) or (B, T, D/2)."""
+        if positions is None:
+            if seq_len > self.config.max_seq_len:
+                raise ValueError(f"sequence length {seq_len} exceeds max_seq_len ({self.config.max_seq_len})")
+            return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        return self.rope_cos[positions], self.rope_sin[positions]
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab); hidden states in or out on pipeline stages."""
+        h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens  # (B, T, C)
+        cos, sin = self.rope(h.shape[1], positions)  # (T, D/2) or (B, T, D/2)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)  # (B, T, C)
+        h = self.norm(h) if self.norm is not None else h
+        return self.lm_head(h) if self.lm_head is not None else h  # (B, T, V)
+
+    def num_parameters(self, exclude_embedding: bool = False) -> int:
+        """Number of parameters held by this module, each shared tensor counted once.
+
+        With ``exclude_embedding`` the embedding table is left out, unless it is tied to ``lm_head``: then
+        it is also the output projection's weight and is kept. Counts only what this module still holds,
+        so a pipeline stage reports its own share.
+        """
+        params = {id(p): p for p in self.parameters()}
+        if exclude_embedding and self.embed_tokens is not None:
+            tied = self.lm_head is not None and self.lm_head.weight is self.embed_tokens.weight
+            if not tied:
+                params.pop(id(self.embed_tokens.weight), None)
+        return sum(p.numel() for p in params.values())
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token of the full model; see :func:`llama_flops_per_token` (PaLM, app. B)."""
+        return llama_flops_per_token(self.config, seq_len)

@@ -1,0 +1,18 @@
+"""Lightning strategies: thin shells over lightning_par.parallel."""
+
+from lightning_par.strategies.base import MeshStrategy
+from lightning_par.strategies.data_parallel import DataParallelStrategy
+
+STRATEGIES = (DataParallelStrategy,)
+
+
+def register_strategies() -> None:
+    """Add every lightning_par strategy name to Lightning's ``StrategyRegistry`` (idempotent)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for strategy in STRATEGIES:
+        if strategy.strategy_name not in StrategyRegistry:
+            strategy.register_strategies(StrategyRegistry)
+
+
+__all__ = ["MeshStrategy", "DataParallelStrategy", "register_strategies", "STRATEGIES"]

@@ -1,0 +1,318 @@
+"""MeshStrategy: the Lightning shell every lightning_par strategy shares.
+
+It owns process-group set-up, the one named device mesh, resolving the model's plan, the single call
+into :func:`lightning_par.parallel.compose.parallelize`, optimizer set-up, collectives on the right
+groups, data sharding by data-parallel rank, and sharded checkpoints. Subclasses only translate their
+constructor arguments into a :class:`~lightning_par.config.ParallelConfig`.
+
+Launchers and cluster environments are Lightning's own, unchanged: a plain script (Lightning starts
+the other processes), SLURM, torchelastic/torchrun.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_par import checkpoint as ckpt
+from lightning_par.config import ParallelConfig
+from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.compose import check_available, parallelize
+from lightning_par.parallel.data import no_gradient_sync, unwrap
+from lightning_par.parallel.plan import ModelPlan, derive_plan
+
+# Metrics logged with sync_dist are averaged over the ranks that saw different data. Ranks in the same
+# tensor/pipeline group hold the same value, so including them would only cost bandwidth.
+METRIC_GROUP = "dp_cp"
+
+
+class MeshStrategy(ParallelStrategy):
+    """Base of every lightning_par strategy: one ``ParallelConfig``, one mesh, one ``parallelize`` call.
+
+    Args:
+        parallel_config: sizes of every mesh dimension and technique knobs.
+        plan: where the model keeps its blocks (a :class:`ModelPlan` or its dict form from YAML); derived
+            from the model when omitted. A LightningModule that defines ``parallelize(mesh, config)``
+            parallelizes itself instead (it returns the module to train, or None if it changed itself).
+        save_distributed_checkpoint: write sharded DCP directories (reshardable across layouts) instead
+            of one full file gathered on rank 0.
+        process_group_backend: ``"nccl"`` / ``"gloo"``; by default from the device type.
+        timeout: how long a collective may wait before the process group raises.
+    """
+
+    strategy_name = "mesh"
+
+    def __init__(
+        self,
+        parallel_config: ParallelConfig | None = None,
+        *,
+        plan: ModelPlan | dict[str, Any] | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.parallel_config = parallel_config if parallel_config is not None else ParallelConfig()
+        # Refuse what cannot work before any process group exists, so every rank fails alike.
+        check_available(self.parallel_config)
+        self._plan = ModelPlan.from_dict(plan) if isinstance(plan, dict) else plan
+        self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._mesh: ParallelMesh | None = None
+        self._num_nodes = 1
+
+    # --------------------------------------------------------------------------- topology
+    @property
+    def mesh(self) -> ParallelMesh:
+        """The named device mesh (available from ``setup_environment`` on)."""
+        if self._mesh is None:
+            raise RuntimeError(f"{type(self).__name__}.mesh is built when the processes start (setup_environment)")
+        return self._mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning injects its DistributedSampler only for strategies that say so.
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Shard by data-parallel rank: ranks of one tensor/context/pipeline group must read the same sample.
+        return {"num_replicas": self.mesh.size("dp"), "rank": self.mesh.local_rank("dp")}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    # ------------------------------------------------------------------------- processes
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        # Validate the sizes before the first collective: every rank raises the same ValueError.
+        self.parallel_config = self.parallel_config.validate(self.world_size)
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+        self._mesh = self.parallel_config.build_mesh(self.root_device.type)
+        if self.lightning_module is not None:
+            # LightningModule.device_mesh, for user code in configure_model()/parallelize()
+            self.lightning_module._device_mesh = self._mesh.root
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ----------------------------------------------------------------------------- model
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.model = self._parallelize(self.model, training=fitting)
+        if fitting:
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelize(self, module: nn.Module, *, training: bool) -> nn.Module:
+        hook: Callable[..., nn.Module | None] | None = getattr(self.lightning_module, "parallelize", None)
+        if callable(hook):
+            returned = hook(self.mesh, self.parallel_config)
+            return module if returned is None else returned
+        device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
+        return parallelize(module, self.mesh, self.parallel_config, self.resolve_plan(module),
+                           training=training, device_ids=device_ids)
+
+    def resolve_plan(self, module: nn.Module) -> ModelPlan | None:
+        """The plan given to the strategy, else one derived from the model (None if it has no standard shape)."""
+        if self._plan is not None:
+            self._plan.check(module)
+            return self._plan
+        return derive_plan(module)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        assert self.model is not None
+        with no_gradient_sync(self.model):
+            yield
+
+    @override
+    def teardown(self) -> None:
+        if self.lightning_module is not None and self.model is not None:
+            self.model = self.lightning_module if unwrap(self.model) is self.lightning_module else self.model
+        super().teardown()
+
+    # ------------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        """Reduce over ``group``; by default over the data-parallel (x context-parallel) ranks."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is None and self._mesh is not None:
+            group = self._mesh.group(METRIC_GROUP)
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    # ------------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # States are loaded into the parallelized module and its optimizers, so they must exist first.
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint() already restored them
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return ckpt.model_state_dict(self.lightning_module, full=not self._save_distributed_checkpoint)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return ckpt.optimizer_state_dict(self.lightning_module, optimizer, full=not self._save_distributed_checkpoint)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        path = Path(self.broadcast(str(filepath)))  # one path for every rank
+        ckpt.save_checkpoint(checkpoint, path, sharded=self._save_distributed_checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        path = Path(self.broadcast(str(checkpoint_path)))
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        return ckpt.load_checkpoint(
+            path, self.lightning_module, optimizers, strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
+        )
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # load_checkpoint() loaded the weights in place
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # load_checkpoint() loaded the optimizer states in place
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            ckpt.remove_checkpoint(filepath)
+
+    def consolidated_state_dict(self) -> dict[str, Tensor]:
+        """Whole tensors of the model on CPU (every rank gets them): for export and parity checks."""
+        assert self.lightning_module is not None
+        return ckpt.model_state_dict(self.lightning_module, full=True)

@@ -1,0 +1,111 @@
+"""Multi-process test harness: N CPU ranks with gloo on a free port.
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh interpreters (spawn), sets the
+environment a launcher would (MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK), calls
+``fn(rank, world_size, *args)`` in each and returns the per-rank results in rank order. A rank's
+exception fails the test with every failing rank's traceback; a rank that does not finish within
+``timeout`` seconds fails it too (all ranks are killed), so a hang costs one test, not the CI run.
+
+Inside a rank, Lightning sees ``LOCAL_RANK`` and treats the process as launched externally (exactly what
+its own subprocess launcher does), so ``Trainer(devices=world_size)`` joins the group instead of
+starting processes.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serialize(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)  # tensors travel as bytes: no shared-memory handles outliving the child
+    return buffer.getvalue()
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any,
+               args: tuple, kwargs: dict) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
+    torch.set_num_threads(1)  # N ranks share 2 cores: oversubscription would only slow every rank
+    try:
+        value = fn(rank, world_size, *args, **kwargs)
+        results.put((rank, "ok", _serialize(value)))
+    except BaseException:  # noqa: BLE001 - the traceback is the point
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
+                    **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, results, args, kwargs), daemon=True)
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    outcomes: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(outcomes))
+                errors = _format_errors(outcomes)
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s{errors}")
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 1.0))
+                outcomes[rank] = (status, payload)
+                if status == "error":
+                    # Give the other ranks a moment to report their own failure, then stop.
+                    _drain(results, outcomes, world_size, seconds=3.0)
+                    raise AssertionError(_format_errors(outcomes))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode not in (None, 0)]
+                if dead:
+                    _drain(results, outcomes, world_size, seconds=2.0)
+                    codes = {r: procs[r].exitcode for r in dead}
+                    raise AssertionError(f"ranks died without a result (exit codes {codes}){_format_errors(outcomes)}")
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join(timeout=10)
+    return [torch.load(io.BytesIO(outcomes[rank][1]), weights_only=False) for rank in range(world_size)]
+
+
+def _drain(results: Any, outcomes: dict, world_size: int, *, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while len(outcomes) < world_size and time.monotonic() < end:
+        try:
+            rank, status, payload = results.get(timeout=0.2)
+            outcomes[rank] = (status, payload)
+        except queue.Empty:
+            pass
+
+
+def _format_errors(outcomes: dict[int, tuple[str, Any]]) -> str:
+    failed = {rank: payload for rank, (status, payload) in sorted(outcomes.items()) if status == "error"}
+    return "".join(f"\n--- rank {rank} ---\n{tb}" for rank, tb in failed.items())

@@ -1,0 +1,139 @@
+"""Numerical parity: K steps under a layout vs the same K steps in one plain PyTorch process.
+
+Every strategy proves itself with this helper (DESIGN.md, Testing). Both runs start from the same seed
+and consume the same global batches:
+
+- the layout run is a real ``Trainer.fit`` on ``world_size`` gloo ranks. Lightning shards the training
+  set with ``DistributedSampler(num_replicas=dp, rank=dp_rank, shuffle, seed=0)``, so global micro-batch
+  ``m`` is positions ``[m*B*dp, (m+1)*B*dp)`` of the sampler's order (``randperm(n, seed 0)`` when
+  shuffling, else ``arange(n)``), split across the dp ranks;
+- the reference reads those same positions in one process with a plain loop over the model contract
+  (``split_batch`` -> ``forward`` -> ``loss_fn``), scaling by 1/accumulate like Lightning does.
+
+Losses are compared per micro-batch (mean over the global micro-batch) and weights after the last step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from harness import run_distributed
+from torch import Tensor
+
+
+@dataclass
+class ParityRun:
+    losses: list[float]  # one per micro-batch: the mean loss over the global micro-batch
+    state_dict: dict[str, Tensor]
+
+
+def global_order(num_samples: int, shuffle: bool) -> Tensor:
+    """The order in which Lightning's DistributedSampler hands out samples in epoch 0."""
+    if shuffle:
+        return torch.randperm(num_samples, generator=torch.Generator().manual_seed(0))
+    return torch.arange(num_samples)
+
+
+def reference_run(make_module: Callable[[], Any], make_datamodule: Callable[[], Any], *, dp: int, steps: int,
+                  accumulate: int = 1, seed: int = 1234) -> ParityRun:
+    """The single-process run the layout must reproduce."""
+    datamodule = make_datamodule()
+    datamodule.setup("fit")
+    dataset = datamodule.train_dataloader().dataset
+    order = global_order(len(dataset), datamodule.shuffle)
+    micro = datamodule.batch_size * dp  # samples in one global micro-batch
+    if (steps * accumulate) * micro > len(dataset):
+        raise ValueError("the parity run would need more than one epoch of data; use more samples")
+
+    torch.manual_seed(seed)
+    module = make_module()
+    optimizer, scheduler = _optimizer_and_scheduler(module.configure_optimizers())
+    losses: list[float] = []
+    for step in range(steps):
+        for micro_step in range(accumulate):
+            m = step * accumulate + micro_step
+            batch = torch.stack([dataset[int(i)] for i in order[m * micro:(m + 1) * micro]])
+            inputs, targets = module.split_batch(batch)
+            loss = module.loss_fn(module(inputs), targets)
+            (loss / accumulate).backward()
+            losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+    return ParityRun(losses, {k: v.detach().clone() for k, v in module.state_dict().items()})
+
+
+def _optimizer_and_scheduler(configured: Any) -> tuple[torch.optim.Optimizer, Any]:
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured, None
+    scheduler = configured.get("lr_scheduler")
+    if isinstance(scheduler, dict):
+        scheduler = scheduler["scheduler"]
+    return configured["optimizer"], scheduler
+
+
+def _layout_rank(rank: int, world_size: int, make_module: Callable, make_datamodule: Callable,
+                 make_strategy: Callable, steps: int, accumulate: int, seed: int,
+                 trainer_kwargs: dict) -> tuple[list[float], dict[str, Tensor] | None]:
+    import lightning
+
+    import lightning_par  # noqa: F401 - registers the strategy names
+
+    class RecordLoss(lightning.Callback):
+        """Keeps this rank's loss of every micro-batch (Lightning hands it over divided by accumulate)."""
+
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.losses.append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
+
+    torch.manual_seed(seed)
+    module = make_module()
+    recorder = RecordLoss()
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=world_size, strategy=make_strategy(), max_steps=steps,
+        accumulate_grad_batches=accumulate, callbacks=[recorder], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        **trainer_kwargs,
+    )
+    trainer.fit(module, datamodule=make_datamodule())
+    state = trainer.strategy.consolidated_state_dict()
+    return recorder.losses, (state if rank == 0 else None)
+
+
+def layout_run(make_module: Callable[[], Any], make_datamodule: Callable[[], Any], make_strategy: Callable[[], Any],
+               *, world_size: int, steps: int, accumulate: int = 1, seed: int = 1234,
+               trainer_kwargs: dict | None = None, timeout: float = 240.0) -> ParityRun:
+    """``Trainer.fit`` under ``make_strategy()`` on ``world_size`` ranks. Factories must be picklable."""
+    per_rank = run_distributed(_layout_rank, world_size, make_module, make_datamodule, make_strategy, steps,
+                               accumulate, seed, trainer_kwargs or {}, timeout=timeout)
+    # Ranks that read the same sample (tensor/pipeline groups) report the same loss, so the plain mean
+    # over all ranks is the mean over the data-parallel ranks.
+    losses = torch.tensor([rank_losses for rank_losses, _ in per_rank], dtype=torch.float64).mean(0).tolist()
+    return ParityRun(losses, per_rank[0][1])
+
+
+def max_relative_error(actual: ParityRun, expected: ParityRun) -> tuple[float, float]:
+    """(worst loss error, worst weight error), each relative to the magnitude of the expected value."""
+    if len(actual.losses) != len(expected.losses):
+        raise AssertionError(f"{len(actual.losses)} losses recorded, {len(expected.losses)} expected")
+    loss_error = max(abs(a - e) / max(abs(e), 1e-12) for a, e in zip(actual.losses, expected.losses))
+    if actual.state_dict.keys() != expected.state_dict.keys():
+        raise AssertionError(f"state dict keys differ: {sorted(actual.state_dict.keys() ^ expected.state_dict.keys())}")
+    weight_error = 0.0
+    for name, expected_tensor in expected.state_dict.items():
+        actual_tensor = actual.state_dict[name].to(expected_tensor.dtype)
+        scale = expected_tensor.abs().max().clamp_min(1e-12)
+        weight_error = max(weight_error, float((actual_tensor - expected_tensor).abs().max() / scale))
+    return loss_error, weight_error
+
+
+def assert_parity(actual: ParityRun, expected: ParityRun, *, rtol: float) -> tuple[float, float]:
+    loss_error, weight_error = max_relative_error(actual, expected)
+    assert loss_error <= rtol, f"loss differs by {loss_error:.2e} relative (> {rtol:.0e}): {actual.losses} vs {expected.losses}"
+    assert weight_error <= rtol, f"weights differ by {weight_error:.2e} relative to each tensor's max (> {rtol:.0e})"
+    return loss_error, weight_error
