@@ -84,11 +84,11 @@ class ParallelConfig:
         if not auto and product != world_size:
             raise ValueError(
                 f"{_product_text(fixed)} = {product} does not equal the world size {world_size}: "
-                f"the mesh sizes must multiply to the number of processes. {_suggest(fixed, world_size)}"
+                f"the mesh sizes must multiply to the number of processes; {_suggest(fixed, world_size)}"
             )
         if auto and world_size % product != 0:
             raise ValueError(
-                f"{_product_text(fixed)} = {product} does not divide the world size {world_size}. "
+                f"{_product_text(fixed)} = {product} does not divide the world size {world_size}; "
                 f"{_suggest(fixed, world_size)}"
             )
         resolved = dict(fixed)
@@ -102,7 +102,7 @@ class ParallelConfig:
 
         ep_host = _as_int(config.dp_shard) * config.cp
         if ep_host % config.ep != 0:
-            fits = [d for d in _divisors(ep_host)]
+            fits = _divisors(ep_host)
             raise ValueError(
                 f"ep={config.ep} does not divide dp_shard x cp = {config.dp_shard} x {config.cp} = {ep_host}: "
                 f"expert parallel borrows its ranks from the sharded data-parallel and context-parallel "
@@ -175,10 +175,10 @@ def _suggest(fixed: dict[str, int], world_size: int) -> str:
     """Name the values of the largest model-parallel size that would fit, e.g. 'try tp=2 or tp=4'."""
     model_dims = [name for name in ("tp", "cp", "pp") if fixed.get(name, 1) > 1]
     if not model_dims:
-        return f"Sizes whose product divides {world_size}: {_divisors(world_size)}."
+        return f"sizes whose product divides {world_size}: {_divisors(world_size)}"
     name = max(model_dims, key=lambda n: fixed[n])
     others = math.prod(v for k, v in fixed.items() if k != name and k in ("tp", "cp", "pp"))
     fits = [d for d in _divisors(world_size) if d > 1 and world_size % (d * others) == 0 and d != fixed[name]]
     if not fits:
-        return f"No {name} fits with the other sizes; world size {world_size} has divisors {_divisors(world_size)}."
+        return f"no {name} fits with the other sizes; world size {world_size} has divisors {_divisors(world_size)}"
     return "try " + " or ".join(f"{name}={d}" for d in fits)

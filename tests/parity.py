@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import lightning
 import torch
 from harness import run_distributed
 from torch import Tensor
@@ -75,21 +76,20 @@ def _optimizer_and_scheduler(configured: Any) -> tuple[torch.optim.Optimizer, An
     return configured["optimizer"], scheduler
 
 
+class RecordLoss(lightning.Callback):
+    """Keeps this rank's loss of every micro-batch (Lightning hands it over divided by accumulate)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
+
+
 def _layout_rank(rank: int, world_size: int, make_module: Callable, make_datamodule: Callable,
                  make_strategy: Callable, steps: int, accumulate: int, seed: int,
                  trainer_kwargs: dict) -> tuple[list[float], dict[str, Tensor] | None]:
-    import lightning
-
     import lightning_par  # noqa: F401 - registers the strategy names
-
-    class RecordLoss(lightning.Callback):
-        """Keeps this rank's loss of every micro-batch (Lightning hands it over divided by accumulate)."""
-
-        def __init__(self) -> None:
-            self.losses: list[float] = []
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            self.losses.append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
 
     torch.manual_seed(seed)
     module = make_module()

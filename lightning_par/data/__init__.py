@@ -2,9 +2,24 @@
 
 ``corpus`` is pure PyTorch (the stdlib byte corpus, window and synthetic datasets);
 ``datamodule`` adds the Lightning side, with exact sharding across data-parallel ranks.
+``TokenDataModule`` is imported lazily (PEP 562) so that the datasets work without Lightning.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from lightning_par.data.corpus import SyntheticTokenDataset, TokenWindowDataset, load_stdlib_tokens
-from lightning_par.data.datamodule import TokenDataModule
+
+if TYPE_CHECKING:
+    from lightning_par.data.datamodule import TokenDataModule
 
 __all__ = ["TokenDataModule", "TokenWindowDataset", "SyntheticTokenDataset", "load_stdlib_tokens"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TokenDataModule":
+        from lightning_par.data.datamodule import TokenDataModule
+
+        return TokenDataModule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

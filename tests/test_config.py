@@ -1,0 +1,116 @@
+"""ParallelConfig: every impossible layout is a clear ValueError; the mesh has the documented order."""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_distributed
+
+from lightning_par.config import ParallelConfig
+from lightning_par.mesh import MESH_DIM_NAMES
+
+
+@pytest.mark.parametrize(
+    ("config", "world_size", "message"),
+    [
+        (ParallelConfig(tp=3, pp=2), 8, r"pp=2 x tp=3 = 6 does not divide the world size 8; try tp=2 or tp=4"),
+        (ParallelConfig(dp_shard=2, tp=2), 8, r"dp_shard=2 x tp=2 = 4 does not equal the world size 8"),
+        (ParallelConfig(dp_shard=1, dp_replicate=3), 2, r"dp_replicate=3 = 3 does not equal the world size 2"),
+        (ParallelConfig(tp=0), 2, r"tp must be a positive integer, got 0"),
+        (ParallelConfig(pp=-2), 2, r"pp must be a positive integer, got -2"),
+        (ParallelConfig(cp=1.5), 2, r"cp must be a positive integer, got 1.5"),
+        (ParallelConfig(tp=True), 2, r"tp must be a positive integer, got True"),
+        (ParallelConfig(tp="two"), 2, r"tp must be a positive integer, got 'two'"),
+        (ParallelConfig(tp="auto"), 2, r"tp='auto' is not supported: only dp_replicate and dp_shard can be 'auto'"),
+        (ParallelConfig(dp_shard="many"), 2, r"dp_shard must be a positive integer or 'auto', got 'many'"),
+        (ParallelConfig(ep=3), 4, r"ep=3 does not divide dp_shard x cp = 4 x 1 = 4.*Try ep in \[1, 2, 4\]"),
+        (ParallelConfig(dp_shard=1, dp_replicate=4, ep=2), 4, r"ep=2 does not divide dp_shard x cp = 1 x 1 = 1"),
+        (ParallelConfig(ep=0), 2, r"ep must be a positive integer, got 0"),
+        (ParallelConfig(gradient_compression="int8"), 2, r"gradient_compression='int8' is not one of"),
+        (ParallelConfig(ddp_bucket_cap_mb=0), 2, r"ddp_bucket_cap_mb must be a positive number of MiB, got 0"),
+        (ParallelConfig(ddp_static_graph="yes"), 2, r"ddp_static_graph must be true or false, got 'yes'"),
+        (ParallelConfig(ddp_static_graph=True, ddp_find_unused_parameters=True), 2, r"exclude each other"),
+        (ParallelConfig(), 0, r"world_size must be a positive integer, got 0"),
+    ],
+)
+def test_invalid_layouts_raise_value_error(config: ParallelConfig, world_size: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        config.validate(world_size)
+
+
+@pytest.mark.parametrize(
+    ("config", "world_size", "expected"),
+    [
+        (ParallelConfig(), 8, (1, 1, 8, 1, 1)),
+        (ParallelConfig(tp=2, pp=2), 8, (2, 1, 2, 1, 2)),
+        (ParallelConfig(dp_replicate="auto", dp_shard=2), 8, (1, 4, 2, 1, 1)),
+        (ParallelConfig(dp_replicate="auto", dp_shard="auto", cp=2), 4, (1, 1, 2, 2, 1)),
+        (ParallelConfig(dp_replicate=2, dp_shard=2, tp=2), 8, (1, 2, 2, 1, 2)),
+        (ParallelConfig(ep=4, cp=2, dp_shard=2), 4, (1, 1, 2, 2, 1)),
+    ],
+)
+def test_auto_sizes_resolve(config: ParallelConfig, world_size: int, expected: tuple[int, ...]) -> None:
+    resolved = config.validate(world_size)
+    assert resolved.mesh_shape() == expected
+    assert resolved.validate(world_size) == resolved  # idempotent
+
+
+def test_unresolved_config_refuses_mesh_shape() -> None:
+    with pytest.raises(ValueError, match="still has 'auto' sizes"):
+        ParallelConfig().mesh_shape()
+
+
+def _mesh_coordinates(rank: int, world_size: int, sizes: dict) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        mesh = ParallelConfig(**sizes).build_mesh("cpu")
+        return {
+            "dims": mesh.root.mesh_dim_names,
+            "coords": mesh.coordinates(),
+            "dp": (mesh.size("dp"), mesh.local_rank("dp")),
+            "dp_cp": mesh.size("dp_cp"),
+            "dp_shard_cp": mesh.size("dp_shard_cp"),
+            "tp_ranks": sorted(dist.get_process_group_ranks(mesh.group("tp"))),
+            "pp_ranks": sorted(dist.get_process_group_ranks(mesh.group("pp"))),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mesh_order_and_flattened_dims() -> None:
+    """pp outermost, tp innermost: tensor-parallel peers are neighbouring ranks (same node)."""
+    results = run_distributed(_mesh_coordinates, 8, dict(pp=2, dp_shard=2, tp=2))
+    assert results[0]["dims"] == MESH_DIM_NAMES
+    assert [r["tp_ranks"] for r in results[:2]] == [[0, 1], [0, 1]]
+    assert results[0]["pp_ranks"] == [0, 4]
+    for rank, result in enumerate(results):
+        assert result["coords"] == {"pp": rank // 4, "dp_replicate": 0, "dp_shard": (rank // 2) % 2, "cp": 0,
+                                    "tp": rank % 2}
+        # The data loader shards by this: ranks of one tensor-parallel pair read the same samples.
+        assert result["dp"] == (2, (rank // 2) % 2)
+        assert result["dp_cp"] == 2 and result["dp_shard_cp"] == 2
+
+
+def _bad_layout_in_trainer(rank: int, world_size: int) -> str:
+    import lightning
+    import torch.distributed as dist
+
+    from lightning_par import DataParallelStrategy
+
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=DataParallelStrategy(3),
+                                logger=False, enable_progress_bar=False)
+    from lightning_par.models import LlamaLM
+
+    try:
+        trainer.fit(LlamaLM(dim=16, n_layers=1, n_heads=2))
+    except ValueError as error:
+        assert not dist.is_initialized(), "the error must come before the process group exists"
+        return str(error)
+    raise AssertionError("no ValueError")
+
+
+def test_bad_layout_fails_on_every_rank_before_any_collective() -> None:
+    messages = run_distributed(_bad_layout_in_trainer, 2, timeout=60)
+    assert messages[0] == messages[1]
+    assert "dp_replicate=3 = 3 does not equal the world size 2" in messages[0]

@@ -1,0 +1,42 @@
+"""Layering (DESIGN.md): the pure layers never import lightning; importing lightning_par registers names."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+# Modules that must stay usable without lightning: configuration, mesh, techniques, checkpoints, and
+# the pure parts of the model and data packages. The planner joins the list when it exists.
+PURE_MODULES = [
+    "lightning_par",
+    "lightning_par.config",
+    "lightning_par.mesh",
+    "lightning_par.parallel",
+    "lightning_par.checkpoint",
+    "lightning_par.models.llama",
+    "lightning_par.data.corpus",
+]
+if importlib.util.find_spec("lightning_par.planner") is not None:
+    PURE_MODULES.append("lightning_par.planner")
+
+
+def _run(code: str) -> str:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_pure_layers_do_not_import_lightning() -> None:
+    imports = "; ".join(f"import {name}" for name in PURE_MODULES)
+    loaded = _run(f"import sys; {imports}; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+                  "('lightning', 'pytorch_lightning', 'lightning_fabric')))")
+    assert loaded == "[]", f"lightning modules imported by the pure layers: {loaded}"
+
+
+def test_strategy_names_resolve_whatever_the_import_order() -> None:
+    check = ("from lightning.pytorch.strategies import StrategyRegistry; "
+             "import lightning; t = lightning.Trainer(strategy='data_parallel', accelerator='cpu', devices=2, "
+             "logger=False); print(type(t.strategy).__name__, 'data_parallel' in StrategyRegistry)")
+    assert _run(f"import lightning_par; {check}").endswith("DataParallelStrategy True")
+    assert _run(f"import lightning; import lightning_par; {check}").endswith("DataParallelStrategy True")
