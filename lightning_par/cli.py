@@ -1,0 +1,42 @@
+"""The ``lightning-par`` command: LightningCLI with every lightning_par strategy name registered.
+
+    lightning-par fit --config configs/data_parallel.yaml
+    lightning-par validate --config configs/data_parallel.yaml --ckpt_path lightning_logs/.../last.ckpt
+
+Any LightningModule / LightningDataModule can be named with ``class_path`` in the YAML; the defaults are
+the reference Llama model and the standard-library corpus.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.cli import LightningCLI
+
+import lightning_par  # noqa: F401 - importing registers the strategy names with Lightning
+from lightning_par.data.datamodule import TokenDataModule
+from lightning_par.models.lightning_module import LlamaLM
+
+
+class ParallelCLI(LightningCLI):
+    """LightningCLI whose model and data default to the reference Llama model on the stdlib corpus."""
+
+    def __init__(self, args: Any = None, **kwargs: Any) -> None:
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        super().__init__(
+            LlamaLM,
+            TokenDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=args,
+            **kwargs,
+        )
+
+
+def main(args: Any = None) -> None:
+    """Console-script entry point."""
+    ParallelCLI(args=args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The lightning-par command trains the shipped config and writes TensorBoard scalars."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_data_parallel_config_trains_and_logs_to_tensorboard(tmp_path: Path) -> None:
+    # The shipped config as it is, shortened: few steps, a small slice of the corpus.
+    command = [
+        sys.executable, "-m", "lightning_par.cli", "fit", "--config", str(REPO / "configs" / "data_parallel.yaml"),
+        "--trainer.max_steps=6", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=2",
+        "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", "--data.init_args.max_bytes=300000",
+    ]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+
+    (run_dir,) = (tmp_path / "lightning_logs" / "data_parallel").iterdir()
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert {"train_loss", "val_loss"} <= set(scalars), scalars
+    train_loss = [event.value for event in events.Scalars("train_loss")]
+    assert len(train_loss) == 6
+    assert all(0.0 < value < 10.0 for value in train_loss)  # byte vocabulary: ln(256) = 5.5 at the start
+    assert (run_dir / "checkpoints" / "epoch=0-step=6.ckpt" / "meta.pt").is_file()
+
+
+def test_console_script_is_installed() -> None:
+    result = subprocess.run(["lightning-par", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "fit" in result.stdout and "validate" in result.stdout
