@@ -37,9 +37,10 @@ def __getattr__(name: str) -> Any:
 
 
 def _register() -> None:
-    from lightning_par.strategies import register_strategies
-
-    register_strategies()
+    # Importing lightning_par.strategies registers the names at its end. If it is in sys.modules already
+    # it is being imported right now (it is what pulled lightning in) and will register when it finishes.
+    if "lightning_par.strategies" not in sys.modules:
+        importlib.import_module("lightning_par.strategies")
 
 
 class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):

@@ -67,6 +67,15 @@ class ParallelConfig:
         return " x ".join(f"{name}={getattr(self, name)!r}" for name in MESH_DIM_NAMES) + f", ep={self.ep!r}"
 
     # ------------------------------------------------------------------------------ validation
+    def check(self) -> None:
+        """Check what can be checked without the world size: size types and every knob.
+
+        Strategies call this in their constructor, so a typo fails before any process starts.
+        """
+        for name in (*MESH_DIM_NAMES, "ep"):
+            _check_size(name, getattr(self, name), allow_auto=name in AUTO_SIZES)
+        self._check_knobs()
+
     def validate(self, world_size: int) -> ParallelConfig:
         """Check the layout against ``world_size`` processes and return it with ``"auto"`` resolved.
 
@@ -74,9 +83,7 @@ class ParallelConfig:
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-        self._check_knobs()
-        for name in (*MESH_DIM_NAMES, "ep"):
-            _check_size(name, getattr(self, name), allow_auto=name in AUTO_SIZES)
+        self.check()
 
         fixed = {name: getattr(self, name) for name in MESH_DIM_NAMES if getattr(self, name) != "auto"}
         product = math.prod(fixed.values())

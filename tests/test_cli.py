@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +40,23 @@ def test_console_script_is_installed() -> None:
     result = subprocess.run(["lightning-par", "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "fit" in result.stdout and "validate" in result.stdout
+
+
+def test_torchrun_launch_uses_the_torchelastic_environment(tmp_path: Path) -> None:
+    """Lightning's cluster environments are used as they are: under torchrun, TorchElasticEnvironment."""
+    torchrun = shutil.which("torchrun")
+    assert torchrun is not None, "torchrun comes with torch"
+    command = [
+        torchrun, "--standalone", "--nproc_per_node=2", "-m", "lightning_par.cli", "fit",
+        "--config", str(REPO / "configs" / "data_parallel.yaml"), "--trainer.max_steps=2",
+        "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--data.init_args.max_bytes=100000",
+        "--trainer.callbacks+=cli_callbacks.RecordEnvironment",
+    ]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "RECORD_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank, record in enumerate(records):
+        assert record == {"environment": "TorchElasticEnvironment", "world_size": 2, "global_rank": rank,
+                          "mesh": {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}}

@@ -54,6 +54,36 @@ def test_auto_sizes_resolve(config: ParallelConfig, world_size: int, expected: t
     assert resolved.validate(world_size) == resolved  # idempotent
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(data_parallel_size=0), r"dp_replicate must be a positive integer or 'auto', got 0"),
+        (dict(data_parallel_size="all"), r"dp_replicate must be a positive integer or 'auto', got 'all'"),
+        (dict(gradient_compression="int8"), r"gradient_compression='int8' is not one of"),
+        (dict(bucket_cap_mb=-1), r"ddp_bucket_cap_mb must be a positive number of MiB, got -1"),
+    ],
+)
+def test_strategy_arguments_are_checked_at_construction(kwargs: dict, message: str) -> None:
+    from lightning_par import DataParallelStrategy
+
+    with pytest.raises(ValueError, match=message):
+        DataParallelStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (ParallelConfig(tp=2), r"tp=2: this version of lightning_par applies data parallelism only; set tp=1"),
+        (ParallelConfig(pp=2, cp=2), r"pp=2, cp=2: .* set pp=1 and cp=1"),
+    ],
+)
+def test_techniques_not_yet_available_are_refused(config: ParallelConfig, message: str) -> None:
+    from lightning_par import MeshStrategy
+
+    with pytest.raises(ValueError, match=message):
+        MeshStrategy(config)
+
+
 def test_unresolved_config_refuses_mesh_shape() -> None:
     with pytest.raises(ValueError, match="still has 'auto' sizes"):
         ParallelConfig().mesh_shape()

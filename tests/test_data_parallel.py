@@ -47,11 +47,19 @@ def make_strategy(**knobs):
     return DataParallelStrategy(**knobs)
 
 
-@pytest.mark.parametrize(("world_size", "accumulate"), [(2, 1), (2, 2), (4, 1), (4, 2)])
-def test_data_parallel_matches_single_process(world_size: int, accumulate: int) -> None:
+@pytest.mark.parametrize(
+    ("world_size", "accumulate", "knobs"),
+    [
+        (2, 1, {}),
+        (2, 2, {}),
+        (4, 1, {"bucket_cap_mb": 0.01}),  # ~40 small buckets instead of one
+        (4, 2, {"static_graph": True}),
+    ],
+)
+def test_data_parallel_matches_single_process(world_size: int, accumulate: int, knobs: dict) -> None:
     expected = reference_run(make_module, make_datamodule, dp=world_size, steps=STEPS, accumulate=accumulate)
-    actual = layout_run(make_module, make_datamodule, make_strategy, world_size=world_size, steps=STEPS,
-                        accumulate=accumulate)
+    actual = layout_run(make_module, make_datamodule, functools.partial(make_strategy, **knobs),
+                        world_size=world_size, steps=STEPS, accumulate=accumulate)
     loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
     print(f"data_parallel ws={world_size} acc={accumulate}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
     # The run must have trained: otherwise parity would hold trivially.
@@ -137,7 +145,39 @@ def test_validate_without_fit_broadcasts_replicas() -> None:
     datamodule.setup("validate")
     total = 0.0
     batches = list(datamodule.val_dataloader())
-    for batch in batches:
-        total += float(module.loss_fn(module(module.split_batch(batch)[0]), module.split_batch(batch)[1]))
+    with torch.no_grad():
+        for batch in batches:
+            total += float(module.loss_fn(module(module.split_batch(batch)[0]), module.split_batch(batch)[1]))
     assert losses[0] == losses[1]
     assert losses[0] == pytest.approx(total / len(batches), rel=1e-5)
+
+
+class SelfParallelizingLM(SGDLlamaLM):
+    """The escape hatch: a module that parallelizes itself; the strategy must apply nothing else."""
+
+    def parallelize(self, mesh, config):
+        from lightning_par.parallel import apply_data_parallel
+
+        self.hook_calls = getattr(self, "hook_calls", []) + [(mesh.sizes(), config.dp)]
+        return apply_data_parallel(self, mesh, bucket_cap_mb=1.0)
+
+
+def _fit_self_parallelizing(rank: int, world_size: int) -> dict:
+    import lightning
+
+    class InspectWrapper(lightning.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.bucket_bytes = getattr(trainer.strategy.model, "bucket_bytes_cap", None)
+
+    module, inspect = SelfParallelizingLM(**MODEL), InspectWrapper()
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy="data_parallel", max_steps=1,
+                                callbacks=[inspect], logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=make_datamodule())
+    return {"calls": module.hook_calls, "bucket_bytes": inspect.bucket_bytes}
+
+
+def test_model_hook_replaces_the_strategys_own_parallelization() -> None:
+    result = run_distributed(_fit_self_parallelizing, 2)[0]
+    assert result["calls"] == [({"pp": 1, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}, 2)]
+    assert result["bucket_bytes"] == 1024 * 1024  # the hook's DDP (1 MiB buckets), not the strategy's 25 MiB

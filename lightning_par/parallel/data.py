@@ -107,6 +107,11 @@ def no_gradient_sync(module: nn.Module) -> AbstractContextManager:
     step: the same result as averaging every micro-batch, at 1/k of the communication.
     """
     if isinstance(module, DistributedDataParallel):
+        if module.static_graph:
+            # PyTorch's DDP asserts on the first backward when a static graph meets no_sync(), and once
+            # past that stops averaging gradients (pytorch/pytorch#143580, #187732). Synchronising
+            # every micro-batch gives the same gradients at k times the traffic.
+            return nullcontext()
         return module.no_sync()
     return nullcontext()
 

@@ -15,4 +15,6 @@ def register_strategies() -> None:
             strategy.register_strategies(StrategyRegistry)
 
 
+register_strategies()
+
 __all__ = ["MeshStrategy", "DataParallelStrategy", "register_strategies", "STRATEGIES"]

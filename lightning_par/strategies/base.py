@@ -38,7 +38,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -95,6 +95,7 @@ class MeshStrategy(ParallelStrategy):
         )
         self.parallel_config = parallel_config if parallel_config is not None else ParallelConfig()
         # Refuse what cannot work before any process group exists, so every rank fails alike.
+        self.parallel_config.check()
         check_available(self.parallel_config)
         self._plan = ModelPlan.from_dict(plan) if isinstance(plan, dict) else plan
         self._save_distributed_checkpoint = save_distributed_checkpoint
@@ -183,6 +184,11 @@ class MeshStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self.parallel_config.ddp_static_graph and trainer.accumulate_grad_batches > 1:
+            rank_zero_warn(
+                "static_graph=True with accumulate_grad_batches > 1: gradients are all-reduced on every "
+                "micro-batch, because PyTorch's DDP cannot skip the all-reduce (no_sync) under a static graph"
+            )
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)

@@ -50,7 +50,6 @@ class DataParallelStrategy(MeshStrategy):
             ddp_find_unused_parameters=find_unused_parameters,
             gradient_compression=gradient_compression,
         )
-        config.validate(config.dp if data_parallel_size != "auto" else 1)  # knobs and size types, early
         super().__init__(
             config,
             save_distributed_checkpoint=save_distributed_checkpoint,
