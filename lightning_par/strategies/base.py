@@ -231,8 +231,8 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.lightning_module is not None and self.model is not None:
-            self.model = self.lightning_module if unwrap(self.model) is self.lightning_module else self.model
+        if self.model is not None and unwrap(self.model) is self.lightning_module:
+            self.model = self.lightning_module  # drop the DDP wrapper; the next run wraps again
         super().teardown()
 
     # ------------------------------------------------------------------------ collectives
