@@ -22,6 +22,7 @@ _LAZY = {
     "ModelPlan": "lightning_par.parallel.plan",
     "MeshStrategy": "lightning_par.strategies",
     "DataParallelStrategy": "lightning_par.strategies",
+    "ZeroStrategy": "lightning_par.strategies",
     "register_strategies": "lightning_par.strategies",
     "LlamaLM": "lightning_par.models",
     "LlamaConfig": "lightning_par.models",

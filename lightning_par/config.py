@@ -24,6 +24,7 @@ Size = Union[int, Literal["auto"]]
 # chooses them from a cost model instead).
 AUTO_SIZES = ("dp_replicate", "dp_shard")
 GRADIENT_COMPRESSIONS = ("none", "bf16", "fp16")
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,11 @@ class ParallelConfig:
     Expert parallel (``ep``) is not a mesh dimension of its own: it borrows ranks from ``dp_shard x cp``
     (as in torchtitan and Megatron-Core), so adding experts does not multiply the world size.
 
-    Data-parallel knobs (``ddp_*``, ``gradient_compression``) configure PyTorch's
-    ``DistributedDataParallel`` (Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data
-    Parallel Training").
+    ``zero_stage`` shards model states over the data-parallel ranks (0: plain DDP; 1: optimizer states;
+    2: + gradients; 3: + parameters, FSDP2), ``reshard_after_forward`` is the stage-3 trade of memory for
+    one all-gather per block (see ``lightning_par.parallel.zero``). Data-parallel knobs (``ddp_*``,
+    ``gradient_compression``) configure PyTorch's ``DistributedDataParallel`` (Li et al. 2020, "PyTorch
+    Distributed: Experiences on Accelerating Data Parallel Training") and apply to stages 0 and 1.
     """
 
     pp: int = 1
@@ -44,6 +47,8 @@ class ParallelConfig:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    zero_stage: int = 0
+    reshard_after_forward: bool = True
     ddp_bucket_cap_mb: float = 25.0
     ddp_static_graph: bool = False
     ddp_find_unused_parameters: bool = False
@@ -118,6 +123,12 @@ class ParallelConfig:
         return config
 
     def _check_knobs(self) -> None:
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"zero_stage={self.zero_stage!r} is not one of {ZERO_STAGES} "
+                             "(0: DDP, 1: optimizer states sharded, 2: + gradients, 3: + parameters)")
+        if self.gradient_compression != "none" and self.zero_stage >= 2:
+            raise ValueError(f"gradient_compression={self.gradient_compression!r} applies to DDP's all-reduce "
+                             f"(zero_stage 0 or 1); zero_stage={self.zero_stage} reduces gradients differently")
         if self.gradient_compression not in GRADIENT_COMPRESSIONS:
             raise ValueError(
                 f"gradient_compression={self.gradient_compression!r} is not one of {GRADIENT_COMPRESSIONS}"
@@ -126,7 +137,7 @@ class ParallelConfig:
             self.ddp_bucket_cap_mb > 0
         ):
             raise ValueError(f"ddp_bucket_cap_mb must be a positive number of MiB, got {self.ddp_bucket_cap_mb!r}")
-        for flag in ("ddp_static_graph", "ddp_find_unused_parameters"):
+        for flag in ("ddp_static_graph", "ddp_find_unused_parameters", "reshard_after_forward"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.ddp_static_graph and self.ddp_find_unused_parameters:

@@ -38,8 +38,8 @@ def global_order(num_samples: int, shuffle: bool) -> Tensor:
 
 
 def reference_run(make_module: Callable[[], Any], make_datamodule: Callable[[], Any], *, dp: int, steps: int,
-                  accumulate: int = 1, seed: int = 1234) -> ParityRun:
-    """The single-process run the layout must reproduce."""
+                  accumulate: int = 1, seed: int = 1234, gradient_clip_val: float | None = None) -> ParityRun:
+    """The single-process run the layout must reproduce (``gradient_clip_val``: clip by total 2-norm)."""
     datamodule = make_datamodule()
     datamodule.setup("fit")
     dataset = datamodule.train_dataloader().dataset
@@ -60,6 +60,8 @@ def reference_run(make_module: Callable[[], Any], make_datamodule: Callable[[], 
             loss = module.loss_fn(module(inputs), targets)
             (loss / accumulate).backward()
             losses.append(loss.item())
+        if gradient_clip_val is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), gradient_clip_val)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if scheduler is not None:

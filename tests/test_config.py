@@ -73,7 +73,7 @@ def test_strategy_arguments_are_checked_at_construction(kwargs: dict, message: s
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (ParallelConfig(tp=2), r"tp=2: this version of lightning_par applies data parallelism only; set tp=1"),
+        (ParallelConfig(tp=2), r"tp=2: this version of lightning_par applies data parallelism and ZeRO only; set tp=1"),
         (ParallelConfig(pp=2, cp=2), r"pp=2, cp=2: .* set pp=1 and cp=1"),
     ],
 )

@@ -1,7 +1,26 @@
 """Pure PyTorch parallel techniques over (module, mesh). This package never imports lightning."""
 
-from lightning_par.parallel.compose import check_available, parallelize
-from lightning_par.parallel.data import apply_data_parallel, no_gradient_sync
+from lightning_par.parallel.compose import (
+    check_available,
+    gradient_norm_group,
+    no_gradient_sync,
+    parallelize,
+    parallelize_optimizer,
+)
+from lightning_par.parallel.data import apply_data_parallel
 from lightning_par.parallel.plan import ModelPlan, derive_plan
+from lightning_par.parallel.zero import clip_grad_norm_, fully_shard_model, shard_optimizer
 
-__all__ = ["parallelize", "check_available", "apply_data_parallel", "no_gradient_sync", "ModelPlan", "derive_plan"]
+__all__ = [
+    "parallelize",
+    "parallelize_optimizer",
+    "no_gradient_sync",
+    "gradient_norm_group",
+    "check_available",
+    "apply_data_parallel",
+    "fully_shard_model",
+    "shard_optimizer",
+    "clip_grad_norm_",
+    "ModelPlan",
+    "derive_plan",
+]

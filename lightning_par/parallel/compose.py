@@ -10,6 +10,7 @@ The order matters and is the same as torchtitan's:
 6. torch.compile         -- compiles the already-sharded blocks;
 7. ZeRO / FSDP or DDP    -- last, because it must see the final parameters (DTensors included) and
                             because DDP wraps the whole module so that its hooks see the whole step.
+                            ZeRO stages 1-2 shard the optimizer afterwards (parallelize_optimizer).
 
 Techniques that a later release adds slot into their step here; a layout asking for a technique this
 version cannot apply is refused before any collective runs.
@@ -17,12 +18,18 @@ version cannot apply is refused before any collective runs.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 from torch import nn
+from torch.distributed import ProcessGroup
+from torch.optim import Optimizer
 
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
-from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas
+from lightning_par.parallel import data, zero
+from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas, unwrap
 from lightning_par.parallel.plan import ModelPlan
+from lightning_par.parallel.zero import fully_shard_model, is_zero_module, shard_optimizer
 
 # Mesh dimensions whose technique this version applies. The others are validated by ParallelConfig
 # but refused here, with the size the user asked for.
@@ -39,7 +46,7 @@ def check_available(config: ParallelConfig) -> None:
     if missing:
         asked = ", ".join(f"{k}={v}" for k, v in missing.items())
         raise ValueError(
-            f"{asked}: this version of lightning_par applies data parallelism only; "
+            f"{asked}: this version of lightning_par applies data parallelism and ZeRO only; "
             f"set {' and '.join(f'{k}=1' for k in missing)}"
         )
 
@@ -55,14 +62,16 @@ def parallelize(
 ) -> nn.Module:
     """Apply every technique ``config`` asks for to ``model`` over ``mesh``; return the module to run.
 
-    ``plan`` locates blocks, attention and MLP for the model-parallel techniques. With
-    ``training=False`` (validate/test/predict) the gradient-synchronising wrapper is skipped, as there
-    is nothing to synchronise; the replicas are made equal by a broadcast instead.
+    ``plan`` locates blocks, attention and MLP for the model-parallel techniques and the ZeRO-3 units.
+    With ``training=False`` (validate/test/predict) no gradient machinery is installed; replicas are made
+    equal by a broadcast instead (ZeRO-3 still shards: that is what lets the model fit).
     """
     check_available(config)
-    # Steps 1-6 (pipeline, tensor, context, expert parallel, checkpointing, compile) read `plan`;
-    # the data-parallel step does not need it.
-    if not training:
+    # Steps 1-6 (pipeline, tensor, context, expert parallel, checkpointing, compile) read `plan`.
+    if config.zero_stage == 3:
+        return fully_shard_model(model, mesh, plan, reshard_after_forward=config.reshard_after_forward)
+    if not training or config.zero_stage == 2:
+        # Stage 2 reduces gradients with hooks installed by parallelize_optimizer(), not with DDP.
         broadcast_replicas(model, mesh)
         return model
     return apply_data_parallel(
@@ -76,4 +85,27 @@ def parallelize(
     )
 
 
-__all__ = ["parallelize", "check_available"]
+def parallelize_optimizer(optimizer: Optimizer, model: nn.Module, mesh: ParallelMesh,
+                          config: ParallelConfig) -> Optimizer:
+    """The optimizer to step: sharded over the data-parallel ranks under ZeRO stages 1 and 2.
+
+    (Under stage 3 the optimizer is already sharded: it was built on FSDP2's sharded parameters.)
+    """
+    return shard_optimizer(optimizer, unwrap(model), mesh, stage=config.zero_stage)
+
+
+def no_gradient_sync(model: nn.Module) -> AbstractContextManager:
+    """Skip gradient communication in backward passes inside the context (gradient accumulation)."""
+    if is_zero_module(unwrap(model)):
+        return zero.no_gradient_sync(unwrap(model))
+    return data.no_gradient_sync(model)
+
+
+def gradient_norm_group(mesh: ParallelMesh, config: ParallelConfig) -> ProcessGroup | None:
+    """The ranks whose gradient pieces make up one whole gradient (None: every rank holds it whole)."""
+    if config.zero_stage >= 2 and mesh.size("dp_shard") > 1:
+        return mesh.group("dp_shard")
+    return None
+
+
+__all__ = ["parallelize", "parallelize_optimizer", "no_gradient_sync", "gradient_norm_group", "check_available"]

@@ -2,8 +2,9 @@
 
 from lightning_par.strategies.base import MeshStrategy
 from lightning_par.strategies.data_parallel import DataParallelStrategy
+from lightning_par.strategies.zero import ZeroStrategy
 
-STRATEGIES = (DataParallelStrategy,)
+STRATEGIES = (DataParallelStrategy, ZeroStrategy)
 
 
 def register_strategies() -> None:
@@ -11,10 +12,9 @@ def register_strategies() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
     for strategy in STRATEGIES:
-        if strategy.strategy_name not in StrategyRegistry:
-            strategy.register_strategies(StrategyRegistry)
+        strategy.register_strategies(StrategyRegistry)
 
 
 register_strategies()
 
-__all__ = ["MeshStrategy", "DataParallelStrategy", "register_strategies", "STRATEGIES"]
+__all__ = ["MeshStrategy", "DataParallelStrategy", "ZeroStrategy", "register_strategies", "STRATEGIES"]

@@ -47,9 +47,16 @@ from typing_extensions import override
 from lightning_par import checkpoint as ckpt
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
-from lightning_par.parallel.compose import check_available, parallelize
-from lightning_par.parallel.data import no_gradient_sync, unwrap
+from lightning_par.parallel.compose import (
+    check_available,
+    gradient_norm_group,
+    no_gradient_sync,
+    parallelize,
+    parallelize_optimizer,
+)
+from lightning_par.parallel.data import unwrap
 from lightning_par.parallel.plan import ModelPlan, derive_plan
+from lightning_par.parallel.zero import clip_grad_norm_
 
 # Metrics logged with sync_dist are averaged over the ranks that saw different data. Ranks in the same
 # tensor/pipeline group hold the same value, so including them would only cost bandwidth.
@@ -209,6 +216,28 @@ class MeshStrategy(ParallelStrategy):
         device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
         return parallelize(module, self.mesh, self.parallel_config, self.resolve_plan(module),
                            training=training, device_ids=device_ids)
+
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        super().setup_optimizers(trainer)
+        sharded = [parallelize_optimizer(o, self.model, self.mesh, self.parallel_config) for o in self.optimizers]
+        for config in self.lr_scheduler_configs:
+            # Schedulers hold the optimizer they were built with; point them at its sharded replacement.
+            for original, replacement in zip(self.optimizers, sharded):
+                if config.scheduler.optimizer is original:
+                    config.scheduler.optimizer = replacement
+        self.optimizers = sharded
+
+    @override
+    def setup_precision_plugin(self) -> None:
+        super().setup_precision_plugin()
+        # Lightning clips through the precision plugin with torch's clip_grad_norm_, which sees only this
+        # rank's pieces of a sharded gradient. Clip by the norm of the whole gradient instead.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_(parameters, float(clip_val), group=gradient_norm_group(self.mesh, self.parallel_config))
 
     def resolve_plan(self, module: nn.Module) -> ModelPlan | None:
         """The plan given to the strategy, else one derived from the model (None if it has no standard shape)."""

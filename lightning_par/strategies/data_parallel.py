@@ -61,4 +61,5 @@ class DataParallelStrategy(MeshStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description="DDP over lightning_par's data-parallel mesh")
+        strategy_registry.register(cls.strategy_name, cls, description="DDP over lightning_par's data-parallel mesh",
+                                   override=True)

@@ -1,0 +1,183 @@
+"""ZeRO stages 1-3 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models") on PyTorch's own pieces.
+
+Model states of mixed-free fp32 Adam take 16 bytes per parameter: 4 weights, 4 gradients, 8 moments.
+Over N data-parallel ranks:
+
+- stage 1 shards the optimizer states: ``4 + 4 + 8/N``. Gradients are all-reduced whole by DDP;
+  PyTorch's ``ZeroRedundancyOptimizer`` gives each rank the moments of the parameters it owns, steps
+  them, and broadcasts the updated parameters.
+- stage 2 shards gradients too: ``4 + (4 + 8)/N``. Instead of an all-reduce, each gradient is reduced
+  to the rank that owns its parameter as soon as backward produces it, and dropped elsewhere
+  (DeepSpeed's stage 2: parameters stay whole all the time). Same sharded optimizer.
+- stage 3 shards the parameters as well: ``16/N``. FSDP2's ``fully_shard`` per transformer block (from
+  the model plan) plus the root: a block's parameters are all-gathered just before it runs and freed
+  after (``reshard_after_forward=False`` keeps them until backward instead, trading memory for one
+  all-gather). With ``dp_replicate > 1`` this is HSDP: sharded inside a group, replicated across groups.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.optim import Optimizer
+
+from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.plan import ModelPlan
+
+def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *,
+                      reshard_after_forward: bool = True) -> nn.Module:
+    """ZeRO-3: shard every block of ``plan`` with FSDP2, then the root (embedding, norm, head, the rest).
+
+    Without a plan the whole model is one unit: still sharded at rest, but gathered whole for forward.
+    """
+    fsdp_mesh = _fsdp_mesh(mesh)
+    if plan is not None:
+        for name in plan.block_names(module):
+            fully_shard(module.get_submodule(name), mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
+    # The root keeps its parameters gathered after forward: backward starts with them (head, norm) anyway.
+    fully_shard(module, mesh=fsdp_mesh, reshard_after_forward=False)
+    return module
+
+
+def _fsdp_mesh(mesh: ParallelMesh) -> Any:
+    # 1-D: plain FSDP over the sharding ranks; 2-D (replicate, shard): HSDP.
+    if mesh.size("dp_replicate") > 1:
+        return mesh.root["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+class GradientReducer:
+    """ZeRO-2 gradient partitioning: reduce each gradient to the rank owning its parameter, drop it elsewhere.
+
+    Runs from ``post_accumulate_grad`` hooks, so a gradient is reduced as soon as backward has finished
+    accumulating it and non-owners free it right away: whole gradients never coexist. Under HSDP the owner
+    also averages across the replicate groups.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: ZeroRedundancyOptimizer, mesh: ParallelMesh) -> None:
+        self.shard_group = mesh.group("dp_shard")
+        self.replicate_group = mesh.group("dp_replicate") if mesh.size("dp_replicate") > 1 else None
+        self.world = mesh.size("dp")
+        self.sync = True
+        owners = optimizer._param_to_rank  # ZeroRedundancyOptimizer's partition (shard-group ranks)
+        self.rank = dist.get_rank(self.shard_group)
+        self._handles = []
+        for param in module.parameters():
+            if param.requires_grad:
+                owner = owners[param]
+                self._handles.append(param.register_post_accumulate_grad_hook(self._hook(owner)))
+
+    def _hook(self, owner: int) -> Any:
+        owner_global = dist.get_global_rank(self.shard_group, owner)
+
+        def reduce_to_owner(param: Tensor) -> None:
+            if not self.sync:
+                return  # accumulating: keep the local sum, reduce on the last micro-batch
+            dist.reduce(param.grad, dst=owner_global, group=self.shard_group)
+            if self.rank != owner:
+                param.grad = None  # the point of stage 2: only the owner keeps this gradient
+                return
+            if self.replicate_group is not None:
+                dist.all_reduce(param.grad, group=self.replicate_group)
+            param.grad.div_(self.world)
+
+        return reduce_to_owner
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh, *, stage: int) -> Optimizer:
+    """Stages 1 and 2: the same optimizer, its states partitioned over the sharding ranks.
+
+    Returns a ``ZeroRedundancyOptimizer`` built from ``optimizer``'s class, parameter groups and defaults.
+    Stage 2 also installs the :class:`GradientReducer` (kept on the module as ``_zero_gradient_reducer``).
+    """
+    if stage not in (1, 2):
+        return optimizer
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise ValueError("the optimizer is already a ZeroRedundancyOptimizer; return a plain one from "
+                         "configure_optimizers and let the strategy shard it")
+    if optimizer.state:
+        raise ValueError("shard_optimizer() needs a fresh optimizer (its state is not empty)")
+    groups = [dict(group) for group in optimizer.param_groups]
+    # `defaults` can hold entries the constructor does not take (AdamW records decoupled_weight_decay).
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    sharded = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=mesh.group("dp_shard"),
+                                      **defaults)
+    if stage == 2:
+        previous = getattr(module, "_zero_gradient_reducer", None)
+        if previous is not None:
+            previous.remove()
+        module._zero_gradient_reducer = GradientReducer(module, sharded, mesh)
+    return sharded
+
+
+@contextmanager
+def no_gradient_sync(module: nn.Module) -> Iterator[None]:
+    """Skip the gradient reduction of ZeRO stages 2 and 3 for backward passes inside the context."""
+    reducer: GradientReducer | None = getattr(module, "_zero_gradient_reducer", None)
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+    elif reducer is not None:
+        reducer.sync = False
+        try:
+            yield
+        finally:
+            reducer.sync = True
+    else:
+        yield
+
+
+def is_zero_module(module: nn.Module) -> bool:
+    return isinstance(module, FSDPModule) or hasattr(module, "_zero_gradient_reducer")
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: list[Tensor], max_norm: float, *, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Clip by the norm of the whole gradient, wherever its pieces live; return that norm.
+
+    With ``group=None`` every rank holds whole gradients (DDP, stage 1). Otherwise the ranks of ``group``
+    hold disjoint pieces (stage 2: the gradients of the parameters each owns; stage 3: DTensor shards),
+    and the squared norms are summed over it, so every rank scales by the same factor one process holding
+    the whole gradient would.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    # Local shards of DTensors: their squares summed over `group` give the squares of the whole tensor.
+    pieces = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    device = pieces[0].device if pieces else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for piece in pieces:
+        squares += piece.detach().double().pow(2).sum()
+    if group is not None:
+        dist.all_reduce(squares, group=group)
+    total = squares.sqrt().float()
+    coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for piece in pieces:
+        piece.mul_(coefficient.to(piece.device, piece.dtype))
+    return total
+
+
+__all__ = [
+    "fully_shard_model",
+    "shard_optimizer",
+    "GradientReducer",
+    "no_gradient_sync",
+    "is_zero_module",
+    "clip_grad_norm_",
+]
