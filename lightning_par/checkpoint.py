@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 MODEL_KEY = "state_dict"  # Lightning's own key for the model weights
@@ -44,8 +45,55 @@ def model_state_dict(module: nn.Module, *, full: bool) -> dict[str, Any]:
 
 
 def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, *, full: bool) -> dict[str, Any]:
-    """The optimizer's state keyed by parameter name (not by position), so it survives re-wrapping."""
-    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+    """The optimizer's state keyed by parameter name (not by position), so it survives re-wrapping.
+
+    A ``ZeroRedundancyOptimizer`` (ZeRO-1/2) gives this rank's part of the same format: the states of
+    the parameters it owns (names are disjoint across its ranks, so a sharded save needs no gathering
+    and a load under another partition finds each name wherever it was saved) and the hyper-parameters
+    of every group, which all ranks share. For a full save the parts are gathered.
+    """
+    options = StateDictOptions(full_state_dict=full, cpu_offload=True)
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return get_optimizer_state_dict(module, optimizer, options=options)
+    local = _zero_optimizer_state(module, optimizer)
+    if not full:
+        return local
+    parts: list[Any] = [None] * dist.get_world_size(optimizer.process_group)
+    dist.all_gather_object(parts, local["state"], group=optimizer.process_group)
+    return {"state": {name: value for part in parts for name, value in part.items()},
+            "param_groups": local["param_groups"]}
+
+
+def _zero_optimizer_state(module: nn.Module, optimizer: ZeroRedundancyOptimizer) -> dict[str, Any]:
+    names = {param: name for name, param in module.named_parameters()}
+    owned = get_optimizer_state_dict(module, optimizer.optim, options=StateDictOptions(cpu_offload=True))
+    # The exposed param_groups hold the current hyper-parameters (an LR scheduler writes there; the
+    # local optimizer only sees them at its next step) and every parameter of each group.
+    groups = [{**_hyper_parameters(group), "params": [names[p] for p in group["params"]]}
+              for group in optimizer.param_groups]
+    return {"state": owned["state"], "param_groups": groups}
+
+
+def _hyper_parameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _load_optimizer_state(module: nn.Module, optimizer: Optimizer, state: dict[str, Any], *, full: bool) -> None:
+    options = StateDictOptions(full_state_dict=full)
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        set_optimizer_state_dict(module, optimizer, state, options=options)
+        return
+    # Keep the states of the parameters this rank owns under the current partition.
+    local_groups = get_optimizer_state_dict(module, optimizer.optim)["param_groups"]
+    owned = {name for group in local_groups for name in group["params"]}
+    local_state = {
+        "state": {name: value for name, value in state["state"].items() if name in owned},
+        "param_groups": [{**_hyper_parameters(saved), "params": local["params"]}
+                         for saved, local in zip(state["param_groups"], local_groups)],
+    }
+    set_optimizer_state_dict(module, optimizer.optim, local_state, options=options)
+    for exposed, saved in zip(optimizer.param_groups, state["param_groups"]):
+        exposed.update(_hyper_parameters(saved))
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -106,7 +154,7 @@ def load_checkpoint(
             key = f"optimizer_{index}"
             optim_state = {key: optimizer_state_dict(module, optimizer, full=False)}
             dcp.load(optim_state, checkpoint_id=path)
-            set_optimizer_state_dict(module, optimizer, optim_state[key])
+            _load_optimizer_state(module, optimizer, optim_state[key], full=False)
         return torch.load(path / META_FILE, map_location="cpu", weights_only=_weights_only(weights_only))
     if path.is_dir():
         raise ValueError(f"{str(path)!r} is a directory but not a sharded checkpoint (no {_DCP_METADATA} inside)")
@@ -119,7 +167,7 @@ def load_checkpoint(
         raise ValueError(f"checkpoint {str(path)!r} has {len(saved_optimizers)} optimizer states, "
                          f"the model configured {len(optimizers)} optimizers")
     for optimizer, state in zip(optimizers, saved_optimizers):
-        set_optimizer_state_dict(module, optimizer, state, options=full)
+        _load_optimizer_state(module, optimizer, state, full=True)
     return checkpoint
 
 
