@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -40,7 +41,8 @@ _DCP_METADATA = ".metadata"
 
 
 def model_state_dict(module: nn.Module, *, full: bool) -> dict[str, Any]:
-    """The model's state by fully qualified name: whole tensors on CPU if ``full`` else this rank's shards."""
+    """The model's state by fully qualified name: this rank's shards, or with ``full`` whole tensors on CPU
+    gathered to rank 0 (the other ranks get an empty dict)."""
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
 
 
@@ -65,7 +67,8 @@ def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, *, full: bool)
 
 
 def _zero_optimizer_state(module: nn.Module, optimizer: ZeroRedundancyOptimizer) -> dict[str, Any]:
-    names = {param: name for name, param in module.named_parameters()}
+    # Names as state dicts spell them: without the prefix activation-checkpoint wrappers add.
+    names = {param: name.replace(_CHECKPOINT_PREFIX, "") for name, param in module.named_parameters()}
     owned = get_optimizer_state_dict(module, optimizer.optim, options=StateDictOptions(cpu_offload=True))
     # The exposed param_groups hold the current hyper-parameters (an LR scheduler writes there; the
     # local optimizer only sees them at its next step) and every parameter of each group.

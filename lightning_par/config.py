@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 from lightning_par.mesh import MESH_DIM_NAMES, ParallelMesh, build_device_mesh
 
@@ -25,6 +25,8 @@ Size = Union[int, Literal["auto"]]
 AUTO_SIZES = ("dp_replicate", "dp_shard")
 GRADIENT_COMPRESSIONS = ("none", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2, 3)
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+RECOMPUTE_MODES = ("none", "full", "selective")
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,11 @@ class ParallelConfig:
 
     ``zero_stage`` shards model states over the data-parallel ranks (0: plain DDP; 1: optimizer states;
     2: + gradients; 3: + parameters, FSDP2), ``reshard_after_forward`` is the stage-3 trade of memory for
-    one all-gather per block (see ``lightning_par.parallel.zero``). Data-parallel knobs (``ddp_*``,
+    one all-gather per block; ``param_dtype`` / ``reduce_dtype`` (stage 3) compute in low precision from
+    fp32 shards and reduce gradients in ``reduce_dtype`` (default: ``param_dtype``); ``cpu_offload``
+    (stage 3) keeps shards, gradients and optimizer states in host memory (see
+    ``lightning_par.parallel.zero``). ``activation_checkpointing`` recomputes activations of every
+    ``activation_checkpointing_every``-th block (``lightning_par.parallel.recompute``). Data-parallel knobs (``ddp_*``,
     ``gradient_compression``) configure PyTorch's ``DistributedDataParallel`` (Li et al. 2020, "PyTorch
     Distributed: Experiences on Accelerating Data Parallel Training") and apply to stages 0 and 1.
     """
@@ -49,6 +55,11 @@ class ParallelConfig:
     ep: int = 1
     zero_stage: int = 0
     reshard_after_forward: bool = True
+    param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    reduce_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None
+    cpu_offload: bool = False
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    activation_checkpointing_every: int = 1
     ddp_bucket_cap_mb: float = 25.0
     ddp_static_graph: bool = False
     ddp_find_unused_parameters: bool = False
@@ -126,6 +137,24 @@ class ParallelConfig:
         if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage={self.zero_stage!r} is not one of {ZERO_STAGES} "
                              "(0: DDP, 1: optimizer states sharded, 2: + gradients, 3: + parameters)")
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value not in DTYPES and not (name == "reduce_dtype" and value is None):
+                raise ValueError(f"{name}={value!r} is not one of {tuple(DTYPES)}")
+        stage3_only = {"param_dtype": self.param_dtype != "fp32",
+                       "reduce_dtype": self.reduce_dtype not in (None, "fp32"), "cpu_offload": self.cpu_offload is True}
+        for name, asked in stage3_only.items():
+            if asked and self.zero_stage != 3:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} needs zero_stage=3 (FSDP2 keeps fp32 shards and casts per "
+                    f"block); with zero_stage={self.zero_stage} use Trainer(precision='bf16-mixed') instead"
+                )
+        if self.activation_checkpointing not in RECOMPUTE_MODES:
+            raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r} is not one of "
+                             f"{RECOMPUTE_MODES}")
+        every = self.activation_checkpointing_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"activation_checkpointing_every must be a positive integer, got {every!r}")
         if self.gradient_compression != "none" and self.zero_stage >= 2:
             raise ValueError(f"gradient_compression={self.gradient_compression!r} applies to DDP's all-reduce "
                              f"(zero_stage 0 or 1); zero_stage={self.zero_stage} reduces gradients differently")
@@ -137,7 +166,7 @@ class ParallelConfig:
             self.ddp_bucket_cap_mb > 0
         ):
             raise ValueError(f"ddp_bucket_cap_mb must be a positive number of MiB, got {self.ddp_bucket_cap_mb!r}")
-        for flag in ("ddp_static_graph", "ddp_find_unused_parameters", "reshard_after_forward"):
+        for flag in ("ddp_static_graph", "ddp_find_unused_parameters", "reshard_after_forward", "cpu_offload"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.ddp_static_graph and self.ddp_find_unused_parameters:

@@ -20,16 +20,18 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 
+import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from lightning_par.config import ParallelConfig
+from lightning_par.config import DTYPES, ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel import data, zero
 from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas, unwrap
 from lightning_par.parallel.plan import ModelPlan
-from lightning_par.parallel.zero import fully_shard_model, is_zero_module, shard_optimizer
+from lightning_par.parallel.recompute import apply_activation_checkpointing
+from lightning_par.parallel.zero import fully_shard_model, is_zero_module, materialize_meta_parameters, shard_optimizer
 
 # Mesh dimensions whose technique this version applies. The others are validated by ParallelConfig
 # but refused here, with the size the user asked for.
@@ -58,18 +60,28 @@ def parallelize(
     plan: ModelPlan | None = None,
     *,
     training: bool = True,
+    device: torch.device | None = None,
     device_ids: list[int] | None = None,
 ) -> nn.Module:
     """Apply every technique ``config`` asks for to ``model`` over ``mesh``; return the module to run.
 
     ``plan`` locates blocks, attention and MLP for the model-parallel techniques and the ZeRO-3 units.
     With ``training=False`` (validate/test/predict) no gradient machinery is installed; replicas are made
-    equal by a broadcast instead (ZeRO-3 still shards: that is what lets the model fit).
+    equal by a broadcast instead (ZeRO-3 still shards: that is what lets the model fit). Parameters
+    created on the meta device are allocated on ``device`` (after sharding, under ZeRO-3).
     """
+    device = device if device is not None else torch.device(mesh.device_type)
     check_available(config)
-    # Steps 1-6 (pipeline, tensor, context, expert parallel, checkpointing, compile) read `plan`.
-    if config.zero_stage == 3:
-        return fully_shard_model(model, mesh, plan, reshard_after_forward=config.reshard_after_forward)
+    # Steps 1-4 (pipeline, tensor, context, expert parallel) come with their techniques.
+    apply_activation_checkpointing(model, plan, mode=config.activation_checkpointing,  # 5
+                                   every=config.activation_checkpointing_every)
+    if config.zero_stage == 3:  # 7: shard, then allocate only the shards of a meta-device model
+        fully_shard_model(model, mesh, plan, reshard_after_forward=config.reshard_after_forward,
+                          param_dtype=_dtype(config.param_dtype), reduce_dtype=_dtype(config.reduce_dtype),
+                          cpu_offload=config.cpu_offload)
+        materialize_meta_parameters(model, device)
+        return model
+    materialize_meta_parameters(model, device)
     if not training or config.zero_stage == 2:
         # Stage 2 reduces gradients with hooks installed by parallelize_optimizer(), not with DDP.
         broadcast_replicas(model, mesh)
@@ -83,6 +95,10 @@ def parallelize(
         gradient_compression=config.gradient_compression,
         device_ids=device_ids,
     )
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, DTYPES[name])
 
 
 def parallelize_optimizer(optimizer: Optimizer, model: nn.Module, mesh: ParallelMesh,

@@ -19,6 +19,7 @@ Over N data-parallel ranks:
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
@@ -34,18 +35,51 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.plan import ModelPlan
 
 def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *,
-                      reshard_after_forward: bool = True) -> nn.Module:
+                      reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
+                      reduce_dtype: torch.dtype | None = None, cpu_offload: bool = False) -> nn.Module:
     """ZeRO-3: shard every block of ``plan`` with FSDP2, then the root (embedding, norm, head, the rest).
 
     Without a plan the whole model is one unit: still sharded at rest, but gathered whole for forward.
+    ``param_dtype`` casts the gathered parameters for compute (the shards, and so the optimizer, stay
+    fp32); gradients are reduced in ``reduce_dtype``. ``cpu_offload`` keeps shards, gradients and
+    optimizer states in host memory and copies each block to the accelerator when it runs (on a CPU run
+    everything already lives there, and FSDP2's offload needs an accelerator, so it is skipped).
     """
     fsdp_mesh = _fsdp_mesh(mesh)
+    options: dict[str, Any] = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+    if cpu_offload and mesh.device_type != "cpu":
+        options["offload_policy"] = CPUOffloadPolicy()
     if plan is not None:
         for name in plan.block_names(module):
-            fully_shard(module.get_submodule(name), mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(module.get_submodule(name), mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward,
+                        **options)
     # The root keeps its parameters gathered after forward: backward starts with them (head, norm) anyway.
-    fully_shard(module, mesh=fsdp_mesh, reshard_after_forward=False)
+    fully_shard(module, mesh=fsdp_mesh, reshard_after_forward=False, **options)
     return module
+
+
+def materialize_meta_parameters(module: nn.Module, device: torch.device) -> bool:
+    """Allocate parameters created on the meta device and initialise them; return whether there were any.
+
+    Called after sharding under ZeRO-3, so each rank allocates only its shards and a model larger than
+    one device is never whole anywhere. Initialisation uses the model's own ``init_weights()`` where a
+    module defines one (the reference model does: scaled init, rotary tables) and Lightning's convention,
+    ``reset_parameters()``, for modules outside those.
+    """
+    if not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+        return False
+    module.to_empty(device=device)
+    covered: set[nn.Module] = set()
+    with torch.no_grad():
+        for sub in module.modules():
+            if sub in covered:
+                continue
+            if callable(getattr(sub, "init_weights", None)):
+                sub.init_weights()
+                covered.update(sub.modules())
+            elif callable(getattr(sub, "reset_parameters", None)):
+                sub.reset_parameters()
+    return True
 
 
 def _fsdp_mesh(mesh: ParallelMesh) -> Any:
@@ -175,6 +209,7 @@ def clip_grad_norm_(parameters: list[Tensor], max_norm: float, *, group: dist.Pr
 
 __all__ = [
     "fully_shard_model",
+    "materialize_meta_parameters",
     "shard_optimizer",
     "GradientReducer",
     "no_gradient_sync",

@@ -12,7 +12,7 @@ the other processes), SLURM, torchelastic/torchrun.
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -215,7 +215,7 @@ class MeshStrategy(ParallelStrategy):
             return module if returned is None else returned
         device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
         return parallelize(module, self.mesh, self.parallel_config, self.resolve_plan(module),
-                           training=training, device_ids=device_ids)
+                           training=training, device=self.root_device, device_ids=device_ids)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -246,9 +246,19 @@ class MeshStrategy(ParallelStrategy):
             return self._plan
         return derive_plan(module)
 
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # `Trainer.init_module(empty_init=True)`: build on the meta device; parallelize() allocates the
+        # parameters later, after sharding under ZeRO-3, so no rank ever holds the whole model.
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
+        if any(p.is_meta for p in self.model.parameters()):
+            return  # allocated on the device by parallelize()
         self.model.to(self.root_device)
 
     @contextmanager
@@ -348,6 +358,6 @@ class MeshStrategy(ParallelStrategy):
             ckpt.remove_checkpoint(filepath)
 
     def consolidated_state_dict(self) -> dict[str, Tensor]:
-        """Whole tensors of the model on CPU (every rank gets them): for export and parity checks."""
+        """Whole tensors of the model on CPU, on global rank 0 (other ranks get an empty dict). Collective."""
         assert self.lightning_module is not None
         return ckpt.model_state_dict(self.lightning_module, full=True)

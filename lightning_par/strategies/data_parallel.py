@@ -25,6 +25,9 @@ class DataParallelStrategy(MeshStrategy):
         static_graph: tell DDP the set of used parameters never changes (enables more overlap).
         find_unused_parameters: allow parameters that receive no gradient in a step (costs a graph walk).
         gradient_compression: ``"bf16"`` or ``"fp16"`` halves all-reduce bytes; ``"none"`` keeps fp32.
+        activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation per block.
+        activation_checkpointing_every: checkpoint one block in this many.
+        plan: where the model keeps its blocks (derived for standard decoders; see docs/architecture.md).
         save_distributed_checkpoint: sharded DCP directory (default) or one full file from rank 0.
     """
 
@@ -37,6 +40,9 @@ class DataParallelStrategy(MeshStrategy):
         static_graph: bool = False,
         find_unused_parameters: bool = False,
         gradient_compression: Literal["none", "bf16", "fp16"] = "none",
+        activation_checkpointing: Literal["none", "full", "selective"] = "none",
+        activation_checkpointing_every: int = 1,
+        plan: dict[str, Any] | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -49,9 +55,12 @@ class DataParallelStrategy(MeshStrategy):
             ddp_static_graph=static_graph,
             ddp_find_unused_parameters=find_unused_parameters,
             gradient_compression=gradient_compression,
+            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_every=activation_checkpointing_every,
         )
         super().__init__(
             config,
+            plan=plan,
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from typing_extensions import override
@@ -23,6 +23,13 @@ class ZeroStrategy(MeshStrategy):
             replicate across the groups (e.g. shard within a node, replicate across nodes).
         reshard_after_forward: stage 3 only. ``False`` keeps each block's gathered parameters from
             forward until backward (one all-gather per block instead of two, more memory).
+        param_dtype: stage 3 only. Compute in ``bf16``/``fp16`` from fp32 shards (mixed precision);
+            for stages 1-2 use ``Trainer(precision="bf16-mixed")``.
+        reduce_dtype: stage 3 only. Dtype of the gradient reduce-scatter (default: ``param_dtype``;
+            ``fp32`` keeps full-precision reductions under bf16 compute).
+        cpu_offload: stage 3 only. Shards, gradients and optimizer states live in host memory.
+        activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation per block.
+        activation_checkpointing_every: checkpoint one block in this many.
         plan: where the model keeps its blocks (derived for standard decoders; see docs/architecture.md).
         save_distributed_checkpoint: sharded DCP directory (default) or one full file from rank 0.
     """
@@ -35,6 +42,11 @@ class ZeroStrategy(MeshStrategy):
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
         replicate_size: int = 1,
         reshard_after_forward: bool = True,
+        param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
+        reduce_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None,
+        cpu_offload: bool = False,
+        activation_checkpointing: Literal["none", "full", "selective"] = "none",
+        activation_checkpointing_every: int = 1,
         plan: dict[str, Any] | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -51,7 +63,10 @@ class ZeroStrategy(MeshStrategy):
             else "auto"
         )
         config = ParallelConfig(dp_replicate=replicate_size, dp_shard=shard, zero_stage=stage,
-                                reshard_after_forward=reshard_after_forward)
+                                reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
+                                reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
+                                activation_checkpointing=activation_checkpointing,
+                                activation_checkpointing_every=activation_checkpointing_every)
         super().__init__(config, plan=plan, save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout, **kwargs)
 
