@@ -14,8 +14,10 @@ The functions here are collectives: every rank calls them. No lightning import (
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -174,6 +177,43 @@ def load_checkpoint(
     return checkpoint
 
 
+def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Write the model weights of a checkpoint (either format) as one plain ``{name: tensor}`` file.
+
+    Runs in a single process, no process group needed, whatever layout wrote the checkpoint. The result
+    loads anywhere with ``model.load_state_dict(torch.load(output, weights_only=True))`` - no
+    lightning_par, no Lightning, no pickled code.
+    """
+    checkpoint, output = Path(checkpoint), Path(output)
+    if is_sharded_checkpoint(checkpoint):
+        with tempfile.TemporaryDirectory() as tmp:
+            whole = Path(tmp) / "whole.pt"
+            dcp_to_torch_save(checkpoint, whole)
+            weights = torch.load(whole, map_location="cpu", weights_only=True)[MODEL_KEY]
+    elif checkpoint.is_file():
+        # The user's own full checkpoint: Lightning's metadata in it needs the full unpickler.
+        weights = torch.load(checkpoint, map_location="cpu", weights_only=False)[MODEL_KEY]
+    else:
+        raise FileNotFoundError(f"{str(checkpoint)!r} is neither a sharded checkpoint directory nor a checkpoint file")
+    weights = {name: tensor.contiguous() for name, tensor in weights.items()}
+    staging = output.with_name(f".{output.name}.partial")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(weights, staging)
+    os.replace(staging, output)
+    return weights
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``lightning-par-export CHECKPOINT OUTPUT``: see :func:`export_consolidated`."""
+    parser = argparse.ArgumentParser(prog="lightning-par-export", description=export_consolidated.__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", help="a sharded checkpoint directory or a full checkpoint file")
+    parser.add_argument("output", help="where to write the consolidated {name: tensor} file")
+    args = parser.parse_args(argv)
+    weights = export_consolidated(args.checkpoint, args.output)
+    count = sum(t.numel() for t in weights.values())
+    print(f"wrote {len(weights)} tensors ({count:,} parameters) to {args.output}")
+
+
 def remove_checkpoint(path: str | os.PathLike) -> None:
     """Delete a checkpoint of either format (call on one rank)."""
     _remove(Path(path))
@@ -219,4 +259,9 @@ __all__ = [
     "load_checkpoint",
     "is_sharded_checkpoint",
     "remove_checkpoint",
+    "export_consolidated",
 ]
+
+
+if __name__ == "__main__":
+    main()

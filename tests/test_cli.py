@@ -9,15 +9,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_data_parallel_config_trains_and_logs_to_tensorboard(tmp_path: Path) -> None:
+CONFIGS = sorted(path.stem for path in (REPO / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_shipped_config_trains_and_logs_to_tensorboard(tmp_path: Path, name: str) -> None:
     # The shipped config as it is, shortened: few steps, a small slice of the corpus.
     command = [
-        sys.executable, "-m", "lightning_par.cli", "fit", "--config", str(REPO / "configs" / "data_parallel.yaml"),
+        sys.executable, "-m", "lightning_par.cli", "fit", "--config", str(REPO / "configs" / f"{name}.yaml"),
         "--trainer.max_steps=6", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=2",
         "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", "--data.init_args.max_bytes=300000",
     ]
@@ -25,7 +30,7 @@ def test_data_parallel_config_trains_and_logs_to_tensorboard(tmp_path: Path) -> 
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
 
-    (run_dir,) = (tmp_path / "lightning_logs" / "data_parallel").iterdir()
+    (run_dir,) = (tmp_path / "lightning_logs" / name).iterdir()
     events = EventAccumulator(str(run_dir))
     events.Reload()
     scalars = events.Tags()["scalars"]
