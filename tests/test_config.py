@@ -71,6 +71,26 @@ def test_strategy_arguments_are_checked_at_construction(kwargs: dict, message: s
 
 
 @pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(stage=4), r"zero_stage=4 is not one of \(0, 1, 2, 3\)"),
+        (dict(data_parallel_size=4, replicate_size=3), r"replicate_size=3 does not divide data_parallel_size=4"),
+        (dict(stage=1, param_dtype="bf16"), r"param_dtype='bf16' needs zero_stage=3.*precision='bf16-mixed'"),
+        (dict(stage=2, cpu_offload=True), r"cpu_offload=True needs zero_stage=3"),
+        (dict(param_dtype="fp8"), r"param_dtype='fp8' is not one of \('fp32', 'bf16', 'fp16'\)"),
+        (dict(activation_checkpointing="some"), r"activation_checkpointing='some' is not one of"),
+        (dict(activation_checkpointing_every=0), r"activation_checkpointing_every must be a positive integer, got 0"),
+        (dict(reshard_after_forward="no"), r"reshard_after_forward must be true or false, got 'no'"),
+    ],
+)
+def test_zero_strategy_arguments_are_checked_at_construction(kwargs: dict, message: str) -> None:
+    from lightning_par import ZeroStrategy
+
+    with pytest.raises(ValueError, match=message):
+        ZeroStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
     ("config", "message"),
     [
         (ParallelConfig(tp=2), r"tp=2: this version of lightning_par applies data parallelism and ZeRO only; set tp=1"),

@@ -163,3 +163,42 @@ def test_model_state_bytes_per_rank_follow_the_zero_paper(stage: int, world_size
         print(f"stage {stage} N={world_size} rank {rank}: {measured:.2f} bytes/param (paper {expected:.2f}) {counts}")
         # The issue allows 10% (tensors that do not split evenly); measured: within 0.1%.
         assert measured == pytest.approx(expected, rel=0.10), (rank, counts)
+
+
+def _gradient_collectives_per_micro_batch(rank: int, world_size: int, stage: int) -> list[int]:
+    import lightning
+    import torch.distributed as dist
+
+    from lightning_par.models import LlamaLM
+
+    # The collective each stage reduces gradients with: stage 2 reduces to owners, stage 3 (FSDP2)
+    # reduce-scatters. Count the calls made during each micro-batch.
+    name = {2: "reduce", 3: "reduce_scatter_single"}[stage]
+    original, calls = getattr(dist, name), []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(dist, name, counting)
+    per_batch: list[int] = []
+
+    class Count(lightning.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            per_batch.append(len(calls))
+            calls.clear()
+
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=f"zero{stage}", max_steps=2,
+                                accumulate_grad_batches=3, callbacks=[Count()], logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                limit_val_batches=0)
+    trainer.fit(LlamaLM(**MODEL), datamodule=make_datamodule())
+    return per_batch
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accumulation_reduces_gradients_once_per_optimizer_step(stage: int) -> None:
+    from harness import run_distributed
+
+    per_batch = run_distributed(_gradient_collectives_per_micro_batch, 2, stage)[0]
+    assert [n > 0 for n in per_batch] == [False, False, True, False, False, True], per_batch

@@ -11,6 +11,7 @@ the other processes), SLURM, torchelastic/torchrun.
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -57,6 +58,30 @@ from lightning_par.parallel.compose import (
 from lightning_par.parallel.data import unwrap
 from lightning_par.parallel.plan import ModelPlan, derive_plan
 from lightning_par.parallel.zero import clip_grad_norm_
+
+# Set when a run raised: the exit handler then leaves the process group alone instead of waiting for peers.
+_RUN_FAILED = False
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Destroy the process group while the interpreter is still whole.
+
+    Left to interpreter finalization, gloo's worker threads can still hold work objects whose tensors need
+    the GIL, and the process aborts ("terminate called without an active exception") after a run that
+    succeeded (seen with torch 2.13 on CPU; pytorch/pytorch#190489). A bounded barrier first, so no rank
+    tears down connections a peer is still using.
+    """
+    if _RUN_FAILED or not torch.distributed.is_initialized():
+        return
+    try:
+        if torch.distributed.get_backend() == "gloo":
+            torch.distributed.monitored_barrier(timeout=timedelta(seconds=60))
+        else:
+            torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    except Exception:  # noqa: BLE001 - exiting anyway; a failed clean-up must not mask the run's result
+        pass
+
 
 # Metrics logged with sync_dist are averaged over the ranks that saw different data. Ranks in the same
 # tensor/pipeline group hold the same value, so including them would only cost bandwidth.
@@ -171,9 +196,11 @@ class MeshStrategy(ParallelStrategy):
         )
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
+        if not torch.distributed.is_initialized():
+            _init_dist_connection(
+                self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+            )
+            atexit.register(_destroy_process_group_at_exit)
         self._mesh = self.parallel_config.build_mesh(self.root_device.type)
         if self.lightning_module is not None:
             # LightningModule.device_mesh, for user code in configure_model()/parallelize()
@@ -267,6 +294,12 @@ class MeshStrategy(ParallelStrategy):
         assert self.model is not None
         with no_gradient_sync(self.model):
             yield
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        global _RUN_FAILED
+        _RUN_FAILED = True  # peers may be gone or stuck: do not wait for them at exit
+        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:

@@ -1,11 +1,14 @@
-"""data_parallel vs Lightning's own DDPStrategy: same model, same data, same machine, same run.
+"""lightning_par strategies side by side with Lightning's own DDPStrategy: same model, data, machine, run.
 
-    python benchmarks/data_parallel_vs_ddp.py [--devices 2] [--steps 60] [--rounds 2]
+    python benchmarks/compare_strategies.py [--strategies lightning_ddp data_parallel zero1 zero2 zero3]
+                                            [--devices 2] [--steps 60] [--rounds 2] [--dim 128 --layers 4]
 
 Each strategy trains the reference Llama model for ``--steps`` optimizer steps on ``--devices`` CPU
-processes (gloo); the first ``--warmup`` steps are not timed. Rounds alternate the order (A B, B A, ...)
-so that drift on a shared machine hits both alike. Reported per strategy: median step time (the slowest
-rank's), peak resident memory per rank (ru_maxrss), and the ratio data_parallel / DDP.
+processes (gloo); the first ``--warmup`` steps are not timed. Rounds alternate the order (A B C, C B A,
+...) so that drift on a shared machine hits all alike. Reported per strategy: median step time (the
+slowest rank's), model-state bytes per rank (parameters + gradients + optimizer states this rank holds
+before an optimizer step), peak resident memory per rank (ru_maxrss, which includes the interpreter and
+libraries), and each figure as a ratio to the first strategy listed.
 """
 
 from __future__ import annotations
@@ -21,17 +24,24 @@ import tempfile
 import time
 from pathlib import Path
 
-STRATEGIES = ("lightning_ddp", "data_parallel")
+STRATEGIES = ("lightning_ddp", "data_parallel", "zero1", "zero2", "zero3")
 
 
 def worker(strategy_name: str, args: argparse.Namespace) -> None:
     import lightning
     import torch
     from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from lightning_par import DataParallelStrategy
+    import lightning_par  # noqa: F401 - registers the strategy names
     from lightning_par.data import TokenDataModule
     from lightning_par.models import LlamaLM
+
+    def local_bytes(tensor) -> int:
+        if tensor is None:
+            return 0
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return tensor.numel() * tensor.element_size()
 
     torch.set_num_threads(1)
 
@@ -46,12 +56,19 @@ def worker(strategy_name: str, args: argparse.Namespace) -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.times.append(time.perf_counter() - self._start)
 
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+            params = list(pl_module.parameters())
+            self.state_bytes = (sum(local_bytes(p) + local_bytes(p.grad) for p in params)
+                                + sum(local_bytes(v) for s in inner.state.values() for v in s.values()))
+
         def on_train_end(self, trainer, pl_module):
             peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            result = {"step_times": self.times[args.warmup:], "peak_rss_mib": peak_mib}
+            result = {"step_times": self.times[args.warmup:], "peak_rss_mib": peak_mib,
+                      "state_mib": self.state_bytes / 2**20}
             Path(f"{args.out}.rank{trainer.global_rank}").write_text(json.dumps(result))
 
-    strategy = DDPStrategy() if strategy_name == "lightning_ddp" else DataParallelStrategy()
+    strategy = DDPStrategy() if strategy_name == "lightning_ddp" else strategy_name
     torch.manual_seed(0)
     model = LlamaLM(dim=args.dim, n_layers=args.layers, n_heads=4, n_kv_heads=2, max_seq_len=args.seq_len)
     data = TokenDataModule(source="synthetic", seq_len=args.seq_len, batch_size=args.batch_size, num_samples=8192)
@@ -62,12 +79,14 @@ def worker(strategy_name: str, args: argparse.Namespace) -> None:
 
 
 def run_one(strategy_name: str, args: argparse.Namespace, out: str) -> dict:
+    shared = {k: v for k, v in vars(args).items() if k not in ("worker", "out", "strategies")}
     command = [sys.executable, os.path.abspath(__file__), "--worker", strategy_name, "--out", out,
-               *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "out"))]
+               *(f"--{k.replace('_', '-')}={v}" for k, v in shared.items())]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(args.devices)]
     slowest = [max(step) for step in zip(*(r["step_times"] for r in ranks))]
-    return {"step_times": slowest, "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks)}
+    return {"step_times": slowest, "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks),
+            "state_mib": max(r["state_mib"] for r in ranks)}
 
 
 def main() -> None:
@@ -80,6 +99,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=["lightning_ddp", "data_parallel"])
     parser.add_argument("--worker", choices=STRATEGIES)
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -87,23 +107,26 @@ def main() -> None:
         worker(args.worker, args)
         return
 
-    samples: dict[str, list[float]] = {name: [] for name in STRATEGIES}
-    memory: dict[str, float] = {name: 0.0 for name in STRATEGIES}
+    names = args.strategies
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    memory: dict[str, float] = {name: 0.0 for name in names}
+    state: dict[str, float] = {name: 0.0 for name in names}
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds):
-            order = STRATEGIES if round_index % 2 == 0 else STRATEGIES[::-1]
-            for name in order:
+            for name in names if round_index % 2 == 0 else names[::-1]:
                 result = run_one(name, args, f"{tmp}/{name}{round_index}")
                 samples[name] += result["step_times"]
                 memory[name] = max(memory[name], result["peak_rss_mib"])
+                state[name] = max(state[name], result["state_mib"])
     median = {name: statistics.median(times) for name, times in samples.items()}
+    base = names[0]
     print(f"world size {args.devices}, {args.rounds} rounds x {args.steps - args.warmup} timed steps, "
-          f"dim={args.dim} layers={args.layers} seq={args.seq_len} batch/rank={args.batch_size}")
-    print(f"{'strategy':<16}{'median step (ms)':>18}{'peak RSS/rank (MiB)':>22}")
-    for name in STRATEGIES:
-        print(f"{name:<16}{median[name] * 1e3:>18.1f}{memory[name]:>22.0f}")
-    print(f"step-time ratio data_parallel / lightning_ddp: {median['data_parallel'] / median['lightning_ddp']:.3f}")
-    print(f"peak-memory ratio data_parallel / lightning_ddp: {memory['data_parallel'] / memory['lightning_ddp']:.3f}")
+          f"dim={args.dim} layers={args.layers} seq={args.seq_len} batch/rank={args.batch_size}; ratios to {base}")
+    print(f"{'strategy':<15}{'step (ms)':>11}{'ratio':>7}{'model states/rank (MiB)':>25}{'ratio':>7}"
+          f"{'peak RSS/rank (MiB)':>21}{'ratio':>7}")
+    for name in names:
+        print(f"{name:<15}{median[name] * 1e3:>11.1f}{median[name] / median[base]:>7.2f}{state[name]:>25.1f}"
+              f"{state[name] / state[base]:>7.2f}{memory[name]:>21.0f}{memory[name] / memory[base]:>7.2f}")
 
 
 if __name__ == "__main__":
