@@ -93,8 +93,10 @@ def test_zero_strategy_arguments_are_checked_at_construction(kwargs: dict, messa
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (ParallelConfig(tp=2), r"tp=2: this version of lightning_par applies data parallelism and ZeRO only; set tp=1"),
-        (ParallelConfig(pp=2, cp=2), r"pp=2, cp=2: .* set pp=1 and cp=1"),
+        (ParallelConfig(cp=2), r"cp=2: this version of lightning_par applies data parallelism, ZeRO and tensor "
+                               r"parallelism only; set cp=1"),
+        (ParallelConfig(pp=2, ep=2), r"pp=2, ep=2: .* set pp=1 and ep=1"),
+        (ParallelConfig(tp=2, dp_shard=2, zero_stage=1), r"tp=2 with data parallelism needs zero_stage=3"),
     ],
 )
 def test_techniques_not_yet_available_are_refused(config: ParallelConfig, message: str) -> None:

@@ -9,7 +9,9 @@ from lightning_par.parallel.compose import (
 )
 from lightning_par.parallel.data import apply_data_parallel
 from lightning_par.parallel.plan import ModelPlan, derive_plan
-from lightning_par.parallel.zero import clip_grad_norm_, fully_shard_model, shard_optimizer
+from lightning_par.parallel.clip import clip_grad_norm_
+from lightning_par.parallel.tensor import apply_tensor_parallel
+from lightning_par.parallel.zero import fully_shard_model, shard_optimizer
 
 __all__ = [
     "parallelize",
@@ -18,6 +20,7 @@ __all__ = [
     "gradient_norm_group",
     "check_available",
     "apply_data_parallel",
+    "apply_tensor_parallel",
     "fully_shard_model",
     "shard_optimizer",
     "clip_grad_norm_",

@@ -31,15 +31,16 @@ from lightning_par.parallel import data, zero
 from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas, unwrap
 from lightning_par.parallel.plan import ModelPlan
 from lightning_par.parallel.recompute import apply_activation_checkpointing
+from lightning_par.parallel.tensor import apply_tensor_parallel
 from lightning_par.parallel.zero import fully_shard_model, is_zero_module, materialize_meta_parameters, shard_optimizer
 
 # Mesh dimensions whose technique this version applies. The others are validated by ParallelConfig
 # but refused here, with the size the user asked for.
-AVAILABLE_DIMENSIONS = {"dp_replicate", "dp_shard"}
+AVAILABLE_DIMENSIONS = {"dp_replicate", "dp_shard", "tp"}
 
 
 def check_available(config: ParallelConfig) -> None:
-    """Raise ``ValueError`` when ``config`` asks for a technique this version cannot apply."""
+    """Raise ``ValueError`` when ``config`` asks for something this version cannot apply."""
     missing = {
         name: getattr(config, name)
         for name in ("pp", "tp", "cp", "ep")
@@ -48,8 +49,15 @@ def check_available(config: ParallelConfig) -> None:
     if missing:
         asked = ", ".join(f"{k}={v}" for k, v in missing.items())
         raise ValueError(
-            f"{asked}: this version of lightning_par applies data parallelism and ZeRO only; "
+            f"{asked}: this version of lightning_par applies data parallelism, ZeRO and tensor parallelism only; "
             f"set {' and '.join(f'{k}=1' for k in missing)}"
+        )
+    dp = config.dp if isinstance(config.dp_replicate, int) and isinstance(config.dp_shard, int) else None
+    if config.tp > 1 and config.zero_stage != 3 and dp not in (None, 1):  # None: not resolved yet
+        # DDP and ZeroRedundancyOptimizer work on plain tensors; FSDP2 is what composes with DTensor.
+        raise ValueError(
+            f"tp={config.tp} with data parallelism needs zero_stage=3 (FSDP2 shards the tensor-parallel "
+            f"DTensors over the data-parallel ranks), got zero_stage={config.zero_stage}"
         )
 
 
@@ -72,7 +80,9 @@ def parallelize(
     """
     device = device if device is not None else torch.device(mesh.device_type)
     check_available(config)
-    # Steps 1-4 (pipeline, tensor, context, expert parallel) come with their techniques.
+    # Step 1 (pipeline) comes with its technique.
+    apply_tensor_parallel(model, mesh, plan)  # 2
+    # Steps 3-4 (context, expert parallel) come with their techniques.
     apply_activation_checkpointing(model, plan, mode=config.activation_checkpointing,  # 5
                                    every=config.activation_checkpointing_every)
     if config.zero_stage == 3:  # 7: shard, then allocate only the shards of a meta-device model
@@ -118,8 +128,9 @@ def no_gradient_sync(model: nn.Module) -> AbstractContextManager:
 
 
 def gradient_norm_group(mesh: ParallelMesh, config: ParallelConfig) -> ProcessGroup | None:
-    """The ranks whose gradient pieces make up one whole gradient (None: every rank holds it whole)."""
-    if config.zero_stage >= 2 and mesh.size("dp_shard") > 1:
+    """Under ZeRO-2 the ranks whose gradient pieces make up one whole gradient; else None (whole plain
+    tensors, or DTensors, which know their own placements)."""
+    if config.zero_stage == 2 and mesh.size("dp_shard") > 1:
         return mesh.group("dp_shard")
     return None
 

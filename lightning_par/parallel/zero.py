@@ -182,31 +182,6 @@ def is_zero_module(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule) or hasattr(module, "_zero_gradient_reducer")
 
 
-@torch.no_grad()
-def clip_grad_norm_(parameters: list[Tensor], max_norm: float, *, group: dist.ProcessGroup | None = None) -> Tensor:
-    """Clip by the norm of the whole gradient, wherever its pieces live; return that norm.
-
-    With ``group=None`` every rank holds whole gradients (DDP, stage 1). Otherwise the ranks of ``group``
-    hold disjoint pieces (stage 2: the gradients of the parameters each owns; stage 3: DTensor shards),
-    and the squared norms are summed over it, so every rank scales by the same factor one process holding
-    the whole gradient would.
-    """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    # Local shards of DTensors: their squares summed over `group` give the squares of the whole tensor.
-    pieces = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    device = pieces[0].device if pieces else torch.device("cpu")
-    squares = torch.zeros((), dtype=torch.float64, device=device)
-    for piece in pieces:
-        squares += piece.detach().double().pow(2).sum()
-    if group is not None:
-        dist.all_reduce(squares, group=group)
-    total = squares.sqrt().float()
-    coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for piece in pieces:
-        piece.mul_(coefficient.to(piece.device, piece.dtype))
-    return total
-
-
 __all__ = [
     "fully_shard_model",
     "materialize_meta_parameters",
@@ -214,5 +189,4 @@ __all__ = [
     "GradientReducer",
     "no_gradient_sync",
     "is_zero_module",
-    "clip_grad_norm_",
 ]

@@ -2,9 +2,10 @@
 
 from lightning_par.strategies.base import MeshStrategy
 from lightning_par.strategies.data_parallel import DataParallelStrategy
+from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_par.strategies.zero import ZeroStrategy
 
-STRATEGIES = (DataParallelStrategy, ZeroStrategy)
+STRATEGIES = (DataParallelStrategy, ZeroStrategy, TensorParallelStrategy)
 
 
 def register_strategies() -> None:
@@ -17,4 +18,4 @@ def register_strategies() -> None:
 
 register_strategies()
 
-__all__ = ["MeshStrategy", "DataParallelStrategy", "ZeroStrategy", "register_strategies", "STRATEGIES"]
+__all__ = ["MeshStrategy", "DataParallelStrategy", "ZeroStrategy", "TensorParallelStrategy", "register_strategies", "STRATEGIES"]

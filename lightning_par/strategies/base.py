@@ -57,7 +57,7 @@ from lightning_par.parallel.compose import (
 )
 from lightning_par.parallel.data import unwrap
 from lightning_par.parallel.plan import ModelPlan, derive_plan
-from lightning_par.parallel.zero import clip_grad_norm_
+from lightning_par.parallel.clip import clip_grad_norm_
 
 # Set when a run raised: the exit handler then leaves the process group alone instead of waiting for peers.
 _RUN_FAILED = False
@@ -264,7 +264,8 @@ class MeshStrategy(ParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_(parameters, float(clip_val), group=gradient_norm_group(self.mesh, self.parallel_config))
+        clip_grad_norm_(parameters, float(clip_val),
+                        partition_group=gradient_norm_group(self.mesh, self.parallel_config))
 
     def resolve_plan(self, module: nn.Module) -> ModelPlan | None:
         """The plan given to the strategy, else one derived from the model (None if it has no standard shape)."""

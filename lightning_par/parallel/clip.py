@@ -1,0 +1,48 @@
+"""Gradient clipping by the norm of the whole gradient, wherever its pieces live.
+
+Clipping scales every gradient by ``max_norm / ||g||`` where ``||g||`` is the 2-norm of the gradient of
+the whole model (Pascanu et al. 2013, "On the difficulty of training recurrent neural networks"). Under
+model parallelism no rank holds that gradient: tensor parallel and ZeRO-3 leave DTensor shards (on
+different meshes: a 2-D data x tensor mesh for split layers, the data mesh alone for replicated norms),
+and ZeRO-2 leaves each rank the whole gradients of the parameters it owns only. The norm is assembled
+from those pieces so that every rank scales by the factor one process holding everything would use.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: list[Tensor], max_norm: float, *,
+                    partition_group: dist.ProcessGroup | None = None) -> float:
+    """Clip ``parameters``' gradients in place to a total 2-norm of ``max_norm``; return the norm before.
+
+    DTensor gradients contribute their whole norm (reduced over their own mesh). ``partition_group``:
+    the ranks over which plain-tensor gradients are partitioned (ZeRO-2); their squares are summed there.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    plain = torch.zeros((), dtype=torch.float64)
+    sharded = torch.zeros((), dtype=torch.float64)
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            sharded += torch.linalg.vector_norm(grad, dtype=torch.float32).full_tensor().double().cpu() ** 2
+        else:
+            plain += grad.detach().double().pow(2).sum().cpu()
+    if partition_group is not None:
+        device = grads[0].device if grads and not isinstance(grads[0], DTensor) else torch.device("cpu")
+        plain = plain.to(device)
+        dist.all_reduce(plain, group=partition_group)
+        plain = plain.cpu()
+    total = float((plain + sharded).sqrt())
+    coefficient = min(1.0, max_norm / (total + 1e-6))
+    if coefficient < 1.0:
+        for grad in grads:
+            grad.mul_(coefficient)
+    return total
+
+
+__all__ = ["clip_grad_norm_"]

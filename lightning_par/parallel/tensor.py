@@ -1,0 +1,77 @@
+"""Tensor parallelism (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language
+Models Using Model Parallelism") on PyTorch DTensor.
+
+Inside each transformer block the first projection of a pair is split by output features (column-wise:
+q/k/v, gate/up) and the second by input features (row-wise: o, down), so each rank computes its own heads
+and its own slice of the MLP hidden units, and one all-reduce per pair restores the full activation.
+The embedding is split by vocabulary rows (each rank looks up the tokens it holds, an all-reduce sums
+them) and the head by vocabulary columns (an all-gather assembles the logits). Which module gets which
+style comes from the model plan (``colwise``, ``rowwise``, ``vocab``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.plan import ModelPlan
+
+
+def tensor_parallel_styles(module: nn.Module, plan: ModelPlan) -> dict[str, ParallelStyle]:
+    """The DTensor style of every module that ``plan`` marks ``colwise``, ``rowwise`` or ``vocab``."""
+    styles: dict[str, ParallelStyle] = {}
+    for name, sub in module.named_modules():
+        style = plan.style_of(name)
+        if style == "vocab" and isinstance(sub, nn.Embedding):
+            # Rows are the vocabulary: each rank embeds the tokens it holds; the partial sums are all-reduced.
+            styles[name] = RowwiseParallel(input_layouts=Replicate())
+        elif style == "colwise" and isinstance(sub, nn.Linear):
+            # The head's vocabulary-sharded logits are gathered so that any loss function sees them whole.
+            styles[name] = ColwiseParallel(output_layouts=Replicate()) if name == plan.head else ColwiseParallel()
+        elif style == "rowwise" and isinstance(sub, nn.Linear):
+            styles[name] = RowwiseParallel()
+    return styles
+
+
+def check_tensor_parallel(module: nn.Module, plan: ModelPlan | None, tp: int) -> None:
+    """Raise ``ValueError`` when ``module`` cannot be split ``tp`` ways, naming the size and what fits."""
+    if tp == 1:
+        return
+    if plan is None:
+        raise ValueError(
+            f"tp={tp} needs to know which layers to split, and no model plan was found: give the strategy a plan "
+            "(plan: {blocks: ..., styles: {...}}) or use a standard decoder layout (see docs/architecture.md)"
+        )
+    for name, style in tensor_parallel_styles(module, plan).items():
+        sub = module.get_submodule(name)
+        if isinstance(sub, nn.Embedding):
+            size, what = sub.num_embeddings, "vocabulary size"
+        elif isinstance(style, ColwiseParallel):
+            size, what = sub.out_features, "output features"
+        else:
+            size, what = sub.in_features, "input features"
+        parent = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+        head_dim = getattr(parent, "head_dim", None)
+        if isinstance(head_dim, int) and isinstance(sub, nn.Linear) and size % head_dim == 0:
+            # Attention projections must split into whole heads, not just into equal slices.
+            size, what = size // head_dim, "heads"
+        if size % tp != 0:
+            fits = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
+            raise ValueError(f"tp={tp} does not divide the {size} {what} of {name!r}; tensor-parallel sizes that "
+                             f"fit this layer: {fits}")
+
+
+def apply_tensor_parallel(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None) -> nn.Module:
+    """Split the layers of ``module`` that ``plan`` marks over the ``tp`` dimension of ``mesh`` (in place)."""
+    tp = mesh.size("tp")
+    if tp == 1:
+        return module
+    check_tensor_parallel(module, plan, tp)
+    assert plan is not None
+    parallelize_module(module, mesh["tp"], tensor_parallel_styles(module, plan))
+    return module
+
+
+__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tensor_parallel_styles"]

@@ -1,0 +1,57 @@
+"""TensorParallelStrategy (``tensor_parallel``): Megatron-style tensor parallelism on the mesh."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal, Union
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from typing_extensions import override
+
+from lightning_par.config import ParallelConfig
+from lightning_par.strategies.base import MeshStrategy
+
+
+class TensorParallelStrategy(MeshStrategy):
+    """Tensor parallelism (Shoeybi et al. 2019) on DTensor, with FSDP2 over the remaining ranks.
+
+    Each block's attention heads and MLP hidden units are split over ``tensor_parallel_size`` ranks, the
+    embedding and head over the vocabulary (see ``lightning_par.parallel.tensor``). The remaining ranks
+    (``world_size / tensor_parallel_size``) are data parallel; their gradients and model states are
+    sharded with FSDP2 (ZeRO-3), the data parallelism that composes with DTensor.
+
+    Args:
+        tensor_parallel_size: ranks that split each layer (keep them inside a node: they all-reduce twice
+            per block in forward and backward).
+        data_parallel_size: ``"auto"``: every remaining rank.
+        activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation per block.
+        activation_checkpointing_every: checkpoint one block in this many.
+        plan: which layers are column-/row-wise (derived for standard decoders; see docs/architecture.md).
+        save_distributed_checkpoint: sharded DCP directory (default) or one full file from rank 0.
+    """
+
+    strategy_name = "tensor_parallel"
+
+    def __init__(
+        self,
+        tensor_parallel_size: int = 2,
+        data_parallel_size: Union[int, Literal["auto"]] = "auto",
+        activation_checkpointing: Literal["none", "full", "selective"] = "none",
+        activation_checkpointing_every: int = 1,
+        plan: dict[str, Any] | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        config = ParallelConfig(tp=tensor_parallel_size, dp_shard=data_parallel_size, zero_stage=3,
+                                activation_checkpointing=activation_checkpointing,
+                                activation_checkpointing_every=activation_checkpointing_every)
+        super().__init__(config, plan=plan, save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout, **kwargs)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="Megatron-style tensor parallel on DTensor",
+                                   override=True)

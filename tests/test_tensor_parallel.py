@@ -1,0 +1,61 @@
+"""tensor_parallel: parity with one process at tp=2 and tp=4, with FSDP2 over the data-parallel ranks."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from parity import assert_parity, layout_run, reference_run
+from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
+
+PARITY_RTOL = 1e-5
+# 4 query and 4 key/value heads, 64-token vocabulary: splits 2 and 4 ways.
+make_module = functools.partial(SGDLlamaLM, **{**MODEL, "n_kv_heads": 4})
+
+
+def make_strategy(**kwargs):
+    from lightning_par import TensorParallelStrategy
+
+    return TensorParallelStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "kwargs", "accumulate", "clip"),
+    [
+        (2, dict(tensor_parallel_size=2), 1, None),
+        (4, dict(tensor_parallel_size=4), 1, None),
+        (4, dict(tensor_parallel_size=2), 2, 0.05),  # dp2 (FSDP2) x tp2, accumulation, global-norm clipping
+    ],
+    ids=["tp2", "tp4", "dp2xtp2-acc2-clip"],
+)
+def test_tensor_parallel_matches_single_process(world_size: int, kwargs: dict, accumulate: int, clip) -> None:
+    dp = world_size // kwargs["tensor_parallel_size"]
+    expected = reference_run(make_module, make_datamodule, dp=dp, steps=STEPS, accumulate=accumulate,
+                             gradient_clip_val=clip)
+    actual = layout_run(make_module, make_datamodule, functools.partial(make_strategy, **kwargs),
+                        world_size=world_size, steps=STEPS, accumulate=accumulate,
+                        trainer_kwargs={"gradient_clip_val": clip})
+    loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
+    print(f"tensor_parallel {kwargs} ws={world_size}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
+
+
+def _bad_split(rank: int, world_size: int) -> str:
+    import lightning
+    import torch.distributed as dist
+
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False,
+                                strategy=make_strategy(tensor_parallel_size=4), max_steps=1)
+    try:
+        trainer.fit(SGDLlamaLM(**{**MODEL, "n_heads": 2, "n_kv_heads": 2}), datamodule=make_datamodule())
+    except ValueError as error:
+        dist.barrier()  # every rank got here: nobody is left waiting in a collective
+        return str(error)
+    raise AssertionError("no ValueError")
+
+
+def test_heads_that_do_not_split_are_a_clear_error_on_every_rank() -> None:
+    from harness import run_distributed
+
+    messages = run_distributed(_bad_split, 4)
+    assert len(set(messages)) == 1
+    assert "tp=4 does not divide the 2 heads of 'model.layers.0.attention.q_proj'" in messages[0]
