@@ -48,6 +48,7 @@ from typing_extensions import override
 from lightning_par import checkpoint as ckpt
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.clip import clip_grad_norm_
 from lightning_par.parallel.compose import (
     check_available,
     gradient_norm_group,
@@ -57,7 +58,6 @@ from lightning_par.parallel.compose import (
 )
 from lightning_par.parallel.data import unwrap
 from lightning_par.parallel.plan import ModelPlan, derive_plan
-from lightning_par.parallel.clip import clip_grad_norm_
 
 # Set when a run raised: the exit handler then leaves the process group alone instead of waiting for peers.
 _RUN_FAILED = False
