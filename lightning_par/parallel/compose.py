@@ -34,18 +34,14 @@ from lightning_par.parallel.recompute import apply_activation_checkpointing
 from lightning_par.parallel.tensor import apply_tensor_parallel
 from lightning_par.parallel.zero import fully_shard_model, is_zero_module, materialize_meta_parameters, shard_optimizer
 
-# Mesh dimensions whose technique this version applies. The others are validated by ParallelConfig
-# but refused here, with the size the user asked for.
-AVAILABLE_DIMENSIONS = {"dp_replicate", "dp_shard", "tp"}
+# Sizes whose technique this version does not apply yet: validated by ParallelConfig, refused here with
+# the size the user asked for.
+NOT_YET_AVAILABLE = ("pp", "cp", "ep")
 
 
 def check_available(config: ParallelConfig) -> None:
     """Raise ``ValueError`` when ``config`` asks for something this version cannot apply."""
-    missing = {
-        name: getattr(config, name)
-        for name in ("pp", "tp", "cp", "ep")
-        if name not in AVAILABLE_DIMENSIONS and getattr(config, name) != 1
-    }
+    missing = {name: getattr(config, name) for name in NOT_YET_AVAILABLE if getattr(config, name) != 1}
     if missing:
         asked = ", ".join(f"{k}={v}" for k, v in missing.items())
         raise ValueError(
