@@ -36,6 +36,7 @@ class ParallelConfig:
     Expert parallel (``ep``) is not a mesh dimension of its own: it borrows ranks from ``dp_shard x cp``
     (as in torchtitan and Megatron-Core), so adding experts does not multiply the world size.
 
+    ``sequence_parallel`` keeps the activations between tensor-parallel regions split along the sequence.
     ``zero_stage`` shards model states over the data-parallel ranks (0: plain DDP; 1: optimizer states;
     2: + gradients; 3: + parameters, FSDP2), ``reshard_after_forward`` is the stage-3 trade of memory for
     one all-gather per block; ``param_dtype`` / ``reduce_dtype`` (stage 3) compute in low precision from
@@ -53,6 +54,7 @@ class ParallelConfig:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    sequence_parallel: bool = False
     zero_stage: int = 0
     reshard_after_forward: bool = True
     param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -166,7 +168,8 @@ class ParallelConfig:
             self.ddp_bucket_cap_mb > 0
         ):
             raise ValueError(f"ddp_bucket_cap_mb must be a positive number of MiB, got {self.ddp_bucket_cap_mb!r}")
-        for flag in ("ddp_static_graph", "ddp_find_unused_parameters", "reshard_after_forward", "cpu_offload"):
+        for flag in ("ddp_static_graph", "ddp_find_unused_parameters", "reshard_after_forward", "cpu_offload",
+                     "sequence_parallel"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.ddp_static_graph and self.ddp_find_unused_parameters:

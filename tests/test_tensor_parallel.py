@@ -25,8 +25,11 @@ def make_strategy(**kwargs):
         (2, dict(tensor_parallel_size=2), 1, None),
         (4, dict(tensor_parallel_size=4), 1, None),
         (4, dict(tensor_parallel_size=2), 2, 0.05),  # dp2 (FSDP2) x tp2, accumulation, global-norm clipping
+        (2, dict(tensor_parallel_size=2, sequence_parallel=True), 1, None),
+        (4, dict(tensor_parallel_size=4, sequence_parallel=True), 1, 0.05),
+        (4, dict(tensor_parallel_size=2, sequence_parallel=True), 2, 0.05),
     ],
-    ids=["tp2", "tp4", "dp2xtp2-acc2-clip"],
+    ids=["tp2", "tp4", "dp2xtp2-acc2-clip", "tp2-sp", "tp4-sp-clip", "dp2xtp2-sp-acc2-clip"],
 )
 def test_tensor_parallel_matches_single_process(world_size: int, kwargs: dict, accumulate: int, clip) -> None:
     dp = world_size // kwargs["tensor_parallel_size"]
@@ -59,3 +62,34 @@ def test_heads_that_do_not_split_are_a_clear_error_on_every_rank() -> None:
     messages = run_distributed(_bad_split, 4)
     assert len(set(messages)) == 1
     assert "tp=4 does not divide the 2 heads of 'model.layers.0.attention.q_proj'" in messages[0]
+
+
+def _block_input_lengths(rank: int, world_size: int, sequence_parallel: bool) -> dict:
+    import lightning
+
+    module = make_module()
+    seen: dict[str, int] = {}
+
+    def record(name):
+        def hook(module, args, output) -> None:  # returns None: the output stays as it is
+            seen.setdefault(name, args[0].shape[1])
+
+        return hook
+
+    module.model.layers["0"].register_forward_hook(record("block"))
+    module.model.layers["0"].attention.q_proj.register_forward_hook(record("q_proj"))
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, max_steps=1, logger=False,
+                                strategy=make_strategy(tensor_parallel_size=world_size,
+                                                       sequence_parallel=sequence_parallel),
+                                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=make_datamodule())
+    return seen
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_sequence_parallel_splits_the_activations_between_regions(sequence_parallel: bool) -> None:
+    """With sequence parallelism a block sees 1/tp of the 16 tokens; attention still sees all of them."""
+    from harness import run_distributed
+
+    seen = run_distributed(_block_input_lengths, 2, sequence_parallel)[0]
+    assert seen == {"block": 8 if sequence_parallel else 16, "q_proj": 16}

@@ -225,7 +225,9 @@ class TransformerBlock(nn.Module):
         self.mlp.init_weights(init_std, out_std)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)  # (B, T, C)
+        # cos/sin by keyword: the positional input is the one activation that parallel styles re-lay out
+        # (Hugging Face passes position embeddings the same way).
+        h = x + self.attention(self.attention_norm(x), cos=cos, sin=sin)  # (B, T, C)
         return h + self.mlp(self.mlp_norm(h))  # (B, T, C)
 
 
@@ -304,8 +306,10 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
         """Token ids (B, T) -> logits (B, T, vocab); hidden states in or out on pipeline stages."""
+        # The sequence length of the input, not of `h`: under sequence parallelism `h` holds only this
+        # rank's slice of the sequence, while attention runs on the whole of it.
+        cos, sin = self.rope(tokens.shape[1], positions)  # (T, D/2) or (B, T, D/2)
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens  # (B, T, C)
-        cos, sin = self.rope(h.shape[1], positions)  # (T, D/2) or (B, T, D/2)
         for layer in self.layers.values():
             h = layer(h, cos, sin)  # (B, T, C)
         h = self.norm(h) if self.norm is not None else h

@@ -77,7 +77,7 @@ def parallelize(
     device = device if device is not None else torch.device(mesh.device_type)
     check_available(config)
     # Step 1 (pipeline) comes with its technique.
-    apply_tensor_parallel(model, mesh, plan)  # 2
+    apply_tensor_parallel(model, mesh, plan, sequence_parallel=config.sequence_parallel)  # 2
     # Steps 3-4 (context, expert parallel) come with their techniques.
     apply_activation_checkpointing(model, plan, mode=config.activation_checkpointing,  # 5
                                    every=config.activation_checkpointing_every)

@@ -12,26 +12,49 @@ style comes from the model plan (``colwise``, ``rowwise``, ``vocab``).
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.plan import ModelPlan
 
 
-def tensor_parallel_styles(module: nn.Module, plan: ModelPlan) -> dict[str, ParallelStyle]:
-    """The DTensor style of every module that ``plan`` marks ``colwise``, ``rowwise`` or ``vocab``."""
+def tensor_parallel_styles(module: nn.Module, plan: ModelPlan, *,
+                           sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The DTensor style of every module that ``plan`` marks ``colwise``, ``rowwise``, ``vocab`` or ``sequence``.
+
+    With ``sequence_parallel`` (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    Transformer Models") the activations between the tensor-parallel regions stay split along the
+    sequence: norms run on 1/tp of the tokens, each region starts with an all-gather of the sequence and
+    ends with a reduce-scatter, in place of the one all-reduce (same bytes, 1/tp of the activation memory).
+    """
+    between = Shard(1) if sequence_parallel else Replicate()  # layout of activations between regions
     styles: dict[str, ParallelStyle] = {}
     for name, sub in module.named_modules():
         style = plan.style_of(name)
         if style == "vocab" and isinstance(sub, nn.Embedding):
-            # Rows are the vocabulary: each rank embeds the tokens it holds; the partial sums are all-reduced.
-            styles[name] = RowwiseParallel(input_layouts=Replicate())
+            # Rows are the vocabulary: each rank embeds the tokens it holds; the partial sums are reduced.
+            styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+        elif style == "colwise" and isinstance(sub, nn.Linear) and name == plan.head:
+            # The vocabulary-sharded logits are gathered so that any loss function sees them whole.
+            styles[name] = ColwiseParallel(input_layouts=between, output_layouts=Replicate())
         elif style == "colwise" and isinstance(sub, nn.Linear):
-            # The head's vocabulary-sharded logits are gathered so that any loss function sees them whole.
-            styles[name] = ColwiseParallel(output_layouts=Replicate()) if name == plan.head else ColwiseParallel()
+            styles[name] = ColwiseParallel()
+            if sequence_parallel:
+                # The module owning the projections (attention, MLP) gathers the sequence once for all of them.
+                styles[name.rpartition(".")[0]] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                                     desired_input_layouts=(Replicate(),))
         elif style == "rowwise" and isinstance(sub, nn.Linear):
-            styles[name] = RowwiseParallel()
+            styles[name] = RowwiseParallel(output_layouts=between)
+        elif style == "sequence" and sequence_parallel:
+            styles[name] = SequenceParallel()
     return styles
 
 
@@ -46,6 +69,8 @@ def check_tensor_parallel(module: nn.Module, plan: ModelPlan | None, tp: int) ->
         )
     for name, style in tensor_parallel_styles(module, plan).items():
         sub = module.get_submodule(name)
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            continue
         if isinstance(sub, nn.Embedding):
             size, what = sub.num_embeddings, "vocabulary size"
         elif isinstance(style, ColwiseParallel):
@@ -63,14 +88,18 @@ def check_tensor_parallel(module: nn.Module, plan: ModelPlan | None, tp: int) ->
                              f"fit this layer: {fits}")
 
 
-def apply_tensor_parallel(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None) -> nn.Module:
-    """Split the layers of ``module`` that ``plan`` marks over the ``tp`` dimension of ``mesh`` (in place)."""
+def apply_tensor_parallel(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *,
+                          sequence_parallel: bool = False) -> nn.Module:
+    """Split the layers of ``module`` that ``plan`` marks over the ``tp`` dimension of ``mesh`` (in place).
+
+    Under ``sequence_parallel`` the sequence length of every batch must be divisible by ``tp``.
+    """
     tp = mesh.size("tp")
     if tp == 1:
         return module
     check_tensor_parallel(module, plan, tp)
     assert plan is not None
-    parallelize_module(module, mesh["tp"], tensor_parallel_styles(module, plan))
+    parallelize_module(module, mesh["tp"], tensor_parallel_styles(module, plan, sequence_parallel=sequence_parallel))
     return module
 
 

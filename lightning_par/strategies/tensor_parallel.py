@@ -24,6 +24,9 @@ class TensorParallelStrategy(MeshStrategy):
         tensor_parallel_size: ranks that split each layer (keep them inside a node: they all-reduce twice
             per block in forward and backward).
         data_parallel_size: ``"auto"``: every remaining rank.
+        sequence_parallel: keep norm/residual activations split along the sequence between the
+            tensor-parallel regions (all-gather + reduce-scatter instead of all-reduce; the sequence length
+            must be divisible by ``tensor_parallel_size``).
         activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation per block.
         activation_checkpointing_every: checkpoint one block in this many.
         plan: which layers are column-/row-wise (derived for standard decoders; see docs/architecture.md).
@@ -36,6 +39,7 @@ class TensorParallelStrategy(MeshStrategy):
         self,
         tensor_parallel_size: int = 2,
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
+        sequence_parallel: bool = False,
         activation_checkpointing: Literal["none", "full", "selective"] = "none",
         activation_checkpointing_every: int = 1,
         plan: dict[str, Any] | None = None,
@@ -45,6 +49,7 @@ class TensorParallelStrategy(MeshStrategy):
         **kwargs: Any,
     ) -> None:
         config = ParallelConfig(tp=tensor_parallel_size, dp_shard=data_parallel_size, zero_stage=3,
+                                sequence_parallel=sequence_parallel,
                                 activation_checkpointing=activation_checkpointing,
                                 activation_checkpointing_every=activation_checkpointing_every)
         super().__init__(config, plan=plan, save_distributed_checkpoint=save_distributed_checkpoint,
