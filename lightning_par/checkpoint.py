@@ -114,7 +114,7 @@ def save_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike, *, shar
     from :func:`model_state_dict` / :func:`optimizer_state_dict` with ``full=not sharded``.
     """
     final = Path(path)
-    staging = final.with_name(f".{final.name}.partial")
+    staging = _staging_path(final)
     rank = _rank()
     if rank == 0:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -196,10 +196,10 @@ def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike
     else:
         raise FileNotFoundError(f"{str(checkpoint)!r} is neither a sharded checkpoint directory nor a checkpoint file")
     weights = {name: tensor.contiguous() for name, tensor in weights.items()}
-    staging = output.with_name(f".{output.name}.partial")
+    staging = _staging_path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     torch.save(weights, staging)
-    os.replace(staging, output)
+    _move_into_place(staging, output)
     return weights
 
 
@@ -223,6 +223,11 @@ def _weights_only(weights_only: bool | None) -> bool:
     # Lightning's metadata (hyper-parameters, loop state) holds plain Python objects that the restricted
     # unpickler refuses unless the caller says otherwise; the default follows Lightning's own loader.
     return False if weights_only is None else weights_only
+
+
+def _staging_path(final: Path) -> Path:
+    """Where ``final`` is written before it is renamed into place (never loaded, cleaned by the next save)."""
+    return final.with_name(f".{final.name}.partial")
 
 
 def _move_into_place(staging: Path, final: Path) -> None:

@@ -1,7 +1,7 @@
 """ZeRO stages 1-3 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
 Parameter Models") on PyTorch's own pieces.
 
-Model states of mixed-free fp32 Adam take 16 bytes per parameter: 4 weights, 4 gradients, 8 moments.
+Model states of pure-fp32 Adam take 16 bytes per parameter: 4 weights, 4 gradients, 8 moments.
 Over N data-parallel ranks:
 
 - stage 1 shards the optimizer states: ``4 + 4 + 8/N``. Gradients are all-reduced whole by DDP;
@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.plan import ModelPlan
+
 
 def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *,
                       reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
