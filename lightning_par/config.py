@@ -27,6 +27,7 @@ GRADIENT_COMPRESSIONS = ("none", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2, 3)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 RECOMPUTE_MODES = ("none", "full", "selective")
+CP_METHODS = ("ulysses", "ring")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class ParallelConfig:
     (as in torchtitan and Megatron-Core), so adding experts does not multiply the world size.
 
     ``sequence_parallel`` keeps the activations between tensor-parallel regions split along the sequence.
+    ``cp_method`` is how context parallel attends across the sequence slices (``ulysses`` all-to-all or
+    ``ring``; see ``lightning_par.parallel.sequence``).
     ``zero_stage`` shards model states over the data-parallel ranks (0: plain DDP; 1: optimizer states;
     2: + gradients; 3: + parameters, FSDP2), ``reshard_after_forward`` is the stage-3 trade of memory for
     one all-gather per block; ``param_dtype`` / ``reduce_dtype`` (stage 3) compute in low precision from
@@ -55,6 +58,7 @@ class ParallelConfig:
     tp: int = 1
     ep: int = 1
     sequence_parallel: bool = False
+    cp_method: Literal["ulysses", "ring"] = "ulysses"
     zero_stage: int = 0
     reshard_after_forward: bool = True
     param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -151,6 +155,9 @@ class ParallelConfig:
                     f"{name}={getattr(self, name)!r} needs zero_stage=3 (FSDP2 keeps fp32 shards and casts per "
                     f"block); with zero_stage={self.zero_stage} use Trainer(precision='bf16-mixed') instead"
                 )
+        if self.cp_method not in CP_METHODS:
+            raise ValueError(f"cp_method={self.cp_method!r} is not one of {CP_METHODS} (ulysses: all-to-all of heads "
+                             "and sequence; ring: key/value blocks passed round the ranks)")
         if self.activation_checkpointing not in RECOMPUTE_MODES:
             raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r} is not one of "
                              f"{RECOMPUTE_MODES}")

@@ -31,12 +31,13 @@ from lightning_par.parallel import data, zero
 from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas, unwrap
 from lightning_par.parallel.plan import ModelPlan
 from lightning_par.parallel.recompute import apply_activation_checkpointing
+from lightning_par.parallel.sequence import apply_context_parallel
 from lightning_par.parallel.tensor import apply_tensor_parallel
 from lightning_par.parallel.zero import fully_shard_model, is_zero_module, materialize_meta_parameters, shard_optimizer
 
 # Sizes whose technique this version does not apply yet: validated by ParallelConfig, refused here with
 # the size the user asked for.
-NOT_YET_AVAILABLE = ("pp", "cp", "ep")
+NOT_YET_AVAILABLE = ("pp", "ep")
 
 
 def check_available(config: ParallelConfig) -> None:
@@ -45,7 +46,7 @@ def check_available(config: ParallelConfig) -> None:
     if missing:
         asked = ", ".join(f"{k}={v}" for k, v in missing.items())
         raise ValueError(
-            f"{asked}: this version of lightning_par applies data parallelism, ZeRO and tensor parallelism only; "
+            f"{asked}: this version of lightning_par applies data, ZeRO, tensor and context parallelism only; "
             f"set {' and '.join(f'{k}=1' for k in missing)}"
         )
     dp = config.dp if isinstance(config.dp_replicate, int) and isinstance(config.dp_shard, int) else None
@@ -55,6 +56,12 @@ def check_available(config: ParallelConfig) -> None:
             f"tp={config.tp} with data parallelism needs zero_stage=3 (FSDP2 shards the tensor-parallel "
             f"DTensors over the data-parallel ranks), got zero_stage={config.zero_stage}"
         )
+    if config.cp > 1 and config.tp > 1:
+        raise ValueError(f"cp={config.cp} with tp={config.tp}: context and tensor parallel do not compose in this "
+                         "version yet; use one of them")
+    if config.cp > 1 and config.zero_stage in (1, 2):
+        raise ValueError(f"cp={config.cp} with zero_stage={config.zero_stage}: context parallel averages gradients "
+                         "over dp x cp, which DDP (zero_stage=0) and FSDP2 (zero_stage=3) do; use one of those")
 
 
 def parallelize(
@@ -78,7 +85,8 @@ def parallelize(
     check_available(config)
     # Step 1 (pipeline) comes with its technique.
     apply_tensor_parallel(model, mesh, plan, sequence_parallel=config.sequence_parallel)  # 2
-    # Steps 3-4 (context, expert parallel) come with their techniques.
+    apply_context_parallel(model, mesh, plan, method=config.cp_method)  # 3
+    # Step 4 (expert parallel) comes with its technique.
     apply_activation_checkpointing(model, plan, mode=config.activation_checkpointing,  # 5
                                    every=config.activation_checkpointing_every)
     if config.zero_stage == 3:  # 7: shard, then allocate only the shards of a meta-device model

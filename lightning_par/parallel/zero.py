@@ -84,10 +84,11 @@ def materialize_meta_parameters(module: nn.Module, device: torch.device) -> bool
 
 
 def _fsdp_mesh(mesh: ParallelMesh) -> Any:
-    # 1-D: plain FSDP over the sharding ranks; 2-D (replicate, shard): HSDP.
+    # 1-D: plain FSDP over the sharding ranks; 2-D (replicate, shard): HSDP. Context-parallel ranks shard
+    # too (as in torchtitan): they hold the same parameters and their gradients are averaged with the rest.
     if mesh.size("dp_replicate") > 1:
-        return mesh.root["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+        return mesh.root["dp_replicate", "dp_shard_cp"]
+    return mesh["dp_shard_cp"]
 
 
 class GradientReducer:

@@ -2,10 +2,11 @@
 
 from lightning_par.strategies.base import MeshStrategy
 from lightning_par.strategies.data_parallel import DataParallelStrategy
+from lightning_par.strategies.sequence_parallel import SequenceParallelStrategy
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_par.strategies.zero import ZeroStrategy
 
-STRATEGIES = (DataParallelStrategy, ZeroStrategy, TensorParallelStrategy)
+STRATEGIES = (DataParallelStrategy, ZeroStrategy, TensorParallelStrategy, SequenceParallelStrategy)
 
 
 def register_strategies() -> None:
@@ -18,4 +19,5 @@ def register_strategies() -> None:
 
 register_strategies()
 
-__all__ = ["MeshStrategy", "DataParallelStrategy", "ZeroStrategy", "TensorParallelStrategy", "register_strategies", "STRATEGIES"]
+__all__ = ["MeshStrategy", "DataParallelStrategy", "ZeroStrategy", "TensorParallelStrategy",
+           "SequenceParallelStrategy", "register_strategies", "STRATEGIES"]

@@ -1,0 +1,338 @@
+"""Context parallelism: each rank of the ``cp`` group holds a slice of every sequence.
+
+The blocks of the model run on ``T / cp`` tokens per rank; only attention needs the other ranks'
+tokens, and two methods provide them:
+
+* ``ulysses`` (Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for Enabling Training of
+  Extreme Long Sequence Transformer Models"): an all-to-all turns q/k/v split by sequence into q/k/v
+  split by heads, each rank attends over the whole sequence for ``H / cp`` heads, and a second
+  all-to-all turns the output back. The number of heads must be divisible by ``cp``.
+* ``ring`` (Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context"):
+  key/value blocks travel round the ring while each rank merges the partial attention of its queries
+  with an online softmax (Milakov & Gimelshein 2018; Dao et al. 2022, "FlashAttention"). Under a causal
+  mask, rank ``r`` holds chunks ``r`` and ``2cp-1-r`` of ``2cp`` equal chunks, so that every rank
+  computes the same number of unmasked score blocks (the load balancing of Llama 3 / Megatron-CP).
+
+Both are plain PyTorch with gloo-capable collectives, so they run on CPU; PyTorch's own
+``context_parallel`` needs SDPA sharding rules that CPU lacks.
+
+How it attaches to a model, without model-specific code (``apply_context_parallel``):
+
+* the first block's hidden-state input is cut to this rank's tokens; in every block, tensors passed
+  beside the hidden state that run along the sequence (rotary tables, position ids) are cut the same way;
+* ``F.scaled_dot_product_attention`` calls inside the blocks are routed to the chosen method;
+* the last block's output is gathered back to the whole sequence, so the final norm, the head and the
+  user's loss run unchanged (on the whole sequence, identically on every rank of the group).
+
+The gradient of that gather keeps this rank's slice scaled by ``cp``: block gradients then cover only
+this rank's tokens and their sum over the group is the whole gradient, while the gradients of the
+final norm and head are whole on every rank. Averaging over ``dp x cp`` (DDP or FSDP2 over ``dp_cp``)
+turns both into the right value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.nn.functional import all_to_all_single
+from torch.overrides import TorchFunctionMode
+
+from lightning_par.config import CP_METHODS
+from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.plan import ModelPlan
+
+Method = Literal["ulysses", "ring"]
+
+
+# ----------------------------------------------------------------------------------- token layout
+def chunks_of_rank(rank: int, cp: int, method: Method) -> tuple[int, ...]:
+    """Indices of the equal sequence chunks rank ``rank`` holds: ``cp`` chunks for Ulysses, ``2cp`` for ring."""
+    return (rank,) if method == "ulysses" else (rank, 2 * cp - 1 - rank)
+
+
+def sequence_divisor(cp: int, method: Method) -> int:
+    """The sequence length must be a multiple of this number."""
+    return cp if method == "ulysses" else 2 * cp
+
+
+def local_positions(seq_len: int, rank: int, cp: int, method: Method) -> Tensor:
+    """Global token positions held by ``rank``, in the order it holds them."""
+    n_chunks = sequence_divisor(cp, method)
+    size = seq_len // n_chunks
+    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks_of_rank(rank, cp, method)])
+
+
+def check_sequence_length(seq_len: int, cp: int, method: Method) -> None:
+    """Raise ``ValueError`` when ``seq_len`` tokens cannot be split over ``cp`` ranks with ``method``."""
+    divisor = sequence_divisor(cp, method)
+    if seq_len % divisor != 0:
+        why = "" if method == "ulysses" else f" (2 x cp: causal load balancing gives each rank 2 of {divisor} chunks)"
+        fits = [seq_len - seq_len % divisor, seq_len + divisor - seq_len % divisor]
+        raise ValueError(f"sequence length {seq_len} is not divisible by {divisor}{why}, which cp={cp} with "
+                         f"method={method!r} needs; nearest lengths that fit: {[n for n in fits if n > 0]}")
+
+
+def causal_score_blocks(rank: int, cp: int, method: Method) -> int:
+    """Unmasked (query chunk, key chunk) pairs ``rank`` computes under a causal mask, diagonal pairs as 1/2.
+
+    With the balanced ring layout every rank gets the same number; with contiguous chunks rank ``r``
+    would compute ``r + 1/2`` pairs (the imbalance the layout removes).
+    """
+    mine = chunks_of_rank(rank, cp, method)
+    every = [c for r in range(cp) for c in chunks_of_rank(r, cp, method)]
+    return sum((1.0 if k < q else 0.5) for q in mine for k in every if k <= q)
+
+
+# ------------------------------------------------------------------------------------- Ulysses
+def _sequence_to_heads(x: Tensor, group: dist.ProcessGroup, cp: int) -> Tensor:
+    """(B, H, T/cp, D) split by sequence -> (B, H/cp, T, D) split by heads."""
+    B, H, Tl, D = x.shape
+    send = x.reshape(B, cp, H // cp, Tl, D).transpose(0, 1).contiguous()  # slot j: the heads rank j will own
+    received = all_to_all_single(torch.empty_like(send), send, group=group)  # slot j: rank j's tokens
+    return received.permute(1, 2, 0, 3, 4).reshape(B, H // cp, cp * Tl, D)
+
+
+def _heads_to_sequence(x: Tensor, group: dist.ProcessGroup, cp: int) -> Tensor:
+    """(B, H/cp, T, D) split by heads -> (B, H, T/cp, D) split by sequence."""
+    B, Hl, T, D = x.shape
+    send = x.reshape(B, Hl, cp, T // cp, D).permute(2, 0, 1, 3, 4).contiguous()  # slot j: rank j's tokens
+    received = all_to_all_single(torch.empty_like(send), send, group=group)  # slot j: rank j's heads
+    return received.transpose(0, 1).reshape(B, cp * Hl, T // cp, D)
+
+
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, *, is_causal: bool,
+                      scale: float | None) -> Tensor:
+    """Attention of q/k/v (B, H, T/cp, D) over the whole sequence, via two all-to-alls per tensor set."""
+    cp = dist.get_world_size(group)
+    H, Hkv = q.shape[1], k.shape[1]
+    if H % cp != 0:
+        raise ValueError(f"context parallel 'ulysses' splits attention heads over cp={cp} ranks, but the layer "
+                         f"has {H} query heads; use a cp that divides {H}, or method='ring'")
+    if Hkv % cp != 0:  # too few kv heads to split: give every query head its own copy first
+        k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
+    q, k, v = (_sequence_to_heads(t, group, cp) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1])  # (B, H/cp, T, D)
+    return _heads_to_sequence(out, group, cp)
+
+
+# ---------------------------------------------------------------------------------------- ring
+def _ring_exchange(tensors: list[Tensor], group: dist.ProcessGroup) -> list[Tensor]:
+    """Send ``tensors`` to the next rank of the ring, return those received from the previous one."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    nxt, prev = dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
+    tensors = [t.contiguous() for t in tensors]
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, prev, group) for r in received]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return received
+
+
+def _pairs(q_chunks: tuple[int, ...], kv_chunks: tuple[int, ...], size: int, is_causal: bool):
+    """(query slice, key slice, causal diagonal?) for every chunk pair with at least one unmasked score."""
+    for i, qc in enumerate(q_chunks):
+        for j, kc in enumerate(kv_chunks):
+            if is_causal and kc > qc:
+                continue  # every key of this chunk comes after every query: fully masked, skipped
+            yield slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size), is_causal and kc == qc
+
+
+class _RingAttention(torch.autograd.Function):
+    """Blockwise attention with key/value blocks passed round the ring; fp32 softmax statistics."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, is_causal: bool,
+                scale: float) -> Tensor:
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        mine = chunks_of_rank(rank, cp, "ring")
+        size = q.shape[2] // len(mine)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, H, Tl, D)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)  # (B, H, Tl)
+        kv = [k, v]
+        for step in range(cp):
+            source = (rank - step) % cp  # whose keys and values this rank holds at this step
+            for qs, ks, diagonal in _pairs(mine, chunks_of_rank(source, cp, "ring"), size, is_causal):
+                scores = _scores(q[:, :, qs], kv[0][:, :, ks], scale, diagonal)  # (B, H, c, c)
+                block_lse = scores.logsumexp(-1)
+                block_out = torch.softmax(scores, -1) @ kv[1][:, :, ks].float()
+                new_lse = torch.logaddexp(lse[:, :, qs], block_lse)
+                # Online softmax: rescale what was accumulated and what is added to the new normaliser.
+                out[:, :, qs] = (out[:, :, qs] * (lse[:, :, qs] - new_lse).exp()[..., None]
+                                 + block_out * (block_lse - new_lse).exp()[..., None])
+                lse[:, :, qs] = new_lse
+            if step < cp - 1:
+                kv = _ring_exchange(kv, group)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.is_causal, ctx.scale = group, is_causal, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        group, is_causal, scale = ctx.group, ctx.is_causal, ctx.scale
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        mine = chunks_of_rank(rank, cp, "ring")
+        size = q.shape[2] // len(mine)
+        grad_out = grad_out.float()
+        delta = (grad_out * out).sum(-1)  # (B, H, Tl): rowsum(dO * O), FlashAttention-2's D
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = [k, v]
+        # The key/value gradients travel with their blocks and reach the owner after cp exchanges.
+        grad_kv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                   torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+        for step in range(cp):
+            source = (rank - step) % cp
+            for qs, ks, diagonal in _pairs(mine, chunks_of_rank(source, cp, "ring"), size, is_causal):
+                k_block, v_block = kv[0][:, :, ks].float(), kv[1][:, :, ks].float()
+                probs = (_scores(q[:, :, qs], kv[0][:, :, ks], scale, diagonal) - lse[:, :, qs, None]).exp()
+                grad_kv[1][:, :, ks] += probs.transpose(-1, -2) @ grad_out[:, :, qs]
+                grad_scores = probs * (grad_out[:, :, qs] @ v_block.transpose(-1, -2) - delta[:, :, qs, None])
+                grad_q[:, :, qs] += grad_scores @ k_block * scale
+                grad_kv[0][:, :, ks] += grad_scores.transpose(-1, -2) @ q[:, :, qs].float() * scale
+            if step < cp - 1:
+                kv, grad_kv = _split(_ring_exchange(kv + grad_kv, group))
+            else:
+                grad_kv = _ring_exchange(grad_kv, group)  # home: the previous rank's blocks were ours
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
+
+
+def _split(tensors: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    return tensors[:2], tensors[2:]
+
+
+def _scores(q: Tensor, k: Tensor, scale: float, diagonal: bool) -> Tensor:
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, H, c, c)
+    if diagonal:
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    return scores
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, *, is_causal: bool,
+                   scale: float | None) -> Tensor:
+    """Attention of q/k/v (B, H, T/cp, D) over the whole sequence, keys and values passed round the ring."""
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: every query head gets its kv head
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _RingAttention.apply(q, k, v, group, is_causal, scale)
+
+
+# ------------------------------------------------------------------------- attaching to a model
+class _RouteAttention(TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` to context-parallel attention over ``group``."""
+
+    def __init__(self, group: dist.ProcessGroup, method: Method) -> None:
+        super().__init__()
+        self.group, self.method = group, method
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        return self.attend(*args, **kwargs)
+
+    def attend(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+               enable_gqa: bool = False) -> Tensor:
+        if attn_mask is not None:
+            raise ValueError("context parallel attention takes no explicit attn_mask (each rank holds only part of "
+                             "the sequence): use is_causal=True, or no mask, in scaled_dot_product_attention")
+        if dropout_p != 0.0:
+            raise ValueError(f"context parallel attention has no attention dropout; got dropout_p={dropout_p}")
+        attention = ulysses_attention if self.method == "ulysses" else ring_attention
+        return attention(query, key, value, self.group, is_causal=is_causal, scale=scale)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather the sequence slices into the whole sequence in token order; see the module docstring
+    for why the backward keeps this rank's slice scaled by ``cp``."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, group: dist.ProcessGroup, method: Method) -> Tensor:
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        parts = [torch.empty_like(local) for _ in range(cp)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        seq_len = local.shape[1] * cp
+        order = torch.cat([local_positions(seq_len, r, cp, method) for r in range(cp)])
+        ctx.positions, ctx.cp = local_positions(seq_len, rank, cp, method).to(local.device), cp
+        return torch.cat(parts, dim=1)[:, order.argsort().to(local.device)]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return grad[:, ctx.positions] * ctx.cp, None, None
+
+
+class ContextParallelBlock:
+    """Replaces a block's ``forward``: cut sequence inputs, route attention, gather after the last block."""
+
+    def __init__(self, forward: Callable, group: dist.ProcessGroup, method: Method, *, first: bool,
+                 last: bool) -> None:
+        self.forward, self.group, self.method, self.first, self.last = forward, group, method, first, last
+        self.rank, self.cp = dist.get_rank(group), dist.get_world_size(group)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = args[0] if args else kwargs["hidden_states"]  # (B, T, C), or (B, T/cp, C) after the first
+        seq_len = hidden.shape[1] if self.first else hidden.shape[1] * self.cp
+        if self.first:
+            check_sequence_length(seq_len, self.cp, self.method)
+        positions = local_positions(seq_len, self.rank, self.cp, self.method).to(hidden.device)
+        batch = hidden.shape[0]
+
+        def cut(x: Any) -> Any:
+            if isinstance(x, (tuple, list)):
+                return type(x)(cut(item) for item in x)
+            if not isinstance(x, Tensor) or x.dim() == 0:
+                return x
+            if x is hidden:
+                return x.index_select(1, positions) if self.first else x
+            if x.dim() >= 2 and x.shape[:2] == (batch, seq_len):  # (B, T, ...): position ids, rotary tables
+                return x.index_select(1, positions)
+            if x.shape[0] == seq_len:  # (T, ...): rotary tables shared by the batch
+                return x.index_select(0, positions)
+            return x
+
+        args, kwargs = cut(args), {name: cut(value) for name, value in kwargs.items()}
+        with _RouteAttention(self.group, self.method):
+            output = self.forward(*args, **kwargs)
+        if not self.last:
+            return output
+        if isinstance(output, tuple):  # blocks that return (hidden, extras...)
+            return (_GatherSequence.apply(output[0], self.group, self.method), *output[1:])
+        return _GatherSequence.apply(output, self.group, self.method)
+
+
+def apply_context_parallel(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *,
+                           method: Method = "ulysses") -> nn.Module:
+    """Split every sequence over the ``cp`` dimension of ``mesh`` inside the blocks ``plan`` names (in place)."""
+    cp = mesh.size("cp")
+    if cp == 1:
+        return module
+    if method not in CP_METHODS:
+        raise ValueError(f"context parallel method {method!r} is not one of {CP_METHODS}")
+    if plan is None:
+        raise ValueError(f"cp={cp} needs to know where the blocks are, and no model plan was found: give the "
+                         "strategy a plan (plan: {blocks: ...}) or use a standard decoder layout")
+    names = plan.block_names(module)
+    for index, name in enumerate(names):
+        block = module.get_submodule(name)
+        # An instance attribute shadows the class's forward; the parameter names (and checkpoints) stay.
+        block.forward = ContextParallelBlock(block.forward, mesh.group("cp"), method, first=index == 0,
+                                             last=index == len(names) - 1)
+    return module
+
+
+__all__ = [
+    "apply_context_parallel",
+    "causal_score_blocks",
+    "check_sequence_length",
+    "chunks_of_rank",
+    "local_positions",
+    "ring_attention",
+    "ulysses_attention",
+]

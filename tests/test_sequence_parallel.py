@@ -1,0 +1,168 @@
+"""sequence_parallel (context parallel): attention across sequence slices, and parity with one process."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from parity import assert_parity, layout_run, reference_run
+from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
+
+from lightning_par.parallel.sequence import causal_score_blocks, check_sequence_length, local_positions
+
+PARITY_RTOL = 1e-5
+
+
+def make_strategy(**kwargs):
+    from lightning_par import SequenceParallelStrategy
+
+    return SequenceParallelStrategy(**kwargs)
+
+
+def test_ring_layout_gives_every_rank_the_same_causal_work() -> None:
+    for cp in (2, 4, 8):
+        assert {causal_score_blocks(r, cp, "ring") for r in range(cp)} == {2 * cp}
+        # Contiguous slices (what Ulysses uses; it attends over the whole sequence anyway) would not be.
+        assert [causal_score_blocks(r, cp, "ulysses") for r in range(cp)] == [r + 0.5 for r in range(cp)]
+
+
+def test_layouts_cover_the_sequence_once() -> None:
+    for method in ("ulysses", "ring"):
+        positions = torch.cat([local_positions(16, r, 4, method) for r in range(4)])
+        assert sorted(positions.tolist()) == list(range(16))
+    assert local_positions(16, 1, 4, "ring").tolist() == [2, 3, 12, 13]
+
+
+def test_sequence_length_that_does_not_split_is_a_clear_error() -> None:
+    check_sequence_length(16, 4, "ring")
+    check_sequence_length(12, 4, "ulysses")
+    with pytest.raises(ValueError, match=r"sequence length 12 is not divisible by 8 .*2 x cp.*\[8, 16\]"):
+        check_sequence_length(12, 4, "ring")
+    with pytest.raises(ValueError, match="sequence length 10 is not divisible by 4"):
+        check_sequence_length(10, 4, "ulysses")
+
+
+def _attention_against_whole(rank: int, world_size: int, method: str, kv_heads: int, is_causal: bool) -> dict:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from lightning_par.parallel.sequence import ring_attention, ulysses_attention
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    B, H, T, D = 2, 4, 16, 8
+    q, k, v = torch.randn(B, H, T, D), torch.randn(B, kv_heads, T, D), torch.randn(B, kv_heads, T, D)
+    grad = torch.randn(B, H, T, D)
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*whole, is_causal=is_causal, enable_gqa=kv_heads != H)
+    expected.backward(grad)
+
+    positions = local_positions(T, rank, world_size, method)
+    local = [t[:, :, positions].clone().requires_grad_() for t in (q, k, v)]
+    attention = ulysses_attention if method == "ulysses" else ring_attention
+    out = attention(*local, dist.group.WORLD, is_causal=is_causal, scale=None)
+    out.backward(grad[:, :, positions])
+    errors = {"out": (out - expected[:, :, positions]).abs().max().item()}
+    # Gradients of k and v include every rank's queries: the methods send them back to their owner.
+    for name, mine, ref in zip("qkv", local, whole):
+        errors[name] = (mine.grad - ref.grad[:, :, positions]).abs().max().item()
+    dist.destroy_process_group()
+    return errors
+
+
+@pytest.mark.parametrize("method", ["ulysses", "ring"])
+@pytest.mark.parametrize(("world_size", "kv_heads", "is_causal"), [(2, 4, True), (4, 2, True), (2, 2, False)])
+def test_attention_over_slices_equals_attention_over_the_whole(method, world_size, kv_heads, is_causal) -> None:
+    from harness import run_distributed
+
+    for errors in run_distributed(_attention_against_whole, world_size, method, kv_heads, is_causal):
+        assert max(errors.values()) < 1e-5, errors
+
+
+@pytest.mark.parametrize(
+    ("world_size", "kwargs", "accumulate", "clip"),
+    [
+        (2, dict(context_parallel_size=2, method="ulysses"), 1, None),
+        (2, dict(context_parallel_size=2, method="ring"), 1, None),
+        (4, dict(context_parallel_size=4, method="ulysses"), 1, 0.05),
+        (4, dict(context_parallel_size=4, method="ring"), 1, 0.05),
+        (4, dict(context_parallel_size=2, method="ring"), 2, None),  # dp2 x cp2 (DDP), accumulation
+        (4, dict(context_parallel_size=2, method="ulysses", zero_stage=3), 1, 0.05),  # FSDP2 over dp x cp
+    ],
+    ids=["cp2-ulysses", "cp2-ring", "cp4-ulysses-clip", "cp4-ring-clip", "dp2xcp2-ring-acc2", "dp2xcp2-ulysses-zero3"],
+)
+def test_context_parallel_matches_single_process(world_size: int, kwargs: dict, accumulate: int, clip) -> None:
+    dp = world_size // kwargs["context_parallel_size"]
+    expected = reference_run(SGDLlamaLM, make_datamodule, dp=dp, steps=STEPS, accumulate=accumulate,
+                             gradient_clip_val=clip)
+    actual = layout_run(SGDLlamaLM, make_datamodule, functools.partial(make_strategy, **kwargs),
+                        world_size=world_size, steps=STEPS, accumulate=accumulate,
+                        trainer_kwargs={"gradient_clip_val": clip})
+    loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
+    print(f"sequence_parallel {kwargs} ws={world_size}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
+
+
+def _fit_expecting_value_error(rank: int, world_size: int, strategy_kwargs: dict, model_kwargs: dict,
+                               seq_len: int) -> str:
+    import lightning
+    import torch.distributed as dist
+
+    from lightning_par import TokenDataModule
+
+    datamodule = TokenDataModule(source="synthetic", vocab_size=64, seq_len=seq_len, batch_size=2, num_samples=32)
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False,
+                                strategy=make_strategy(**strategy_kwargs), max_steps=1, enable_checkpointing=False)
+    try:
+        trainer.fit(SGDLlamaLM(**{**MODEL, **model_kwargs}), datamodule=datamodule)
+    except ValueError as error:
+        dist.barrier()  # every rank got here: nobody is left waiting in a collective
+        return str(error)
+    raise AssertionError("no ValueError")
+
+
+@pytest.mark.parametrize(
+    ("strategy_kwargs", "model_kwargs", "seq_len", "message"),
+    [
+        (dict(context_parallel_size=4, method="ring"), {}, 12,
+         "sequence length 12 is not divisible by 8 (2 x cp"),
+        (dict(context_parallel_size=4, method="ulysses"), dict(n_heads=2, n_kv_heads=2), 16,
+         "context parallel 'ulysses' splits attention heads over cp=4 ranks, but the layer has 2 query heads"),
+    ],
+    ids=["sequence", "heads"],
+)
+def test_layouts_that_do_not_split_fail_on_every_rank(strategy_kwargs, model_kwargs, seq_len, message) -> None:
+    from harness import run_distributed
+
+    messages = run_distributed(_fit_expecting_value_error, 4, strategy_kwargs, model_kwargs, seq_len)
+    assert len(set(messages)) == 1 and message in messages[0], messages[0]
+
+
+def _lengths_seen(rank: int, world_size: int, method: str) -> dict:
+    import lightning
+
+    module = SGDLlamaLM(**MODEL)
+    seen: dict[str, int] = {}
+
+    def record(name):
+        def hook(module, args, output) -> None:  # returns None: the output stays as it is
+            seen.setdefault(name, output.shape[1])
+
+        return hook
+
+    module.model.layers["0"].attention.q_proj.register_forward_hook(record("q_proj"))
+    module.model.norm.register_forward_hook(record("final_norm"))
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, max_steps=1, logger=False,
+                                strategy=make_strategy(context_parallel_size=world_size, method=method),
+                                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=make_datamodule())
+    return seen
+
+
+@pytest.mark.parametrize("method", ["ulysses", "ring"])
+def test_blocks_run_on_a_slice_of_the_sequence(method: str) -> None:
+    """Each of 2 ranks projects 8 of the 16 tokens; the final norm (and head, and loss) sees all 16."""
+    from harness import run_distributed
+
+    for seen in run_distributed(_lengths_seen, 2, method):
+        assert seen == {"q_proj": 8, "final_norm": 16}
