@@ -38,7 +38,8 @@ class ParallelConfig:
     (as in torchtitan and Megatron-Core), so adding experts does not multiply the world size.
 
     ``sequence_parallel`` keeps the activations between tensor-parallel regions split along the sequence.
-    ``cp_method`` is how context parallel attends across the sequence slices (``ulysses`` all-to-all or
+    ``loss_parallel`` keeps the head's logits split over the vocabulary under tensor parallel and computes
+    the cross-entropy on the shards. ``cp_method`` is how context parallel attends across the sequence slices (``ulysses`` all-to-all or
     ``ring``; see ``lightning_par.parallel.sequence``).
     ``zero_stage`` shards model states over the data-parallel ranks (0: plain DDP; 1: optimizer states;
     2: + gradients; 3: + parameters, FSDP2), ``reshard_after_forward`` is the stage-3 trade of memory for
@@ -58,6 +59,7 @@ class ParallelConfig:
     tp: int = 1
     ep: int = 1
     sequence_parallel: bool = False
+    loss_parallel: bool = False
     cp_method: Literal["ulysses", "ring"] = "ulysses"
     zero_stage: int = 0
     reshard_after_forward: bool = True
@@ -176,7 +178,7 @@ class ParallelConfig:
         ):
             raise ValueError(f"ddp_bucket_cap_mb must be a positive number of MiB, got {self.ddp_bucket_cap_mb!r}")
         for flag in ("ddp_static_graph", "ddp_find_unused_parameters", "reshard_after_forward", "cpu_offload",
-                     "sequence_parallel"):
+                     "sequence_parallel", "loss_parallel"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.ddp_static_graph and self.ddp_find_unused_parameters:

@@ -28,8 +28,11 @@ def make_strategy(**kwargs):
         (2, dict(tensor_parallel_size=2, sequence_parallel=True), 1, None),
         (4, dict(tensor_parallel_size=4, sequence_parallel=True), 1, 0.05),
         (4, dict(tensor_parallel_size=2, sequence_parallel=True), 2, 0.05),
+        (2, dict(tensor_parallel_size=2, loss_parallel=True), 1, None),
+        (4, dict(tensor_parallel_size=4, sequence_parallel=True, loss_parallel=True), 2, 0.05),
     ],
-    ids=["tp2", "tp4", "dp2xtp2-acc2-clip", "tp2-sp", "tp4-sp-clip", "dp2xtp2-sp-acc2-clip"],
+    ids=["tp2", "tp4", "dp2xtp2-acc2-clip", "tp2-sp", "tp4-sp-clip", "dp2xtp2-sp-acc2-clip", "tp2-loss",
+         "tp4-sp-loss-acc2-clip"],
 )
 def test_tensor_parallel_matches_single_process(world_size: int, kwargs: dict, accumulate: int, clip) -> None:
     dp = world_size // kwargs["tensor_parallel_size"]
@@ -93,3 +96,37 @@ def test_sequence_parallel_splits_the_activations_between_regions(sequence_paral
 
     seen = run_distributed(_block_input_lengths, 2, sequence_parallel)[0]
     assert seen == {"block": 8 if sequence_parallel else 16, "q_proj": 16}
+
+
+def _logits_and_loss(rank: int, world_size: int) -> dict:
+    import lightning
+    import torch
+
+    module = make_module()
+    seen: dict[str, object] = {}
+
+    def record(module, args, output) -> None:
+        seen.setdefault("local_vocab", output.to_local().shape[-1])
+
+    module.model.lm_head.register_forward_hook(record)
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, max_steps=1, logger=False,
+                                strategy=make_strategy(tensor_parallel_size=world_size, loss_parallel=True),
+                                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1)
+    trainer.fit(module, datamodule=make_datamodule())
+    trainer.validate(module, datamodule=make_datamodule())
+    seen["logged"] = {k: type(v).__name__ for k, v in trainer.callback_metrics.items()}
+    tokens = torch.utils.data.DataLoader(torch.randint(0, 64, (4, 16)), batch_size=2)
+    predictions = trainer.predict(module, dataloaders=tokens)
+    seen["predicted"] = (type(predictions[0]).__name__, predictions[0].shape[-1])
+    return seen
+
+
+def test_loss_parallel_never_gathers_the_vocabulary() -> None:
+    """The head hands each of 2 ranks 32 of the 64 vocabulary logits; logged losses are plain tensors and
+    predictions come back whole."""
+    from harness import run_distributed
+
+    for seen in run_distributed(_logits_and_loss, 2):
+        assert seen["local_vocab"] == 32
+        assert seen["logged"] == {"val_loss": "Tensor"}
+        assert seen["predicted"] == ("Tensor", 64)

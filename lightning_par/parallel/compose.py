@@ -64,6 +64,9 @@ def check_available(config: ParallelConfig) -> None:
                          "over dp x cp, which DDP (zero_stage=0) and FSDP2 (zero_stage=3) do; use one of those")
 
 
+_LAYOUT_ATTRIBUTE = "_lightning_par_layout"
+
+
 def parallelize(
     model: nn.Module,
     mesh: ParallelMesh,
@@ -83,16 +86,27 @@ def parallelize(
     """
     device = device if device is not None else torch.device(mesh.device_type)
     check_available(config)
-    # Step 1 (pipeline) comes with its technique.
-    apply_tensor_parallel(model, mesh, plan, sequence_parallel=config.sequence_parallel)  # 2
-    apply_context_parallel(model, mesh, plan, method=config.cp_method)  # 3
-    # Step 4 (expert parallel) comes with its technique.
-    apply_activation_checkpointing(model, plan, mode=config.activation_checkpointing,  # 5
-                                   every=config.activation_checkpointing_every)
-    if config.zero_stage == 3:  # 7: shard, then allocate only the shards of a meta-device model
-        fully_shard_model(model, mesh, plan, reshard_after_forward=config.reshard_after_forward,
-                          param_dtype=_dtype(config.param_dtype), reduce_dtype=_dtype(config.reduce_dtype),
-                          cpu_offload=config.cpu_offload)
+    # Steps 1-6 change the module in place, once: fit and then validate/test/predict on the same module
+    # (the usual Lightning sequence) reuses them and only re-wraps for data parallelism.
+    layout = (mesh.sizes(), config)
+    applied = getattr(model, _LAYOUT_ATTRIBUTE, None)
+    if applied is not None and applied != layout:
+        raise ValueError(f"this module was parallelized for {applied[1].describe()} already and cannot be "
+                         f"re-laid out as {config.describe()}; build a new module (or load a checkpoint into one)")
+    if applied is None:
+        # Step 1 (pipeline) comes with its technique.
+        apply_tensor_parallel(model, mesh, plan, sequence_parallel=config.sequence_parallel,  # 2
+                              loss_parallel=config.loss_parallel)
+        apply_context_parallel(model, mesh, plan, method=config.cp_method)  # 3
+        # Step 4 (expert parallel) comes with its technique.
+        apply_activation_checkpointing(model, plan, mode=config.activation_checkpointing,  # 5
+                                       every=config.activation_checkpointing_every)
+        if config.zero_stage == 3:  # 7: shard, then allocate only the shards of a meta-device model
+            fully_shard_model(model, mesh, plan, reshard_after_forward=config.reshard_after_forward,
+                              param_dtype=_dtype(config.param_dtype), reduce_dtype=_dtype(config.reduce_dtype),
+                              cpu_offload=config.cpu_offload)
+        setattr(model, _LAYOUT_ATTRIBUTE, layout)
+    if config.zero_stage == 3:
         materialize_meta_parameters(model, device)
         return model
     materialize_meta_parameters(model, device)

@@ -5,35 +5,45 @@ Inside each transformer block the first projection of a pair is split by output 
 q/k/v, gate/up) and the second by input features (row-wise: o, down), so each rank computes its own heads
 and its own slice of the MLP hidden units, and one all-reduce per pair restores the full activation.
 The embedding is split by vocabulary rows (each rank looks up the tokens it holds, an all-reduce sums
-them) and the head by vocabulary columns (an all-gather assembles the logits). Which module gets which
-style comes from the model plan (``colwise``, ``rowwise``, ``vocab``).
+them) and the head by vocabulary columns (an all-gather assembles the logits, or, with loss parallel,
+the logits stay split and the cross-entropy is computed on the shards). Which module gets which style
+comes from the model plan (``colwise``, ``rowwise``, ``vocab``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Callable
+
+import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
+from torch.overrides import TorchFunctionMode
 
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.plan import ModelPlan
 
 
-def tensor_parallel_styles(module: nn.Module, plan: ModelPlan, *,
-                           sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+def tensor_parallel_styles(module: nn.Module, plan: ModelPlan, *, sequence_parallel: bool = False,
+                           vocab_parallel_logits: bool = False) -> dict[str, ParallelStyle]:
     """The DTensor style of every module that ``plan`` marks ``colwise``, ``rowwise``, ``vocab`` or ``sequence``.
 
     With ``sequence_parallel`` (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
     Transformer Models") the activations between the tensor-parallel regions stay split along the
     sequence: norms run on 1/tp of the tokens, each region starts with an all-gather of the sequence and
     ends with a reduce-scatter, in place of the one all-reduce (same bytes, 1/tp of the activation memory).
+    With ``vocab_parallel_logits`` the head returns its logits as a DTensor split over the vocabulary, for
+    :func:`vocab_parallel_loss`.
     """
     between = Shard(1) if sequence_parallel else Replicate()  # layout of activations between regions
     styles: dict[str, ParallelStyle] = {}
@@ -42,6 +52,8 @@ def tensor_parallel_styles(module: nn.Module, plan: ModelPlan, *,
         if style == "vocab" and isinstance(sub, nn.Embedding):
             # Rows are the vocabulary: each rank embeds the tokens it holds; the partial sums are reduced.
             styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+        elif style == "colwise" and isinstance(sub, nn.Linear) and name == plan.head and vocab_parallel_logits:
+            styles[name] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
         elif style == "colwise" and isinstance(sub, nn.Linear) and name == plan.head:
             # The vocabulary-sharded logits are gathered so that any loss function sees them whole.
             styles[name] = ColwiseParallel(input_layouts=between, output_layouts=Replicate())
@@ -89,18 +101,52 @@ def check_tensor_parallel(module: nn.Module, plan: ModelPlan | None, tp: int) ->
 
 
 def apply_tensor_parallel(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *,
-                          sequence_parallel: bool = False) -> nn.Module:
+                          sequence_parallel: bool = False, loss_parallel: bool = False) -> nn.Module:
     """Split the layers of ``module`` that ``plan`` marks over the ``tp`` dimension of ``mesh`` (in place).
 
-    Under ``sequence_parallel`` the sequence length of every batch must be divisible by ``tp``.
+    Under ``sequence_parallel`` the sequence length of every batch must be divisible by ``tp``. Under
+    ``loss_parallel`` the head's logits stay split over the vocabulary: run the loss inside
+    :func:`vocab_parallel_loss`.
     """
     tp = mesh.size("tp")
     if tp == 1:
         return module
     check_tensor_parallel(module, plan, tp)
     assert plan is not None
-    parallelize_module(module, mesh["tp"], tensor_parallel_styles(module, plan, sequence_parallel=sequence_parallel))
+    styles = tensor_parallel_styles(module, plan, sequence_parallel=sequence_parallel,
+                                    vocab_parallel_logits=loss_parallel)
+    parallelize_module(module, mesh["tp"], styles)
     return module
 
 
-__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tensor_parallel_styles"]
+# The losses PyTorch's loss_parallel computes on class-sharded inputs.
+_SHARDABLE_LOSSES: tuple[Callable, ...] = (F.cross_entropy, F.nll_loss)
+
+
+class _PlainLoss(TorchFunctionMode):
+    """Returns the result of a loss computed on sharded logits as a plain tensor, so the code around it
+    (logging, gradient scaling, Lightning's loop) never meets a DTensor."""
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if func in _SHARDABLE_LOSSES and isinstance(result, DTensor):
+            return result.full_tensor()  # the mean is replicated already: no communication
+        return result
+
+
+@contextmanager
+def vocab_parallel_loss(enabled: bool = True) -> Iterator[None]:
+    """Cross-entropy on vocabulary-sharded logits (Megatron-LM's vocab-parallel cross-entropy).
+
+    Each rank takes the max and the sum of exponentials over its slice of the vocabulary and picks the
+    target logit if it holds it; three all-reduces of (B, T) scalars replace gathering (B, T, V) logits.
+    This is PyTorch's ``loss_parallel``; the context must cover the loss's forward and its backward.
+    """
+    if not enabled:
+        yield
+        return
+    with loss_parallel(), _PlainLoss():
+        yield
+
+
+__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tensor_parallel_styles", "vocab_parallel_loss"]

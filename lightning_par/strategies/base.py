@@ -40,8 +40,10 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -58,6 +60,7 @@ from lightning_par.parallel.compose import (
 )
 from lightning_par.parallel.data import unwrap
 from lightning_par.parallel.plan import ModelPlan, derive_plan
+from lightning_par.parallel.tensor import vocab_parallel_loss
 
 # Set when a run raised: the exit handler then leaves the process group alone instead of waiting for peers.
 _RUN_FAILED = False
@@ -288,6 +291,36 @@ class MeshStrategy(ParallelStrategy):
         if any(p.is_meta for p in self.model.parameters()):
             return  # allocated on the device by parallelize()
         self.model.to(self.root_device)
+
+    def _loss_context(self) -> Any:
+        # Loss parallel: the model returns vocabulary-sharded logits; the loss and its backward must run
+        # where PyTorch knows how to compute cross-entropy on them.
+        return vocab_parallel_loss(self.parallel_config.loss_parallel and self.mesh.size("tp") > 1)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        # Predictions leave the strategy whole: vocabulary-sharded logits are gathered.
+        return apply_to_collection(super().predict_step(*args, **kwargs), DTensor, DTensor.full_tensor)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        with self._loss_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @contextmanager
     @override

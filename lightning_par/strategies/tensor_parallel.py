@@ -27,6 +27,10 @@ class TensorParallelStrategy(MeshStrategy):
         sequence_parallel: keep norm/residual activations split along the sequence between the
             tensor-parallel regions (all-gather + reduce-scatter instead of all-reduce; the sequence length
             must be divisible by ``tensor_parallel_size``).
+        loss_parallel: keep the logits split over the vocabulary and compute the cross-entropy on the
+            shards (never gathering (B, T, vocab) logits). ``F.cross_entropy``/``F.nll_loss`` in the
+            LightningModule work unchanged and return plain tensors; other uses of the logits see a
+            DTensor (``logits.full_tensor()`` gathers them).
         activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation per block.
         activation_checkpointing_every: checkpoint one block in this many.
         plan: which layers are column-/row-wise (derived for standard decoders; see docs/architecture.md).
@@ -40,6 +44,7 @@ class TensorParallelStrategy(MeshStrategy):
         tensor_parallel_size: int = 2,
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
         sequence_parallel: bool = False,
+        loss_parallel: bool = False,
         activation_checkpointing: Literal["none", "full", "selective"] = "none",
         activation_checkpointing_every: int = 1,
         plan: dict[str, Any] | None = None,
@@ -49,7 +54,7 @@ class TensorParallelStrategy(MeshStrategy):
         **kwargs: Any,
     ) -> None:
         config = ParallelConfig(tp=tensor_parallel_size, dp_shard=data_parallel_size, zero_stage=3,
-                                sequence_parallel=sequence_parallel,
+                                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                                 activation_checkpointing=activation_checkpointing,
                                 activation_checkpointing_every=activation_checkpointing_every)
         super().__init__(config, plan=plan, save_distributed_checkpoint=save_distributed_checkpoint,
