@@ -16,13 +16,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable
 
+import inspect
+
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -32,6 +34,35 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.plan import ModelPlan
+
+
+class PrepareFirstInput(ParallelStyle):
+    """Lay out a module's first input, passed by position or by keyword, as ``desired`` (a DTensor).
+
+    PyTorch's ``PrepareModuleInput`` needs to know whether the caller passes the input by position; this
+    style accepts both, so the same plan fits modules called as ``attn(x)`` and as ``attn(hidden_states=x)``
+    (Hugging Face).
+    """
+
+    def __init__(self, layout: Placement, desired: Placement) -> None:
+        super().__init__()
+        self.layout, self.desired = layout, desired
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        first = next(iter(inspect.signature(module.forward).parameters))
+
+        def convert(x: Any) -> Any:
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (self.layout,), run_check=False)
+            return x.redistribute(device_mesh, (self.desired,))
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (convert(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, first: convert(kwargs[first])}
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
 
 
 def tensor_parallel_styles(module: nn.Module, plan: ModelPlan, *, sequence_parallel: bool = False,
@@ -59,10 +90,10 @@ def tensor_parallel_styles(module: nn.Module, plan: ModelPlan, *, sequence_paral
             styles[name] = ColwiseParallel(input_layouts=between, output_layouts=Replicate())
         elif style == "colwise" and isinstance(sub, nn.Linear):
             styles[name] = ColwiseParallel()
-            if sequence_parallel:
-                # The module owning the projections (attention, MLP) gathers the sequence once for all of them.
-                styles[name.rpartition(".")[0]] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                                                     desired_input_layouts=(Replicate(),))
+            # The module owning the projections (attention, MLP) hands all of them one replicated input: one
+            # all-gather of the sequence under sequence parallel, and in backward their input gradients are
+            # summed before one all-reduce (or reduce-scatter), not one per projection (Megatron's f operator).
+            styles[name.rpartition(".")[0]] = PrepareFirstInput(between, Replicate())
         elif style == "rowwise" and isinstance(sub, nn.Linear):
             styles[name] = RowwiseParallel(output_layouts=between)
         elif style == "sequence" and sequence_parallel:
