@@ -1,12 +1,15 @@
 """lightning_par strategies side by side with Lightning's own DDPStrategy: same model, data, machine, run.
 
-    python benchmarks/compare_strategies.py [--strategies lightning_ddp data_parallel zero1 zero2 zero3]
+    python benchmarks/compare_strategies.py [--strategies lightning_ddp data_parallel zero1 zero2 zero3
+                                                          tensor_parallel sequence_parallel]
                                             [--devices 2] [--steps 60] [--rounds 2] [--dim 128 --layers 4]
 
 Each strategy trains the reference Llama model for ``--steps`` optimizer steps on ``--devices`` CPU
 processes (gloo); the first ``--warmup`` steps are not timed. Rounds alternate the order (A B C, C B A,
-...) so that drift on a shared machine hits all alike. Reported per strategy: median step time (the
-slowest rank's), model-state bytes per rank (parameters + gradients + optimizer states this rank holds
+...) so that drift on a shared machine hits all alike. ``--batch-size`` is per data-parallel rank, so the
+model-parallel strategies (tensor_parallel: tp=2; sequence_parallel: cp=2, Ulysses) train on fewer samples
+per step than data parallelism on the same processes. Reported per strategy: median step time (the
+slowest rank's), throughput in tokens per second of the global batch, model-state bytes per rank (parameters + gradients + optimizer states this rank holds
 before an optimizer step), peak resident memory per rank (ru_maxrss, which includes the interpreter and
 libraries), and each figure as a ratio to the first strategy listed.
 """
@@ -24,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-STRATEGIES = ("lightning_ddp", "data_parallel", "zero1", "zero2", "zero3")
+STRATEGIES = ("lightning_ddp", "data_parallel", "zero1", "zero2", "zero3", "tensor_parallel", "sequence_parallel")
 
 
 def worker(strategy_name: str, args: argparse.Namespace) -> None:
@@ -64,8 +67,10 @@ def worker(strategy_name: str, args: argparse.Namespace) -> None:
 
         def on_train_end(self, trainer, pl_module):
             peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            replicas = trainer.strategy.distributed_sampler_kwargs["num_replicas"]
             result = {"step_times": self.times[args.warmup:], "peak_rss_mib": peak_mib,
-                      "state_mib": self.state_bytes / 2**20}
+                      "state_mib": self.state_bytes / 2**20,
+                      "tokens_per_step": replicas * args.batch_size * args.seq_len}
             Path(f"{args.out}.rank{trainer.global_rank}").write_text(json.dumps(result))
 
     strategy = DDPStrategy() if strategy_name == "lightning_ddp" else strategy_name
@@ -86,7 +91,7 @@ def run_one(strategy_name: str, args: argparse.Namespace, out: str) -> dict:
     ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(args.devices)]
     slowest = [max(step) for step in zip(*(r["step_times"] for r in ranks))]
     return {"step_times": slowest, "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks),
-            "state_mib": max(r["state_mib"] for r in ranks)}
+            "state_mib": max(r["state_mib"] for r in ranks), "tokens_per_step": ranks[0]["tokens_per_step"]}
 
 
 def main() -> None:
@@ -111,6 +116,7 @@ def main() -> None:
     samples: dict[str, list[float]] = {name: [] for name in names}
     memory: dict[str, float] = {name: 0.0 for name in names}
     state: dict[str, float] = {name: 0.0 for name in names}
+    tokens: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds):
             for name in names if round_index % 2 == 0 else names[::-1]:
@@ -118,15 +124,18 @@ def main() -> None:
                 samples[name] += result["step_times"]
                 memory[name] = max(memory[name], result["peak_rss_mib"])
                 state[name] = max(state[name], result["state_mib"])
+                tokens[name] = result["tokens_per_step"]
     median = {name: statistics.median(times) for name, times in samples.items()}
     base = names[0]
     print(f"world size {args.devices}, {args.rounds} rounds x {args.steps - args.warmup} timed steps, "
           f"dim={args.dim} layers={args.layers} seq={args.seq_len} batch/rank={args.batch_size}; ratios to {base}")
-    print(f"{'strategy':<15}{'step (ms)':>11}{'ratio':>7}{'model states/rank (MiB)':>25}{'ratio':>7}"
-          f"{'peak RSS/rank (MiB)':>21}{'ratio':>7}")
+    throughput = {name: tokens[name] / median[name] for name in names}
+    print(f"{'strategy':<18}{'step (ms)':>10}{'ratio':>7}{'tokens/s':>10}{'ratio':>7}{'model states/rank (MiB)':>25}"
+          f"{'ratio':>7}{'peak RSS/rank (MiB)':>21}{'ratio':>7}")
     for name in names:
-        print(f"{name:<15}{median[name] * 1e3:>11.1f}{median[name] / median[base]:>7.2f}{state[name]:>25.1f}"
-              f"{state[name] / state[base]:>7.2f}{memory[name]:>21.0f}{memory[name] / memory[base]:>7.2f}")
+        print(f"{name:<18}{median[name] * 1e3:>10.1f}{median[name] / median[base]:>7.2f}{throughput[name]:>10.0f}"
+              f"{throughput[name] / throughput[base]:>7.2f}{state[name]:>25.1f}{state[name] / state[base]:>7.2f}"
+              f"{memory[name]:>21.0f}{memory[name] / memory[base]:>7.2f}")
 
 
 if __name__ == "__main__":

@@ -107,6 +107,30 @@ def _layout_rank(rank: int, world_size: int, make_module: Callable, make_datamod
     return recorder.losses, (state if rank == 0 else None)
 
 
+def _fit_until_value_error(rank: int, world_size: int, make_module: Callable, make_datamodule: Callable,
+                           make_strategy: Callable) -> str:
+    import torch.distributed as dist
+
+    import lightning_par  # noqa: F401 - registers the strategy names
+
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=make_strategy(), max_steps=1,
+                                logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    try:
+        trainer.fit(make_module(), datamodule=make_datamodule())
+    except ValueError as error:
+        dist.barrier()  # every rank got here: nobody is left waiting in a collective
+        return str(error)
+    raise AssertionError("no ValueError")
+
+
+def assert_fails_on_every_rank(make_module: Callable[[], Any], make_datamodule: Callable[[], Any],
+                               make_strategy: Callable[[], Any], *, world_size: int, message: str) -> None:
+    """``Trainer.fit`` raises the same ``ValueError`` containing ``message`` on every rank (no hang)."""
+    messages = run_distributed(_fit_until_value_error, world_size, make_module, make_datamodule, make_strategy)
+    assert len(set(messages)) == 1, messages
+    assert message in messages[0], messages[0]
+
+
 def layout_run(make_module: Callable[[], Any], make_datamodule: Callable[[], Any], make_strategy: Callable[[], Any],
                *, world_size: int, steps: int, accumulate: int = 1, seed: int = 1234,
                trainer_kwargs: dict | None = None, timeout: float = 240.0) -> ParityRun:

@@ -24,12 +24,14 @@ make_datamodule = functools.partial(TokenDataModule, source="synthetic", vocab_s
 
 
 def make_strategy(name: str = "data_parallel", sharded: bool = True):
-    from lightning_par import DataParallelStrategy, TensorParallelStrategy, ZeroStrategy
+    from lightning_par import DataParallelStrategy, SequenceParallelStrategy, TensorParallelStrategy, ZeroStrategy
 
     if name == "data_parallel":
         return DataParallelStrategy(save_distributed_checkpoint=sharded)
     if name == "tensor_parallel":
         return TensorParallelStrategy(tensor_parallel_size=2, save_distributed_checkpoint=sharded)
+    if name == "sequence_parallel":
+        return SequenceParallelStrategy(context_parallel_size=2, method="ring", save_distributed_checkpoint=sharded)
     return ZeroStrategy(stage=int(name[-1]), save_distributed_checkpoint=sharded)
 
 
@@ -128,9 +130,11 @@ def test_export_consolidated_loads_in_plain_pytorch(tmp_path: Path, strategy: st
 
 
 @pytest.mark.parametrize(("saved_under", "loaded_under"), [("tensor_parallel", "data_parallel"),
-                                                          ("zero2", "tensor_parallel")])
-def test_tensor_parallel_checkpoints_reshard(tmp_path: Path, saved_under: str, loaded_under: str) -> None:
-    """DTensor shards of a tensor-parallel run load into whole tensors, and back (weights compared after
+                                                          ("zero2", "tensor_parallel"),
+                                                          ("sequence_parallel", "tensor_parallel")])
+def test_model_parallel_checkpoints_reshard(tmp_path: Path, saved_under: str, loaded_under: str) -> None:
+    """DTensor shards of a tensor-parallel run load into whole tensors, and back, and a context-parallel run's
+    into tensor-parallel shards (weights compared after
     consolidation; a different data-parallel size reads other batches, so no loss curve is compared)."""
     saved = run_distributed(_fit, 2, str(tmp_path / "a"), (saved_under, True), 0, None, 1)[0]
     loaded = run_distributed(_fit, 2, str(tmp_path / "b"), (loaded_under, True), 1,

@@ -36,9 +36,9 @@ make_module = functools.partial(SGDLlamaLM, **MODEL)
 make_adamw_module = functools.partial(LlamaLM, learning_rate=1e-2, **MODEL)
 
 
-def make_datamodule(batch_size: int = 2) -> TokenDataModule:
-    return TokenDataModule(source="synthetic", vocab_size=64, seq_len=16, batch_size=batch_size, num_samples=128,
-                           num_val_samples=16)
+def make_datamodule(batch_size: int = 2, seq_len: int = 16) -> TokenDataModule:
+    return TokenDataModule(source="synthetic", vocab_size=64, seq_len=seq_len, batch_size=batch_size,
+                           num_samples=128, num_val_samples=16)
 
 
 def make_strategy(**knobs):

@@ -6,8 +6,8 @@ import functools
 
 import pytest
 import torch
-from parity import assert_parity, layout_run, reference_run
-from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
+from parity import assert_fails_on_every_rank, assert_parity, layout_run, reference_run
+from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule, make_module
 
 from lightning_par.parallel.sequence import causal_score_blocks, check_sequence_length, local_positions
 
@@ -94,31 +94,13 @@ def test_attention_over_slices_equals_attention_over_the_whole(method, world_siz
 )
 def test_context_parallel_matches_single_process(world_size: int, kwargs: dict, accumulate: int, clip) -> None:
     dp = world_size // kwargs["context_parallel_size"]
-    expected = reference_run(SGDLlamaLM, make_datamodule, dp=dp, steps=STEPS, accumulate=accumulate,
+    expected = reference_run(make_module, make_datamodule, dp=dp, steps=STEPS, accumulate=accumulate,
                              gradient_clip_val=clip)
-    actual = layout_run(SGDLlamaLM, make_datamodule, functools.partial(make_strategy, **kwargs),
+    actual = layout_run(make_module, make_datamodule, functools.partial(make_strategy, **kwargs),
                         world_size=world_size, steps=STEPS, accumulate=accumulate,
                         trainer_kwargs={"gradient_clip_val": clip})
     loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
     print(f"sequence_parallel {kwargs} ws={world_size}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
-
-
-def _fit_expecting_value_error(rank: int, world_size: int, strategy_kwargs: dict, model_kwargs: dict,
-                               seq_len: int) -> str:
-    import lightning
-    import torch.distributed as dist
-
-    from lightning_par import TokenDataModule
-
-    datamodule = TokenDataModule(source="synthetic", vocab_size=64, seq_len=seq_len, batch_size=2, num_samples=32)
-    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False,
-                                strategy=make_strategy(**strategy_kwargs), max_steps=1, enable_checkpointing=False)
-    try:
-        trainer.fit(SGDLlamaLM(**{**MODEL, **model_kwargs}), datamodule=datamodule)
-    except ValueError as error:
-        dist.barrier()  # every rank got here: nobody is left waiting in a collective
-        return str(error)
-    raise AssertionError("no ValueError")
 
 
 @pytest.mark.parametrize(
@@ -132,10 +114,9 @@ def _fit_expecting_value_error(rank: int, world_size: int, strategy_kwargs: dict
     ids=["sequence", "heads"],
 )
 def test_layouts_that_do_not_split_fail_on_every_rank(strategy_kwargs, model_kwargs, seq_len, message) -> None:
-    from harness import run_distributed
-
-    messages = run_distributed(_fit_expecting_value_error, 4, strategy_kwargs, model_kwargs, seq_len)
-    assert len(set(messages)) == 1 and message in messages[0], messages[0]
+    assert_fails_on_every_rank(functools.partial(SGDLlamaLM, **{**MODEL, **model_kwargs}),
+                               functools.partial(make_datamodule, seq_len=seq_len),
+                               functools.partial(make_strategy, **strategy_kwargs), world_size=4, message=message)
 
 
 def _lengths_seen(rank: int, world_size: int, method: str) -> dict:

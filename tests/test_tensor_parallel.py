@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from parity import assert_parity, layout_run, reference_run
+from parity import assert_fails_on_every_rank, assert_parity, layout_run, reference_run
 from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
 
 PARITY_RTOL = 1e-5
@@ -45,37 +45,33 @@ def test_tensor_parallel_matches_single_process(world_size: int, kwargs: dict, a
     print(f"tensor_parallel {kwargs} ws={world_size}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
 
 
-def _bad_split(rank: int, world_size: int) -> str:
-    import lightning
-    import torch.distributed as dist
-
-    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False,
-                                strategy=make_strategy(tensor_parallel_size=4), max_steps=1)
-    try:
-        trainer.fit(SGDLlamaLM(**{**MODEL, "n_heads": 2, "n_kv_heads": 2}), datamodule=make_datamodule())
-    except ValueError as error:
-        dist.barrier()  # every rank got here: nobody is left waiting in a collective
-        return str(error)
-    raise AssertionError("no ValueError")
-
-
-def test_heads_that_do_not_split_are_a_clear_error_on_every_rank() -> None:
-    from harness import run_distributed
-
-    messages = run_distributed(_bad_split, 4)
-    assert len(set(messages)) == 1
-    assert "tp=4 does not divide the 2 heads of 'model.layers.0.attention.q_proj'" in messages[0]
+@pytest.mark.parametrize(
+    ("model", "seq_len", "kwargs", "message"),
+    [
+        (dict(n_heads=2, n_kv_heads=2), 16, dict(tensor_parallel_size=4),
+         "tp=4 does not divide the 2 heads of 'model.layers.0.attention.q_proj'"),
+        ({}, 14, dict(tensor_parallel_size=4, sequence_parallel=True),
+         "sequence parallel splits the sequence over tp=4 ranks, but a batch has 14 tokens"),
+    ],
+    ids=["heads", "sequence"],
+)
+def test_layouts_that_do_not_split_fail_on_every_rank(model: dict, seq_len: int, kwargs: dict, message: str) -> None:
+    assert_fails_on_every_rank(functools.partial(make_module, **model),
+                               functools.partial(make_datamodule, seq_len=seq_len),
+                               functools.partial(make_strategy, **kwargs), world_size=4, message=message)
 
 
 def _block_input_lengths(rank: int, world_size: int, sequence_parallel: bool) -> dict:
     import lightning
+    from torch.distributed.tensor import DTensor
 
     module = make_module()
     seen: dict[str, int] = {}
 
     def record(name):
         def hook(module, args, output) -> None:  # returns None: the output stays as it is
-            seen.setdefault(name, args[0].shape[1])
+            x = args[0]
+            seen.setdefault(name, (x.to_local() if isinstance(x, DTensor) else x).shape[1])
 
         return hook
 
@@ -136,7 +132,7 @@ def _one_block_step(rank: int, world_size: int, sequence_parallel: bool) -> dict
     """Forward and backward of one tensor-parallel block: collectives issued and activation bytes saved."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from lightning_par.config import ParallelConfig
@@ -184,8 +180,12 @@ def _one_block_step(rank: int, world_size: int, sequence_parallel: bool) -> dict
     _, whole_bytes = block_step(Transformer(config), x.clone().requires_grad_())
     model = Transformer(config)
     apply_tensor_parallel(model, mesh, derive_plan(model), sequence_parallel=sequence_parallel)
-    local = x.chunk(world_size, dim=1)[dist.get_rank()] if sequence_parallel else x
-    collectives, split_bytes = block_step(model, local.clone().requires_grad_())
+    if sequence_parallel:  # between blocks the activations are DTensors split along the sequence
+        local = x.chunk(world_size, dim=1)[dist.get_rank()].clone().requires_grad_()
+        block_input = DTensor.from_local(local, mesh["tp"], (Shard(1),), run_check=False)
+    else:
+        block_input = x.clone().requires_grad_()
+    collectives, split_bytes = block_step(model, block_input)
     dist.destroy_process_group()
     return {"collectives": collectives, "activation_ratio": split_bytes / whole_bytes}
 
@@ -222,3 +222,22 @@ def test_sequence_parallel_halves_the_saved_activations_of_a_block() -> None:
     # their weight gradients (Megatron re-gathers them in backward instead).
     assert 0.45 <= with_sp <= 0.56
     assert with_sp < without_sp
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (dict(vocab_size=66), r"tp=4 does not divide the 66 vocabulary size of 'embed_tokens'; .*\[1, 2, 3, 6"),
+        (dict(n_kv_heads=2), r"tp=4 does not divide the 2 heads of 'layers.0.attention.k_proj'; .*\[1, 2\]"),
+    ],
+    ids=["vocabulary", "kv-heads"],
+)
+def test_layers_that_do_not_split_are_named(config: dict, message: str) -> None:
+    from lightning_par.models.llama import LlamaConfig, Transformer
+    from lightning_par.parallel.plan import derive_plan
+    from lightning_par.parallel.tensor import check_tensor_parallel
+
+    model = Transformer(LlamaConfig(**{**dict(vocab_size=64, dim=32, n_layers=1, n_heads=4, max_seq_len=16),
+                                       **config}))
+    with pytest.raises(ValueError, match=message):
+        check_tensor_parallel(model, derive_plan(model), 4)

@@ -19,7 +19,8 @@ Both are plain PyTorch with gloo-capable collectives, so they run on CPU; PyTorc
 How it attaches to a model, without model-specific code (``apply_context_parallel``):
 
 * the first block's hidden-state input is cut to this rank's tokens; in every block, tensors passed
-  beside the hidden state that run along the sequence (rotary tables, position ids) are cut the same way;
+  beside the hidden state that run along the sequence (rotary tables, position ids: shapes (B, T, ...),
+  (1, T, ...) or (T, ...)) are cut the same way;
 * ``F.scaled_dot_product_attention`` calls inside the blocks are routed to the chosen method;
 * the last block's output is gathered back to the whole sequence, so the final norm, the head and the
   user's loss run unchanged (on the whole sequence, identically on every rank of the group).
@@ -291,8 +292,8 @@ class ContextParallelBlock:
                 return x
             if x is hidden:
                 return x.index_select(1, positions) if self.first else x
-            if x.dim() >= 2 and x.shape[:2] == (batch, seq_len):  # (B, T, ...): position ids, rotary tables
-                return x.index_select(1, positions)
+            if x.dim() >= 2 and x.shape[0] in (1, batch) and x.shape[1] == seq_len:
+                return x.index_select(1, positions)  # (B or 1, T, ...): position ids, rotary tables
             if x.shape[0] == seq_len:  # (T, ...): rotary tables shared by the batch
                 return x.index_select(0, positions)
             return x

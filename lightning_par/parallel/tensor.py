@@ -76,13 +76,17 @@ def tensor_parallel_styles(module: nn.Module, plan: ModelPlan, *, sequence_paral
     With ``vocab_parallel_logits`` the head returns its logits as a DTensor split over the vocabulary, for
     :func:`vocab_parallel_loss`.
     """
-    between = Shard(1) if sequence_parallel else Replicate()  # layout of activations between regions
+    # Activations between the regions: whole tensors, or under sequence parallel DTensors split along the
+    # sequence. DTensors, not their local pieces, so that code between the blocks (residual adds, rotary
+    # tables built from the hidden states' length, as in Hugging Face models) sees the global shape.
+    between = Shard(1) if sequence_parallel else Replicate()
     styles: dict[str, ParallelStyle] = {}
     for name, sub in module.named_modules():
         style = plan.style_of(name)
         if style == "vocab" and isinstance(sub, nn.Embedding):
             # Rows are the vocabulary: each rank embeds the tokens it holds; the partial sums are reduced.
-            styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+            styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between,
+                                           use_local_output=not sequence_parallel)
         elif style == "colwise" and isinstance(sub, nn.Linear) and name == plan.head and vocab_parallel_logits:
             styles[name] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
         elif style == "colwise" and isinstance(sub, nn.Linear) and name == plan.head:
@@ -95,7 +99,7 @@ def tensor_parallel_styles(module: nn.Module, plan: ModelPlan, *, sequence_paral
             # summed before one all-reduce (or reduce-scatter), not one per projection (Megatron's f operator).
             styles[name.rpartition(".")[0]] = PrepareFirstInput(between, Replicate())
         elif style == "rowwise" and isinstance(sub, nn.Linear):
-            styles[name] = RowwiseParallel(output_layouts=between)
+            styles[name] = RowwiseParallel(output_layouts=between, use_local_output=not sequence_parallel)
         elif style == "sequence" and sequence_parallel:
             styles[name] = SequenceParallel()
     return styles
@@ -147,7 +151,22 @@ def apply_tensor_parallel(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan
     styles = tensor_parallel_styles(module, plan, sequence_parallel=sequence_parallel,
                                     vocab_parallel_logits=loss_parallel)
     parallelize_module(module, mesh["tp"], styles)
+    if sequence_parallel and plan.embedding is not None:
+        # Before the embedding's collective, on every rank alike: a sequence that does not split would
+        # otherwise fail deep inside DTensor with shapes that do not mention the cause.
+        module.get_submodule(plan.embedding).register_forward_pre_hook(_SequenceLengthCheck(tp))
     return module
+
+
+class _SequenceLengthCheck:
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        seq_len = args[0].shape[1]
+        if seq_len % self.tp != 0:
+            raise ValueError(f"sequence parallel splits the sequence over tp={self.tp} ranks, but a batch has "
+                             f"{seq_len} tokens; use a sequence length divisible by {self.tp}")
 
 
 # The losses PyTorch's loss_parallel computes on class-sharded inputs.

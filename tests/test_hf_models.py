@@ -1,0 +1,82 @@
+"""Third-party models: a Hugging Face Llama inside an ordinary LightningModule, parallelized from the
+derived plan with no model-specific code, matches one process (tiny config, random weights, no download)."""
+
+from __future__ import annotations
+
+import functools
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from parity import assert_parity, layout_run, reference_run
+from test_data_parallel import STEPS, make_datamodule
+
+transformers = pytest.importorskip("transformers")
+
+PARITY_RTOL = 1e-5
+
+
+class CausalLM(pl.LightningModule):
+    """Next-token training of any Hugging Face causal LM; nothing here knows which family it is."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        model_config = transformers.AutoConfig.for_model(**config)
+        self.model = transformers.AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa")
+
+    def split_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch[:, :-1], batch[:, 1:]
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=inputs).logits
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        inputs, targets = self.split_batch(batch)
+        return self.loss_fn(self(inputs), targets)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, use_cache=False,
+             tie_word_embeddings=False)
+make_llama = functools.partial(CausalLM, LLAMA)
+
+
+def make_strategy(name: str, **kwargs):
+    import lightning_par
+
+    return getattr(lightning_par, name)(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "strategy", "kwargs"),
+    [
+        (2, "TensorParallelStrategy", dict(tensor_parallel_size=2)),
+        (2, "TensorParallelStrategy", dict(tensor_parallel_size=2, sequence_parallel=True, loss_parallel=True)),
+        (2, "SequenceParallelStrategy", dict(context_parallel_size=2, method="ulysses")),
+        (2, "SequenceParallelStrategy", dict(context_parallel_size=2, method="ring")),
+    ],
+    ids=["tp2", "tp2-sp-loss", "cp2-ulysses", "cp2-ring"],
+)
+def test_hugging_face_llama_matches_single_process(world_size: int, strategy: str, kwargs: dict) -> None:
+    expected = reference_run(make_llama, make_datamodule, dp=1, steps=STEPS)
+    actual = layout_run(make_llama, make_datamodule, functools.partial(make_strategy, strategy, **kwargs),
+                        world_size=world_size, steps=STEPS)
+    loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
+    print(f"HF Llama {strategy} {kwargs}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
