@@ -25,6 +25,7 @@ _LAZY = {
     "ZeroStrategy": "lightning_par.strategies",
     "TensorParallelStrategy": "lightning_par.strategies",
     "SequenceParallelStrategy": "lightning_par.strategies",
+    "PipelineParallelStrategy": "lightning_par.strategies",
     "register_strategies": "lightning_par.strategies",
     "LlamaLM": "lightning_par.models",
     "LlamaConfig": "lightning_par.models",

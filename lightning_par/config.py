@@ -28,6 +28,8 @@ ZERO_STAGES = (0, 1, 2, 3)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 RECOMPUTE_MODES = ("none", "full", "selective")
 CP_METHODS = ("ulysses", "ring")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
+PP_BALANCE = ("parameters", "profile")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class ParallelConfig:
     (as in torchtitan and Megatron-Core), so adding experts does not multiply the world size.
 
     ``sequence_parallel`` keeps the activations between tensor-parallel regions split along the sequence.
+    ``pp_schedule``, ``pp_microbatches``, ``pp_virtual_stages`` (stages per rank, interleaved 1F1B) and
+    ``pp_balance`` configure pipeline parallel (``lightning_par.parallel.pipeline``).
     ``loss_parallel`` keeps the head's logits split over the vocabulary under tensor parallel and computes
     the cross-entropy on the shards. ``cp_method`` is how context parallel attends across the sequence slices (``ulysses`` all-to-all or
     ``ring``; see ``lightning_par.parallel.sequence``).
@@ -61,6 +65,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     cp_method: Literal["ulysses", "ring"] = "ulysses"
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"] = "1f1b"
+    pp_microbatches: int = 4
+    pp_virtual_stages: int = 2
+    pp_balance: Literal["parameters", "profile"] = "parameters"
     zero_stage: int = 0
     reshard_after_forward: bool = True
     param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -157,6 +165,14 @@ class ParallelConfig:
                     f"{name}={getattr(self, name)!r} needs zero_stage=3 (FSDP2 keeps fp32 shards and casts per "
                     f"block); with zero_stage={self.zero_stage} use Trainer(precision='bf16-mixed') instead"
                 )
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"pp_schedule={self.pp_schedule!r} is not one of {PP_SCHEDULES}")
+        if self.pp_balance not in PP_BALANCE:
+            raise ValueError(f"pp_balance={self.pp_balance!r} is not one of {PP_BALANCE}")
+        for name, least in (("pp_microbatches", 1), ("pp_virtual_stages", 2)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if self.cp_method not in CP_METHODS:
             raise ValueError(f"cp_method={self.cp_method!r} is not one of {CP_METHODS} (ulysses: all-to-all of heads "
                              "and sequence; ring: key/value blocks passed round the ranks)")

@@ -29,6 +29,7 @@ from lightning_par.config import DTYPES, ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel import data, zero
 from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas, unwrap
+from lightning_par.parallel.pipeline import split_pipeline
 from lightning_par.parallel.plan import ModelPlan
 from lightning_par.parallel.recompute import apply_activation_checkpointing
 from lightning_par.parallel.sequence import apply_context_parallel
@@ -37,7 +38,7 @@ from lightning_par.parallel.zero import fully_shard_model, is_zero_module, mater
 
 # Sizes whose technique this version does not apply yet: validated by ParallelConfig, refused here with
 # the size the user asked for.
-NOT_YET_AVAILABLE = ("pp", "ep")
+NOT_YET_AVAILABLE = ("ep",)
 
 
 def check_available(config: ParallelConfig) -> None:
@@ -46,7 +47,8 @@ def check_available(config: ParallelConfig) -> None:
     if missing:
         asked = ", ".join(f"{k}={v}" for k, v in missing.items())
         raise ValueError(
-            f"{asked}: this version of lightning_par applies data, ZeRO, tensor and context parallelism only; "
+            f"{asked}: this version of lightning_par applies data, ZeRO, tensor, context and pipeline parallelism "
+            f"only; "
             f"set {' and '.join(f'{k}=1' for k in missing)}"
         )
     dp = config.dp if isinstance(config.dp_replicate, int) and isinstance(config.dp_shard, int) else None
@@ -56,6 +58,16 @@ def check_available(config: ParallelConfig) -> None:
             f"tp={config.tp} with data parallelism needs zero_stage=3 (FSDP2 shards the tensor-parallel "
             f"DTensors over the data-parallel ranks), got zero_stage={config.zero_stage}"
         )
+    others = {name: getattr(config, name) for name in ("tp", "cp") if getattr(config, name) > 1}
+    if dp not in (None, 1):
+        others["dp"] = dp
+    if config.pp > 1 and others:
+        asked = ", ".join(f"{k}={v}" for k, v in others.items())
+        raise ValueError(f"pp={config.pp} with {asked}: pipeline parallel does not compose with other dimensions in "
+                         "this version yet; use pp alone (data_parallel_size=1)")
+    if config.pp > 1 and config.zero_stage != 0:
+        raise ValueError(f"pp={config.pp} with zero_stage={config.zero_stage}: use zero_stage=0 (each rank already "
+                         "holds only its stages' parameters)")
     if config.cp > 1 and config.tp > 1:
         raise ValueError(f"cp={config.cp} with tp={config.tp}: context and tensor parallel do not compose in this "
                          "version yet; use one of them")
@@ -65,6 +77,12 @@ def check_available(config: ParallelConfig) -> None:
 
 
 _LAYOUT_ATTRIBUTE = "_lightning_par_layout"
+_STAGES_ATTRIBUTE = "_lightning_par_pipeline_stages"
+
+
+def pipeline_stages(model: nn.Module) -> list:
+    """This rank's pipeline stages of a module :func:`parallelize` split (empty without pipeline parallel)."""
+    return getattr(model, _STAGES_ATTRIBUTE, [])
 
 
 def parallelize(
@@ -94,7 +112,11 @@ def parallelize(
         raise ValueError(f"this module was parallelized for {applied[1].describe()} already and cannot be "
                          f"re-laid out as {config.describe()}; build a new module (or load a checkpoint into one)")
     if applied is None:
-        # Step 1 (pipeline) comes with its technique.
+        if config.pp > 1:  # 1
+            stages = split_pipeline(model, mesh, plan, schedule=config.pp_schedule,
+                                    virtual_stages=config.pp_virtual_stages, balance_by=config.pp_balance,
+                                    device=device)
+            setattr(model, _STAGES_ATTRIBUTE, stages)
         apply_tensor_parallel(model, mesh, plan, sequence_parallel=config.sequence_parallel,  # 2
                               loss_parallel=config.loss_parallel)
         apply_context_parallel(model, mesh, plan, method=config.cp_method)  # 3
@@ -150,7 +172,9 @@ def gradient_norm_group(mesh: ParallelMesh, config: ParallelConfig) -> ProcessGr
     tensors, or DTensors, which know their own placements)."""
     if config.zero_stage == 2 and mesh.size("dp_shard") > 1:
         return mesh.group("dp_shard")
+    if mesh.size("pp") > 1:  # each rank holds the whole gradients of its own stages
+        return mesh.group("pp")
     return None
 
 
-__all__ = ["parallelize", "parallelize_optimizer", "no_gradient_sync", "gradient_norm_group", "check_available"]
+__all__ = ["parallelize", "pipeline_stages", "parallelize_optimizer", "no_gradient_sync", "gradient_norm_group", "check_available"]

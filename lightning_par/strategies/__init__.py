@@ -2,11 +2,13 @@
 
 from lightning_par.strategies.base import MeshStrategy
 from lightning_par.strategies.data_parallel import DataParallelStrategy
+from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy
 from lightning_par.strategies.sequence_parallel import SequenceParallelStrategy
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_par.strategies.zero import ZeroStrategy
 
-STRATEGIES = (DataParallelStrategy, ZeroStrategy, TensorParallelStrategy, SequenceParallelStrategy)
+STRATEGIES = (DataParallelStrategy, ZeroStrategy, TensorParallelStrategy, SequenceParallelStrategy,
+              PipelineParallelStrategy)
 
 
 def register_strategies() -> None:
@@ -20,4 +22,4 @@ def register_strategies() -> None:
 register_strategies()
 
 __all__ = ["MeshStrategy", "DataParallelStrategy", "ZeroStrategy", "TensorParallelStrategy",
-           "SequenceParallelStrategy", "register_strategies", "STRATEGIES"]
+           "SequenceParallelStrategy", "PipelineParallelStrategy", "register_strategies", "STRATEGIES"]

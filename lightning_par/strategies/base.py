@@ -427,4 +427,10 @@ class MeshStrategy(ParallelStrategy):
     def consolidated_state_dict(self) -> dict[str, Tensor]:
         """Whole tensors of the model on CPU, on global rank 0 (other ranks get an empty dict). Collective."""
         assert self.lightning_module is not None
-        return ckpt.model_state_dict(self.lightning_module, full=True)
+        if self.mesh.size("pp") == 1:
+            return ckpt.model_state_dict(self.lightning_module, full=True)
+        # Each pipeline rank holds different parameters: gather every rank's whole tensors on rank 0.
+        mine = {k: v.detach().cpu() for k, v in ckpt.model_state_dict(self.lightning_module, full=False).items()}
+        parts: list[Any] = [None] * self.mesh.size("pp") if self.global_rank == 0 else None
+        torch.distributed.gather_object(mine, parts, dst=0, group=self.mesh.group("pp"))
+        return {k: v for part in parts for k, v in part.items()} if self.global_rank == 0 else {}

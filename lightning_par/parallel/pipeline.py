@@ -1,0 +1,364 @@
+"""Pipeline parallelism: consecutive blocks form stages on different ranks; micro-batches flow through.
+
+GPipe (Huang et al. 2019) runs all forwards then all backwards; 1F1B (PipeDream-Flush, Narayanan et
+al. 2021) alternates them so at most ``pp`` micro-batches are in flight; interleaved 1F1B (Narayanan et
+al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM") gives each
+rank ``v`` smaller stages (rank ``r`` holds stages ``r, r + pp, ...``), dividing the bubble by ``v``;
+ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism") places two stages per rank in a V (rank ``r``
+holds ``r`` and ``2pp - 1 - r``) and fills the bubble with the weight-gradient halves of backward. The
+schedules and stage communication are PyTorch's ``torch.distributed.pipelining``; this module decides
+where the stages are and builds them from the model plan.
+
+How a stage is made, without model-specific code: the network (the module holding the plan's blocks,
+embedding and head) keeps its forward; on a stage, the parts it does not own are replaced by a
+pass-through module that returns its first input. The first stage's embedding turns tokens into hidden
+states and later stages receive hidden states in the same argument; the head of the last stage returns
+logits and earlier stages return hidden states. Parameter names do not change, so optimizers and
+checkpoints see the usual names, each rank holding only its stages' parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from typing import Any, Callable, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.plan import ModelPlan
+
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"]
+SCHEDULES: dict[str, type] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zbv": ScheduleZBVZeroBubble,
+}
+BALANCE_METHODS = ("parameters", "profile")
+
+
+# ------------------------------------------------------------------------------------ placement
+def stages_per_rank(schedule: Schedule, virtual_stages: int) -> int:
+    """How many stages each rank holds under ``schedule``."""
+    return {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": virtual_stages, "zbv": 2}[schedule]
+
+
+def stage_indices(pp_rank: int, pp: int, schedule: Schedule, virtual_stages: int = 2) -> list[int]:
+    """The stages rank ``pp_rank`` holds: looped (``r, r + pp, ...``) or V-shaped (``r, 2pp - 1 - r``)."""
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(stages_per_rank(schedule, virtual_stages))]
+
+
+def check_microbatches(n_microbatches: int, schedule: Schedule, pp: int, batch_size: int | None = None) -> None:
+    """Raise ``ValueError`` naming the values when the micro-batches do not fit the schedule or the batch."""
+    if schedule in ("1f1b", "interleaved_1f1b", "zbv") and n_microbatches < pp:
+        raise ValueError(f"schedule {schedule!r} needs at least pp={pp} micro-batches to fill the pipeline, "
+                         f"got microbatches={n_microbatches}; raise it to {pp} or more (or use 'gpipe')")
+    if batch_size is not None and batch_size % n_microbatches != 0:
+        raise ValueError(f"a batch of {batch_size} samples does not split into microbatches={n_microbatches}; "
+                         f"use a batch size divisible by {n_microbatches}")
+
+
+# ------------------------------------------------------------------------------------ balancing
+def balance(costs: Sequence[float], n_stages: int, *, first: float = 0.0, last: float = 0.0) -> list[int]:
+    """Numbers of consecutive blocks per stage that minimise the most expensive stage.
+
+    ``costs`` are per block; ``first`` (embedding) and ``last`` (final norm, head, loss) are added to the
+    first and the last stage. Exact dynamic programme over the split points, O(n_blocks^2 x n_stages).
+    """
+    n = len(costs)
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+
+    def stage_cost(stage: int, start: int, end: int) -> float:
+        extra = (first if stage == 0 else 0.0) + (last if stage == n_stages - 1 else 0.0)
+        return prefix[end] - prefix[start] + extra
+
+    inf = float("inf")
+    # best[s][i]: the least possible maximum over stages 0..s-1 holding blocks 0..i-1.
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    choice = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for i in range(s, n - (n_stages - s) + 1):
+            for j in range(s - 1, i):  # stage s-1 holds blocks j..i-1 (at least one)
+                value = max(best[s - 1][j], stage_cost(s - 1, j, i))
+                if value < best[s][i]:
+                    best[s][i], choice[s][i] = value, j
+    sizes, end = [], n
+    for s in range(n_stages, 0, -1):
+        start = choice[s][end]
+        sizes.append(end - start)
+        end = start
+    return sizes[::-1]
+
+
+def sizes_from_split_points(block_names: list[str], split_points: Sequence[str], n_stages: int) -> list[int]:
+    """Blocks per stage when the user names the blocks that start stages 1..n_stages-1."""
+    if len(split_points) != n_stages - 1:
+        raise ValueError(f"{n_stages} stages need {n_stages - 1} split points, got {len(split_points)}: "
+                         f"{list(split_points)}")
+    starts = [0]
+    for name in split_points:
+        if name not in block_names:
+            raise ValueError(f"split point {name!r} is not a block; blocks are {block_names[0]!r} .. "
+                             f"{block_names[-1]!r}")
+        starts.append(block_names.index(name))
+    if starts != sorted(set(starts)):
+        raise ValueError(f"split points {list(split_points)} must name distinct blocks in order, after the first")
+    starts.append(len(block_names))
+    return [b - a for a, b in zip(starts, starts[1:])]
+
+
+def parameter_costs(module: nn.Module, plan: ModelPlan) -> tuple[list[float], float, float]:
+    """(per-block, first-stage extra, last-stage extra) costs as parameter counts."""
+    def count(name: str | None) -> float:
+        return 0.0 if name is None else float(sum(p.numel() for p in module.get_submodule(name).parameters()))
+
+    blocks = [count(name) for name in plan.block_names(module)]
+    return blocks, count(plan.embedding), count(plan.final_norm) + count(plan.head)
+
+
+def profile_costs(module: nn.Module, plan: ModelPlan, forward: Callable[[Tensor], Tensor],
+                  loss_fn: Callable[[Tensor, Tensor], Tensor], tokens: Tensor,
+                  *, repeats: int = 3) -> tuple[list[float], float, float]:
+    """(per-block, first-stage extra, last-stage extra) costs as measured forward + backward seconds.
+
+    Runs ``loss_fn(forward(inputs), targets)`` on ``tokens`` (B, T + 1) with timing hooks around the
+    embedding, every block and the head (the loss is charged to the head), keeping the fastest of
+    ``repeats`` runs. Blocks of a standard model cost the same; the embedding and the head (a
+    vocabulary-sized matmul and softmax) often do not, which parameter counts miss.
+    """
+    names = {"embedding": plan.embedding, "head": plan.head, **{n: n for n in plan.block_names(module)}}
+    timings: dict[str, float] = {}
+    handles = []
+    for key, name in names.items():
+        if name is not None:
+            handles += _time_forward_and_backward(module.get_submodule(name), key, timings)
+    best: dict[str, float] = {}
+    try:
+        for _ in range(repeats):
+            timings.clear()
+            started = time.perf_counter()
+            loss_fn(forward(tokens[:, :-1]), tokens[:, 1:]).backward()
+            total = time.perf_counter() - started
+            timings["head"] = timings.get("head", 0.0) + total - sum(timings.values())  # loss and the rest
+            for key, value in timings.items():
+                best[key] = min(best.get(key, float("inf")), value)
+    finally:
+        for handle in handles:
+            handle.remove()
+        module.zero_grad(set_to_none=True)
+    blocks = [best.get(n, 0.0) for n in plan.block_names(module)]
+    return blocks, best.get("embedding", 0.0), best.get("head", 0.0)
+
+
+def _time_forward_and_backward(module: nn.Module, key: str, timings: dict[str, float]) -> list[Any]:
+    started: dict[str, float] = {}
+
+    def before_forward(*_: Any) -> None:
+        started["forward"] = time.perf_counter()
+
+    def after_forward(*_: Any) -> None:
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - started["forward"]
+
+    def before_backward(*_: Any) -> None:
+        started["backward"] = time.perf_counter()
+
+    def after_backward(*_: Any) -> None:
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - started["backward"]
+
+    return [module.register_forward_pre_hook(before_forward), module.register_forward_hook(after_forward),
+            module.register_full_backward_pre_hook(before_backward),
+            module.register_full_backward_hook(after_backward)]
+
+
+# ---------------------------------------------------------------------------------- stage modules
+class PassThrough(nn.Module):
+    """Stands in for a part a stage does not own: returns its first input unchanged."""
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return x
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: the network with only this stage's parts; returns a tensor.
+
+    The network may return an output object (Hugging Face ``ModelOutput``, a tuple): the stage passes on
+    its first element (the logits, or the hidden states on earlier stages).
+    """
+
+    def __init__(self, network: nn.Module) -> None:
+        super().__init__()
+        self.network = network
+
+    def forward(self, x: Tensor) -> Tensor:
+        output = self.network(x)
+        if isinstance(output, Tensor):
+            return output
+        return output[0]
+
+
+def _replace(network: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:
+    """A copy of ``network`` with the named submodules replaced, sharing every other module.
+
+    Only the modules on the path to a replaced one are copied (shallowly), so the stages of one rank and
+    the rank's own network hold the very same parameters.
+    """
+    if not replacements:
+        return network
+    copied = copy.copy(network)
+    copied._modules = dict(network._modules)
+    children: dict[str, dict[str, nn.Module]] = {}
+    for name, module in replacements.items():
+        head, _, rest = name.partition(".")
+        if rest:
+            children.setdefault(head, {})[rest] = module
+        else:
+            copied._modules[head] = module
+    for head, nested in children.items():
+        copied._modules[head] = _replace(network._modules[head], nested)
+    return copied
+
+
+def network_prefix(plan: ModelPlan) -> str:
+    """The plan's names share the network's path: ``model.layers`` -> ``model.``."""
+    names = [n for n in (plan.blocks, plan.embedding, plan.final_norm, plan.head) if n]
+    parts = [n.split(".") for n in names]
+    common: list[str] = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    if len(common) == len(parts[0]) and len(names) == 1:
+        common = common[:-1]
+    return ".".join(common) + "." if common else ""
+
+
+def build_stages(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, *, schedule: Schedule,
+                 virtual_stages: int, sizes: list[int], device: torch.device) -> list[PipelineStage]:
+    """Cut the network inside ``module`` into this rank's stages (in place: the rest is dropped).
+
+    ``sizes`` are the numbers of blocks of every stage (``pp x stages per rank`` of them).
+    """
+    pp, pp_rank = mesh.size("pp"), mesh.local_rank("pp")
+    n_stages = len(sizes)
+    prefix = network_prefix(plan)
+    network_name = prefix.rstrip(".")
+    network = module.get_submodule(network_name) if network_name else module
+    blocks = plan.block_names(module)
+    starts = [sum(sizes[:s]) for s in range(n_stages)]
+    owned_blocks = {s: blocks[starts[s]:starts[s] + sizes[s]] for s in range(n_stages)}
+
+    def parts_of(stage: int) -> set[str]:
+        parts = set(owned_blocks[stage])
+        if stage == 0 and plan.embedding:
+            parts.add(plan.embedding)
+        if stage == n_stages - 1:
+            parts.update(n for n in (plan.final_norm, plan.head) if n)
+        return parts
+
+    every_part = set(blocks) | {n for n in (plan.embedding, plan.final_norm, plan.head) if n}
+    mine = stage_indices(pp_rank, pp, schedule, virtual_stages)
+    held = set().union(*(parts_of(s) for s in mine))
+    # The rank's network keeps the parts of all its stages; each stage sees only its own.
+    for name in every_part - held:
+        _set(network, name[len(prefix):], PassThrough())
+    stages = []
+    for stage in mine:
+        others = {name[len(prefix):]: PassThrough() for name in held - parts_of(stage)}
+        stages.append(PipelineStage(StageModule(_replace(network, others)), stage, n_stages, device,
+                                    group=mesh.group("pp")))
+    return stages
+
+
+def _set(network: nn.Module, name: str, value: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = network.get_submodule(parent_name) if parent_name else network
+    parent._modules[leaf] = value
+
+
+def split_pipeline(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *, schedule: Schedule,
+                   virtual_stages: int, balance_by: str, device: torch.device,
+                   profile_seq_len: int = 128) -> list[PipelineStage]:
+    """Balance the blocks over ``pp x stages per rank`` stages and build this rank's stages (in place).
+
+    ``module`` must meet the model contract: ``module(inputs) -> logits`` and
+    ``module.loss_fn(logits, targets)`` (used to profile when ``balance_by="profile"``). Split points in
+    ``plan`` win over balancing.
+    """
+    pp = mesh.size("pp")
+    if plan is None:
+        raise ValueError(f"pp={pp} needs to know where the blocks are, and no model plan was found: give the "
+                         "strategy a plan (plan: {blocks: ..., embedding: ..., head: ...})")
+    n_stages = pp * stages_per_rank(schedule, virtual_stages)
+    blocks = plan.block_names(module)
+    if len(blocks) < n_stages:
+        raise ValueError(f"{n_stages} pipeline stages (pp={pp} x {n_stages // pp} per rank for {schedule!r}) need "
+                         f"at least {n_stages} blocks, the model has {len(blocks)}")
+    if plan.split_points:
+        sizes = sizes_from_split_points(blocks, plan.split_points, n_stages)
+    else:
+        if balance_by == "profile":
+            vocab = module.get_submodule(plan.embedding).num_embeddings if plan.embedding else 2
+            tokens = torch.randint(0, vocab, (1, profile_seq_len + 1), generator=torch.Generator().manual_seed(0))
+            costs, first, last = profile_costs(module, plan, module, module.loss_fn, tokens.to(device))
+            # Every rank must cut at the same places: agree on the mean of the measured costs.
+            measured = torch.tensor([*costs, first, last], dtype=torch.float64)
+            torch.distributed.all_reduce(measured)
+            measured /= torch.distributed.get_world_size()
+            costs, first, last = measured[:-2].tolist(), float(measured[-2]), float(measured[-1])
+        else:
+            costs, first, last = parameter_costs(module, plan)
+        sizes = balance(costs, n_stages, first=first, last=last)
+    return build_stages(module, mesh, plan, schedule=schedule, virtual_stages=virtual_stages, sizes=sizes,
+                        device=device)
+
+
+def last_stage_rank(pp: int, schedule: Schedule, virtual_stages: int) -> int:
+    """The pipeline rank that holds the last stage (and computes the loss)."""
+    n_stages = pp * stages_per_rank(schedule, virtual_stages)
+    return next(r for r in range(pp) if n_stages - 1 in stage_indices(r, pp, schedule, virtual_stages))
+
+
+def build_schedule(stages: list[PipelineStage], schedule: Schedule, n_microbatches: int,
+                   loss_fn: Callable[[Tensor, Tensor], Tensor] | None) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    """PyTorch's schedule over ``stages``; ``loss_fn`` already carries the 1/micro-batches scaling."""
+    cls = SCHEDULES[schedule]
+    if issubclass(cls, PipelineScheduleSingle):
+        return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+__all__ = [
+    "BALANCE_METHODS",
+    "SCHEDULES",
+    "PassThrough",
+    "StageModule",
+    "balance",
+    "build_schedule",
+    "build_stages",
+    "check_microbatches",
+    "last_stage_rank",
+    "split_pipeline",
+    "network_prefix",
+    "parameter_costs",
+    "profile_costs",
+    "sizes_from_split_points",
+    "stage_indices",
+    "stages_per_rank",
+]
