@@ -158,9 +158,15 @@ def load_checkpoint(
         set_model_state_dict(module, model_state[MODEL_KEY], options=StateDictOptions(strict=strict))
         for index, optimizer in enumerate(optimizers):
             key = f"optimizer_{index}"
-            optim_state = {key: optimizer_state_dict(module, optimizer, full=False)}
-            dcp.load(optim_state, checkpoint_id=path)
-            _load_optimizer_state(module, optimizer, optim_state[key], full=False)
+            template = optimizer_state_dict(module, optimizer, full=False)
+            own_params = [group["params"] for group in template["param_groups"]]
+            dcp.load(optim_state := {key: template}, checkpoint_id=path)
+            # DCP keeps one rank's copy of non-tensor entries such as param_groups, and the ranks of a
+            # pipeline hold different parameters: take the saved hyper-parameters, keep this rank's names.
+            loaded = optim_state[key]
+            loaded["param_groups"] = [{**_hyper_parameters(saved), "params": params}
+                                      for saved, params in zip(loaded["param_groups"], own_params)]
+            _load_optimizer_state(module, optimizer, loaded, full=False)
         return torch.load(path / META_FILE, map_location="cpu", weights_only=_weights_only(weights_only))
     if path.is_dir():
         raise ValueError(f"{str(path)!r} is a directory but not a sharded checkpoint (no {_DCP_METADATA} inside)")

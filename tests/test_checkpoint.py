@@ -11,7 +11,7 @@ import torch
 from harness import run_distributed
 from parity import RecordLoss
 
-from lightning_par.checkpoint import is_sharded_checkpoint
+from lightning_par.checkpoint import export_consolidated, is_sharded_checkpoint
 from lightning_par.data import TokenDataModule
 from lightning_par.models import LlamaLM
 
@@ -24,12 +24,20 @@ make_datamodule = functools.partial(TokenDataModule, source="synthetic", vocab_s
 
 
 def make_strategy(name: str = "data_parallel", sharded: bool = True):
-    from lightning_par import DataParallelStrategy, SequenceParallelStrategy, TensorParallelStrategy, ZeroStrategy
+    from lightning_par import (
+        DataParallelStrategy,
+        PipelineParallelStrategy,
+        SequenceParallelStrategy,
+        TensorParallelStrategy,
+        ZeroStrategy,
+    )
 
     if name == "data_parallel":
         return DataParallelStrategy(save_distributed_checkpoint=sharded)
     if name == "tensor_parallel":
         return TensorParallelStrategy(tensor_parallel_size=2, save_distributed_checkpoint=sharded)
+    if name == "pipeline_parallel":
+        return PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2)
     if name == "sequence_parallel":
         return SequenceParallelStrategy(context_parallel_size=2, method="ring", save_distributed_checkpoint=sharded)
     return ZeroStrategy(stage=int(name[-1]), save_distributed_checkpoint=sharded)
@@ -74,6 +82,19 @@ def test_resume_continues_exactly(tmp_path: Path, sharded: bool) -> None:
     assert resumed["losses"] == uninterrupted["losses"][4:]  # bitwise: same ops, same order, same data
     for name, tensor in uninterrupted["state"].items():
         assert torch.equal(resumed["state"][name], tensor), name
+
+
+def test_pipeline_checkpoint_resumes_exactly(tmp_path: Path) -> None:
+    """Each rank saves and restores its own stage (weights and AdamW moments) in one DCP directory."""
+    uninterrupted = run_distributed(_fit, 2, str(tmp_path / "a"), ("pipeline_parallel", True), 0, None)[0]
+    epoch0 = tmp_path / "a" / "epoch=0-step=8.ckpt"  # one data-parallel rank: 8 batches per epoch
+    resumed = run_distributed(_fit, 2, str(tmp_path / "b"), ("pipeline_parallel", True), 1, str(epoch0))[0]
+    assert resumed["losses"] == uninterrupted["losses"][8:]
+    for name, tensor in uninterrupted["state"].items():
+        assert torch.equal(resumed["state"][name], tensor), name
+    # And the stages come together in one plain file, or in another layout.
+    weights = export_consolidated(tmp_path / "a" / "last.ckpt", tmp_path / "model.pt")
+    assert weights.keys() == uninterrupted["state"].keys()
 
 
 def test_full_checkpoint_holds_whole_tensors_by_name(tmp_path: Path) -> None:
@@ -131,7 +152,8 @@ def test_export_consolidated_loads_in_plain_pytorch(tmp_path: Path, strategy: st
 
 @pytest.mark.parametrize(("saved_under", "loaded_under"), [("tensor_parallel", "data_parallel"),
                                                           ("zero2", "tensor_parallel"),
-                                                          ("sequence_parallel", "tensor_parallel")])
+                                                          ("sequence_parallel", "tensor_parallel"),
+                                                          ("pipeline_parallel", "data_parallel")])
 def test_model_parallel_checkpoints_reshard(tmp_path: Path, saved_under: str, loaded_under: str) -> None:
     """DTensor shards of a tensor-parallel run load into whole tensors, and back, and a context-parallel run's
     into tensor-parallel shards (weights compared after

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
-from parity import assert_parity, layout_run, reference_run
+import torch
+from parity import assert_fails_on_every_rank, assert_parity, layout_run, reference_run
 from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
 
 from lightning_par.parallel.pipeline import balance, sizes_from_split_points, stage_indices
@@ -13,6 +15,10 @@ from lightning_par.parallel.pipeline import balance, sizes_from_split_points, st
 PARITY_RTOL = 1e-5
 # 8 blocks: 2 stages per rank at pp=4 (interleaved, ZB-V) still get one block each.
 make_module = functools.partial(SGDLlamaLM, **{**MODEL, "n_layers": 8})
+
+
+SPLIT_AFTER_3 = {"blocks": "model.layers", "embedding": "model.embed_tokens", "final_norm": "model.norm",
+                 "head": "model.lm_head", "split_points": ["model.layers.3"]}
 
 
 def make_strategy(**kwargs):
@@ -47,9 +53,11 @@ def test_balance_minimises_the_largest_stage() -> None:
         (4, dict(schedule="1f1b", microbatches=4), 1, 0.05),
         (4, dict(schedule="interleaved_1f1b", microbatches=4), 1, None),
         (4, dict(schedule="zbv", microbatches=4), 1, None),
+        (2, dict(schedule="1f1b", microbatches=2, balance="profile"), 1, None),
+        (2, dict(schedule="gpipe", microbatches=4, plan=SPLIT_AFTER_3), 1, None),
     ],
     ids=["pp2-gpipe", "pp2-1f1b-acc2-clip", "pp2-interleaved", "pp2-zbv", "pp4-gpipe", "pp4-1f1b-clip",
-         "pp4-interleaved", "pp4-zbv"],
+         "pp4-interleaved", "pp4-zbv", "pp2-profile", "pp2-split-points"],
 )
 def test_pipeline_matches_single_process(world_size: int, kwargs: dict, accumulate: int, clip) -> None:
     datamodule = functools.partial(make_datamodule, batch_size=4)
@@ -61,3 +69,233 @@ def test_pipeline_matches_single_process(world_size: int, kwargs: dict, accumula
                         trainer_kwargs={"gradient_clip_val": clip})
     loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
     print(f"pipeline_parallel {kwargs} ws={world_size}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
+
+
+# ------------------------------------------------------------------------------------ bubble
+# Each block sleeps a fixed time in forward, in the input-gradient half of backward and in the
+# weight-gradient half (the split zero-bubble schedules exploit): costs are exact, whatever the CPU does.
+SLEEP = 0.03  # seconds per block and phase
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, forward_seconds, backward_seconds):
+        time.sleep(forward_seconds)
+        ctx.backward_seconds = backward_seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_seconds)
+        return grad, None, None
+
+
+class SleepBlock(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        x = _Sleep.apply(x, SLEEP, SLEEP)  # forward, and the input-gradient part of backward
+        weight = _Sleep.apply(self.proj.weight, 0.0, SLEEP)  # the weight-gradient part of backward
+        return torch.nn.functional.linear(x, weight, self.proj.bias)
+
+
+class SleepNetwork(torch.nn.Module):
+    def __init__(self, n_blocks: int = 4, vocab: int = 16, width: int = 8) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(SleepBlock(width) for _ in range(n_blocks))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+class SleepModule(torch.nn.Module):  # the model contract, without Lightning
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = SleepNetwork()
+
+    def forward(self, inputs):
+        return self.model(inputs)
+
+    def loss_fn(self, logits, targets):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+
+
+def _bubble(rank: int, world_size: int, schedule: str, microbatches: int) -> float:
+    import torch.distributed as dist
+
+    from lightning_par.config import ParallelConfig
+    from lightning_par.parallel.compose import parallelize, pipeline_stages
+    from lightning_par.parallel.pipeline import build_schedule, stage_indices
+    from lightning_par.parallel.plan import derive_plan
+
+    dist.init_process_group("gloo")
+    config = ParallelConfig(pp=world_size, dp_shard=1, pp_schedule=schedule, pp_microbatches=microbatches)
+    mesh = config.build_mesh("cpu")
+    module = SleepModule()
+    parallelize(module, mesh, config.validate(world_size), derive_plan(module), training=False)
+    stages = pipeline_stages(module)
+    runner = build_schedule(stages, schedule, microbatches, module.loss_fn)
+    tokens = torch.randint(0, 16, (microbatches, 5))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    times = []
+    for _ in range(4):
+        dist.barrier()
+        started = time.perf_counter()
+        runner.step(*((inputs,) if stages[0].is_first else ()), target=targets if stages[-1].is_last else None)
+        dist.barrier()
+        times.append(time.perf_counter() - started)
+    blocks = sum(len([b for b in stage.submod.network.blocks if isinstance(b, SleepBlock)]) for stage in stages)
+    busy = microbatches * blocks * 3 * SLEEP  # forward + input gradient + weight gradient, every micro-batch
+    dist.destroy_process_group()
+    return 1.0 - busy / min(times[1:])  # the first step also infers shapes
+
+
+def test_pipeline_bubble_matches_theory() -> None:
+    """Idle fraction per rank, p=2 ranks, m=4 micro-batches, equal block costs: GPipe and 1F1B
+    (p-1)/(m+p-1) = 0.20 (Huang et al. 2019; Narayanan et al. 2021); interleaved with v=2 stages per rank
+    (p-1)/(v*m+p-1) = 0.11; ZB-V fills the bubble with weight-gradient work (Qi et al. 2024)."""
+    from harness import run_distributed
+
+    p, m, v = 2, 4, 2
+    measured = {name: max(run_distributed(_bubble, p, name, m)) for name in ("gpipe", "1f1b", "interleaved_1f1b",
+                                                                              "zbv")}
+    theory = {"gpipe": (p - 1) / (m + p - 1), "1f1b": (p - 1) / (m + p - 1),
+              "interleaved_1f1b": (p - 1) / (v * m + p - 1)}
+    print("pipeline bubble (measured / theory):",
+          {k: (round(value, 3), round(theory.get(k, 0.0), 3)) for k, value in measured.items()})
+    for name, expected in theory.items():
+        assert abs(measured[name] - expected) <= 0.05, (name, measured[name], expected)
+    assert measured["zbv"] < measured["1f1b"] - 0.05
+
+
+def _peak_saved_activation_bytes(rank: int, world_size: int, schedule: str, microbatches: int) -> int:
+    """Most bytes of saved activations alive at once on this rank during one training step."""
+    import torch.distributed as dist
+
+    from lightning_par.config import ParallelConfig
+    from lightning_par.parallel.compose import parallelize, pipeline_stages
+    from lightning_par.parallel.pipeline import build_schedule
+    from lightning_par.parallel.plan import derive_plan
+
+    dist.init_process_group("gloo")
+    config = ParallelConfig(pp=world_size, dp_shard=1, pp_schedule=schedule, pp_microbatches=microbatches)
+    mesh = config.build_mesh("cpu")
+    torch.manual_seed(0)
+    module = make_module()
+    parallelize(module, mesh, config.validate(world_size), derive_plan(module), training=False)
+    stages = pipeline_stages(module)
+    runner = build_schedule(stages, schedule, microbatches, module.loss_fn)
+    inputs, targets = module.split_batch(torch.randint(0, 64, (microbatches, 17)))
+    live = {"now": 0, "peak": 0}
+
+    class Saved:  # released by autograd when the saved tensor is freed after its backward
+        def __init__(self, size: int) -> None:
+            self.size = size
+            live["now"] += size
+            live["peak"] = max(live["peak"], live["now"])
+
+        def __del__(self) -> None:
+            live["now"] -= self.size
+
+    def pack(t):
+        return (None if isinstance(t, torch.nn.Parameter) else Saved(t.numel() * t.element_size())), t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed[1]):
+        runner.step(*((inputs,) if stages[0].is_first else ()), target=targets if stages[-1].is_last else None)
+    dist.destroy_process_group()
+    return live["peak"]
+
+
+def test_1f1b_keeps_fewer_activations_than_gpipe() -> None:
+    """GPipe keeps the activations of all m micro-batches until backward starts; 1F1B a few, about p - rank
+    (Narayanan et al. 2021; PyTorch's 1F1B runs one more forward before the first backward on rank 0).
+    p=2, m=8; measured 0.32 and 0.125 of GPipe's."""
+    from harness import run_distributed
+
+    gpipe = run_distributed(_peak_saved_activation_bytes, 2, "gpipe", 8)
+    one_f_one_b = run_distributed(_peak_saved_activation_bytes, 2, "1f1b", 8)
+    ratios = [b / a for a, b in zip(gpipe, one_f_one_b)]
+    print(f"peak saved activations per rank, 1F1B / GPipe (p=2, m=8): {[round(r, 3) for r in ratios]}")
+    p, m = 2, 8
+    for rank, ratio in enumerate(ratios):
+        assert ratio <= (p - rank + 1) / m, (rank, ratio)
+
+
+def test_profile_balancing_beats_parameter_counts_on_uneven_blocks() -> None:
+    """A large vocabulary makes the embedding heavy in parameters but cheap to run, and the head expensive
+    to run: counting parameters starves the first stage, timing the blocks does not."""
+    from lightning_par.parallel.pipeline import parameter_costs, profile_costs
+    from lightning_par.parallel.plan import derive_plan
+
+    torch.manual_seed(0)
+    module = SGDLlamaLM(**{**MODEL, "n_layers": 24, "vocab_size": 8192})
+    plan = derive_plan(module)
+    inputs, targets = module.split_batch(torch.randint(0, 8192, (4, 17)))
+    measured = profile_costs(module, plan, module, module.loss_fn, inputs, targets)
+
+    def slowest_stage(sizes: list[int]) -> float:  # in measured seconds
+        blocks, first, last = measured
+        starts = [sum(sizes[:s]) for s in range(len(sizes))]
+        return max(sum(blocks[a:a + n]) + (first if s == 0 else 0.0) + (last if s == len(sizes) - 1 else 0.0)
+                   for s, (a, n) in enumerate(zip(starts, sizes)))
+
+    counted = parameter_costs(module, plan)
+    by_parameters = balance(counted[0], 4, first=counted[1], last=counted[2])
+    by_profile = balance(measured[0], 4, first=measured[1], last=measured[2])
+    ratio = slowest_stage(by_profile) / slowest_stage(by_parameters)
+    print(f"slowest stage, profile / parameters: {ratio:.2f} ({by_profile} vs {by_parameters} blocks)")
+    assert by_parameters[0] == 1 and by_profile[0] > 1
+    assert ratio < 0.9
+
+
+def _validate_after_training(rank: int, world_size: int) -> dict:
+    import lightning
+
+    torch.manual_seed(1234)
+    module = make_module()
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False,
+                                strategy=make_strategy(pipeline_parallel_size=world_size, microbatches=2),
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                num_sanity_val_steps=0)
+    datamodule = make_datamodule(batch_size=4)
+    trainer.fit(module, datamodule=datamodule)
+    validated = trainer.validate(module, datamodule=datamodule, verbose=False)[0]["val_loss"]
+    return {"val_loss": validated, "state": trainer.strategy.consolidated_state_dict()}
+
+
+def test_validation_runs_forward_only_and_matches() -> None:
+    """After 4 steps, validation under pp=2 reports the loss one process computes with the same weights."""
+    from harness import run_distributed
+
+    results = run_distributed(_validate_after_training, 2)
+    assert results[0]["val_loss"] == results[1]["val_loss"]  # broadcast from the last stage
+    module = make_module()
+    module.load_state_dict(results[0]["state"])
+    datamodule = make_datamodule(batch_size=4)
+    datamodule.setup("validate")
+    with torch.no_grad():
+        losses = [module.loss_fn(module(x), y) for x, y in map(module.split_batch, datamodule.val_dataloader())]
+    assert results[0]["val_loss"] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "batch_size", "message"),
+    [
+        (dict(schedule="1f1b", microbatches=1), 4, "schedule '1f1b' needs at least pp=2 micro-batches"),
+        (dict(schedule="gpipe", microbatches=3), 4, "a batch of 4 samples does not split into microbatches=3"),
+        (dict(schedule="zbv", microbatches=2, plan=None), 4, "4 pipeline stages (pp=2 x 2 per rank for 'zbv') need "
+                                                             "at least 4 blocks, the model has 2"),
+    ],
+    ids=["too-few-microbatches", "batch", "blocks"],
+)
+def test_pipelines_that_cannot_run_fail_on_every_rank(kwargs: dict, batch_size: int, message: str) -> None:
+    assert_fails_on_every_rank(functools.partial(SGDLlamaLM, **MODEL),  # 2 blocks
+                               functools.partial(make_datamodule, batch_size=batch_size),
+                               functools.partial(make_strategy, **kwargs), world_size=2, message=message)

@@ -94,6 +94,7 @@ def parallelize(
     training: bool = True,
     device: torch.device | None = None,
     device_ids: list[int] | None = None,
+    profile_batch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> nn.Module:
     """Apply every technique ``config`` asks for to ``model`` over ``mesh``; return the module to run.
 
@@ -101,6 +102,7 @@ def parallelize(
     With ``training=False`` (validate/test/predict) no gradient machinery is installed; replicas are made
     equal by a broadcast instead (ZeRO-3 still shards: that is what lets the model fit). Parameters
     created on the meta device are allocated on ``device`` (after sharding, under ZeRO-3).
+    ``profile_batch`` (inputs, targets) is what pipeline balancing by profile times the blocks on.
     """
     device = device if device is not None else torch.device(mesh.device_type)
     check_available(config)
@@ -115,7 +117,7 @@ def parallelize(
         if config.pp > 1:  # 1
             stages = split_pipeline(model, mesh, plan, schedule=config.pp_schedule,
                                     virtual_stages=config.pp_virtual_stages, balance_by=config.pp_balance,
-                                    device=device)
+                                    device=device, profile_batch=profile_batch)
             setattr(model, _STAGES_ATTRIBUTE, stages)
         apply_tensor_parallel(model, mesh, plan, sequence_parallel=config.sequence_parallel,  # 2
                               loss_parallel=config.loss_parallel)

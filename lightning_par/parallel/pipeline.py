@@ -88,15 +88,17 @@ def balance(costs: Sequence[float], n_stages: int, *, first: float = 0.0, last: 
         extra = (first if stage == 0 else 0.0) + (last if stage == n_stages - 1 else 0.0)
         return prefix[end] - prefix[start] + extra
 
-    inf = float("inf")
-    # best[s][i]: the least possible maximum over stages 0..s-1 holding blocks 0..i-1.
+    inf = (float("inf"), float("inf"))
+    # best[s][i]: (largest stage cost, sum of squared stage costs) of stages 0..s-1 holding blocks 0..i-1,
+    # least first by the largest cost, then by the squares (among equally slow splits, the most even).
     best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
     choice = [[0] * (n + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0.0
+    best[0][0] = (0.0, 0.0)
     for s in range(1, n_stages + 1):
         for i in range(s, n - (n_stages - s) + 1):
             for j in range(s - 1, i):  # stage s-1 holds blocks j..i-1 (at least one)
-                value = max(best[s - 1][j], stage_cost(s - 1, j, i))
+                cost = stage_cost(s - 1, j, i)
+                value = (max(best[s - 1][j][0], cost), best[s - 1][j][1] + cost * cost)
                 if value < best[s][i]:
                     best[s][i], choice[s][i] = value, j
     sizes, end = [], n
@@ -134,11 +136,11 @@ def parameter_costs(module: nn.Module, plan: ModelPlan) -> tuple[list[float], fl
 
 
 def profile_costs(module: nn.Module, plan: ModelPlan, forward: Callable[[Tensor], Tensor],
-                  loss_fn: Callable[[Tensor, Tensor], Tensor], tokens: Tensor,
+                  loss_fn: Callable[[Tensor, Tensor], Tensor], inputs: Tensor, targets: Tensor,
                   *, repeats: int = 3) -> tuple[list[float], float, float]:
     """(per-block, first-stage extra, last-stage extra) costs as measured forward + backward seconds.
 
-    Runs ``loss_fn(forward(inputs), targets)`` on ``tokens`` (B, T + 1) with timing hooks around the
+    Runs ``loss_fn(forward(inputs), targets)`` on a sample batch with timing hooks around the
     embedding, every block and the head (the loss is charged to the head), keeping the fastest of
     ``repeats`` runs. Blocks of a standard model cost the same; the embedding and the head (a
     vocabulary-sized matmul and softmax) often do not, which parameter counts miss.
@@ -154,7 +156,7 @@ def profile_costs(module: nn.Module, plan: ModelPlan, forward: Callable[[Tensor]
         for _ in range(repeats):
             timings.clear()
             started = time.perf_counter()
-            loss_fn(forward(tokens[:, :-1]), tokens[:, 1:]).backward()
+            loss_fn(forward(inputs), targets).backward()
             total = time.perf_counter() - started
             timings["head"] = timings.get("head", 0.0) + total - sum(timings.values())  # loss and the rest
             for key, value in timings.items():
@@ -208,9 +210,10 @@ class StageModule(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         output = self.network(x)
-        if isinstance(output, Tensor):
-            return output
-        return output[0]
+        output = output if isinstance(output, Tensor) else output[0]
+        # The zero-bubble schedules detach stage outputs in place, which PyTorch refuses on views (the
+        # output of a linear layer on a 3-D input is one).
+        return output.clone() if output._base is not None else output
 
 
 def _replace(network: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:
@@ -294,12 +297,12 @@ def _set(network: nn.Module, name: str, value: nn.Module) -> None:
 
 def split_pipeline(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *, schedule: Schedule,
                    virtual_stages: int, balance_by: str, device: torch.device,
-                   profile_seq_len: int = 128) -> list[PipelineStage]:
+                   profile_batch: tuple[Tensor, Tensor] | None = None) -> list[PipelineStage]:
     """Balance the blocks over ``pp x stages per rank`` stages and build this rank's stages (in place).
 
     ``module`` must meet the model contract: ``module(inputs) -> logits`` and
-    ``module.loss_fn(logits, targets)`` (used to profile when ``balance_by="profile"``). Split points in
-    ``plan`` win over balancing.
+    ``module.loss_fn(logits, targets)``; ``balance_by="profile"`` times them on ``profile_batch``
+    (inputs, targets). Split points in ``plan`` win over balancing.
     """
     pp = mesh.size("pp")
     if plan is None:
@@ -314,9 +317,11 @@ def split_pipeline(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None
         sizes = sizes_from_split_points(blocks, plan.split_points, n_stages)
     else:
         if balance_by == "profile":
-            vocab = module.get_submodule(plan.embedding).num_embeddings if plan.embedding else 2
-            tokens = torch.randint(0, vocab, (1, profile_seq_len + 1), generator=torch.Generator().manual_seed(0))
-            costs, first, last = profile_costs(module, plan, module, module.loss_fn, tokens.to(device))
+            if profile_batch is None:
+                raise ValueError("balance='profile' times the blocks on a sample batch and none is available: "
+                                 "train with a LightningDataModule, or use balance='parameters' or split points")
+            costs, first, last = profile_costs(module, plan, module, module.loss_fn,
+                                               *(t.to(device) for t in profile_batch))
             # Every rank must cut at the same places: agree on the mean of the measured costs.
             measured = torch.tensor([*costs, first, last], dtype=torch.float64)
             torch.distributed.all_reduce(measured)

@@ -245,7 +245,12 @@ class MeshStrategy(ParallelStrategy):
             return module if returned is None else returned
         device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
         return parallelize(module, self.mesh, self.parallel_config, self.resolve_plan(module),
-                           training=training, device=self.root_device, device_ids=device_ids)
+                           training=training, device=self.root_device, device_ids=device_ids,
+                           profile_batch=self._profile_batch())
+
+    def _profile_batch(self) -> tuple[Tensor, Tensor] | None:
+        """A sample (inputs, targets) for techniques that measure the model (none by default)."""
+        return None
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:

@@ -97,6 +97,16 @@ class PipelineParallelStrategy(MeshStrategy):
 
         self._schedule = build_schedule(pipeline_stages(module), config.pp_schedule, micro, loss_fn)
 
+    @override
+    def _profile_batch(self) -> tuple[Tensor, Tensor] | None:
+        # Balancing by profile times one micro-batch of the first training batch.
+        datamodule = self.lightning_module.trainer.datamodule
+        if self.parallel_config.pp_balance != "profile" or datamodule is None:
+            return None
+        inputs, targets = self.lightning_module.split_batch(next(iter(datamodule.train_dataloader())))
+        size = max(1, inputs.shape[0] // self.parallel_config.pp_microbatches)
+        return inputs[:size], targets[:size]
+
     def _run(self, batch: Any, *, train: bool) -> Tensor:
         module, config = self.lightning_module, self.parallel_config
         inputs, targets = module.split_batch(batch)
