@@ -47,7 +47,7 @@ def test_balance_minimises_the_largest_stage() -> None:
     [
         (2, dict(schedule="gpipe", microbatches=2), 1, None),
         (2, dict(schedule="1f1b", microbatches=2), 2, 0.05),
-        (2, dict(schedule="interleaved_1f1b", microbatches=2), 1, None),
+        (2, dict(schedule="interleaved_1f1b", microbatches=2, activation_checkpointing="full"), 1, None),
         (2, dict(schedule="zbv", microbatches=2), 1, None),
         (4, dict(schedule="gpipe", microbatches=4), 1, None),
         (4, dict(schedule="1f1b", microbatches=4), 1, 0.05),
@@ -56,7 +56,7 @@ def test_balance_minimises_the_largest_stage() -> None:
         (2, dict(schedule="1f1b", microbatches=2, balance="profile"), 1, None),
         (2, dict(schedule="gpipe", microbatches=4, plan=SPLIT_AFTER_3), 1, None),
     ],
-    ids=["pp2-gpipe", "pp2-1f1b-acc2-clip", "pp2-interleaved", "pp2-zbv", "pp4-gpipe", "pp4-1f1b-clip",
+    ids=["pp2-gpipe", "pp2-1f1b-acc2-clip", "pp2-interleaved-recompute", "pp2-zbv", "pp4-gpipe", "pp4-1f1b-clip",
          "pp4-interleaved", "pp4-zbv", "pp2-profile", "pp2-split-points"],
 )
 def test_pipeline_matches_single_process(world_size: int, kwargs: dict, accumulate: int, clip) -> None:

@@ -29,7 +29,7 @@ from lightning_par.config import DTYPES, ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel import data, zero
 from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas, unwrap
-from lightning_par.parallel.pipeline import split_pipeline
+from lightning_par.parallel.pipeline import build_stages, split_pipeline
 from lightning_par.parallel.plan import ModelPlan
 from lightning_par.parallel.recompute import apply_activation_checkpointing
 from lightning_par.parallel.sequence import apply_context_parallel
@@ -114,11 +114,11 @@ def parallelize(
         raise ValueError(f"this module was parallelized for {applied[1].describe()} already and cannot be "
                          f"re-laid out as {config.describe()}; build a new module (or load a checkpoint into one)")
     if applied is None:
+        stages = None
         if config.pp > 1:  # 1
             stages = split_pipeline(model, mesh, plan, schedule=config.pp_schedule,
                                     virtual_stages=config.pp_virtual_stages, balance_by=config.pp_balance,
                                     device=device, profile_batch=profile_batch)
-            setattr(model, _STAGES_ATTRIBUTE, stages)
         apply_tensor_parallel(model, mesh, plan, sequence_parallel=config.sequence_parallel,  # 2
                               loss_parallel=config.loss_parallel)
         apply_context_parallel(model, mesh, plan, method=config.cp_method)  # 3
@@ -129,6 +129,8 @@ def parallelize(
             fully_shard_model(model, mesh, plan, reshard_after_forward=config.reshard_after_forward,
                               param_dtype=_dtype(config.param_dtype), reduce_dtype=_dtype(config.reduce_dtype),
                               cpu_offload=config.cpu_offload)
+        if stages is not None:  # 1, completed: each stage's view of the blocks as they now are
+            setattr(model, _STAGES_ATTRIBUTE, build_stages(model, stages, mesh, device))
         setattr(model, _LAYOUT_ATTRIBUTE, layout)
     if config.zero_stage == 3:
         materialize_meta_parameters(model, device)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 import torch
@@ -252,41 +253,56 @@ def network_prefix(plan: ModelPlan) -> str:
     return ".".join(common) + "." if common else ""
 
 
-def build_stages(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, *, schedule: Schedule,
-                 virtual_stages: int, sizes: list[int], device: torch.device) -> list[PipelineStage]:
-    """Cut the network inside ``module`` into this rank's stages (in place: the rest is dropped).
+@dataclass(frozen=True)
+class StageLayout:
+    """This rank's share of the pipeline: its stage indices and the module names each stage owns."""
+
+    network: str  # the module (relative to the model) whose forward a stage runs
+    n_stages: int
+    stages: dict[int, frozenset[str]]  # stage index -> owned names, relative to ``network``
+
+
+def cut_network(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, *, schedule: Schedule,
+                virtual_stages: int, sizes: list[int]) -> StageLayout:
+    """Drop from the network inside ``module`` every part this rank's stages do not own (in place).
 
     ``sizes`` are the numbers of blocks of every stage (``pp x stages per rank`` of them).
     """
     pp, pp_rank = mesh.size("pp"), mesh.local_rank("pp")
     n_stages = len(sizes)
     prefix = network_prefix(plan)
-    network_name = prefix.rstrip(".")
-    network = module.get_submodule(network_name) if network_name else module
+    network = module.get_submodule(prefix.rstrip(".")) if prefix else module
     blocks = plan.block_names(module)
     starts = [sum(sizes[:s]) for s in range(n_stages)]
-    owned_blocks = {s: blocks[starts[s]:starts[s] + sizes[s]] for s in range(n_stages)}
 
-    def parts_of(stage: int) -> set[str]:
-        parts = set(owned_blocks[stage])
+    def parts_of(stage: int) -> frozenset[str]:
+        parts = set(blocks[starts[stage]:starts[stage] + sizes[stage]])
         if stage == 0 and plan.embedding:
             parts.add(plan.embedding)
         if stage == n_stages - 1:
             parts.update(n for n in (plan.final_norm, plan.head) if n)
-        return parts
+        return frozenset(name[len(prefix):] for name in parts)
 
-    every_part = set(blocks) | {n for n in (plan.embedding, plan.final_norm, plan.head) if n}
-    mine = stage_indices(pp_rank, pp, schedule, virtual_stages)
-    held = set().union(*(parts_of(s) for s in mine))
-    # The rank's network keeps the parts of all its stages; each stage sees only its own.
-    for name in every_part - held:
-        _set(network, name[len(prefix):], PassThrough())
-    stages = []
-    for stage in mine:
-        others = {name[len(prefix):]: PassThrough() for name in held - parts_of(stage)}
-        stages.append(PipelineStage(StageModule(_replace(network, others)), stage, n_stages, device,
-                                    group=mesh.group("pp")))
-    return stages
+    every_part = {n[len(prefix):] for n in (*blocks, plan.embedding, plan.final_norm, plan.head) if n}
+    mine = {stage: parts_of(stage) for stage in stage_indices(pp_rank, pp, schedule, virtual_stages)}
+    for name in every_part - set().union(*mine.values()):
+        _set(network, name, PassThrough())
+    return StageLayout(prefix.rstrip("."), n_stages, mine)
+
+
+def build_stages(module: nn.Module, layout: StageLayout, mesh: ParallelMesh,
+                 device: torch.device) -> list[PipelineStage]:
+    """This rank's ``PipelineStage`` objects over the (already cut) network of ``module``.
+
+    Built after every other technique has changed the blocks (activation checkpointing replaces them),
+    because each stage sees the network through its own view: one rank's stages share every module and
+    parameter, and differ only in which parts are pass-throughs.
+    """
+    network = module.get_submodule(layout.network) if layout.network else module
+    held = set().union(*layout.stages.values())
+    return [PipelineStage(StageModule(_replace(network, {name: PassThrough() for name in held - owned})), stage,
+                          layout.n_stages, device, group=mesh.group("pp"))
+            for stage, owned in layout.stages.items()]
 
 
 def _set(network: nn.Module, name: str, value: nn.Module) -> None:
@@ -297,8 +313,8 @@ def _set(network: nn.Module, name: str, value: nn.Module) -> None:
 
 def split_pipeline(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *, schedule: Schedule,
                    virtual_stages: int, balance_by: str, device: torch.device,
-                   profile_batch: tuple[Tensor, Tensor] | None = None) -> list[PipelineStage]:
-    """Balance the blocks over ``pp x stages per rank`` stages and build this rank's stages (in place).
+                   profile_batch: tuple[Tensor, Tensor] | None = None) -> StageLayout:
+    """Balance the blocks over ``pp x stages per rank`` stages and cut this rank's parts out (in place).
 
     ``module`` must meet the model contract: ``module(inputs) -> logits`` and
     ``module.loss_fn(logits, targets)``; ``balance_by="profile"`` times them on ``profile_batch``
@@ -330,8 +346,7 @@ def split_pipeline(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None
         else:
             costs, first, last = parameter_costs(module, plan)
         sizes = balance(costs, n_stages, first=first, last=last)
-    return build_stages(module, mesh, plan, schedule=schedule, virtual_stages=virtual_stages, sizes=sizes,
-                        device=device)
+    return cut_network(module, mesh, plan, schedule=schedule, virtual_stages=virtual_stages, sizes=sizes)
 
 
 def last_stage_rank(pp: int, schedule: Schedule, virtual_stages: int) -> int:
@@ -353,11 +368,13 @@ __all__ = [
     "BALANCE_METHODS",
     "SCHEDULES",
     "PassThrough",
+    "StageLayout",
     "StageModule",
     "balance",
     "build_schedule",
     "build_stages",
     "check_microbatches",
+    "cut_network",
     "last_stage_rank",
     "split_pipeline",
     "network_prefix",

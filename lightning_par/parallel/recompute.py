@@ -57,8 +57,8 @@ def apply_activation_checkpointing(module: nn.Module, plan: ModelPlan | None, *,
         )
     container = module.get_submodule(plan.blocks)
     for index, (name, block) in enumerate(list(container.named_children())):
-        if index % every != 0:
-            continue
+        if index % every != 0 or next(block.parameters(), None) is None:
+            continue  # not this one, or nothing to recompute (a pipeline stage's pass-through)
         if mode == "full":
             wrapped = checkpoint_wrapper(block)
         else:
