@@ -90,8 +90,8 @@ def test_zero_strategy_arguments_are_checked_at_construction(kwargs: dict, messa
         ZeroStrategy(**kwargs)
 
 
-def test_sequence_parallel_strategy_arguments_are_checked_at_construction() -> None:
-    from lightning_par import SequenceParallelStrategy, TensorParallelStrategy
+def test_model_parallel_strategy_arguments_are_checked_at_construction() -> None:
+    from lightning_par import PipelineParallelStrategy, SequenceParallelStrategy, TensorParallelStrategy
 
     with pytest.raises(ValueError, match=r"cp_method='zigzag' is not one of \('ulysses', 'ring'\)"):
         SequenceParallelStrategy(method="zigzag")
@@ -99,16 +99,23 @@ def test_sequence_parallel_strategy_arguments_are_checked_at_construction() -> N
         SequenceParallelStrategy(context_parallel_size=0)
     with pytest.raises(ValueError, match=r"loss_parallel must be true or false, got 'yes'"):
         TensorParallelStrategy(loss_parallel="yes")
+    with pytest.raises(ValueError, match=r"pp_schedule='dualpipe' is not one of"):
+        PipelineParallelStrategy(schedule="dualpipe")
+    with pytest.raises(ValueError, match=r"pp_microbatches must be an integer >= 1, got 0"):
+        PipelineParallelStrategy(microbatches=0)
+    with pytest.raises(ValueError, match=r"save_distributed_checkpoint=False is not supported"):
+        PipelineParallelStrategy(save_distributed_checkpoint=False)
 
 
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (ParallelConfig(pp=2), r"pp=2: this version of lightning_par applies data, ZeRO, tensor and context "
-                               r"parallelism only; set pp=1"),
+        (ParallelConfig(ep=2), r"ep=2: this version of lightning_par applies data, ZeRO, tensor, context and "
+                               r"pipeline parallelism only; set ep=1"),
+        (ParallelConfig(pp=2, tp=2), r"pp=2 with tp=2: pipeline parallel does not compose with other dimensions"),
+        (ParallelConfig(pp=2, zero_stage=3), r"pp=2 with zero_stage=3: use zero_stage=0"),
         (ParallelConfig(cp=2, tp=2), r"cp=2 with tp=2: context and tensor parallel do not compose in this version"),
         (ParallelConfig(cp=2, zero_stage=2), r"cp=2 with zero_stage=2: .*DDP \(zero_stage=0\) and FSDP2"),
-        (ParallelConfig(pp=2, ep=2), r"pp=2, ep=2: .* set pp=1 and ep=1"),
         (ParallelConfig(tp=2, dp_shard=2, zero_stage=1), r"tp=2 with data parallelism needs zero_stage=3"),
     ],
 )

@@ -267,11 +267,15 @@ def _validate_after_training(rank: int, world_size: int) -> dict:
     datamodule = make_datamodule(batch_size=4)
     trainer.fit(module, datamodule=datamodule)
     validated = trainer.validate(module, datamodule=datamodule, verbose=False)[0]["val_loss"]
-    return {"val_loss": validated, "state": trainer.strategy.consolidated_state_dict()}
+    torch.manual_seed(5)
+    tokens = torch.utils.data.DataLoader(torch.randint(0, 64, (4, 16)), batch_size=4)
+    return {"val_loss": validated, "state": trainer.strategy.consolidated_state_dict(),
+            "predicted": trainer.predict(module, dataloaders=tokens)[0]}
 
 
-def test_validation_runs_forward_only_and_matches() -> None:
-    """After 4 steps, validation under pp=2 reports the loss one process computes with the same weights."""
+def test_validation_and_predict_run_forward_only_and_match() -> None:
+    """After 4 steps, validation under pp=2 reports the loss one process computes with the same weights,
+    and predict returns the same logits."""
     from harness import run_distributed
 
     results = run_distributed(_validate_after_training, 2)
@@ -283,6 +287,11 @@ def test_validation_runs_forward_only_and_matches() -> None:
     with torch.no_grad():
         losses = [module.loss_fn(module(x), y) for x, y in map(module.split_batch, datamodule.val_dataloader())]
     assert results[0]["val_loss"] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-5)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        expected = module(torch.randint(0, 64, (4, 16)))
+    for result in results:  # every rank returns the last stage's logits
+        torch.testing.assert_close(result["predicted"], expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -75,20 +75,21 @@ class PipelineParallelStrategy(MeshStrategy):
         super().__init__(config, plan=plan, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=timeout, **kwargs)
         self._schedule: Any = None
+        self._forward_schedule: Any = None  # predict: no targets, no loss
         self._accumulate = 1
         self._pending_grads: list[tuple[Tensor, Tensor]] = []
 
     @override
     def setup(self, trainer: Trainer) -> None:
         self._accumulate = trainer.accumulate_grad_batches
-        super().setup(trainer)
-        module = self.lightning_module
         config = self.parallel_config
         for name in ("split_batch", "loss_fn"):
-            if not callable(getattr(module, name, None)):
+            if not callable(getattr(self.lightning_module, name, None)):
                 raise TypeError(f"pipeline_parallel needs the LightningModule to define {name}(); the schedule runs "
                                 "split_batch -> forward -> loss_fn itself (see docs/pipeline_parallel.md)")
         check_microbatches(config.pp_microbatches, config.pp_schedule, config.pp)
+        super().setup(trainer)
+        module = self.lightning_module
         micro, accumulate = config.pp_microbatches, self._accumulate
 
         def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
@@ -96,6 +97,7 @@ class PipelineParallelStrategy(MeshStrategy):
             return module.loss_fn(logits, targets) / (micro * accumulate)
 
         self._schedule = build_schedule(pipeline_stages(module), config.pp_schedule, micro, loss_fn)
+        self._forward_schedule = build_schedule(pipeline_stages(module), config.pp_schedule, micro, None)
 
     @override
     def _profile_batch(self) -> tuple[Tensor, Tensor] | None:
@@ -156,6 +158,21 @@ class PipelineParallelStrategy(MeshStrategy):
         loss = self._run(args[0], train=False)
         self.lightning_module.log("test_loss", loss, sync_dist=True)
         return loss
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        # The batch is the model's input; the last stage's logits are handed to every rank.
+        inputs = args[0]
+        check_microbatches(self.parallel_config.pp_microbatches, self.parallel_config.pp_schedule,
+                           self.parallel_config.pp, inputs.shape[0])
+        stages = pipeline_stages(self.lightning_module)
+        with torch.no_grad():
+            logits = self._forward_schedule.eval(*((inputs,) if any(s.is_first for s in stages) else ()))
+        pp_group, config = self.mesh.group("pp"), self.parallel_config
+        source = last_stage_rank(config.pp, config.pp_schedule, config.pp_virtual_stages)
+        carrier = [logits]
+        dist.broadcast_object_list(carrier, src=dist.get_global_rank(pp_group, source), group=pp_group)
+        return carrier[0]
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
