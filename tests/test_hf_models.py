@@ -71,12 +71,14 @@ def make_strategy(name: str, **kwargs):
         (2, "TensorParallelStrategy", dict(tensor_parallel_size=2, sequence_parallel=True, loss_parallel=True)),
         (2, "SequenceParallelStrategy", dict(context_parallel_size=2, method="ulysses")),
         (2, "SequenceParallelStrategy", dict(context_parallel_size=2, method="ring")),
+        (2, "PipelineParallelStrategy", dict(pipeline_parallel_size=2, schedule="1f1b", microbatches=2)),
     ],
-    ids=["tp2", "tp2-sp-loss", "cp2-ulysses", "cp2-ring"],
+    ids=["tp2", "tp2-sp-loss", "cp2-ulysses", "cp2-ring", "pp2-1f1b"],
 )
 def test_hugging_face_llama_matches_single_process(world_size: int, strategy: str, kwargs: dict) -> None:
-    expected = reference_run(make_llama, make_datamodule, dp=1, steps=STEPS)
-    actual = layout_run(make_llama, make_datamodule, functools.partial(make_strategy, strategy, **kwargs),
+    datamodule = functools.partial(make_datamodule, batch_size=4)
+    expected = reference_run(make_llama, datamodule, dp=1, steps=STEPS)
+    actual = layout_run(make_llama, datamodule, functools.partial(make_strategy, strategy, **kwargs),
                         world_size=world_size, steps=STEPS)
     loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
     print(f"HF Llama {strategy} {kwargs}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
