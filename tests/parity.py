@@ -117,15 +117,16 @@ def _fit_until_value_error(rank: int, world_size: int, make_module: Callable, ma
                                 logger=False, enable_checkpointing=False, enable_progress_bar=False)
     try:
         trainer.fit(make_module(), datamodule=make_datamodule())
-    except ValueError as error:
+    except (ValueError, TypeError) as error:
         dist.barrier()  # every rank got here: nobody is left waiting in a collective
-        return str(error)
-    raise AssertionError("no ValueError")
+        return f"{type(error).__name__}: {error}"
+    raise AssertionError("no ValueError or TypeError")
 
 
 def assert_fails_on_every_rank(make_module: Callable[[], Any], make_datamodule: Callable[[], Any],
                                make_strategy: Callable[[], Any], *, world_size: int, message: str) -> None:
-    """``Trainer.fit`` raises the same ``ValueError`` containing ``message`` on every rank (no hang)."""
+    """``Trainer.fit`` raises the same ``ValueError`` (or ``TypeError``) containing ``message`` on every rank,
+    and no rank hangs."""
     messages = run_distributed(_fit_until_value_error, world_size, make_module, make_datamodule, make_strategy)
     assert len(set(messages)) == 1, messages
     assert message in messages[0], messages[0]

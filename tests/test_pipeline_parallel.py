@@ -308,3 +308,13 @@ def test_pipelines_that_cannot_run_fail_on_every_rank(kwargs: dict, batch_size: 
     assert_fails_on_every_rank(functools.partial(SGDLlamaLM, **MODEL),  # 2 blocks
                                functools.partial(make_datamodule, batch_size=batch_size),
                                functools.partial(make_strategy, **kwargs), world_size=2, message=message)
+
+
+class WithoutLossFn(SGDLlamaLM):
+    loss_fn = None  # the contract's loss_fn is missing
+
+
+def test_a_module_outside_the_contract_is_told_what_is_missing() -> None:
+    assert_fails_on_every_rank(functools.partial(WithoutLossFn, **MODEL), make_datamodule,
+                               functools.partial(make_strategy, microbatches=2), world_size=2,
+                               message="TypeError: pipeline_parallel needs the LightningModule to define loss_fn()")

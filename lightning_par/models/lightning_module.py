@@ -67,6 +67,12 @@ class LlamaLM(pl.LightningModule):
         norm_eps: float = 1e-5,
         tie_embeddings: bool = False,
         init_std: float = 0.02,
+        moe_experts: int = 0,
+        moe_top_k: int = 2,
+        moe_layers: list[int] | None = None,
+        moe_capacity_factor: float | None = None,
+        moe_aux_loss_weight: float = 0.01,
+        moe_z_loss_weight: float = 0.001,
         learning_rate: float = 3e-4,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -88,6 +94,12 @@ class LlamaLM(pl.LightningModule):
             norm_eps=norm_eps,
             tie_embeddings=tie_embeddings,
             init_std=init_std,
+            moe_experts=moe_experts,
+            moe_top_k=moe_top_k,
+            moe_layers=moe_layers,
+            moe_capacity_factor=moe_capacity_factor,
+            moe_aux_loss_weight=moe_aux_loss_weight,
+            moe_z_loss_weight=moe_z_loss_weight,
         )
         self.model = Transformer(self.config)  # validates the config
 
@@ -102,8 +114,9 @@ class LlamaLM(pl.LightningModule):
         return self.model(inputs)  # (B, T, V)
 
     def loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Mean cross-entropy over all tokens; fp32 logits so bf16 training keeps an accurate softmax."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+        """Mean cross-entropy over all tokens (fp32 logits so bf16 training keeps an accurate softmax), plus
+        the weighted load-balancing and z-losses of the mixture-of-experts blocks of the same forward."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1)) + self.model.auxiliary_loss()
 
     def _shared_step(self, batch: Tensor) -> Tensor:
         inputs, targets = self.split_batch(batch)
@@ -113,7 +126,21 @@ class LlamaLM(pl.LightningModule):
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         loss = self._shared_step(batch)
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        self._log_routing()
         return loss
+
+    def _log_routing(self) -> None:
+        """Expert load, dropped fraction and auxiliary losses of the MoE blocks (averaged over blocks)."""
+        stats = list(self.model.routing_stats().values())
+        if not stats:
+            return
+        n = len(stats)
+        self.log("moe/aux_loss", sum(s.aux_loss.detach() for s in stats) / n, sync_dist=True)
+        self.log("moe/z_loss", sum(s.z_loss.detach() for s in stats) / n, sync_dist=True)
+        self.log("moe/dropped_fraction", sum(s.dropped_fraction for s in stats) / n, sync_dist=True)
+        load = sum(s.tokens_per_expert for s in stats).float()
+        for expert, share in enumerate((load / load.sum()).tolist()):
+            self.log(f"moe/load_expert_{expert}", share, sync_dist=True)
 
     @override
     def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:

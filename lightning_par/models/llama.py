@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_par.parallel.experts import MoEFeedForward, RoutingStats, check_moe
+
 
 @dataclass
 class LlamaConfig:
@@ -47,6 +49,16 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Mixture of experts (lightning_par.parallel.experts): 0 experts keeps every feed-forward dense.
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_layers: list[int] | None = None  # which blocks get experts; None: all of them
+    moe_capacity_factor: float | None = None  # None: dropless
+    moe_aux_loss_weight: float = 0.01
+    moe_z_loss_weight: float = 0.001
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe_experts > 0 and (self.moe_layers is None or index in self.moe_layers)
 
     @property
     def head_dim(self) -> int:
@@ -86,6 +98,11 @@ class LlamaConfig:
                 f"LlamaConfig.n_heads ({self.n_heads}) must be divisible by n_kv_heads "
                 f"({self.resolved_n_kv_heads}) for grouped-query attention"
             )
+        if self.moe_experts:
+            check_moe(self.moe_experts, self.moe_top_k, self.moe_capacity_factor)
+            unknown = sorted(set(self.moe_layers or ()) - set(range(self.n_layers)))
+            if unknown:
+                raise ValueError(f"LlamaConfig.moe_layers {unknown} are not blocks of a {self.n_layers}-layer model")
         if self.head_dim % 2 != 0:
             raise ValueError(
                 f"rotary embeddings need an even head_dim, got dim // n_heads = "
@@ -96,8 +113,9 @@ class LlamaConfig:
 def llama_flops_per_token(config: LlamaConfig, seq_len: int | None = None) -> int:
     """Training FLOPs per token (forward + backward), as in PaLM (Chowdhery et al. 2022, appendix B).
 
-    ``6 * N + 12 * n_layers * dim * seq_len``, where ``N`` counts the weights of every matmul: the
-    attention and MLP projections of each layer and the ``lm_head`` (counted once even when tied to the
+    ``6 * N + 12 * n_layers * dim * seq_len``, where ``N`` counts the weights of every matmul a token goes
+    through: the attention and MLP projections of each layer (for a mixture-of-experts layer, ``top_k``
+    experts and the router) and the ``lm_head`` (counted once even when tied to the
     embedding). The embedding lookup does no matmul and is excluded, as are the norm weights. The second
     term is the attention score and value matmuls (no discount for the causal mask, as in PaLM).
     ``seq_len`` defaults to ``config.max_seq_len``.
@@ -107,7 +125,10 @@ def llama_flops_per_token(config: LlamaConfig, seq_len: int | None = None) -> in
     kv_dim = config.resolved_n_kv_heads * hd
     attention = d * d + 2 * d * kv_dim + d * d  # q, k, v, o
     mlp = 3 * d * config.resolved_ffn_hidden_size  # gate, up, down
-    n_matmul = config.n_layers * (attention + mlp) + d * config.vocab_size  # + lm_head
+    # An MoE layer runs top_k experts per token, plus its router.
+    moe_mlp = config.moe_top_k * mlp + d * config.moe_experts
+    mlps = sum(moe_mlp if config.is_moe_layer(i) else mlp for i in range(config.n_layers))
+    n_matmul = config.n_layers * attention + mlps + d * config.vocab_size  # + lm_head
     return 6 * n_matmul + 12 * config.n_layers * d * seq_len
 
 
@@ -209,14 +230,19 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: ``x + attn(norm(x))`` then ``h + mlp(norm(h))``."""
+    """Pre-norm residual block: ``x + attn(norm(x))`` then ``h + mlp(norm(h))``; ``mlp`` may be a mixture
+    of experts."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, moe: bool = False) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config)
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
-        self.mlp = FeedForward(config.dim, config.resolved_ffn_hidden_size)
+        self.mlp: nn.Module = (
+            MoEFeedForward(config.dim, config.resolved_ffn_hidden_size, config.moe_experts, config.moe_top_k,
+                           config.moe_capacity_factor)
+            if moe else FeedForward(config.dim, config.resolved_ffn_hidden_size)
+        )
 
     def init_weights(self, init_std: float, out_std: float) -> None:
         self.attention_norm.reset_parameters()
@@ -246,7 +272,8 @@ class Transformer(nn.Module):
         self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
         # A ModuleDict keyed by the layer index: a pipeline stage deletes the layers it does not own and
         # the remaining parameter names ("layers.5.attention.q_proj.weight") match the full model's.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config, config.is_moe_layer(i))
+                                     for i in range(config.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
         # Non-persistent: derived from the config, so they stay out of state_dict and checkpoints.
@@ -314,6 +341,17 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)  # (B, T, C)
         h = self.norm(h) if self.norm is not None else h
         return self.lm_head(h) if self.lm_head is not None else h  # (B, T, V)
+
+    def routing_stats(self) -> dict[str, RoutingStats]:
+        """The routing statistics of every mixture-of-experts block's last forward, by block name."""
+        return {name: layer.mlp.stats for name, layer in self.layers.items()
+                if isinstance(getattr(layer, "mlp", None), MoEFeedForward) and layer.mlp.stats is not None}
+
+    def auxiliary_loss(self) -> Tensor | float:
+        """The weighted load-balancing and z-losses of the last forward (0 for a dense model)."""
+        stats = self.routing_stats().values()
+        return sum(self.config.moe_aux_loss_weight * s.aux_loss + self.config.moe_z_loss_weight * s.z_loss
+                   for s in stats)
 
     def num_parameters(self, exclude_embedding: bool = False) -> int:
         """Number of parameters held by this module, each shared tensor counted once.

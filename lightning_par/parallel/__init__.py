@@ -8,9 +8,12 @@ from lightning_par.parallel.compose import (
     parallelize_optimizer,
 )
 from lightning_par.parallel.data import apply_data_parallel
+from lightning_par.parallel.experts import MoEFeedForward
+from lightning_par.parallel.pipeline import split_pipeline
 from lightning_par.parallel.plan import ModelPlan, derive_plan
 from lightning_par.parallel.clip import clip_grad_norm_
-from lightning_par.parallel.tensor import apply_tensor_parallel
+from lightning_par.parallel.sequence import apply_context_parallel
+from lightning_par.parallel.tensor import apply_tensor_parallel, vocab_parallel_loss
 from lightning_par.parallel.zero import fully_shard_model, shard_optimizer
 
 __all__ = [
@@ -21,6 +24,10 @@ __all__ = [
     "check_available",
     "apply_data_parallel",
     "apply_tensor_parallel",
+    "vocab_parallel_loss",
+    "apply_context_parallel",
+    "split_pipeline",
+    "MoEFeedForward",
     "fully_shard_model",
     "shard_optimizer",
     "clip_grad_norm_",

@@ -181,4 +181,5 @@ def gradient_norm_group(mesh: ParallelMesh, config: ParallelConfig) -> ProcessGr
     return None
 
 
-__all__ = ["parallelize", "pipeline_stages", "parallelize_optimizer", "no_gradient_sync", "gradient_norm_group", "check_available"]
+__all__ = ["parallelize", "pipeline_stages", "parallelize_optimizer", "no_gradient_sync", "gradient_norm_group",
+           "check_available"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
@@ -153,19 +154,22 @@ def profile_costs(module: nn.Module, plan: ModelPlan, forward: Callable[[Tensor]
         if name is not None:
             handles += _time_forward_and_backward(module.get_submodule(name), key, timings)
     best: dict[str, float] = {}
-    try:
-        for _ in range(repeats):
-            timings.clear()
-            started = time.perf_counter()
-            loss_fn(forward(inputs), targets).backward()
-            total = time.perf_counter() - started
-            timings["head"] = timings.get("head", 0.0) + total - sum(timings.values())  # loss and the rest
-            for key, value in timings.items():
-                best[key] = min(best.get(key, float("inf")), value)
-    finally:
-        for handle in handles:
-            handle.remove()
-        module.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        # The embedding's input (token ids) needs no gradient; its backward hook still times its backward.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        try:
+            for _ in range(repeats):
+                timings.clear()
+                started = time.perf_counter()
+                loss_fn(forward(inputs), targets).backward()
+                total = time.perf_counter() - started
+                timings["head"] = timings.get("head", 0.0) + total - sum(timings.values())  # loss and the rest
+                for key, value in timings.items():
+                    best[key] = min(best.get(key, float("inf")), value)
+        finally:
+            for handle in handles:
+                handle.remove()
+            module.zero_grad(set_to_none=True)
     blocks = [best.get(n, 0.0) for n in plan.block_names(module)]
     return blocks, best.get("embedding", 0.0), best.get("head", 0.0)
 
@@ -356,7 +360,8 @@ def last_stage_rank(pp: int, schedule: Schedule, virtual_stages: int) -> int:
 
 
 def build_schedule(stages: list[PipelineStage], schedule: Schedule, n_microbatches: int,
-                   loss_fn: Callable[[Tensor, Tensor], Tensor] | None) -> PipelineScheduleSingle | PipelineScheduleMulti:
+                   loss_fn: Callable[[Tensor, Tensor], Tensor] | None,
+                   ) -> PipelineScheduleSingle | PipelineScheduleMulti:
     """PyTorch's schedule over ``stages``; ``loss_fn`` already carries the 1/micro-batches scaling."""
     cls = SCHEDULES[schedule]
     if issubclass(cls, PipelineScheduleSingle):

@@ -113,9 +113,11 @@ def derive_plan(model: nn.Module) -> ModelPlan | None:
     norms = [n for n, _ in outside if n.rpartition(".")[0] == parent and n.rpartition(".")[2] in _FINAL_NORM_NAMES]
     final_norm = norms[0] if norms else None
 
-    block_module = next(iter(model.get_submodule(blocks).children()))
     styles: dict[str, str] = {}
-    for name, sub in block_module.named_modules():
+    # Every block, not just the first: blocks of one type may differ inside (dense and MoE feed-forwards).
+    block_modules = [(name, sub) for block in model.get_submodule(blocks).children()
+                     for name, sub in block.named_modules()]
+    for name, sub in block_modules:
         leaf = name.rpartition(".")[2]
         pattern = f"{blocks}.*.{name}"
         if leaf in _EXPERT_NAMES:

@@ -185,5 +185,5 @@ class PipelineParallelStrategy(MeshStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description="pipeline parallel (GPipe, 1F1B, interleaved, ZB-V)",
-                                   override=True)
+        strategy_registry.register(cls.strategy_name, cls, override=True,
+                                   description="pipeline parallel (GPipe, 1F1B, interleaved, ZB-V)")
