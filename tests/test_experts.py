@@ -69,12 +69,12 @@ def test_auxiliary_losses() -> None:
     with torch.no_grad():
         layer.router.weight.zero_()  # uniform probabilities
     layer(torch.randn(2, 6, 8))
-    assert float(layer.stats.aux_loss) == pytest.approx(1.0)  # Switch: 1 when P is uniform
-    assert float(layer.stats.z_loss) == pytest.approx(math.log(4) ** 2)
+    assert layer.stats.aux_loss.item() == pytest.approx(1.0)  # Switch: 1 when P is uniform
+    assert layer.stats.z_loss.item() == pytest.approx(math.log(4) ** 2)
     with torch.no_grad():
         layer.router.weight[0] = 100.0  # everything to expert 0 with probability ~1
     layer(torch.ones(2, 6, 8))
-    assert float(layer.stats.aux_loss) == pytest.approx(4 * 0.5, rel=1e-3)  # f_0 = 1/2 (top-2), P_0 = 1
+    assert layer.stats.aux_loss.item() == pytest.approx(4 * 0.5, rel=1e-3)  # f_0 = 1/2 (top-2), P_0 = 1
     layer.stats.aux_loss.backward()  # differentiable through the router probabilities
     assert layer.router.weight.grad is not None
 
