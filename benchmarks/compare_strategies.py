@@ -8,7 +8,9 @@ Each strategy trains the reference Llama model for ``--steps`` optimizer steps o
 processes (gloo); the first ``--warmup`` steps are not timed. Rounds alternate the order (A B C, C B A,
 ...) so that drift on a shared machine hits all alike. ``--batch-size`` is per data-parallel rank, so the
 model-parallel strategies (tensor_parallel: tp=2; sequence_parallel: cp=2, Ulysses) train on fewer samples
-per step than data parallelism on the same processes. Reported per strategy: median step time (the
+per step than data parallelism on the same processes. With ``--moe-experts`` every block is a mixture of
+experts (top 2); ``expert_parallel`` then splits the experts over all processes, and ``data_parallel``
+(experts replicated, ep=1) is its baseline. Reported per strategy: median step time (the
 slowest rank's), throughput in tokens per second of the global batch, model-state bytes per rank (parameters + gradients + optimizer states this rank holds
 before an optimizer step), peak resident memory per rank (ru_maxrss, which includes the interpreter and
 libraries), and each figure as a ratio to the first strategy listed.
@@ -27,7 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-STRATEGIES = ("lightning_ddp", "data_parallel", "zero1", "zero2", "zero3", "tensor_parallel", "sequence_parallel")
+STRATEGIES = ("lightning_ddp", "data_parallel", "zero1", "zero2", "zero3", "tensor_parallel", "sequence_parallel",
+              "expert_parallel")
 
 
 def worker(strategy_name: str, args: argparse.Namespace) -> None:
@@ -36,7 +39,7 @@ def worker(strategy_name: str, args: argparse.Namespace) -> None:
     from lightning.pytorch.strategies import DDPStrategy
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    import lightning_par  # noqa: F401 - registers the strategy names
+    import lightning_par  # registers the strategy names
     from lightning_par.data import TokenDataModule
     from lightning_par.models import LlamaLM
 
@@ -74,8 +77,11 @@ def worker(strategy_name: str, args: argparse.Namespace) -> None:
             Path(f"{args.out}.rank{trainer.global_rank}").write_text(json.dumps(result))
 
     strategy = DDPStrategy() if strategy_name == "lightning_ddp" else strategy_name
+    if strategy_name == "expert_parallel":  # experts split over every process
+        strategy = lightning_par.ExpertParallelStrategy(expert_parallel_size=args.devices)
     torch.manual_seed(0)
-    model = LlamaLM(dim=args.dim, n_layers=args.layers, n_heads=4, n_kv_heads=2, max_seq_len=args.seq_len)
+    model = LlamaLM(dim=args.dim, n_layers=args.layers, n_heads=4, n_kv_heads=2, max_seq_len=args.seq_len,
+                    moe_experts=args.moe_experts)
     data = TokenDataModule(source="synthetic", seq_len=args.seq_len, batch_size=args.batch_size, num_samples=8192)
     trainer = lightning.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                                 callbacks=[StepTimer()], logger=False, enable_checkpointing=False,
@@ -104,6 +110,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--moe-experts", type=int, default=0, help="experts per block (0: dense model)")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=["lightning_ddp", "data_parallel"])
     parser.add_argument("--worker", choices=STRATEGIES)
     parser.add_argument("--out")

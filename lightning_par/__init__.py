@@ -26,6 +26,7 @@ _LAZY = {
     "TensorParallelStrategy": "lightning_par.strategies",
     "SequenceParallelStrategy": "lightning_par.strategies",
     "PipelineParallelStrategy": "lightning_par.strategies",
+    "ExpertParallelStrategy": "lightning_par.strategies",
     "register_strategies": "lightning_par.strategies",
     "LlamaLM": "lightning_par.models",
     "LlamaConfig": "lightning_par.models",

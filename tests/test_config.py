@@ -110,8 +110,7 @@ def test_model_parallel_strategy_arguments_are_checked_at_construction() -> None
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (ParallelConfig(ep=2), r"ep=2: this version of lightning_par applies data, ZeRO, tensor, context and "
-                               r"pipeline parallelism only; set ep=1"),
+        (ParallelConfig(ep=2, tp=2), r"ep=2 composes with data parallelism \(zero_stage=0\) only"),
         (ParallelConfig(pp=2, tp=2), r"pp=2 with tp=2: pipeline parallel does not compose with other dimensions"),
         (ParallelConfig(pp=2, zero_stage=3), r"pp=2 with zero_stage=3: use zero_stage=0"),
         (ParallelConfig(cp=2, tp=2), r"cp=2 with tp=2: context and tensor parallel do not compose in this version"),
@@ -119,7 +118,7 @@ def test_model_parallel_strategy_arguments_are_checked_at_construction() -> None
         (ParallelConfig(tp=2, dp_shard=2, zero_stage=1), r"tp=2 with data parallelism needs zero_stage=3"),
     ],
 )
-def test_techniques_not_yet_available_are_refused(config: ParallelConfig, message: str) -> None:
+def test_combinations_not_yet_composed_are_refused(config: ParallelConfig, message: str) -> None:
     from lightning_par import MeshStrategy
 
     with pytest.raises(ValueError, match=message):

@@ -132,3 +132,91 @@ def test_moe_model_under_data_parallel_matches_single_process(capacity_factor) -
     expected = reference_run(make_module, make_datamodule, dp=2, steps=STEPS)
     actual = layout_run(make_module, make_datamodule, DataParallelStrategy, world_size=2, steps=STEPS)
     assert_parity(actual, expected, rtol=1e-5)
+
+
+def make_expert_strategy(**kwargs):
+    from lightning_par import ExpertParallelStrategy
+
+    return ExpertParallelStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "ep", "capacity_factor", "accumulate"),
+    [(2, 2, None, 1), (4, 4, None, 1), (4, 2, 1.0, 2)],
+    ids=["ep2-dropless", "ep4-dropless", "dp4-ep2-capacity-acc2"],
+)
+def test_expert_parallel_matches_single_process(world_size: int, ep: int, capacity_factor, accumulate: int) -> None:
+    import functools
+
+    from parity import assert_parity, layout_run, reference_run
+    from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
+
+    make_module = functools.partial(SGDLlamaLM, **{**MODEL, "moe_experts": 4, "moe_top_k": 2,
+                                                   "moe_capacity_factor": capacity_factor})
+    expected = reference_run(make_module, make_datamodule, dp=world_size, steps=STEPS, accumulate=accumulate)
+    actual = layout_run(make_module, make_datamodule,
+                        functools.partial(make_expert_strategy, expert_parallel_size=ep),
+                        world_size=world_size, steps=STEPS, accumulate=accumulate)
+    loss_error, weight_error = assert_parity(actual, expected, rtol=1e-5)
+    print(f"expert_parallel ep={ep} ws={world_size}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
+
+
+def _all_to_all_bytes(rank: int, world_size: int) -> dict:
+    """One forward and backward of an expert-parallel MoE layer with evenly spread routing."""
+    import torch.distributed as dist
+
+    from lightning_par.config import ParallelConfig
+    from lightning_par.parallel.experts import apply_expert_parallel
+
+    dist.init_process_group("gloo")
+    mesh = ParallelConfig(ep=world_size).build_mesh("cpu")
+    E, C, tokens = 4, 8, 16
+    torch.manual_seed(0)
+    layer = MoEFeedForward(dim=C, hidden_size=16, n_experts=E, top_k=2)
+    layer.init_weights(0.5, 0.5)
+    with torch.no_grad():  # a token with feature e set picks expert e, then e + 1: every expert equally loaded
+        layer.router.weight.zero_()
+        for e in range(E):
+            layer.router.weight[e, e], layer.router.weight[e, (e - 1) % E] = 2.0, 1.0
+    apply_expert_parallel(layer, mesh, world_size)
+    x = torch.zeros(1, tokens, C)
+    x[0, torch.arange(tokens), (torch.arange(tokens) + rank) % E] = 1.0
+    sent = []
+    original = dist.all_to_all_single
+
+    def recording(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        if input.is_floating_point():  # token activations (not the counts and expert ids exchanged first)
+            splits = input_split_sizes or [input.shape[0] // world_size] * world_size
+            row = input[0].numel() * input.element_size() if input.shape[0] else 0
+            sent.append(sum(n for r, n in enumerate(splits) if r != dist.get_rank(group)) * row)
+        return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    dist.all_to_all_single = recording
+    try:
+        layer(x.requires_grad_()).sum().backward()
+    finally:
+        dist.all_to_all_single = original
+    dist.destroy_process_group()
+    return {"sent": sent, "tokens": tokens, "C": C}
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_all_to_all_bytes_per_moe_layer(ep: int) -> None:
+    """Dispatch and combine, forward and backward, each move tokens x top_k x hidden x (ep-1)/ep
+    activations off every rank when the experts are evenly loaded (GShard)."""
+    from harness import run_distributed
+
+    for result in run_distributed(_all_to_all_bytes, ep):
+        expected = result["tokens"] * 2 * result["C"] * 4 * (ep - 1) // ep  # fp32 bytes
+        assert result["sent"] == [expected] * 4  # dispatch, combine; their backwards
+
+
+def test_experts_that_do_not_split_fail_on_every_rank() -> None:
+    import functools
+
+    from parity import assert_fails_on_every_rank
+    from test_data_parallel import MODEL, SGDLlamaLM, make_datamodule
+
+    assert_fails_on_every_rank(functools.partial(SGDLlamaLM, **{**MODEL, "moe_experts": 3, "moe_top_k": 1}),
+                               make_datamodule, functools.partial(make_expert_strategy, expert_parallel_size=2),
+                               world_size=2, message="ep=2 does not divide the 3 experts of an MoE layer")

@@ -12,8 +12,7 @@ The order matters and is the same as torchtitan's:
                             because DDP wraps the whole module so that its hooks see the whole step.
                             ZeRO stages 1-2 shard the optimizer afterwards (parallelize_optimizer).
 
-Techniques that a later release adds slot into their step here; a layout asking for a technique this
-version cannot apply is refused before any collective runs.
+A combination this version does not compose yet is refused before any collective runs.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from lightning_par.config import DTYPES, ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel import data, zero
 from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas, unwrap
+from lightning_par.parallel.experts import apply_expert_parallel
 from lightning_par.parallel.pipeline import build_stages, split_pipeline
 from lightning_par.parallel.plan import ModelPlan
 from lightning_par.parallel.recompute import apply_activation_checkpointing
@@ -36,21 +36,9 @@ from lightning_par.parallel.sequence import apply_context_parallel
 from lightning_par.parallel.tensor import apply_tensor_parallel
 from lightning_par.parallel.zero import fully_shard_model, is_zero_module, materialize_meta_parameters, shard_optimizer
 
-# Sizes whose technique this version does not apply yet: validated by ParallelConfig, refused here with
-# the size the user asked for.
-NOT_YET_AVAILABLE = ("ep",)
-
 
 def check_available(config: ParallelConfig) -> None:
     """Raise ``ValueError`` when ``config`` asks for something this version cannot apply."""
-    missing = {name: getattr(config, name) for name in NOT_YET_AVAILABLE if getattr(config, name) != 1}
-    if missing:
-        asked = ", ".join(f"{k}={v}" for k, v in missing.items())
-        raise ValueError(
-            f"{asked}: this version of lightning_par applies data, ZeRO, tensor, context and pipeline parallelism "
-            f"only; "
-            f"set {' and '.join(f'{k}=1' for k in missing)}"
-        )
     dp = config.dp if isinstance(config.dp_replicate, int) and isinstance(config.dp_shard, int) else None
     if config.tp > 1 and config.zero_stage != 3 and dp not in (None, 1):  # None: not resolved yet
         # DDP and ZeroRedundancyOptimizer work on plain tensors; FSDP2 is what composes with DTensor.
@@ -65,6 +53,9 @@ def check_available(config: ParallelConfig) -> None:
         asked = ", ".join(f"{k}={v}" for k, v in others.items())
         raise ValueError(f"pp={config.pp} with {asked}: pipeline parallel does not compose with other dimensions in "
                          "this version yet; use pp alone (data_parallel_size=1)")
+    if config.ep > 1 and (config.tp > 1 or config.pp > 1 or config.zero_stage != 0):
+        raise ValueError(f"ep={config.ep} composes with data parallelism (zero_stage=0) only in this version; got "
+                         f"tp={config.tp}, pp={config.pp}, zero_stage={config.zero_stage}")
     if config.pp > 1 and config.zero_stage != 0:
         raise ValueError(f"pp={config.pp} with zero_stage={config.zero_stage}: use zero_stage=0 (each rank already "
                          "holds only its stages' parameters)")
@@ -122,7 +113,7 @@ def parallelize(
         apply_tensor_parallel(model, mesh, plan, sequence_parallel=config.sequence_parallel,  # 2
                               loss_parallel=config.loss_parallel)
         apply_context_parallel(model, mesh, plan, method=config.cp_method)  # 3
-        # Step 4 (expert parallel) comes with its technique.
+        apply_expert_parallel(model, mesh, config.ep)  # 4
         apply_activation_checkpointing(model, plan, mode=config.activation_checkpointing,  # 5
                                        every=config.activation_checkpointing_every)
         if config.zero_stage == 3:  # 7: shard, then allocate only the shards of a meta-device model

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _sync_module_states
@@ -70,6 +71,8 @@ def apply_data_parallel(
     if mesh.size(GRADIENT_GROUP) == 1:
         return module
     group = mesh.group(GRADIENT_GROUP)
+    # DTensor parameters (experts split over ranks) are reduced by the technique that split them.
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, _dtensor_names(module))
     ddp = DistributedDataParallel(
         module,
         device_ids=device_ids,
@@ -96,8 +99,13 @@ def broadcast_replicas(module: nn.Module, mesh: ParallelMesh) -> None:
     if mesh.size(GRADIENT_GROUP) > 1:
         _sync_module_states(
             module, mesh.group(GRADIENT_GROUP), broadcast_bucket_size=_BROADCAST_BUCKET_BYTES, src=0,
-            params_and_buffers_to_ignore=set(),
+            params_and_buffers_to_ignore=set(_dtensor_names(module)),
         )
+
+
+def _dtensor_names(module: nn.Module) -> list[str]:
+    return [name for name, tensor in [*module.named_parameters(), *module.named_buffers()]
+            if isinstance(tensor, DTensor)]
 
 
 def no_gradient_sync(module: nn.Module) -> AbstractContextManager:

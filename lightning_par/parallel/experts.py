@@ -25,10 +25,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 
 @dataclass
@@ -57,8 +61,14 @@ class GroupedExperts(nn.Module):
 
     def forward(self, tokens: Tensor, expert: int) -> Tensor:
         """The ``expert``-th (local) expert on ``tokens`` (n, dim) -> (n, dim)."""
-        hidden = F.silu(tokens @ self.gate_proj[expert]) * (tokens @ self.up_proj[expert])
-        return hidden @ self.down_proj[expert]
+        gate, up, down = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        hidden = F.silu(tokens @ gate[expert]) * (tokens @ up[expert])
+        return hidden @ down[expert]
+
+
+def _local(weight: Tensor) -> Tensor:
+    # Under expert parallel the stacked weights are DTensors split by expert: this rank computes its own.
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 class MoEFeedForward(nn.Module):
@@ -76,6 +86,7 @@ class MoEFeedForward(nn.Module):
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = GroupedExperts(n_experts, dim, hidden_size)
         self.stats: RoutingStats | None = None
+        self.expert_group: dist.ProcessGroup | None = None  # set by apply_expert_parallel
 
     def init_weights(self, init_std: float, out_std: float) -> None:
         nn.init.normal_(self.router.weight, mean=0.0, std=init_std)
@@ -96,6 +107,11 @@ class MoEFeedForward(nn.Module):
         flat_token = torch.arange(B * T, device=x.device).repeat_interleave(self.top_k)
         flat_weight = weights.reshape(-1)
         out = torch.zeros_like(tokens, dtype=torch.float32)
+        if self.expert_group is not None:  # expert parallel: the experts live on other ranks too
+            index = flat_token[flat_keep]
+            y = dispatch_and_combine(tokens[index], flat_expert[flat_keep], self.experts, self.expert_group)
+            out.index_add_(0, index, y.float() * flat_weight[flat_keep, None])
+            return out.to(x.dtype).view(B, T, C)
         for expert in range(self.n_experts):
             mask = (flat_expert == expert) & flat_keep
             index = flat_token[mask]
@@ -128,6 +144,78 @@ class MoEFeedForward(nn.Module):
                             dropped_fraction=(~keep).float().mean().detach(), aux_loss=aux, z_loss=z)
 
 
+def dispatch_and_combine(tokens: Tensor, experts_of_tokens: Tensor, experts: GroupedExperts,
+                         group: dist.ProcessGroup) -> Tensor:
+    """Send each token to the rank holding its expert, run the local experts, send the results back.
+
+    ``tokens`` (n, C) with ``experts_of_tokens`` (n,) global expert ids; rank ``r`` of ``group`` holds
+    experts ``[r * E/ep, (r + 1) * E/ep)``. The numbers of tokens per destination are exchanged first (an
+    all-to-all of ``ep`` integers), then the tokens themselves with uneven splits, forward and back
+    (GShard's dispatch and combine). Differentiable: backward runs the same two all-to-alls reversed.
+    """
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    per_rank = _local(experts.gate_proj).shape[0]
+    destination = experts_of_tokens // per_rank
+    order = torch.argsort(destination, stable=True)
+    send_counts = torch.bincount(destination, minlength=ep)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send, recv = send_counts.tolist(), recv_counts.tolist()
+    received_ids = experts_of_tokens.new_empty(sum(recv))
+    dist.all_to_all_single(received_ids, experts_of_tokens[order].contiguous(), recv, send, group=group)
+    received = all_to_all_single(tokens.new_empty(sum(recv), tokens.shape[1]), tokens[order].contiguous(),
+                                 recv, send, group=group)
+    local_ids = received_ids - rank * per_rank
+    computed = torch.zeros_like(received)
+    for expert in range(per_rank):
+        index = (local_ids == expert).nonzero().squeeze(1)
+        if index.numel():
+            computed = computed.index_add(0, index, experts(received[index], expert))
+    returned = all_to_all_single(tokens.new_empty(tokens.shape), computed, send, recv, group=group)
+    return torch.zeros_like(returned).index_add(0, order, returned)  # back into the tokens' order
+
+
+def apply_expert_parallel(module: nn.Module, mesh: Any, ep: int) -> nn.Module:
+    """Split the experts of every :class:`MoEFeedForward` in ``module`` over ``ep`` ranks (in place).
+
+    Expert parallel borrows its ranks from ``dp_shard x cp`` (DESIGN.md): consecutive groups of ``ep``
+    ranks hold one copy of all experts between them, and the groups replicate each other. Expert weights
+    become DTensors split along the expert dimension (so checkpoints reshard), ignored by DDP; their
+    gradients, which the all-to-alls already summed over the tokens of the ``ep`` group, are summed over
+    the replicas and divided by the number of data-parallel ranks, as DDP's average would.
+    """
+    layers = [m for m in module.modules() if isinstance(m, MoEFeedForward)]
+    if ep == 1 or not layers:
+        return module
+    for layer in layers:
+        if layer.n_experts % ep != 0:
+            raise ValueError(f"ep={ep} does not divide the {layer.n_experts} experts of an MoE layer; use an ep in "
+                             f"{[d for d in range(1, layer.n_experts + 1) if layer.n_experts % d == 0]}")
+    host = mesh["dp_shard_cp"]
+    expert_mesh = host._unflatten(0, (host.size() // ep, ep), ("ep_replicate", "ep"))
+    replicas = expert_mesh["ep_replicate"].get_group() if host.size() > ep else None
+    average_over = mesh.size("dp_cp")
+    for layer in layers:
+        layer.expert_group = expert_mesh["ep"].get_group()
+        for name, weight in list(layer.experts.named_parameters(recurse=False)):
+            split = nn.Parameter(distribute_tensor(weight.data, expert_mesh["ep"], [Shard(0)]))
+            split.register_hook(_ExpertGradient(replicas, average_over))  # on each backward's contribution
+            setattr(layer.experts, name, split)
+    return module
+
+
+class _ExpertGradient:
+    def __init__(self, replicas: dist.ProcessGroup | None, average_over: int) -> None:
+        self.replicas, self.average_over = replicas, average_over
+
+    def __call__(self, grad: Tensor) -> Tensor:
+        local = _local(grad).clone()
+        if self.replicas is not None:
+            dist.all_reduce(local, group=self.replicas)
+        local.div_(self.average_over)
+        return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
+
+
 def check_moe(n_experts: int, top_k: int, capacity_factor: float | None) -> None:
     """Raise ``ValueError`` naming the values when the routing cannot work."""
     if isinstance(n_experts, bool) or not isinstance(n_experts, int) or n_experts < 1:
@@ -138,4 +226,5 @@ def check_moe(n_experts: int, top_k: int, capacity_factor: float | None) -> None
         raise ValueError(f"capacity_factor must be positive, or None for dropless routing; got {capacity_factor!r}")
 
 
-__all__ = ["GroupedExperts", "MoEFeedForward", "RoutingStats", "check_moe"]
+__all__ = ["GroupedExperts", "MoEFeedForward", "RoutingStats", "apply_expert_parallel", "check_moe",
+           "dispatch_and_combine"]

@@ -2,13 +2,14 @@
 
 from lightning_par.strategies.base import MeshStrategy
 from lightning_par.strategies.data_parallel import DataParallelStrategy
+from lightning_par.strategies.expert_parallel import ExpertParallelStrategy
 from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy
 from lightning_par.strategies.sequence_parallel import SequenceParallelStrategy
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_par.strategies.zero import ZeroStrategy
 
 STRATEGIES = (DataParallelStrategy, ZeroStrategy, TensorParallelStrategy, SequenceParallelStrategy,
-              PipelineParallelStrategy)
+              PipelineParallelStrategy, ExpertParallelStrategy)
 
 
 def register_strategies() -> None:
@@ -22,4 +23,5 @@ def register_strategies() -> None:
 register_strategies()
 
 __all__ = ["MeshStrategy", "DataParallelStrategy", "ZeroStrategy", "TensorParallelStrategy",
-           "SequenceParallelStrategy", "PipelineParallelStrategy", "register_strategies", "STRATEGIES"]
+           "SequenceParallelStrategy", "PipelineParallelStrategy", "ExpertParallelStrategy", "register_strategies",
+           "STRATEGIES"]
