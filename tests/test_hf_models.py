@@ -56,6 +56,10 @@ LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_siz
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, use_cache=False,
              tie_word_embeddings=False)
 make_llama = functools.partial(CausalLM, LLAMA)
+MIXTRAL = dict(model_type="mixtral", vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+               max_position_embeddings=16, use_cache=False, tie_word_embeddings=False)
+make_mixtral = functools.partial(CausalLM, MIXTRAL)
 
 
 def make_strategy(name: str, **kwargs):
@@ -82,3 +86,14 @@ def test_hugging_face_llama_matches_single_process(world_size: int, strategy: st
                         world_size=world_size, steps=STEPS)
     loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
     print(f"HF Llama {strategy} {kwargs}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_hugging_face_mixtral_under_expert_parallel_matches_single_process(world_size: int) -> None:
+    """Mixtral's experts (stacked 3-D weights) split over ep ranks by the derived plan."""
+    expected = reference_run(make_mixtral, make_datamodule, dp=world_size, steps=STEPS)
+    actual = layout_run(make_mixtral, make_datamodule,
+                        functools.partial(make_strategy, "ExpertParallelStrategy", expert_parallel_size=world_size),
+                        world_size=world_size, steps=STEPS)
+    loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
+    print(f"HF Mixtral ep={world_size}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")

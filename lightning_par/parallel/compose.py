@@ -113,7 +113,7 @@ def parallelize(
         apply_tensor_parallel(model, mesh, plan, sequence_parallel=config.sequence_parallel,  # 2
                               loss_parallel=config.loss_parallel)
         apply_context_parallel(model, mesh, plan, method=config.cp_method)  # 3
-        apply_expert_parallel(model, mesh, config.ep)  # 4
+        apply_expert_parallel(model, mesh, config.ep, plan)  # 4
         apply_activation_checkpointing(model, plan, mode=config.activation_checkpointing,  # 5
                                        every=config.activation_checkpointing_every)
         if config.zero_stage == 3:  # 7: shard, then allocate only the shards of a meta-device model

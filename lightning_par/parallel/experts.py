@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -109,7 +109,8 @@ class MoEFeedForward(nn.Module):
         out = torch.zeros_like(tokens, dtype=torch.float32)
         if self.expert_group is not None:  # expert parallel: the experts live on other ranks too
             index = flat_token[flat_keep]
-            y = dispatch_and_combine(tokens[index], flat_expert[flat_keep], self.experts, self.expert_group)
+            per_rank = _local(self.experts.gate_proj).shape[0]
+            y = dispatch_and_combine(tokens[index], flat_expert[flat_keep], self.experts, per_rank, self.expert_group)
             out.index_add_(0, index, y.float() * flat_weight[flat_keep, None])
             return out.to(x.dtype).view(B, T, C)
         for expert in range(self.n_experts):
@@ -144,17 +145,16 @@ class MoEFeedForward(nn.Module):
                             dropped_fraction=(~keep).float().mean().detach(), aux_loss=aux, z_loss=z)
 
 
-def dispatch_and_combine(tokens: Tensor, experts_of_tokens: Tensor, experts: GroupedExperts,
-                         group: dist.ProcessGroup) -> Tensor:
+def dispatch_and_combine(tokens: Tensor, experts_of_tokens: Tensor, expert: Callable[[Tensor, int], Tensor],
+                         per_rank: int, group: dist.ProcessGroup) -> Tensor:
     """Send each token to the rank holding its expert, run the local experts, send the results back.
 
     ``tokens`` (n, C) with ``experts_of_tokens`` (n,) global expert ids; rank ``r`` of ``group`` holds
-    experts ``[r * E/ep, (r + 1) * E/ep)``. The numbers of tokens per destination are exchanged first (an
+    experts ``[r * per_rank, (r + 1) * per_rank)`` and ``expert(tokens, local_index)`` runs one of them. The numbers of tokens per destination are exchanged first (an
     all-to-all of ``ep`` integers), then the tokens themselves with uneven splits, forward and back
     (GShard's dispatch and combine). Differentiable: backward runs the same two all-to-alls reversed.
     """
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
-    per_rank = _local(experts.gate_proj).shape[0]
     destination = experts_of_tokens // per_rank
     order = torch.argsort(destination, stable=True)
     send_counts = torch.bincount(destination, minlength=ep)
@@ -167,16 +167,20 @@ def dispatch_and_combine(tokens: Tensor, experts_of_tokens: Tensor, experts: Gro
                                  recv, send, group=group)
     local_ids = received_ids - rank * per_rank
     computed = torch.zeros_like(received)
-    for expert in range(per_rank):
-        index = (local_ids == expert).nonzero().squeeze(1)
+    for local in range(per_rank):
+        index = (local_ids == local).nonzero().squeeze(1)
         if index.numel():
-            computed = computed.index_add(0, index, experts(received[index], expert))
+            computed = computed.index_add(0, index, expert(received[index], local))
     returned = all_to_all_single(tokens.new_empty(tokens.shape), computed, send, recv, group=group)
     return torch.zeros_like(returned).index_add(0, order, returned)  # back into the tokens' order
 
 
-def apply_expert_parallel(module: nn.Module, mesh: Any, ep: int) -> nn.Module:
-    """Split the experts of every :class:`MoEFeedForward` in ``module`` over ``ep`` ranks (in place).
+def apply_expert_parallel(module: nn.Module, mesh: Any, ep: int, plan: Any = None) -> nn.Module:
+    """Split the experts of every MoE layer in ``module`` over ``ep`` ranks (in place).
+
+    MoE layers are this project's :class:`MoEFeedForward`, and the modules ``plan`` marks ``experts`` that
+    hold their experts as stacked 3-D weights and are called as ``experts(hidden_states, top_k_index,
+    top_k_weights)`` (Hugging Face's Mixtral, Qwen-MoE, OLMoE in transformers 5).
 
     Expert parallel borrows its ranks from ``dp_shard x cp`` (DESIGN.md): consecutive groups of ``ep``
     ranks hold one copy of all experts between them, and the groups replicate each other. Expert weights
@@ -184,24 +188,80 @@ def apply_expert_parallel(module: nn.Module, mesh: Any, ep: int) -> nn.Module:
     gradients, which the all-to-alls already summed over the tokens of the ``ep`` group, are summed over
     the replicas and divided by the number of data-parallel ranks, as DDP's average would.
     """
-    layers = [m for m in module.modules() if isinstance(m, MoEFeedForward)]
-    if ep == 1 or not layers:
+    ours = [m for m in module.modules() if isinstance(m, MoEFeedForward)]
+    theirs = [m for name, m in module.named_modules()
+              if plan is not None and plan.style_of(name) == "experts" and not isinstance(m, GroupedExperts)
+              and _stacked_experts(m) is not None]
+    if ep == 1 or not (ours or theirs):
         return module
-    for layer in layers:
-        if layer.n_experts % ep != 0:
-            raise ValueError(f"ep={ep} does not divide the {layer.n_experts} experts of an MoE layer; use an ep in "
-                             f"{[d for d in range(1, layer.n_experts + 1) if layer.n_experts % d == 0]}")
+    for n_experts in [layer.n_experts for layer in ours] + [_stacked_experts(m) for m in theirs]:
+        if n_experts % ep != 0:
+            raise ValueError(f"ep={ep} does not divide the {n_experts} experts of an MoE layer; use an ep in "
+                             f"{[d for d in range(1, n_experts + 1) if n_experts % d == 0]}")
     host = mesh["dp_shard_cp"]
     expert_mesh = host._unflatten(0, (host.size() // ep, ep), ("ep_replicate", "ep"))
     replicas = expert_mesh["ep_replicate"].get_group() if host.size() > ep else None
-    average_over = mesh.size("dp_cp")
-    for layer in layers:
+    gradient = _ExpertGradient(replicas, mesh.size("dp_cp"))
+    for layer in ours:
         layer.expert_group = expert_mesh["ep"].get_group()
-        for name, weight in list(layer.experts.named_parameters(recurse=False)):
-            split = nn.Parameter(distribute_tensor(weight.data, expert_mesh["ep"], [Shard(0)]))
-            split.register_hook(_ExpertGradient(replicas, average_over))  # on each backward's contribution
-            setattr(layer.experts, name, split)
+        _split_weights(layer.experts, expert_mesh["ep"], gradient)
+    for experts in theirs:
+        n_experts = _stacked_experts(experts)
+        _split_weights(experts, expert_mesh["ep"], gradient)
+        experts.forward = _RoutedExperts(experts, n_experts, expert_mesh["ep"].get_group())
     return module
+
+
+def _stacked_experts(module: nn.Module) -> int | None:
+    """The number of experts of a module holding only 3-D weights stacked by expert, else None."""
+    weights = list(module.parameters(recurse=False))
+    if not weights or any(w.dim() != 3 for w in weights) or len({w.shape[0] for w in weights}) != 1:
+        return None
+    return weights[0].shape[0]
+
+
+def _split_weights(experts: nn.Module, ep_mesh: Any, gradient: Callable[[Tensor], Tensor]) -> None:
+    for name, weight in list(experts.named_parameters(recurse=False)):
+        split = nn.Parameter(distribute_tensor(weight.data, ep_mesh, [Shard(0)]))
+        split.register_hook(gradient)  # on each backward's contribution
+        setattr(experts, name, split)
+
+
+class _RoutedExperts:
+    """The forward of a Hugging Face-style experts module under expert parallel.
+
+    Tokens go to the ranks of their experts (:func:`dispatch_and_combine`); there, the module's own
+    forward runs one local expert at a time on its local weights, so the expert's math stays the model's.
+    """
+
+    def __init__(self, experts: nn.Module, n_experts: int, group: dist.ProcessGroup) -> None:
+        self.experts, self.original, self.group = experts, experts.forward, group
+        self.per_rank = n_experts // dist.get_world_size(group)
+
+    def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        n, k = top_k_index.shape
+        token = torch.arange(n, device=hidden_states.device).repeat_interleave(k)
+        chosen = top_k_index.reshape(-1)
+        y = dispatch_and_combine(hidden_states[token], chosen, self._one_expert, self.per_rank, self.group)
+        weighted = y * top_k_weights.reshape(-1, 1).to(y.dtype)
+        return torch.zeros_like(hidden_states).index_add(0, token, weighted.to(hidden_states.dtype))
+
+    def _one_expert(self, tokens: Tensor, local: int) -> Tensor:
+        names = [name for name, _ in self.experts.named_parameters(recurse=False)]
+        saved = {name: self.experts._parameters[name] for name in names}
+        saved_count = getattr(self.experts, "num_experts", None)
+        try:
+            for name in names:  # the module's own forward sees this rank's experts as plain tensors
+                self.experts._parameters[name] = _local(saved[name])
+            if saved_count is not None:
+                self.experts.num_experts = self.per_rank
+            index = torch.full((tokens.shape[0], 1), local, dtype=torch.long, device=tokens.device)
+            return self.original(tokens, index, torch.ones(tokens.shape[0], 1, dtype=tokens.dtype,
+                                                           device=tokens.device))
+        finally:
+            self.experts._parameters.update(saved)
+            if saved_count is not None:
+                self.experts.num_experts = saved_count
 
 
 class _ExpertGradient:
