@@ -34,6 +34,9 @@ from torch import Tensor, nn
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.plan import ModelPlan
+
 
 @dataclass
 class RoutingStats:
@@ -150,9 +153,10 @@ def dispatch_and_combine(tokens: Tensor, experts_of_tokens: Tensor, expert: Call
     """Send each token to the rank holding its expert, run the local experts, send the results back.
 
     ``tokens`` (n, C) with ``experts_of_tokens`` (n,) global expert ids; rank ``r`` of ``group`` holds
-    experts ``[r * per_rank, (r + 1) * per_rank)`` and ``expert(tokens, local_index)`` runs one of them. The numbers of tokens per destination are exchanged first (an
-    all-to-all of ``ep`` integers), then the tokens themselves with uneven splits, forward and back
-    (GShard's dispatch and combine). Differentiable: backward runs the same two all-to-alls reversed.
+    experts ``[r * per_rank, (r + 1) * per_rank)`` and ``expert(tokens, local_index)`` runs one of them.
+    The numbers of tokens per destination are exchanged first (an all-to-all of ``ep`` integers), then the
+    tokens themselves with uneven splits, forward and back (GShard's dispatch and combine).
+    Differentiable: backward runs the same two all-to-alls reversed.
     """
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     destination = experts_of_tokens // per_rank
@@ -175,7 +179,7 @@ def dispatch_and_combine(tokens: Tensor, experts_of_tokens: Tensor, expert: Call
     return torch.zeros_like(returned).index_add(0, order, returned)  # back into the tokens' order
 
 
-def apply_expert_parallel(module: nn.Module, mesh: Any, ep: int, plan: Any = None) -> nn.Module:
+def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, plan: ModelPlan | None = None) -> nn.Module:
     """Split the experts of every MoE layer in ``module`` over ``ep`` ranks (in place).
 
     MoE layers are this project's :class:`MoEFeedForward`, and the modules ``plan`` marks ``experts`` that
