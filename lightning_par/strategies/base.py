@@ -106,6 +106,13 @@ class MeshStrategy(ParallelStrategy):
     """
 
     strategy_name = "mesh"
+    strategy_description = "lightning_par strategy"
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``strategy_name`` (subclasses with several names override this)."""
+        strategy_registry.register(cls.strategy_name, cls, description=cls.strategy_description, override=True)
 
     def __init__(
         self,

@@ -6,7 +6,6 @@ from datetime import timedelta
 from typing import Any, Literal, Union
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from typing_extensions import override
 
 from lightning_par.config import ParallelConfig
 from lightning_par.strategies.base import MeshStrategy
@@ -32,6 +31,7 @@ class DataParallelStrategy(MeshStrategy):
     """
 
     strategy_name = "data_parallel"
+    strategy_description = "DDP over lightning_par's data-parallel mesh"
 
     def __init__(
         self,
@@ -66,9 +66,3 @@ class DataParallelStrategy(MeshStrategy):
             timeout=timeout,
             **kwargs,
         )
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description="DDP over lightning_par's data-parallel mesh",
-                                   override=True)

@@ -48,6 +48,7 @@ class PipelineParallelStrategy(MeshStrategy):
     """
 
     strategy_name = "pipeline_parallel"
+    strategy_description = "pipeline parallel (GPipe, 1F1B, interleaved, ZB-V)"
 
     def __init__(
         self,
@@ -181,9 +182,3 @@ class PipelineParallelStrategy(MeshStrategy):
             p.grad = grad if p.grad is None else p.grad + grad
         self._pending_grads = []
         return closure_loss
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, override=True,
-                                   description="pipeline parallel (GPipe, 1F1B, interleaved, ZB-V)")

@@ -6,7 +6,6 @@ from datetime import timedelta
 from typing import Any, Literal, Union
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from typing_extensions import override
 
 from lightning_par.config import ParallelConfig
 from lightning_par.strategies.base import MeshStrategy
@@ -34,6 +33,7 @@ class SequenceParallelStrategy(MeshStrategy):
     """
 
     strategy_name = "sequence_parallel"
+    strategy_description = "context parallel: Ulysses or ring attention"
 
     def __init__(
         self,
@@ -54,9 +54,3 @@ class SequenceParallelStrategy(MeshStrategy):
                                 activation_checkpointing_every=activation_checkpointing_every)
         super().__init__(config, plan=plan, save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout, **kwargs)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description="context parallel: Ulysses or ring attention",
-                                   override=True)
