@@ -132,7 +132,7 @@ def _bubble(rank: int, world_size: int, schedule: str, microbatches: int) -> flo
 
     from lightning_par.config import ParallelConfig
     from lightning_par.parallel.compose import parallelize, pipeline_stages
-    from lightning_par.parallel.pipeline import build_schedule, stage_indices
+    from lightning_par.parallel.pipeline import build_schedule
     from lightning_par.parallel.plan import derive_plan
 
     dist.init_process_group("gloo")

@@ -79,6 +79,8 @@ class PipelineParallelStrategy(MeshStrategy):
         self._forward_schedule: Any = None  # predict: no targets, no loss
         self._accumulate = 1
         self._pending_grads: list[tuple[Tensor, Tensor]] = []
+        self._holds_first = self._holds_last = False
+        self._last_stage_global_rank = 0
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -97,8 +99,14 @@ class PipelineParallelStrategy(MeshStrategy):
             # Summed over micro-batches and accumulated batches, the gradients are those of the mean loss.
             return module.loss_fn(logits, targets) / (micro * accumulate)
 
-        self._schedule = build_schedule(pipeline_stages(module), config.pp_schedule, micro, loss_fn)
-        self._forward_schedule = build_schedule(pipeline_stages(module), config.pp_schedule, micro, None)
+        stages = pipeline_stages(module)
+        self._schedule = build_schedule(stages, config.pp_schedule, micro, loss_fn)
+        self._forward_schedule = build_schedule(stages, config.pp_schedule, micro, None)
+        # Fixed for the run: whether this rank feeds the inputs or computes the loss, and which rank does.
+        self._holds_first = any(stage.is_first for stage in stages)
+        self._holds_last = any(stage.is_last for stage in stages)
+        last = last_stage_rank(config.pp, config.pp_schedule, config.pp_virtual_stages)
+        self._last_stage_global_rank = dist.get_global_rank(self.mesh.group("pp"), last)
 
     @override
     def _profile_batch(self) -> tuple[Tensor, Tensor] | None:
@@ -110,26 +118,26 @@ class PipelineParallelStrategy(MeshStrategy):
         size = max(1, inputs.shape[0] // self.parallel_config.pp_microbatches)
         return inputs[:size], targets[:size]
 
-    def _run(self, batch: Any, *, train: bool) -> Tensor:
-        module, config = self.lightning_module, self.parallel_config
-        inputs, targets = module.split_batch(batch)
+    def _stage_inputs(self, inputs: Tensor) -> tuple[Tensor, ...]:
+        """What this rank passes to the schedule: the inputs on the first stage's rank, nothing elsewhere."""
+        config = self.parallel_config
         check_microbatches(config.pp_microbatches, config.pp_schedule, config.pp, inputs.shape[0])
-        stages = pipeline_stages(module)
-        first = any(stage.is_first for stage in stages)
-        last = any(stage.is_last for stage in stages)
+        return (inputs,) if self._holds_first else ()
+
+    def _run(self, batch: Any, *, train: bool) -> Tensor:
+        inputs, targets = self.lightning_module.split_batch(batch)
+        args = self._stage_inputs(inputs)
+        target = targets if self._holds_last else None
         losses: list[Tensor] = []
-        args = (inputs,) if first else ()
-        target = targets if last else None
         if train:
             self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
         else:
             with torch.no_grad():
                 self._schedule.eval(*args, target=target, losses=losses)
         # Each micro-batch loss was divided by micro x accumulate: undo it to report the batch's mean.
-        loss = torch.stack(losses).sum().detach() * self._accumulate if last else torch.zeros((), device=inputs.device)
-        pp_group = self.mesh.group("pp")
-        source = last_stage_rank(config.pp, config.pp_schedule, config.pp_virtual_stages)
-        dist.broadcast(loss, src=dist.get_global_rank(pp_group, source), group=pp_group)
+        loss = (torch.stack(losses).sum().detach() * self._accumulate if self._holds_last
+                else torch.zeros((), device=inputs.device))
+        dist.broadcast(loss, src=self._last_stage_global_rank, group=self.mesh.group("pp"))
         return loss
 
     @override
@@ -163,16 +171,10 @@ class PipelineParallelStrategy(MeshStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         # The batch is the model's input; the last stage's logits are handed to every rank.
-        inputs = args[0]
-        check_microbatches(self.parallel_config.pp_microbatches, self.parallel_config.pp_schedule,
-                           self.parallel_config.pp, inputs.shape[0])
-        stages = pipeline_stages(self.lightning_module)
         with torch.no_grad():
-            logits = self._forward_schedule.eval(*((inputs,) if any(s.is_first for s in stages) else ()))
-        pp_group, config = self.mesh.group("pp"), self.parallel_config
-        source = last_stage_rank(config.pp, config.pp_schedule, config.pp_virtual_stages)
+            logits = self._forward_schedule.eval(*self._stage_inputs(args[0]))
         carrier = [logits]
-        dist.broadcast_object_list(carrier, src=dist.get_global_rank(pp_group, source), group=pp_group)
+        dist.broadcast_object_list(carrier, src=self._last_stage_global_rank, group=self.mesh.group("pp"))
         return carrier[0]
 
     @override
