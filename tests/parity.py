@@ -164,3 +164,18 @@ def assert_parity(actual: ParityRun, expected: ParityRun, *, rtol: float) -> tup
     assert loss_error <= rtol, f"loss differs by {loss_error:.2e} relative (> {rtol:.0e}): {actual.losses} vs {expected.losses}"
     assert weight_error <= rtol, f"weights differ by {weight_error:.2e} relative to each tensor's max (> {rtol:.0e})"
     return loss_error, weight_error
+
+
+def assert_layout_matches(make_module: Callable[[], Any], make_datamodule: Callable[[], Any],
+                          make_strategy: Callable[[], Any], *, world_size: int, dp: int, steps: int,
+                          accumulate: int = 1, clip: float | None = None, rtol: float, label: str,
+                          ) -> tuple[float, float]:
+    """The layout run matches the single-process reference over the same global batches (``dp`` replicas
+    read different samples); prints and returns (loss error, weight error)."""
+    expected = reference_run(make_module, make_datamodule, dp=dp, steps=steps, accumulate=accumulate,
+                             gradient_clip_val=clip)
+    actual = layout_run(make_module, make_datamodule, make_strategy, world_size=world_size, steps=steps,
+                        accumulate=accumulate, trainer_kwargs={"gradient_clip_val": clip})
+    loss_error, weight_error = assert_parity(actual, expected, rtol=rtol)
+    print(f"{label}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
+    return loss_error, weight_error

@@ -122,16 +122,15 @@ def test_moe_model_under_data_parallel_matches_single_process(capacity_factor) -
     """Capacity and the load-balancing loss are per sequence, so sharding the batch changes nothing."""
     import functools
 
-    from parity import assert_parity, layout_run, reference_run
+    from parity import assert_layout_matches
     from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
 
     from lightning_par import DataParallelStrategy
 
     make_module = functools.partial(SGDLlamaLM, **{**MODEL, "moe_experts": 4, "moe_top_k": 2,
                                                    "moe_capacity_factor": capacity_factor})
-    expected = reference_run(make_module, make_datamodule, dp=2, steps=STEPS)
-    actual = layout_run(make_module, make_datamodule, DataParallelStrategy, world_size=2, steps=STEPS)
-    assert_parity(actual, expected, rtol=1e-5)
+    assert_layout_matches(make_module, make_datamodule, DataParallelStrategy, world_size=2, dp=2, steps=STEPS,
+                          rtol=1e-5, label=f"data_parallel MoE capacity={capacity_factor}")
 
 
 def make_expert_strategy(**kwargs):
@@ -148,17 +147,15 @@ def make_expert_strategy(**kwargs):
 def test_expert_parallel_matches_single_process(world_size: int, ep: int, capacity_factor, accumulate: int) -> None:
     import functools
 
-    from parity import assert_parity, layout_run, reference_run
+    from parity import assert_layout_matches
     from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
 
     make_module = functools.partial(SGDLlamaLM, **{**MODEL, "moe_experts": 4, "moe_top_k": 2,
                                                    "moe_capacity_factor": capacity_factor})
-    expected = reference_run(make_module, make_datamodule, dp=world_size, steps=STEPS, accumulate=accumulate)
-    actual = layout_run(make_module, make_datamodule,
-                        functools.partial(make_expert_strategy, expert_parallel_size=ep),
-                        world_size=world_size, steps=STEPS, accumulate=accumulate)
-    loss_error, weight_error = assert_parity(actual, expected, rtol=1e-5)
-    print(f"expert_parallel ep={ep} ws={world_size}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
+    assert_layout_matches(make_module, make_datamodule,
+                          functools.partial(make_expert_strategy, expert_parallel_size=ep),
+                          world_size=world_size, dp=world_size, steps=STEPS, accumulate=accumulate, rtol=1e-5,
+                          label=f"expert_parallel ep={ep} ws={world_size}")
 
 
 def _all_to_all_bytes(rank: int, world_size: int) -> dict:

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import assert_parity, layout_run, reference_run
+from parity import assert_layout_matches
 from test_data_parallel import STEPS, make_datamodule
 
 transformers = pytest.importorskip("transformers")
@@ -81,19 +81,15 @@ def make_strategy(name: str, **kwargs):
 )
 def test_hugging_face_llama_matches_single_process(world_size: int, strategy: str, kwargs: dict) -> None:
     datamodule = functools.partial(make_datamodule, batch_size=4)
-    expected = reference_run(make_llama, datamodule, dp=1, steps=STEPS)
-    actual = layout_run(make_llama, datamodule, functools.partial(make_strategy, strategy, **kwargs),
-                        world_size=world_size, steps=STEPS)
-    loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
-    print(f"HF Llama {strategy} {kwargs}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
+    assert_layout_matches(make_llama, datamodule, functools.partial(make_strategy, strategy, **kwargs),
+                          world_size=world_size, dp=1, steps=STEPS, rtol=PARITY_RTOL,
+                          label=f"HF Llama {strategy} {kwargs}")
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_hugging_face_mixtral_under_expert_parallel_matches_single_process(world_size: int) -> None:
     """Mixtral's experts (stacked 3-D weights) split over ep ranks by the derived plan."""
-    expected = reference_run(make_mixtral, make_datamodule, dp=world_size, steps=STEPS)
-    actual = layout_run(make_mixtral, make_datamodule,
-                        functools.partial(make_strategy, "ExpertParallelStrategy", expert_parallel_size=world_size),
-                        world_size=world_size, steps=STEPS)
-    loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
-    print(f"HF Mixtral ep={world_size}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
+    assert_layout_matches(make_mixtral, make_datamodule,
+                          functools.partial(make_strategy, "ExpertParallelStrategy", expert_parallel_size=world_size),
+                          world_size=world_size, dp=world_size, steps=STEPS, rtol=PARITY_RTOL,
+                          label=f"HF Mixtral ep={world_size}")

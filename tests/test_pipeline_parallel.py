@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from parity import assert_fails_on_every_rank, assert_parity, layout_run, reference_run
+from parity import assert_fails_on_every_rank, assert_layout_matches
 from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
 
 from lightning_par.parallel.pipeline import balance, sizes_from_split_points, stage_indices
@@ -61,14 +61,10 @@ def test_balance_minimises_the_largest_stage() -> None:
 )
 def test_pipeline_matches_single_process(world_size: int, kwargs: dict, accumulate: int, clip) -> None:
     datamodule = functools.partial(make_datamodule, batch_size=4)
-    expected = reference_run(make_module, datamodule, dp=1, steps=STEPS, accumulate=accumulate,
-                             gradient_clip_val=clip)
-    actual = layout_run(make_module, datamodule,
-                        functools.partial(make_strategy, pipeline_parallel_size=world_size, **kwargs),
-                        world_size=world_size, steps=STEPS, accumulate=accumulate,
-                        trainer_kwargs={"gradient_clip_val": clip})
-    loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
-    print(f"pipeline_parallel {kwargs} ws={world_size}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
+    assert_layout_matches(make_module, datamodule,
+                          functools.partial(make_strategy, pipeline_parallel_size=world_size, **kwargs),
+                          world_size=world_size, dp=1, steps=STEPS, accumulate=accumulate, clip=clip,
+                          rtol=PARITY_RTOL, label=f"pipeline_parallel {kwargs} ws={world_size}")
 
 
 # ------------------------------------------------------------------------------------ bubble

@@ -6,7 +6,7 @@ import functools
 
 import pytest
 import torch
-from parity import assert_fails_on_every_rank, assert_parity, layout_run, reference_run
+from parity import assert_fails_on_every_rank, assert_layout_matches
 from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule, make_module
 
 from lightning_par.parallel.sequence import causal_score_blocks, check_sequence_length, local_positions
@@ -94,13 +94,9 @@ def test_attention_over_slices_equals_attention_over_the_whole(method, world_siz
 )
 def test_context_parallel_matches_single_process(world_size: int, kwargs: dict, accumulate: int, clip) -> None:
     dp = world_size // kwargs["context_parallel_size"]
-    expected = reference_run(make_module, make_datamodule, dp=dp, steps=STEPS, accumulate=accumulate,
-                             gradient_clip_val=clip)
-    actual = layout_run(make_module, make_datamodule, functools.partial(make_strategy, **kwargs),
-                        world_size=world_size, steps=STEPS, accumulate=accumulate,
-                        trainer_kwargs={"gradient_clip_val": clip})
-    loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
-    print(f"sequence_parallel {kwargs} ws={world_size}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
+    assert_layout_matches(make_module, make_datamodule, functools.partial(make_strategy, **kwargs),
+                          world_size=world_size, dp=dp, steps=STEPS, accumulate=accumulate, clip=clip,
+                          rtol=PARITY_RTOL, label=f"sequence_parallel {kwargs} ws={world_size}")
 
 
 @pytest.mark.parametrize(

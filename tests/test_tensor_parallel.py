@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from parity import assert_fails_on_every_rank, assert_parity, layout_run, reference_run
+from parity import assert_fails_on_every_rank, assert_layout_matches
 from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
 
 PARITY_RTOL = 1e-5
@@ -36,13 +36,9 @@ def make_strategy(**kwargs):
 )
 def test_tensor_parallel_matches_single_process(world_size: int, kwargs: dict, accumulate: int, clip) -> None:
     dp = world_size // kwargs["tensor_parallel_size"]
-    expected = reference_run(make_module, make_datamodule, dp=dp, steps=STEPS, accumulate=accumulate,
-                             gradient_clip_val=clip)
-    actual = layout_run(make_module, make_datamodule, functools.partial(make_strategy, **kwargs),
-                        world_size=world_size, steps=STEPS, accumulate=accumulate,
-                        trainer_kwargs={"gradient_clip_val": clip})
-    loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
-    print(f"tensor_parallel {kwargs} ws={world_size}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
+    assert_layout_matches(make_module, make_datamodule, functools.partial(make_strategy, **kwargs),
+                          world_size=world_size, dp=dp, steps=STEPS, accumulate=accumulate, clip=clip,
+                          rtol=PARITY_RTOL, label=f"tensor_parallel {kwargs} ws={world_size}")
 
 
 @pytest.mark.parametrize(
