@@ -313,4 +313,4 @@ class WithoutLossFn(SGDLlamaLM):
 def test_a_module_outside_the_contract_is_told_what_is_missing() -> None:
     assert_fails_on_every_rank(functools.partial(WithoutLossFn, **MODEL), make_datamodule,
                                functools.partial(make_strategy, microbatches=2), world_size=2,
-                               message="TypeError: pipeline_parallel needs the LightningModule to define loss_fn()")
+                               message="TypeError: pipeline parallel needs the LightningModule to define loss_fn()")

@@ -2,7 +2,7 @@
 
 from lightning_par.parallel.compose import (
     check_available,
-    gradient_norm_group,
+    gradient_norm_groups,
     no_gradient_sync,
     parallelize,
     parallelize_optimizer,
@@ -20,7 +20,7 @@ __all__ = [
     "parallelize",
     "parallelize_optimizer",
     "no_gradient_sync",
-    "gradient_norm_group",
+    "gradient_norm_groups",
     "check_available",
     "apply_data_parallel",
     "apply_tensor_parallel",

@@ -18,11 +18,13 @@ from torch.distributed.tensor import DTensor
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: list[Tensor], max_norm: float, *,
-                    partition_group: dist.ProcessGroup | None = None) -> float:
+                    partition_group: dist.ProcessGroup | None = None,
+                    stage_group: dist.ProcessGroup | None = None) -> float:
     """Clip ``parameters``' gradients in place to a total 2-norm of ``max_norm``; return the norm before.
 
     DTensor gradients contribute their whole norm (reduced over their own mesh). ``partition_group``:
     the ranks over which plain-tensor gradients are partitioned (ZeRO-2); their squares are summed there.
+    ``stage_group``: the ranks holding other pipeline stages; every square is summed there.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     plain = torch.zeros((), dtype=torch.float64)
@@ -33,16 +35,26 @@ def clip_grad_norm_(parameters: list[Tensor], max_norm: float, *,
         else:
             plain += grad.detach().double().pow(2).sum().cpu()
     if partition_group is not None:
-        device = grads[0].device if grads and not isinstance(grads[0], DTensor) else torch.device("cpu")
-        plain = plain.to(device)
+        plain = plain.to(_device(grads))
         dist.all_reduce(plain, group=partition_group)
         plain = plain.cpu()
+    if stage_group is not None:
+        squares = torch.stack([plain, sharded]).to(_device(grads))
+        dist.all_reduce(squares, group=stage_group)
+        plain, sharded = squares.cpu()
     total = float((plain + sharded).sqrt())
     coefficient = min(1.0, max_norm / (total + 1e-6))
     if coefficient < 1.0:
         for grad in grads:
             grad.mul_(coefficient)
     return total
+
+
+def _device(grads: list[Tensor]) -> torch.device:
+    """Where the process group's tensors must live (nccl: on the accelerator)."""
+    if not grads:
+        return torch.device("cpu")
+    return grads[0].to_local().device if isinstance(grads[0], DTensor) else grads[0].device
 
 
 __all__ = ["clip_grad_norm_"]

@@ -38,33 +38,50 @@ from lightning_par.parallel.zero import fully_shard_model, is_zero_module, mater
 
 
 def check_available(config: ParallelConfig) -> None:
-    """Raise ``ValueError`` when ``config`` asks for something this version cannot apply."""
-    dp = config.dp if isinstance(config.dp_replicate, int) and isinstance(config.dp_shard, int) else None
-    if config.tp > 1 and config.zero_stage != 3 and dp not in (None, 1):  # None: not resolved yet
-        # DDP and ZeroRedundancyOptimizer work on plain tensors; FSDP2 is what composes with DTensor.
-        raise ValueError(
-            f"tp={config.tp} with data parallelism needs zero_stage=3 (FSDP2 shards the tensor-parallel "
-            f"DTensors over the data-parallel ranks), got zero_stage={config.zero_stage}"
-        )
-    others = {name: getattr(config, name) for name in ("tp", "cp") if getattr(config, name) > 1}
-    if dp not in (None, 1):
-        others["dp"] = dp
-    if config.pp > 1 and others:
-        asked = ", ".join(f"{k}={v}" for k, v in others.items())
-        raise ValueError(f"pp={config.pp} with {asked}: pipeline parallel does not compose with other dimensions in "
-                         "this version yet; use pp alone (data_parallel_size=1)")
-    if config.ep > 1 and (config.tp > 1 or config.pp > 1 or config.zero_stage != 0):
-        raise ValueError(f"ep={config.ep} composes with data parallelism (zero_stage=0) only in this version; got "
-                         f"tp={config.tp}, pp={config.pp}, zero_stage={config.zero_stage}")
-    if config.pp > 1 and config.zero_stage != 0:
-        raise ValueError(f"pp={config.pp} with zero_stage={config.zero_stage}: use zero_stage=0 (each rank already "
-                         "holds only its stages' parameters)")
+    """Raise ``ValueError`` when ``config`` combines techniques this version cannot compose.
+
+    Every combination not refused here has a parity test against one process (docs/hybrid3d.md lists them).
+    """
+    stage = config.zero_stage
+    if stage in (1, 2):
+        # ZeroRedundancyOptimizer and the stage-2 hooks own whole plain tensors of one replicated module.
+        others = {name: getattr(config, name) for name in ("tp", "pp", "cp", "ep") if getattr(config, name) > 1}
+        if others:
+            raise ValueError(f"zero_stage={stage} with {_sizes(others)}: ZeRO-1/2 shard the states of plain, "
+                             "replicated parameters; use zero_stage=0 (gradients all-reduced) or zero_stage=3 "
+                             "(FSDP2, with tensor or context parallel)")
+    if config.pp > 1:
+        others = {name: getattr(config, name) for name in ("cp", "ep") if getattr(config, name) > 1}
+        if others:
+            raise ValueError(f"pp={config.pp} with {_sizes(others)}: pipeline parallel composes with data and tensor "
+                             "parallel in this version; use context or expert parallel without pp")
+        if stage == 3:
+            raise ValueError(f"pp={config.pp} with zero_stage=3: each rank already holds only its stages' "
+                             "parameters; use zero_stage=0 (gradients are all-reduced once per step over dp)")
+        if config.loss_parallel:
+            raise ValueError(f"pp={config.pp} with loss_parallel=True: the last stage gathers the logits; set "
+                             "loss_parallel=False")
+    if config.ep > 1:
+        if stage != 0:
+            raise ValueError(f"ep={config.ep} with zero_stage={stage}: expert weights are split over the ep ranks "
+                             "and the rest is replicated; use zero_stage=0")
+        if config.sequence_parallel and config.tp > 1:
+            raise ValueError(f"ep={config.ep} with sequence_parallel=True: the experts route whole sequences; set "
+                             "sequence_parallel=False (tensor parallel still splits attention)")
     if config.cp > 1 and config.tp > 1:
         raise ValueError(f"cp={config.cp} with tp={config.tp}: context and tensor parallel do not compose in this "
                          "version yet; use one of them")
-    if config.cp > 1 and config.zero_stage in (1, 2):
-        raise ValueError(f"cp={config.cp} with zero_stage={config.zero_stage}: context parallel averages gradients "
-                         "over dp x cp, which DDP (zero_stage=0) and FSDP2 (zero_stage=3) do; use one of those")
+
+
+def reduces_gradients_after_backward(config: ParallelConfig) -> bool:
+    """Whether the data-parallel gradient average is :func:`reduce_gradients` after the last backward of a
+    step, instead of DDP's hooks: under pipeline parallel (a schedule calls stage views, never the module
+    DDP wraps) and for tensor-parallel DTensors without ZeRO-3 (DDP all-reduces plain tensors only)."""
+    return config.zero_stage == 0 and (config.pp > 1 or config.tp > 1)
+
+
+def _sizes(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{name}={size}" for name, size in sizes.items())
 
 
 _LAYOUT_ATTRIBUTE = "_lightning_par_layout"
@@ -121,14 +138,16 @@ def parallelize(
                               param_dtype=_dtype(config.param_dtype), reduce_dtype=_dtype(config.reduce_dtype),
                               cpu_offload=config.cpu_offload)
         if stages is not None:  # 1, completed: each stage's view of the blocks as they now are
-            setattr(model, _STAGES_ATTRIBUTE, build_stages(model, stages, mesh, device))
+            setattr(model, _STAGES_ATTRIBUTE, build_stages(model, stages, mesh, device,
+                                                          sequence_parallel=config.sequence_parallel))
         setattr(model, _LAYOUT_ATTRIBUTE, layout)
     if config.zero_stage == 3:
         materialize_meta_parameters(model, device)
         return model
     materialize_meta_parameters(model, device)
-    if not training or config.zero_stage == 2:
-        # Stage 2 reduces gradients with hooks installed by parallelize_optimizer(), not with DDP.
+    if not training or config.zero_stage == 2 or reduces_gradients_after_backward(config):
+        # Stage 2 reduces gradients with hooks installed by parallelize_optimizer(), the others listed in
+        # reduces_gradients_after_backward() with reduce_gradients(), not with DDP.
         broadcast_replicas(model, mesh)
         return model
     return apply_data_parallel(
@@ -162,15 +181,17 @@ def no_gradient_sync(model: nn.Module) -> AbstractContextManager:
     return data.no_gradient_sync(model)
 
 
-def gradient_norm_group(mesh: ParallelMesh, config: ParallelConfig) -> ProcessGroup | None:
-    """Under ZeRO-2 the ranks whose gradient pieces make up one whole gradient; else None (whole plain
-    tensors, or DTensors, which know their own placements)."""
-    if config.zero_stage == 2 and mesh.size("dp_shard") > 1:
-        return mesh.group("dp_shard")
-    if mesh.size("pp") > 1:  # each rank holds the whole gradients of its own stages
-        return mesh.group("pp")
-    return None
+def gradient_norm_groups(mesh: ParallelMesh, config: ParallelConfig) -> dict[str, ProcessGroup | None]:
+    """The groups :func:`~lightning_par.parallel.clip.clip_grad_norm_` sums squared norms over.
+
+    ``partition_group``: under ZeRO-2, the ranks whose plain gradients make up one whole gradient.
+    ``stage_group``: under pipeline parallel, the ranks holding the other stages (every kind of gradient).
+    DTensor gradients (tensor parallel, ZeRO-3, experts) know their own placements.
+    """
+    zero2 = config.zero_stage == 2 and mesh.size("dp_shard") > 1
+    return {"partition_group": mesh.group("dp_shard") if zero2 else None,
+            "stage_group": mesh.group("pp") if mesh.size("pp") > 1 else None}
 
 
-__all__ = ["parallelize", "pipeline_stages", "parallelize_optimizer", "no_gradient_sync", "gradient_norm_group",
-           "check_available"]
+__all__ = ["parallelize", "pipeline_stages", "parallelize_optimizer", "no_gradient_sync", "gradient_norm_groups",
+           "check_available", "reduces_gradients_after_backward"]

@@ -17,7 +17,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
-from torch.nn.parallel.distributed import _sync_module_states
 
 from lightning_par.mesh import ParallelMesh
 
@@ -93,14 +92,50 @@ def apply_data_parallel(
 def broadcast_replicas(module: nn.Module, mesh: ParallelMesh) -> None:
     """Copy parameters and buffers from data-parallel rank 0 to the other replicas.
 
-    DDP does this when it wraps a module; evaluation without the wrapper needs it too, or replicas that
-    were initialised differently would report different metrics.
+    DDP does this when it wraps a module; evaluation without the wrapper, and layouts whose gradients are
+    reduced by :func:`reduce_gradients`, need it too, or replicas that were initialised differently would
+    drift apart. Tensor-parallel shards are copied shard by shard; experts are left to their own ranks.
     """
-    if mesh.size(GRADIENT_GROUP) > 1:
-        _sync_module_states(
-            module, mesh.group(GRADIENT_GROUP), broadcast_bucket_size=_BROADCAST_BUCKET_BYTES, src=0,
-            params_and_buffers_to_ignore=set(_dtensor_names(module)),
-        )
+    if mesh.size(GRADIENT_GROUP) == 1:
+        return
+    with torch.no_grad():
+        tensors = [_local(t) for _, t in [*module.named_parameters(), *module.named_buffers()] if not is_expert(t)]
+        dist._broadcast_coalesced(mesh.group(GRADIENT_GROUP), tensors, _BROADCAST_BUCKET_BYTES, 0)
+
+
+@torch.no_grad()
+def reduce_gradients(module: nn.Module, mesh: ParallelMesh) -> None:
+    """Average the gradients of ``module`` over the data-parallel (x context-parallel) ranks, in place.
+
+    For layouts DDP cannot wrap: pipeline stages (DDP's hooks sit on the whole module, which a schedule
+    never calls) and tensor-parallel DTensors. Called once after the last backward of an optimizer step,
+    as Megatron-LM does under pipeline parallelism (Narayanan et al. 2021): the gradients of all micro-
+    batches are reduced together, flattened into one buffer per dtype so the ranks exchange few large
+    messages. Expert gradients are left alone: expert parallel reduces them over its own replicas.
+    """
+    if mesh.size(GRADIENT_GROUP) == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in module.parameters():
+        if p.grad is not None and not is_expert(p):
+            grad = _local(p.grad)
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+    group = mesh.group(GRADIENT_GROUP)
+    for grads in by_dtype.values():
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        flat.div_(mesh.size(GRADIENT_GROUP))
+        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
+
+
+def is_expert(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is an expert weight split by expert parallel (a DTensor on the ``ep`` mesh)."""
+    return isinstance(tensor, DTensor) and "ep" in (tensor.device_mesh.mesh_dim_names or ())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _dtensor_names(module: nn.Module) -> list[str]:
@@ -129,4 +164,5 @@ def unwrap(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-__all__ = ["apply_data_parallel", "broadcast_replicas", "compressed_allreduce_hook", "no_gradient_sync", "unwrap", "GRADIENT_GROUP"]
+__all__ = ["apply_data_parallel", "broadcast_replicas", "compressed_allreduce_hook", "is_expert", "no_gradient_sync",
+           "reduce_gradients", "unwrap", "GRADIENT_GROUP"]

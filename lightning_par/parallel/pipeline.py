@@ -29,6 +29,8 @@ from typing import Any, Callable, Literal
 import torch
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
@@ -206,16 +208,24 @@ class StageModule(nn.Module):
     """One pipeline stage: the network with only this stage's parts; returns a tensor.
 
     The network may return an output object (Hugging Face ``ModelOutput``, a tuple): the stage passes on
-    its first element (the logits, or the hidden states on earlier stages).
+    its first element (the logits, or the hidden states on earlier stages). Under tensor parallel with
+    sequence parallel the hidden states between blocks are DTensors split along the sequence: a stage
+    sends its own slice to the same tensor-parallel rank of the next stage (``sequence_mesh``: the ``tp``
+    mesh on stages that receive such slices), which makes it a DTensor again.
     """
 
-    def __init__(self, network: nn.Module) -> None:
+    def __init__(self, network: nn.Module, sequence_mesh: DeviceMesh | None = None) -> None:
         super().__init__()
         self.network = network
+        self.sequence_mesh = sequence_mesh
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.sequence_mesh is not None:
+            x = DTensor.from_local(x, self.sequence_mesh, (Shard(1),), run_check=False)  # (B, T/tp, C) -> (B, T, C)
         output = self.network(x)
         output = output if isinstance(output, Tensor) else output[0]
+        if isinstance(output, DTensor):
+            output = output.to_local()
         # The zero-bubble schedules detach stage outputs in place, which PyTorch refuses on views (the
         # output of a linear layer on a 3-D input is one).
         return output.clone() if output._base is not None else output
@@ -294,18 +304,21 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, *, sched
     return StageLayout(prefix.rstrip("."), n_stages, mine)
 
 
-def build_stages(module: nn.Module, layout: StageLayout, mesh: ParallelMesh,
-                 device: torch.device) -> list[PipelineStage]:
+def build_stages(module: nn.Module, layout: StageLayout, mesh: ParallelMesh, device: torch.device, *,
+                 sequence_parallel: bool = False) -> list[PipelineStage]:
     """This rank's ``PipelineStage`` objects over the (already cut) network of ``module``.
 
     Built after every other technique has changed the blocks (activation checkpointing replaces them),
     because each stage sees the network through its own view: one rank's stages share every module and
-    parameter, and differ only in which parts are pass-throughs.
+    parameter, and differ only in which parts are pass-throughs. ``sequence_parallel``: tensor parallel
+    keeps the hidden states split along the sequence, so stages after the first receive slices.
     """
     network = module.get_submodule(layout.network) if layout.network else module
     held = set().union(*layout.stages.values())
-    return [PipelineStage(StageModule(_replace(network, {name: PassThrough() for name in held - owned})), stage,
-                          layout.n_stages, device, group=mesh.group("pp"))
+    sliced = mesh["tp"] if sequence_parallel and mesh.size("tp") > 1 else None
+    return [PipelineStage(StageModule(_replace(network, {name: PassThrough() for name in held - owned}),
+                                      sliced if stage > 0 else None),
+                          stage, layout.n_stages, device, group=mesh.group("pp"))
             for stage, owned in layout.stages.items()]
 
 

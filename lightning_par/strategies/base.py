@@ -53,12 +53,13 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.clip import clip_grad_norm_
 from lightning_par.parallel.compose import (
     check_available,
-    gradient_norm_group,
+    gradient_norm_groups,
     no_gradient_sync,
     parallelize,
     parallelize_optimizer,
+    reduces_gradients_after_backward,
 )
-from lightning_par.parallel.data import unwrap
+from lightning_par.parallel.data import reduce_gradients, unwrap
 from lightning_par.parallel.plan import ModelPlan, derive_plan
 from lightning_par.parallel.tensor import vocab_parallel_loss
 
@@ -145,6 +146,7 @@ class MeshStrategy(ParallelStrategy):
         self._timeout = timeout
         self._mesh: ParallelMesh | None = None
         self._num_nodes = 1
+        self._gradient_sync_blocked = False  # inside block_backward_sync (gradient accumulation)
 
     # --------------------------------------------------------------------------- topology
     @property
@@ -279,8 +281,7 @@ class MeshStrategy(ParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_(parameters, float(clip_val),
-                        partition_group=gradient_norm_group(self.mesh, self.parallel_config))
+        clip_grad_norm_(parameters, float(clip_val), **gradient_norm_groups(self.mesh, self.parallel_config))
 
     def resolve_plan(self, module: nn.Module) -> ModelPlan | None:
         """The plan given to the strategy, else one derived from the model (None if it has no standard shape)."""
@@ -338,8 +339,18 @@ class MeshStrategy(ParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         assert self.model is not None
-        with no_gradient_sync(self.model):
-            yield
+        self._gradient_sync_blocked = True
+        try:
+            with no_gradient_sync(self.model):
+                yield
+        finally:
+            self._gradient_sync_blocked = False
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        # Layouts DDP cannot wrap average their gradients here, after the last backward of a step.
+        if not self._gradient_sync_blocked and reduces_gradients_after_backward(self.parallel_config):
+            reduce_gradients(self.lightning_module, self.mesh)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -441,8 +452,12 @@ class MeshStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         if self.mesh.size("pp") == 1:
             return ckpt.model_state_dict(self.lightning_module, full=True)
-        # Each pipeline rank holds different parameters: gather every rank's whole tensors on rank 0.
-        mine = {k: v.detach().cpu() for k, v in ckpt.model_state_dict(self.lightning_module, full=False).items()}
+        # Each pipeline rank holds different parameters: assemble its stages' whole tensors (tensor-parallel
+        # shards gathered), then gather every stage on rank 0.
+        mine = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                for k, v in ckpt.model_state_dict(self.lightning_module, full=False).items()}
+        if any(index != 0 for name, index in self.mesh.coordinates().items() if name != "pp"):
+            return {}  # a replica of what rank 0's pipeline group holds
         parts: list[Any] = [None] * self.mesh.size("pp") if self.global_rank == 0 else None
         torch.distributed.gather_object(mine, parts, dst=0, group=self.mesh.group("pp"))
         return {k: v for part in parts for k, v in part.items()} if self.global_rank == 0 else {}

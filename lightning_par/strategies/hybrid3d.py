@@ -1,0 +1,112 @@
+"""Hybrid3DStrategy (``hybrid3d``): data, tensor, pipeline, context and expert parallel on one mesh."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+from lightning_par.config import ParallelConfig
+from lightning_par.strategies.staged import StagedStrategy
+
+Size = Union[int, Literal["auto"]]
+
+# Strategy argument -> ParallelConfig field, for the sizes the planner may choose.
+PLANNED_SIZES = {"tensor_parallel_size": "tp", "pipeline_parallel_size": "pp", "context_parallel_size": "cp",
+                 "expert_parallel_size": "ep", "zero_stage": "zero_stage"}
+
+
+class Hybrid3DStrategy(StagedStrategy):
+    """Every technique of lightning_par composed on one device mesh ``pp x dp_replicate x dp_shard x cp x tp``.
+
+    The techniques are applied in the fixed order of ``lightning_par.parallel.compose`` (pipeline split,
+    tensor/sequence parallel, context parallel, expert parallel, activation checkpointing, ZeRO/FSDP2 or
+    data-parallel gradient averaging), as in Megatron-LM's PTD-P (Narayanan et al. 2021, "Efficient
+    Large-Scale Language Model Training on GPU Clusters Using Megatron-LM") and torchtitan. Combinations
+    this version cannot compose are refused at construction with the reason (docs/hybrid3d.md lists them).
+
+    Sizes left ``"auto"`` are chosen by the planner (``lightning_par.planner``) when the processes start,
+    from the model, the world size and ``device``; the chosen layout and the ranking are logged.
+
+    Args:
+        data_parallel_size: ranks that read different samples (``replicate_size x`` sharded ranks);
+            ``"auto"``: every rank the other sizes leave.
+        tensor_parallel_size: ranks that split each layer (keep inside a node).
+        pipeline_parallel_size: ranks the stages are spread over (outermost: across nodes).
+        context_parallel_size: ranks that split each sequence.
+        expert_parallel_size: ranks the experts of an MoE layer are spread over, taken from the data- and
+            context-parallel ranks (does not multiply the world size).
+        zero_stage: 0 (gradients averaged), 1-2 (optimizer states / gradients sharded; data parallel only)
+            or 3 (FSDP2; with tensor and context parallel).
+        replicate_size: HSDP under ``zero_stage=3``: shard within groups, replicate across them.
+        sequence_parallel: with tensor parallel, keep activations between regions split along the sequence.
+        loss_parallel: with tensor parallel, cross-entropy on vocabulary-sharded logits.
+        context_parallel_method: ``ulysses`` or ``ring``.
+        pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` or ``zbv``.
+        microbatches: micro-batches per batch under pipeline parallel.
+        virtual_stages: stages per rank for ``interleaved_1f1b``.
+        pipeline_balance: ``parameters`` or ``profile``.
+        activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation per block.
+        activation_checkpointing_every: checkpoint one block in this many.
+        reshard_after_forward, param_dtype, reduce_dtype: ZeRO-3 knobs (see ``ZeroStrategy``).
+        device: the accelerator the planner assumes for ``"auto"`` sizes (a preset of
+            ``lightning_par.planner``, e.g. ``h100-80gb``); by default ``cpu`` on CPU, ``h100-80gb`` on GPU.
+        plan: where the model keeps its blocks (derived for standard decoders; see docs/architecture.md).
+        save_distributed_checkpoint: sharded DCP directory (default; required with pipeline parallel).
+    """
+
+    strategy_name = "hybrid3d"
+    strategy_description = "data x tensor x pipeline x context x expert parallel on one mesh"
+
+    def __init__(
+        self,
+        data_parallel_size: Size = "auto",
+        tensor_parallel_size: Size = 1,
+        pipeline_parallel_size: Size = 1,
+        context_parallel_size: Size = 1,
+        expert_parallel_size: Size = 1,
+        zero_stage: Size = 0,
+        replicate_size: int = 1,
+        sequence_parallel: bool = False,
+        loss_parallel: bool = False,
+        context_parallel_method: Literal["ulysses", "ring"] = "ulysses",
+        pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"] = "1f1b",
+        microbatches: int = 4,
+        virtual_stages: int = 2,
+        pipeline_balance: Literal["parameters", "profile"] = "parameters",
+        activation_checkpointing: Literal["none", "full", "selective"] = "none",
+        activation_checkpointing_every: int = 1,
+        reshard_after_forward: bool = True,
+        param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
+        reduce_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None,
+        device: Optional[str] = None,
+        plan: dict[str, Any] | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        requested = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
+                     "context_parallel_size": context_parallel_size, "expert_parallel_size": expert_parallel_size,
+                     "zero_stage": zero_stage}
+        # Sizes for the planner: what it may choose is "auto"; a checkable placeholder until it has chosen.
+        self._planned = {PLANNED_SIZES[name] for name, value in requested.items() if value == "auto"}
+        chosen = {PLANNED_SIZES[name]: (1 if value == "auto" else value) for name, value in requested.items()}
+        shard: Size = data_parallel_size
+        if isinstance(data_parallel_size, int) and isinstance(replicate_size, int) and replicate_size > 0:
+            if data_parallel_size % replicate_size != 0:
+                raise ValueError(f"replicate_size={replicate_size} does not divide data_parallel_size="
+                                 f"{data_parallel_size}: HSDP needs shard groups of equal size")
+            shard = data_parallel_size // replicate_size
+        config = ParallelConfig(
+            dp_replicate=replicate_size, dp_shard=shard, **chosen, sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel, cp_method=context_parallel_method, pp_schedule=pipeline_schedule,
+            pp_microbatches=microbatches, pp_virtual_stages=virtual_stages, pp_balance=pipeline_balance,
+            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_every=activation_checkpointing_every, reshard_after_forward=reshard_after_forward,
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        )
+        self._device_preset = device
+        super().__init__(config, plan=plan, save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout, **kwargs)

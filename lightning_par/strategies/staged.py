@@ -1,0 +1,166 @@
+"""StagedStrategy: a MeshStrategy that runs pipeline stages with a schedule when the layout has pp > 1.
+
+The shared engine of ``pipeline_parallel`` and ``hybrid3d``. With ``pp == 1`` every step is the plain
+MeshStrategy step; with ``pp > 1`` a ``torch.distributed.pipelining`` schedule runs forward, loss and
+backward of all micro-batches inside ``training_step`` (DESIGN.md, Lightning integration notes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_par.parallel.compose import pipeline_stages
+from lightning_par.parallel.pipeline import build_schedule, check_microbatches, last_stage_rank
+from lightning_par.strategies.base import MeshStrategy
+
+
+class StagedStrategy(MeshStrategy):
+    """Runs this rank's pipeline stages with the configured schedule when ``pp > 1``.
+
+    Model contract under pipeline parallel (the schedule runs forward and loss itself, so ``training_step``
+    and ``validation_step`` are not called): ``split_batch(batch) -> (inputs, targets)``, ``forward(inputs)
+    -> logits`` through a network submodule that holds the blocks, embedding and head, and
+    ``loss_fn(logits, targets) -> mean loss``. The strategy logs ``train_loss`` / ``val_loss`` /
+    ``test_loss`` (the same value on every rank).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.parallel_config.pp > 1 and not self._save_distributed_checkpoint:
+            raise ValueError(f"pp={self.parallel_config.pp}: each rank saves its own stages, so checkpoints are "
+                             "sharded; save_distributed_checkpoint=False is not supported - export a single file "
+                             "with lightning-par-export instead")
+        self._schedule: Any = None
+        self._forward_schedule: Any = None  # predict: no targets, no loss
+        self._accumulate = 1
+        self._pending_grads: list[tuple[Tensor, Tensor]] = []
+        self._holds_first = self._holds_last = False
+        self._last_stage_global_rank = 0
+
+    @property
+    def pipelined(self) -> bool:
+        return self.parallel_config.pp > 1
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        if not self.pipelined:
+            super().setup(trainer)
+            return
+        self._accumulate = trainer.accumulate_grad_batches
+        config = self.parallel_config
+        for name in ("split_batch", "loss_fn"):
+            if not callable(getattr(self.lightning_module, name, None)):
+                raise TypeError(f"pipeline parallel needs the LightningModule to define {name}(); the schedule runs "
+                                "split_batch -> forward -> loss_fn itself (see docs/pipeline_parallel.md)")
+        check_microbatches(config.pp_microbatches, config.pp_schedule, config.pp)
+        super().setup(trainer)
+        module = self.lightning_module
+        micro, accumulate = config.pp_microbatches, self._accumulate
+
+        def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
+            # Summed over micro-batches and accumulated batches, the gradients are those of the mean loss.
+            return module.loss_fn(logits, targets) / (micro * accumulate)
+
+        stages = pipeline_stages(module)
+        self._schedule = build_schedule(stages, config.pp_schedule, micro, loss_fn)
+        self._forward_schedule = build_schedule(stages, config.pp_schedule, micro, None)
+        # Fixed for the run: whether this rank feeds the inputs or computes the loss, and which rank does.
+        self._holds_first = any(stage.is_first for stage in stages)
+        self._holds_last = any(stage.is_last for stage in stages)
+        last = last_stage_rank(config.pp, config.pp_schedule, config.pp_virtual_stages)
+        self._last_stage_global_rank = dist.get_global_rank(self.mesh.group("pp"), last)
+
+    @override
+    def _profile_batch(self) -> tuple[Tensor, Tensor] | None:
+        # Balancing by profile times one micro-batch of the first training batch.
+        datamodule = self.lightning_module.trainer.datamodule
+        if not self.pipelined or self.parallel_config.pp_balance != "profile" or datamodule is None:
+            return None
+        inputs, targets = self.lightning_module.split_batch(next(iter(datamodule.train_dataloader())))
+        size = max(1, inputs.shape[0] // self.parallel_config.pp_microbatches)
+        return inputs[:size], targets[:size]
+
+    def _stage_inputs(self, inputs: Tensor) -> tuple[Tensor, ...]:
+        """What this rank passes to the schedule: the inputs on the first stage's rank, nothing elsewhere."""
+        config = self.parallel_config
+        check_microbatches(config.pp_microbatches, config.pp_schedule, config.pp, inputs.shape[0])
+        return (inputs,) if self._holds_first else ()
+
+    def _run(self, batch: Any, *, train: bool) -> Tensor:
+        inputs, targets = self.lightning_module.split_batch(batch)
+        args = self._stage_inputs(inputs)
+        target = targets if self._holds_last else None
+        losses: list[Tensor] = []
+        if train:
+            self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        else:
+            with torch.no_grad():
+                self._schedule.eval(*args, target=target, losses=losses)
+        # Each micro-batch loss was divided by micro x accumulate: undo it to report the batch's mean.
+        loss = (torch.stack(losses).sum().detach() * self._accumulate if self._holds_last
+                else torch.zeros((), device=inputs.device))
+        dist.broadcast(loss, src=self._last_stage_global_rank, group=self.mesh.group("pp"))
+        return loss
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.pipelined:
+            return super().training_step(*args, **kwargs)
+        # The schedule runs backward here, but Lightning zeroes gradients after training_step (at the start
+        # of an accumulation window) and then calls backward: keep the schedule's gradients aside and add
+        # them in backward, so they meet exactly the gradients a plain backward would meet.
+        params = list(self.lightning_module.parameters())
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        loss = self._run(args[0], train=True)
+        self._pending_grads = [(p, p.grad) for p in params if p.grad is not None]
+        for p, grad in zip(params, earlier):
+            p.grad = grad
+        self.lightning_module.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.pipelined:
+            return super().validation_step(*args, **kwargs)
+        loss = self._run(args[0], train=False)
+        self.lightning_module.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.pipelined:
+            return super().test_step(*args, **kwargs)
+        loss = self._run(args[0], train=False)
+        self.lightning_module.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.pipelined:
+            return super().predict_step(*args, **kwargs)
+        # The batch is the model's input; the last stage's logits are handed to every rank.
+        with torch.no_grad():
+            logits = self._forward_schedule.eval(*self._stage_inputs(args[0]))
+        carrier = [logits]
+        dist.broadcast_object_list(carrier, src=self._last_stage_global_rank, group=self.mesh.group("pp"))
+        return carrier[0]
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if not self.pipelined:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The schedule ran backward already: hand its gradients back.
+        for p, grad in self._pending_grads:
+            p.grad = grad if p.grad is None else p.grad + grad
+        self._pending_grads = []
+        self.post_backward(closure_loss)  # data-parallel gradient average, on the last micro-batch of a step
+        return closure_loss

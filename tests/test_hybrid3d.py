@@ -1,0 +1,39 @@
+"""hybrid3d: every technique on one mesh; parity with one process for the combinations it composes."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from parity import assert_layout_matches
+from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
+
+PARITY_RTOL = 1e-5
+make_module = functools.partial(SGDLlamaLM, **{**MODEL, "n_layers": 4, "n_kv_heads": 4})
+make_moe_module = functools.partial(SGDLlamaLM, **{**MODEL, "moe_experts": 4, "moe_top_k": 2})
+
+
+def make_strategy(**kwargs):
+    from lightning_par import Hybrid3DStrategy
+
+    return Hybrid3DStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "dp", "kwargs", "accumulate", "clip", "moe"),
+    [
+        # 8 ranks: each of 2 replicas is a 2-stage pipeline of tensor-parallel pairs with sequence parallel.
+        (8, 2, dict(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=True,
+                    microbatches=2), 2, 0.05, False),
+        (4, 1, dict(tensor_parallel_size=2, pipeline_parallel_size=2, pipeline_schedule="gpipe", microbatches=2),
+         1, None, False),
+        (4, 2, dict(tensor_parallel_size=2, zero_stage=3, sequence_parallel=True), 1, 0.05, False),
+        (4, 2, dict(tensor_parallel_size=2, expert_parallel_size=2), 2, None, True),
+    ],
+    ids=["dp2xtp2xpp2-sp-acc2-clip", "pp2xtp2-gpipe", "zero3xtp2-sp-clip", "tp2xep2-dp2-acc2"],
+)
+def test_hybrid_layout_matches_single_process(world_size: int, dp: int, kwargs: dict, accumulate: int, clip,
+                                              moe: bool) -> None:
+    assert_layout_matches(make_moe_module if moe else make_module, make_datamodule,
+                          functools.partial(make_strategy, **kwargs), world_size=world_size, dp=dp, steps=STEPS,
+                          accumulate=accumulate, clip=clip, rtol=PARITY_RTOL, label=f"hybrid3d {kwargs}")
