@@ -116,7 +116,7 @@ def test_model_parallel_strategy_arguments_are_checked_at_construction() -> None
         (ParallelConfig(pp=2, ep=2), r"pp=2 with ep=2: pipeline parallel composes with data and tensor parallel"),
         (ParallelConfig(pp=2, zero_stage=3), r"pp=2 with zero_stage=3: .*use zero_stage=0"),
         (ParallelConfig(pp=2, tp=2, loss_parallel=True), r"pp=2 with loss_parallel=True: .*loss_parallel=False"),
-        (ParallelConfig(cp=2, tp=2), r"cp=2 with tp=2: context and tensor parallel do not compose in this version"),
+        (ParallelConfig(cp=2, tp=2, sequence_parallel=True), r"cp=2 with sequence_parallel=True: .*already splits"),
         (ParallelConfig(cp=2, zero_stage=2), r"zero_stage=2 with cp=2: ZeRO-1/2 shard .*zero_stage=3"),
         (ParallelConfig(tp=2, dp_shard=2, zero_stage=1), r"zero_stage=1 with tp=2: ZeRO-1/2"),
         (ParallelConfig(pp=2, zero_stage=1), r"zero_stage=1 with pp=2: ZeRO-1/2"),

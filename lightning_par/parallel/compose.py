@@ -68,9 +68,9 @@ def check_available(config: ParallelConfig) -> None:
         if config.sequence_parallel and config.tp > 1:
             raise ValueError(f"ep={config.ep} with sequence_parallel=True: the experts route whole sequences; set "
                              "sequence_parallel=False (tensor parallel still splits attention)")
-    if config.cp > 1 and config.tp > 1:
-        raise ValueError(f"cp={config.cp} with tp={config.tp}: context and tensor parallel do not compose in this "
-                         "version yet; use one of them")
+    if config.cp > 1 and config.tp > 1 and config.sequence_parallel:
+        raise ValueError(f"cp={config.cp} with sequence_parallel=True: context parallel already splits the sequence "
+                         "between the blocks; set sequence_parallel=False (tensor parallel still splits the layers)")
 
 
 def reduces_gradients_after_backward(config: ParallelConfig) -> bool:
