@@ -1,14 +1,17 @@
 """lightning_par strategies side by side with Lightning's own DDPStrategy: same model, data, machine, run.
 
     python benchmarks/compare_strategies.py [--strategies lightning_ddp data_parallel zero1 zero2 zero3
-                                                          tensor_parallel sequence_parallel]
+                                                          tensor_parallel sequence_parallel pipeline_parallel
+                                                          hybrid3d]
                                             [--devices 2] [--steps 60] [--rounds 2] [--dim 128 --layers 4]
+                                            [--hybrid-tp 2 --hybrid-pp 2 --microbatches 4]
 
 Each strategy trains the reference Llama model for ``--steps`` optimizer steps on ``--devices`` CPU
 processes (gloo); the first ``--warmup`` steps are not timed. Rounds alternate the order (A B C, C B A,
 ...) so that drift on a shared machine hits all alike. ``--batch-size`` is per data-parallel rank, so the
 model-parallel strategies (tensor_parallel: tp=2; sequence_parallel: cp=2, Ulysses) train on fewer samples
-per step than data parallelism on the same processes. With ``--moe-experts`` every block is a mixture of
+per step than data parallelism on the same processes (pipeline_parallel: one stage per process;
+hybrid3d: tp x pp from ``--hybrid-tp/--hybrid-pp``, sequence parallel on, the rest data parallel). With ``--moe-experts`` every block is a mixture of
 experts (top 2); ``expert_parallel`` then splits the experts over all processes, and ``data_parallel``
 (experts replicated, ep=1) is its baseline. Reported per strategy: median step time (the
 slowest rank's), throughput in tokens per second of the global batch, model-state bytes per rank (parameters + gradients + optimizer states this rank holds
@@ -30,7 +33,7 @@ import time
 from pathlib import Path
 
 STRATEGIES = ("lightning_ddp", "data_parallel", "zero1", "zero2", "zero3", "tensor_parallel", "sequence_parallel",
-              "expert_parallel")
+              "expert_parallel", "pipeline_parallel", "hybrid3d")
 
 
 def worker(strategy_name: str, args: argparse.Namespace) -> None:
@@ -79,6 +82,13 @@ def worker(strategy_name: str, args: argparse.Namespace) -> None:
     strategy = DDPStrategy() if strategy_name == "lightning_ddp" else strategy_name
     if strategy_name == "expert_parallel":  # experts split over every process
         strategy = lightning_par.ExpertParallelStrategy(expert_parallel_size=args.devices)
+    if strategy_name == "pipeline_parallel":  # one stage per process
+        strategy = lightning_par.PipelineParallelStrategy(pipeline_parallel_size=args.devices,
+                                                          microbatches=args.microbatches)
+    if strategy_name == "hybrid3d":  # the remaining ranks data parallel
+        strategy = lightning_par.Hybrid3DStrategy(tensor_parallel_size=args.hybrid_tp,
+                                                  pipeline_parallel_size=args.hybrid_pp,
+                                                  sequence_parallel=args.hybrid_tp > 1, microbatches=args.microbatches)
     torch.manual_seed(0)
     model = LlamaLM(dim=args.dim, n_layers=args.layers, n_heads=4, n_kv_heads=2, max_seq_len=args.seq_len,
                     moe_experts=args.moe_experts)
@@ -111,6 +121,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--moe-experts", type=int, default=0, help="experts per block (0: dense model)")
+    parser.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches per batch")
+    parser.add_argument("--hybrid-tp", type=int, default=2, help="hybrid3d: tensor-parallel size")
+    parser.add_argument("--hybrid-pp", type=int, default=2, help="hybrid3d: pipeline-parallel size")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=["lightning_ddp", "data_parallel"])
     parser.add_argument("--worker", choices=STRATEGIES)
     parser.add_argument("--out")
