@@ -251,15 +251,17 @@ def test_profile_balancing_beats_parameter_counts_on_uneven_blocks() -> None:
     assert ratio < 0.9
 
 
-def _validate_after_training(rank: int, world_size: int) -> dict:
+def _validate_after_training(rank: int, world_size: int, schedule: str) -> dict:
     import lightning
 
     torch.manual_seed(1234)
     module = make_module()
+    # A sanity validation before training too: evaluating must leave the schedule able to train.
     trainer = lightning.Trainer(accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False,
-                                strategy=make_strategy(pipeline_parallel_size=world_size, microbatches=2),
+                                strategy=make_strategy(pipeline_parallel_size=world_size, microbatches=2,
+                                                       schedule=schedule),
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                num_sanity_val_steps=0)
+                                num_sanity_val_steps=1)
     datamodule = make_datamodule(batch_size=4)
     trainer.fit(module, datamodule=datamodule)
     validated = trainer.validate(module, datamodule=datamodule, verbose=False)[0]["val_loss"]
@@ -269,12 +271,13 @@ def _validate_after_training(rank: int, world_size: int) -> dict:
             "predicted": trainer.predict(module, dataloaders=tokens)[0]}
 
 
-def test_validation_and_predict_run_forward_only_and_match() -> None:
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_validation_and_predict_run_forward_only_and_match(schedule: str) -> None:
     """After 4 steps, validation under pp=2 reports the loss one process computes with the same weights,
-    and predict returns the same logits."""
+    and predict returns the same logits (ZB-V: through forward_through_stages)."""
     from harness import run_distributed
 
-    results = run_distributed(_validate_after_training, 2)
+    results = run_distributed(_validate_after_training, 2, schedule)
     assert results[0]["val_loss"] == results[1]["val_loss"]  # broadcast from the last stage
     module = make_module()
     module.load_state_dict(results[0]["state"])

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.device_mesh import DeviceMesh
@@ -372,6 +373,52 @@ def last_stage_rank(pp: int, schedule: Schedule, virtual_stages: int) -> int:
     return next(r for r in range(pp) if n_stages - 1 in stage_indices(r, pp, schedule, virtual_stages))
 
 
+def forward_through_stages(stages: list[PipelineStage], inputs: Tensor | None, mesh: ParallelMesh,
+                           schedule: Schedule, virtual_stages: int = 2) -> Tensor | None:
+    """One forward of a whole batch through every stage in turn, without a schedule (evaluation under ZB-V).
+
+    torch 2.13's ZB-V schedule runs backward actions when asked to evaluate (``eval()`` fails with "can't
+    steal_bwd_input"), so evaluation sends the batch along the V itself: each rank runs its stage when the
+    previous stage's output arrives (point-to-point, a shape header first) and passes it on. Stages run one
+    after another rather than overlapped, which evaluation, without backward passes, can afford. Returns
+    the last stage's output on the rank that holds it, ``None`` elsewhere.
+    """
+    pp, me, group = mesh.size("pp"), mesh.local_rank("pp"), mesh.group("pp")
+    owner = {stage: rank for rank in range(pp) for stage in stage_indices(rank, pp, schedule, virtual_stages)}
+    mine = {stage.stage_index: stage for stage in stages}
+    last = len(owner) - 1
+    x = inputs
+    for index in range(last + 1):
+        if owner[index] != me:
+            continue
+        if index > 0 and owner[index - 1] != me:
+            x = _receive(dist.get_global_rank(group, owner[index - 1]), mine[index].device)
+        x = mine[index].submod(x)
+        if index < last and owner[index + 1] != me:
+            _send(x, dist.get_global_rank(group, owner[index + 1]))
+    return x if owner[last] == me else None
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _send(x: Tensor, dst: int) -> None:
+    header = torch.zeros(8, dtype=torch.int64, device=x.device)
+    header[0], header[1] = x.dim(), _DTYPES.index(x.dtype)
+    header[2:2 + x.dim()] = torch.tensor(x.shape)
+    dist.send(header, dst)
+    dist.send(x.contiguous(), dst)
+
+
+def _receive(src: int, device: torch.device) -> Tensor:
+    header = torch.zeros(8, dtype=torch.int64, device=device)
+    dist.recv(header, src)
+    ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+    x = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=device)
+    dist.recv(x, src)
+    return x
+
+
 def build_schedule(stages: list[PipelineStage], schedule: Schedule, n_microbatches: int,
                    loss_fn: Callable[[Tensor, Tensor], Tensor] | None,
                    ) -> PipelineScheduleSingle | PipelineScheduleMulti:
@@ -391,6 +438,7 @@ __all__ = [
     "balance",
     "build_schedule",
     "build_stages",
+    "forward_through_stages",
     "check_microbatches",
     "cut_network",
     "last_stage_rank",

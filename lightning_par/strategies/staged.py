@@ -17,7 +17,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par.parallel.compose import pipeline_stages
-from lightning_par.parallel.pipeline import build_schedule, check_microbatches, last_stage_rank
+from lightning_par.parallel.pipeline import (
+    build_schedule,
+    check_microbatches,
+    forward_through_stages,
+    last_stage_rank,
+)
 from lightning_par.strategies.base import MeshStrategy
 
 
@@ -93,19 +98,30 @@ class StagedStrategy(MeshStrategy):
         check_microbatches(config.pp_microbatches, config.pp_schedule, config.pp, inputs.shape[0])
         return (inputs,) if self._holds_first else ()
 
+    def _forward(self, args: tuple[Tensor, ...]) -> Tensor | None:
+        """The last stage's output of a forward-only pass (on its rank; None elsewhere)."""
+        config = self.parallel_config
+        if config.pp_schedule == "zbv":  # torch 2.13's ZB-V cannot evaluate: see forward_through_stages
+            return forward_through_stages(pipeline_stages(self.lightning_module), args[0] if args else None,
+                                          self.mesh, config.pp_schedule, config.pp_virtual_stages)
+        return self._forward_schedule.eval(*args)
+
     def _run(self, batch: Any, *, train: bool) -> Tensor:
         inputs, targets = self.lightning_module.split_batch(batch)
         args = self._stage_inputs(inputs)
         target = targets if self._holds_last else None
         losses: list[Tensor] = []
+        loss = torch.zeros((), device=inputs.device)
         if train:
             self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            if self._holds_last:  # each micro-batch loss was divided by micro x accumulate: report the batch's mean
+                loss = torch.stack(losses).sum().detach() * self._accumulate
         else:
+            # Forward only, then the loss on the whole batch's logits (the mean over equal micro-batches).
             with torch.no_grad():
-                self._schedule.eval(*args, target=target, losses=losses)
-        # Each micro-batch loss was divided by micro x accumulate: undo it to report the batch's mean.
-        loss = (torch.stack(losses).sum().detach() * self._accumulate if self._holds_last
-                else torch.zeros((), device=inputs.device))
+                logits = self._forward(args)
+                if self._holds_last:
+                    loss = self.lightning_module.loss_fn(logits, targets).detach()
         dist.broadcast(loss, src=self._last_stage_global_rank, group=self.mesh.group("pp"))
         return loss
 
@@ -149,7 +165,7 @@ class StagedStrategy(MeshStrategy):
             return super().predict_step(*args, **kwargs)
         # The batch is the model's input; the last stage's logits are handed to every rank.
         with torch.no_grad():
-            logits = self._forward_schedule.eval(*self._stage_inputs(args[0]))
+            logits = self._forward(self._stage_inputs(args[0]))
         carrier = [logits]
         dist.broadcast_object_list(carrier, src=self._last_stage_global_rank, group=self.mesh.group("pp"))
         return carrier[0]
