@@ -28,6 +28,7 @@ _LAZY = {
     "PipelineParallelStrategy": "lightning_par.strategies",
     "ExpertParallelStrategy": "lightning_par.strategies",
     "Hybrid3DStrategy": "lightning_par.strategies",
+    "AutoParallelStrategy": "lightning_par.strategies",
     "register_strategies": "lightning_par.strategies",
     "LlamaLM": "lightning_par.models",
     "LlamaConfig": "lightning_par.models",

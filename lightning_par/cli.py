@@ -9,6 +9,7 @@ the reference Llama model and the standard-library corpus.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from lightning.pytorch.cli import LightningCLI
@@ -34,7 +35,13 @@ class ParallelCLI(LightningCLI):
 
 
 def main(args: Any = None) -> None:
-    """Console-script entry point."""
+    """Console-script entry point; ``lightning-par plan ...`` runs the layout planner instead of LightningCLI."""
+    argv = sys.argv[1:] if args is None else args
+    if isinstance(argv, (list, tuple)) and argv[:1] == ["plan"]:
+        from lightning_par.planner.cli import main as plan
+
+        plan(list(argv[1:]))
+        return
     ParallelCLI(args=args)
 
 

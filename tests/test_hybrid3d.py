@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+from harness import run_distributed
 from parity import assert_fails_on_every_rank, assert_layout_matches
 from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
 
@@ -61,3 +62,40 @@ def test_sizes_that_do_not_fill_the_world_fail_on_every_rank() -> None:
     assert_fails_on_every_rank(make_module, make_datamodule,
                                functools.partial(make_strategy, tensor_parallel_size=2, pipeline_parallel_size=2),
                                world_size=2, message="pp=2 x tp=2 = 4 does not divide the world size 2")
+
+
+def _planned_runs(rank: int, world_size: int) -> list[dict]:
+    import lightning
+
+    import lightning_par
+    from lightning_par.planner import ClusterSpec, ModelSpec
+    from lightning_par.planner.runtime import plan_for_run
+
+    runs = []
+    for strategy in (lightning_par.AutoParallelStrategy(),
+                     # Everything fixed but tp, with one data-parallel rank: the planner must give tp the 2 ranks.
+                     make_strategy(data_parallel_size=1, tensor_parallel_size="auto", microbatches=2)):
+        trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2,
+                                    logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                    enable_model_summary=False)
+        module = make_module()
+        trainer.fit(module, datamodule=make_datamodule())
+        runs.append({"chosen": strategy.parallel_config, "ranked": [c.config for c in strategy.planned_layouts],
+                     "loss": float(trainer.callback_metrics["train_loss"])})
+    expected = plan_for_run(ModelSpec.from_module(make_module()), ClusterSpec.from_preset("cpu", devices_per_node=2),
+                            batch_size_per_rank=2, seq_len=16)
+    runs[0]["expected"] = expected[0].config
+    return runs
+
+
+def test_sizes_left_auto_are_planned_at_setup() -> None:
+    auto, tp_only = run_distributed(_planned_runs, 2)[0]
+    chosen = auto["chosen"]
+    # The layout that ran is the planner's first choice, recomputed here from the same inputs.
+    assert (chosen.tp, chosen.pp, chosen.cp, chosen.dp, chosen.zero_stage) == (
+        auto["expected"].tp, auto["expected"].pp, auto["expected"].cp, auto["expected"].dp,
+        auto["expected"].zero_stage)
+    assert chosen.activation_checkpointing == auto["expected"].activation_checkpointing
+    assert len(auto["ranked"]) > 1 and 0.0 < auto["loss"] < 10.0
+    assert (tp_only["chosen"].tp, tp_only["chosen"].dp, tp_only["chosen"].pp) == (2, 1, 1)
+    assert all(c.tp == 2 and c.pp == 1 for c in tp_only["ranked"])

@@ -3,14 +3,14 @@
 from lightning_par.strategies.base import MeshStrategy
 from lightning_par.strategies.data_parallel import DataParallelStrategy
 from lightning_par.strategies.expert_parallel import ExpertParallelStrategy
-from lightning_par.strategies.hybrid3d import Hybrid3DStrategy
+from lightning_par.strategies.hybrid3d import AutoParallelStrategy, Hybrid3DStrategy
 from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy
 from lightning_par.strategies.sequence_parallel import SequenceParallelStrategy
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_par.strategies.zero import ZeroStrategy
 
 STRATEGIES = (DataParallelStrategy, ZeroStrategy, TensorParallelStrategy, SequenceParallelStrategy,
-              PipelineParallelStrategy, ExpertParallelStrategy, Hybrid3DStrategy)
+              PipelineParallelStrategy, ExpertParallelStrategy, Hybrid3DStrategy, AutoParallelStrategy)
 
 
 def register_strategies() -> None:
@@ -25,5 +25,5 @@ register_strategies()
 
 __all__ = ["MeshStrategy", "DataParallelStrategy", "ZeroStrategy", "TensorParallelStrategy",
            "SequenceParallelStrategy", "PipelineParallelStrategy", "ExpertParallelStrategy", "Hybrid3DStrategy",
-           "register_strategies",
+           "AutoParallelStrategy", "register_strategies",
            "STRATEGIES"]

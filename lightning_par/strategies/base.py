@@ -202,7 +202,7 @@ class MeshStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         # Validate the sizes before the first collective: every rank raises the same ValueError.
-        self.parallel_config = self.parallel_config.validate(self.world_size)
+        self.parallel_config = self._choose_layout(self.parallel_config).validate(self.world_size)
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -217,6 +217,11 @@ class MeshStrategy(ParallelStrategy):
         if self.lightning_module is not None:
             # LightningModule.device_mesh, for user code in configure_model()/parallelize()
             self.lightning_module._device_mesh = self._mesh.root
+
+    def _choose_layout(self, config: ParallelConfig) -> ParallelConfig:
+        """The layout to run: the configured one (strategies that plan sizes override this). Runs on every
+        rank before any process group exists, so it must decide the same everywhere."""
+        return config
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from lightning_par.config import ParallelConfig
 from lightning_par.strategies.staged import StagedStrategy
@@ -110,3 +113,99 @@ class Hybrid3DStrategy(StagedStrategy):
         self._device_preset = device
         super().__init__(config, plan=plan, save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout, **kwargs)
+
+    @override
+    def _choose_layout(self, config: ParallelConfig) -> ParallelConfig:
+        if not self._planned:
+            return config
+        from lightning_par.planner import ClusterSpec, ModelSpec, explain, format_table
+        from lightning_par.planner.runtime import plan_for_run
+
+        module = self.lightning_module
+        trainer = module.trainer
+        batch_size, seq_len = _loader_shape(trainer.datamodule, module)
+        device = self._device_preset or ("cpu" if self.root_device.type == "cpu" else "h100-80gb")
+        cluster = ClusterSpec.from_preset(device, nodes=self.num_nodes, devices_per_node=self.num_processes)
+        fixed: dict[str, Any] = {name: getattr(config, name) for name in PLANNED_SIZES.values()
+                                 if name not in self._planned}
+        if isinstance(config.dp_shard, int):
+            fixed["dp"] = config.dp
+        fixed.update({name: getattr(config, name) for name in (*KNOBS, "loss_parallel") if name not in self._planned})
+        if not self._save_distributed_checkpoint:
+            fixed.setdefault("pp", 1)  # a full-file checkpoint cannot hold a pipeline
+        candidates = plan_for_run(ModelSpec.from_module(module), cluster, batch_size_per_rank=batch_size,
+                                  seq_len=seq_len, precision=_planner_precision(trainer.precision),
+                                  accumulate_grad_batches=trainer.accumulate_grad_batches, fixed=fixed)
+        self.planned_layouts = candidates
+        chosen = candidates[0].config
+        rank_zero_info(f"{type(self).__name__}: planned {chosen.describe()}, zero_stage={chosen.zero_stage}, "
+                       f"activation_checkpointing={chosen.activation_checkpointing}, sequence_parallel="
+                       f"{chosen.sequence_parallel}\n{format_table(candidates, top=5)}\n{explain(candidates)}")
+        planned = {name: getattr(chosen, name) for name in (*PLANNED_SIZES.values(), *KNOBS, "pp_microbatches")
+                   if name in self._planned or (name == "pp_microbatches" and "pp" in self._planned and chosen.pp > 1)}
+        return dataclasses.replace(config, dp_replicate=chosen.dp_replicate, dp_shard=chosen.dp_shard, **planned)
+
+
+# Knobs the planner chooses together with the sizes when the strategy leaves them to it.
+KNOBS = ("sequence_parallel", "activation_checkpointing", "pp_schedule", "cp_method")
+
+
+def _loader_shape(datamodule: Any, module: Any) -> tuple[int, int]:
+    """(batch size per data-parallel rank, sequence length) the run will train on."""
+    batch_size = getattr(datamodule, "batch_size", None)
+    seq_len = getattr(datamodule, "seq_len", None) or getattr(getattr(module, "config", None), "max_seq_len", None)
+    if not isinstance(batch_size, int) or not isinstance(seq_len, int):
+        raise ValueError("sizes left 'auto' are planned from the batch size and sequence length of the data, and "
+                         f"the datamodule {type(datamodule).__name__} does not say them (batch_size={batch_size!r}, "
+                         f"seq_len={seq_len!r}): give every size, or use a datamodule with batch_size and seq_len")
+    return batch_size, seq_len
+
+
+def _planner_precision(precision: str) -> str:
+    """Lightning's precision name as the planner's memory model knows it."""
+    return {"32-true": "32-true", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true", "16-mixed": "bf16-mixed",
+            "16-true": "bf16-true"}.get(str(precision), "32-true")
+
+
+class AutoParallelStrategy(Hybrid3DStrategy):
+    """The planner (``lightning_par.planner``) chooses the whole layout when the processes start.
+
+    Sizes, ZeRO stage, activation checkpointing, sequence parallel, the pipeline schedule and its
+    micro-batches are chosen to fit ``device``'s memory and train the most tokens per second for the
+    model, the world size and the data's batch size and sequence length; the ranking and the reason are
+    logged. Any of the sizes can still be fixed (an integer) and the planner fills in the rest.
+
+    Args:
+        device: the accelerator to plan for (a preset of ``lightning_par.planner``: ``h100-80gb``,
+            ``a100-40gb``, ...); by default ``cpu`` on CPU, ``h100-80gb`` on GPU.
+        data_parallel_size, tensor_parallel_size, pipeline_parallel_size, context_parallel_size,
+        expert_parallel_size, zero_stage: ``"auto"`` (default) or a fixed value.
+        plan: where the model keeps its blocks (derived for standard decoders; see docs/architecture.md).
+        save_distributed_checkpoint: sharded DCP directory (default); ``False`` keeps the planner away from
+            pipeline parallel.
+    """
+
+    strategy_name = "auto_parallel"
+    strategy_description = "layout chosen by the lightning_par planner"
+
+    def __init__(
+        self,
+        device: Optional[str] = None,
+        data_parallel_size: Size = "auto",
+        tensor_parallel_size: Size = "auto",
+        pipeline_parallel_size: Size = "auto",
+        context_parallel_size: Size = "auto",
+        expert_parallel_size: Size = "auto",
+        zero_stage: Size = "auto",
+        plan: dict[str, Any] | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
+                         pipeline_parallel_size=pipeline_parallel_size, context_parallel_size=context_parallel_size,
+                         expert_parallel_size=expert_parallel_size, zero_stage=zero_stage, device=device, plan=plan,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout, **kwargs)
+        self._planned |= set(KNOBS)

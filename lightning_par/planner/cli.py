@@ -1,0 +1,155 @@
+"""``lightning-par plan``: rank the layouts of a LightningCLI config on a cluster, without starting anything.
+
+    lightning-par plan --config configs/zero3.yaml --nodes 8 --devices-per-node 8 --device h100-80gb \\
+        --model llama3-70b --global-batch-size 1024 --seq-len 4096
+
+The YAML gives the model (``model.init_args``: the reference ``LlamaLM`` arguments, read as a
+``LlamaConfig``), the batch (``data.init_args.batch_size`` sequences per data-parallel rank and ``seq_len``),
+the devices (``trainer.devices``, ``trainer.num_nodes``), the precision and any sizes already chosen in
+``trainer.strategy.init_args`` (``tensor_parallel_size: 8`` is kept; ``"auto"`` or absent is searched).
+Options override the YAML; ``--model`` replaces its model by a published architecture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning_par.planner.cluster import DEVICE_PRESETS, ClusterSpec
+from lightning_par.planner.model import MODEL_PRESETS, ModelSpec
+from lightning_par.planner.report import explain, format_table
+from lightning_par.planner.runtime import plan_for_run
+from lightning_par.planner.search import TrainingSpec, plan_layouts
+
+# Strategy arguments that fix a size or the ZeRO stage (ZeroStrategy calls it `stage`).
+FIXED_ARGUMENTS = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
+                   "expert_parallel_size", "replicate_size", "zero_stage", "stage")
+_PRECISIONS = {"32": "32-true", "32-true": "32-true", "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed",
+               "16-mixed": "bf16-mixed", "16": "bf16-mixed", "bf16-true": "bf16-true", "16-true": "bf16-true"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-par plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, help="LightningCLI YAML (model, data, trainer, strategy)")
+    parser.add_argument("--nodes", type=int, help="number of nodes (default: trainer.num_nodes, or 1)")
+    parser.add_argument("--devices-per-node", type=int, help="devices per node (default: trainer.devices, or 8)")
+    parser.add_argument("--device", choices=sorted(DEVICE_PRESETS),
+                        help="device preset (default: cpu for accelerator: cpu, else h100-80gb)")
+    parser.add_argument("--model", choices=sorted(MODEL_PRESETS), help="a published architecture instead of the "
+                        "YAML's model")
+    parser.add_argument("--global-batch-size", type=int, help="sequences per optimizer step (default: "
+                        "data.batch_size x devices x accumulate_grad_batches)")
+    parser.add_argument("--micro-batch-size", type=int, nargs="+",
+                        help="sequences per micro-batch per data-parallel rank (several values: let the planner "
+                             "choose; default 1). Without it and --global-batch-size, a YAML's data.batch_size is "
+                             "the batch of every data-parallel rank, as the auto_parallel strategy plans it")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: data.seq_len)")
+    parser.add_argument("--precision", help="32-true, bf16-mixed or bf16-true (default: trainer.precision, "
+                        "else 32-true on the cpu preset and bf16-mixed on accelerators)")
+    parser.add_argument("--top", type=int, default=10, help="rows of the table")
+    parser.add_argument("--all", action="store_true", help="rank every layout the cost model understands, not only "
+                        "those this version of lightning_par composes")
+    return parser
+
+
+def _section(config: dict, name: str) -> dict:
+    value = config.get(name) or {}
+    if isinstance(value, dict) and "init_args" in value:
+        return value.get("init_args") or {}
+    return value if isinstance(value, dict) else {}
+
+
+def model_from_yaml(config: dict) -> ModelSpec:
+    """The ``model.init_args`` of a LlamaLM config as a :class:`ModelSpec`, through ``LlamaConfig``'s rules
+    (defaults, GQA, the SwiGLU hidden size)."""
+    from lightning_par.models.llama import LlamaConfig  # imports torch: only when a YAML model is read
+
+    args = _section(config, "model")
+    known = {f.name for f in dataclasses.fields(LlamaConfig)}
+    llama = LlamaConfig(**{k: v for k, v in args.items() if k in known})
+    llama.validate()
+    class_path = (config.get("model") or {}).get("class_path", "LlamaLM") if isinstance(config.get("model"), dict) \
+        else "LlamaLM"
+    name = f"{class_path.rpartition('.')[2]}(dim={llama.dim}, n_layers={llama.n_layers})"
+    return ModelSpec.from_llama_config(llama, name=name)
+
+
+def fixed_from_yaml(config: dict) -> dict[str, Any]:
+    """Sizes already chosen in ``trainer.strategy.init_args``."""
+    strategy = (config.get("trainer") or {}).get("strategy")
+    if not isinstance(strategy, dict):
+        return {}  # a registered name ("zero3") or nothing: every size is open
+    args = strategy.get("init_args") or {}
+    return {k: v for k, v in args.items() if k in FIXED_ARGUMENTS and v not in (None, "auto")}
+
+
+def _int(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse ``argv`` (without the program name; default ``sys.argv[1:]``; a leading ``plan`` is skipped), plan
+    and print."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:
+        argv = argv[1:]
+    options = _parser().parse_args(argv)
+    config: dict = {}
+    if options.config is not None:
+        import yaml
+
+        config = yaml.safe_load(options.config.read_text()) or {}
+    trainer, data = config.get("trainer") or {}, _section(config, "data")
+
+    devices_per_node = options.devices_per_node or _int(trainer.get("devices"), 8)
+    nodes = options.nodes or _int(trainer.get("num_nodes"), 1)
+    device = options.device or ("cpu" if trainer.get("accelerator") == "cpu" else "h100-80gb")
+    cluster = ClusterSpec.from_preset(device, nodes=nodes, devices_per_node=devices_per_node)
+
+    if options.model:
+        model = ModelSpec.preset(options.model)
+    elif config.get("model"):
+        model = model_from_yaml(config)
+    else:
+        raise SystemExit("lightning-par plan: give --model or a --config with a model section")
+    seq_len = options.seq_len or _int(data.get("seq_len"), 0)
+    if not seq_len:
+        raise SystemExit("lightning-par plan: give --seq-len or a --config with data.init_args.seq_len")
+    accumulate = _int(trainer.get("accumulate_grad_batches"), 1)
+    global_batch = options.global_batch_size or _int(data.get("batch_size"), 1) * cluster.world_size * accumulate
+    # Lightning's own default is 32-true; on accelerators the planner assumes the usual bf16-mixed instead.
+    default_precision = "32-true" if device == "cpu" else "bf16-mixed"
+    raw_precision = str(options.precision or trainer.get("precision") or default_precision)
+    if raw_precision not in _PRECISIONS:
+        raise SystemExit(f"lightning-par plan: precision {raw_precision!r} is not one of {sorted(_PRECISIONS)}")
+    precision = _PRECISIONS[raw_precision]
+    fixed = fixed_from_yaml(config)
+    composable = (lambda c: True) if options.all else None
+    per_rank = _int(data.get("batch_size"), 0)
+    # The loader's batch per data-parallel rank, as Lightning (and the auto_parallel strategy) runs it: the global
+    # batch then grows with the data-parallel size.
+    loader_batch = per_rank and options.global_batch_size is None and options.micro_batch_size is None
+    batch_text = (f"{per_rank} sequences per data-parallel rank" if loader_batch
+                  else f"{global_batch} sequences per step")
+    print(f"Planning {model.name} ({model.total_params / 1e9:.2f} B parameters) on {cluster.nodes} x "
+          f"{cluster.devices_per_node} {cluster.name}: {batch_text} x {seq_len} tokens, {precision}"
+          + (f", fixed {fixed}" if fixed else ""))
+    try:
+        if loader_batch:
+            candidates = plan_for_run(model, cluster, batch_size_per_rank=per_rank, seq_len=seq_len,
+                                      precision=precision, accumulate_grad_batches=accumulate, fixed=fixed,
+                                      composable=composable)
+        else:
+            training = TrainingSpec(global_batch_size=global_batch, seq_len=seq_len,
+                                    micro_batch_size=tuple(options.micro_batch_size or [1]), precision=precision)
+            candidates = plan_layouts(model, cluster, training, fixed=fixed, composable=composable)
+    except ValueError as error:
+        raise SystemExit(f"lightning-par plan: {error}") from None
+    print(format_table(candidates, top=options.top))
+    print(explain(candidates))
+
+
+__all__ = ["main", "model_from_yaml", "fixed_from_yaml"]

@@ -1,0 +1,171 @@
+"""ClusterSpec: what one device can hold and compute, and how fast devices talk inside and across nodes.
+
+Numbers are public data-sheet figures per device:
+
+* H100 SXM: 80 GB HBM3, 989 TFLOP/s dense bf16; NVLink 4 at 900 GB/s bidirectional (450 GB/s each way);
+  one 400 Gb/s InfiniBand NDR adapter per GPU (50 GB/s) in a DGX H100 / HGX node.
+* H200 SXM: the H100's compute with 141 GB HBM3e (about 140 GiB usable), same NVLink and network.
+* A100 SXM: 312 TFLOP/s dense bf16, 80 or 40 GB; NVLink 3 at 600 GB/s bidirectional (300 GB/s each way);
+  one 200 Gb/s HDR adapter per GPU (25 GB/s) in a DGX A100.
+* cpu: a modest CPU "device" (one process of a multi-process gloo run), for planning laptop runs.
+
+Collective times in :mod:`lightning_par.planner.time` use these as the per-device bandwidth of the ring
+(NCCL's "bus bandwidth"), so they are the unidirectional figures.
+
+Peak FLOP/s are never reached: ``compute_efficiency`` is the fraction of peak that the matmuls of a
+training step sustain (0.5 is typical of well-tuned large-model training on H100/A100: Megatron-LM reports
+52% of peak for GPT-3 175B on A100, Narayanan et al. 2021). :func:`calibrate` fits it, and optionally the
+bandwidths, to a measured step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A homogeneous cluster of ``nodes x devices_per_node`` devices.
+
+    Bandwidths are bytes/s per device, one direction. ``peak_flops_fp32`` is what full-precision
+    ("32-true") matmuls run at (TF32 tensor cores on GPUs: half the bf16 rate); None means the bf16 figure.
+    ``usable_memory_fraction`` leaves room for the CUDA context, the allocator's fragmentation and
+    temporaries the memory model does not itemise.
+    """
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    memory_bytes: int
+    peak_flops: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    compute_efficiency: float = 0.5
+    usable_memory_fraction: float = 0.9
+    peak_flops_fp32: float | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("nodes", "devices_per_node", "memory_bytes"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ClusterSpec.{field} must be a positive integer, got {value!r}")
+        for field in ("peak_flops", "intra_node_bandwidth", "inter_node_bandwidth"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"ClusterSpec.{field} must be positive, got {getattr(self, field)!r}")
+        for field in ("compute_efficiency", "usable_memory_fraction"):
+            if not 0 < getattr(self, field) <= 1:
+                raise ValueError(f"ClusterSpec.{field} must be in (0, 1], got {getattr(self, field)!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_bytes * self.usable_memory_fraction
+
+    def flops(self, precision: str) -> float:
+        """Peak matmul FLOP/s for a Lightning precision string."""
+        if precision.startswith("32") or precision.startswith("64"):
+            return self.peak_flops_fp32 if self.peak_flops_fp32 is not None else self.peak_flops / 2
+        return self.peak_flops
+
+    def bandwidth(self, span: int) -> float:
+        """Per-device bandwidth of a group whose ranks lie within ``span`` consecutive global ranks: NVLink when
+        the span fits in a node, the network otherwise (its slowest link sets a ring's pace)."""
+        return self.intra_node_bandwidth if span <= self.devices_per_node else self.inter_node_bandwidth
+
+    @classmethod
+    def from_preset(cls, device: str, nodes: int = 1, devices_per_node: int = 8, **overrides: Any) -> ClusterSpec:
+        """A cluster of ``nodes x devices_per_node`` devices of a known kind (:data:`DEVICE_PRESETS`)."""
+        key = device.lower()
+        if key not in DEVICE_PRESETS:
+            raise ValueError(f"unknown device preset {device!r}; presets: {sorted(DEVICE_PRESETS)} (or build "
+                             "ClusterSpec(...) with your own figures)")
+        spec = dict(DEVICE_PRESETS[key])
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown ClusterSpec fields {sorted(unknown)}")
+        spec.update(overrides)
+        spec.setdefault("name", key)
+        return cls(nodes=nodes, devices_per_node=devices_per_node, **spec)
+
+
+_H100 = dict(peak_flops=989e12, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9)
+_A100 = dict(peak_flops=312e12, intra_node_bandwidth=300e9, inter_node_bandwidth=25e9)
+DEVICE_PRESETS: dict[str, dict[str, Any]] = {
+    "h100-80gb": dict(memory_bytes=80 * GiB, **_H100),
+    "h200-141gb": dict(memory_bytes=140 * GiB, **_H100),
+    "a100-80gb": dict(memory_bytes=80 * GiB, **_A100),
+    "a100-40gb": dict(memory_bytes=40 * GiB, **_A100),
+    # One gloo process on a CPU: ~1 TFLOP/s of fp32/bf16 matmul on a few AVX-512 cores, shared memory inside
+    # the machine, 10 Gb/s Ethernet between machines.
+    "cpu": dict(memory_bytes=16 * GiB, peak_flops=1e12, peak_flops_fp32=1e12, intra_node_bandwidth=10e9,
+                inter_node_bandwidth=1.25e9),
+}
+
+
+def calibrate(cluster: ClusterSpec, *, measured_step_time: float | Sequence[float],
+              predicted: Any, bandwidths: bool = False) -> ClusterSpec:
+    """Rescale ``cluster`` so that the step-time model matches a measured step time.
+
+    ``measured_step_time``: seconds per optimizer step, one value or several (their median is used, so a
+    slow first step does not skew it). ``predicted``: either the
+    :class:`~lightning_par.planner.time.StepTime` the model gave for the measured layout on ``cluster``, or a
+    function ``cluster -> StepTime`` that re-runs the model (then the fit is exact, found by bisection).
+
+    By default only ``compute_efficiency`` changes. From a ``StepTime`` it is solved in closed form: the
+    compute-bound part (compute, recomputation, pipeline bubble, all proportional to 1 / efficiency) is
+    stretched so that, with the exposed communication as predicted, the total is the measurement; since a
+    longer compute hides more communication, re-predicting lands close to, not exactly on, the measurement.
+    With ``bandwidths=True`` both bandwidths scale by the same factor as the efficiency (every part of the
+    prediction scales by ``measured / predicted``). The efficiency never exceeds 1 (peak).
+    """
+    measured = statistics.median(measured_step_time) if isinstance(measured_step_time, Sequence) \
+        else float(measured_step_time)
+    if not measured > 0:
+        raise ValueError(f"measured_step_time must be positive seconds, got {measured_step_time!r}")
+    if callable(predicted):
+        return _fit(cluster, measured, predicted, bandwidths)
+    if bandwidths:
+        return _scaled(cluster, predicted.total / measured)  # > 1: the cluster is faster than modelled
+    compute_bound = predicted.compute + predicted.recompute + predicted.bubble
+    room = measured - (predicted.total - compute_bound)
+    efficiency = 1.0 if room <= 0 else min(1.0, cluster.compute_efficiency * compute_bound / room)
+    return dataclasses.replace(cluster, compute_efficiency=efficiency)
+
+
+def _scaled(cluster: ClusterSpec, factor: float) -> ClusterSpec:
+    return dataclasses.replace(cluster, compute_efficiency=min(1.0, cluster.compute_efficiency * factor),
+                               intra_node_bandwidth=cluster.intra_node_bandwidth * factor,
+                               inter_node_bandwidth=cluster.inter_node_bandwidth * factor)
+
+
+def _fit(cluster: ClusterSpec, measured: float, predict: Any, bandwidths: bool) -> ClusterSpec:
+    """Bisection (in log space) on the factor that scales the rates: the predicted time falls as it grows."""
+    def make(factor: float) -> ClusterSpec:
+        if bandwidths:
+            return _scaled(cluster, factor)
+        return dataclasses.replace(cluster, compute_efficiency=min(1.0, cluster.compute_efficiency * factor))
+
+    low, high = 1e-4, 1e4
+    if not bandwidths:
+        high = 1.0 / cluster.compute_efficiency  # efficiency 1: as fast as compute can get
+        if predict(make(high)).total > measured:
+            return make(high)
+    for _ in range(60):
+        middle = (low * high) ** 0.5
+        if predict(make(middle)).total > measured:
+            low = middle
+        else:
+            high = middle
+    return make((low * high) ** 0.5)
+
+
+__all__ = ["ClusterSpec", "DEVICE_PRESETS", "GiB", "calibrate"]

@@ -1,0 +1,430 @@
+"""Per-rank memory of a layout: model states (ZeRO), activations (Korthikanti et al.), buffers.
+
+Model states (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models"). With AdamW every parameter has a weight, a gradient and two moments. Lightning's "32-true" and
+"bf16-mixed" both keep fp32 weights (autocast computes in bf16 from them), so 4 + 4 + 8 = 16 bytes; under
+"bf16-true" the weights are bf16 and ``torch.optim.AdamW`` creates its moments in the parameters' dtype,
+so 2 + 2 + 4 = 8 bytes. ZeRO-1 divides the moments by the sharding ranks ``dp_shard``, ZeRO-2 the
+gradients too, ZeRO-3 (FSDP2) all three, over ``dp_shard x cp`` (context-parallel ranks hold the same
+weights and shard with the data-parallel ones, as in ``lightning_par.parallel.zero``); the HSDP replicate
+dimension does not shard. Under gradient accumulation this project skips the reduction of all but the
+last micro-batch (``no_gradient_sync``): ZeRO-2's reducer and FSDP2 then keep the whole local gradient
+until the last backward, so the gradient saving of stages 2 and 3 only holds with one micro-batch.
+
+Tensor parallel (Shoeybi et al. 2019, "Megatron-LM") divides the attention and MLP matrices and the
+vocabulary of the embedding and head by ``tp``; norms stay whole. Pipeline parallel (Narayanan et al. 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM") gives each rank its
+stages' blocks, balanced by parameters like ``lightning_par.parallel.pipeline.balance`` (the embedding on the
+first stage, final norm and head on the last). Expert parallel divides each MoE block's experts by ``ep``.
+
+Activations, per token and per block, for THIS architecture (``lightning_par.models.llama``), in the
+manner of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+sec. 4.1, which counts 34 bytes x s x b x h for GPT blocks in fp16 plus 5·a·s²·b for attention scores).
+Reading the forward op by op, autograd keeps (``a`` = bytes of a matmul activation: 4 in fp32, 2 in bf16):
+
+* each RMSNorm: its input ``x`` (``pow`` and ``x * rsqrt`` need it), the normalised ``x * rsqrt`` (the
+  gain's gradient needs it) and the (b, s, 1) ``rsqrt``. Under bf16-mixed the residual stream stays fp32
+  (the embedding is not autocast and ``x + attn(...)`` promotes), so a norm keeps 4h + 4h bytes; under
+  bf16-true ``x.float()`` is a new fp32 tensor: 4h + 2h. Two norms per block;
+* the input of the q/k/v projections (one tensor shared by the three: a·h) and of gate/up (a·h); under
+  bf16-mixed autocast casts the fp32 norm output once per projection, so 3 x 2h and 2 x 2h;
+* rotary: ``x1 * cos`` keeps only ``cos``/``sin`` (the tables need no gradient), not q or k;
+* SDPA keeps q (rotated), k and v (repeated to the query heads under GQA: ``repeat_interleave`` before the
+  call, so h wide, not kv_dim), its output and the fp32 logsumexp (4 bytes per head): 4·a·h + 4·heads.
+  No s² term: the fused kernel never stores the scores, which is why Korthikanti's "selective"
+  recomputation has nothing left to drop here. The o_proj input is a view of the SDPA output;
+* SwiGLU: gate output (``silu`` needs it), ``silu`` output and up output (the product needs both), the
+  product (down's input): 4·a·f.
+
+Per block and token: 32-true 40h + 16f + 4·heads + 8 bytes; bf16-mixed 34h + 8f + 4·heads + 8. Under
+tensor parallel the attention and MLP internals are split by ``tp``; the norms' tensors only with
+sequence parallel (Korthikanti sec. 4.2.2), and the projections' inputs never: DTensor saves the
+all-gathered input of a column-parallel linear (Megatron re-gathers it in backward instead). Context
+parallel divides the tokens by ``cp``; Ulysses keeps its head-split q/k/v/out and a separate o_proj input
+(5·a·h), ring attention q/k/v, an fp32 output and the o_proj input. The final norm, head and loss run on the
+whole sequence on every context-parallel rank (``_GatherSequence``), and keep the fp32 log-softmax of the
+logits (4·V per token; V/tp under loss parallel).
+
+Activation checkpointing: "full" keeps each block's input only and rebuilds one block's working set in
+backward; "selective" (``lightning_par.parallel.recompute``) keeps the block input and every matmul and
+SDPA output (q, k, v, attention output, o_proj, gate, up, down) and recomputes the element-wise ops.
+
+Pipeline schedules keep several micro-batches in flight: GPipe all ``m``; 1F1B ``p - r`` on rank ``r``;
+interleaved 1F1B ``2(p - r - 1) + (v - 1)p + 1`` model chunks (Megatron, giving the first rank
+``1 + (p - 1)/(p·v)`` times 1F1B's activations); ZB-V ``2p`` chunks of ``L/2p`` blocks on every rank (the
+memory of 1F1B, Qi et al. 2024).
+
+Buffers: DDP's gradient buckets (a second copy of the gradients), FSDP2's gathered units (the block being
+computed and the one prefetched, plus the root unit, kept gathered after forward), pipeline receive
+buffers; transients: one block's recomputation and the logits' fp32 copies and gradient during the loss.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass
+
+from lightning_par.config import ParallelConfig
+from lightning_par.planner.model import ModelSpec
+
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+OPTIMIZERS = ("adamw",)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes one rank needs (the heaviest pipeline rank, ``stage``). ``resident`` is what lives from the
+    forward to the backward of a micro-batch; ``total`` adds the transients and buffers."""
+
+    parameters: float
+    gradients: float
+    optimizer_states: float
+    activations: float
+    logits: float
+    autocast_copies: float
+    recompute: float
+    loss_workspace: float
+    comm_buffers: float
+    stage: int = 0
+
+    @property
+    def model_states(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_states
+
+    @property
+    def resident(self) -> float:
+        return self.model_states + self.activations + self.logits + self.autocast_copies
+
+    @property
+    def total(self) -> float:
+        return self.resident + self.recompute + self.loss_workspace + self.comm_buffers
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "resident": self.resident, "total": self.total}
+
+
+# ------------------------------------------------------------------------------------------ precisions
+def _check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {PRECISIONS}")
+
+
+def param_bytes(precision: str) -> int:
+    """Bytes per stored weight (and per gradient, and per AdamW moment)."""
+    return 2 if precision == "bf16-true" else 4
+
+
+def matmul_activation_bytes(precision: str) -> int:
+    return 4 if precision == "32-true" else 2
+
+
+def residual_bytes(precision: str) -> int:
+    """The residual stream between blocks: fp32 under autocast (see the module docstring)."""
+    return 2 if precision == "bf16-true" else 4
+
+
+# --------------------------------------------------------------------------------------- stage layout
+@dataclass(frozen=True)
+class RankStages:
+    """What pipeline rank ``rank`` holds: its blocks (stage by stage) and whether it has the ends."""
+
+    rank: int
+    stage_blocks: tuple[tuple[int, ...], ...]
+    embedding: bool
+    head: bool
+    n_moe: int = 0  # how many of its blocks hold experts
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return tuple(b for stage in self.stage_blocks for b in stage)
+
+    @property
+    def n_blocks(self) -> int:
+        return sum(len(stage) for stage in self.stage_blocks)
+
+    @property
+    def n_dense(self) -> int:
+        return self.n_blocks - self.n_moe
+
+
+def stages_per_rank(config: ParallelConfig) -> int:
+    if config.pp == 1:
+        return 1
+    return {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": config.pp_virtual_stages, "zbv": 2}[config.pp_schedule]
+
+
+def _stage_indices(rank: int, pp: int, schedule: str, per_rank: int) -> list[int]:
+    # Same placement as lightning_par.parallel.pipeline.stage_indices: looped, or V-shaped for ZB-V.
+    if schedule == "zbv":
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(per_rank)]
+
+
+@functools.lru_cache(maxsize=256)
+def _balanced_sizes(costs: tuple[int, ...], n_stages: int, first: int, last: int) -> tuple[int, ...]:
+    """Blocks per stage minimising the largest stage (then the sum of squares), the rule of
+    ``lightning_par.parallel.pipeline.balance`` with parameter counts as costs."""
+    n = len(costs)
+    if n_stages > n:
+        raise ValueError(f"{n_stages} pipeline stages need at least {n_stages} blocks, the model has {n}")
+    prefix = [0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    inf = (math.inf, math.inf)
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    choice = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = (0, 0)
+    for s in range(1, n_stages + 1):
+        extra = (first if s == 1 else 0) + (last if s == n_stages else 0)
+        for i in range(s, n - (n_stages - s) + 1):
+            for j in range(s - 1, i):
+                cost = prefix[i] - prefix[j] + extra
+                value = (max(best[s - 1][j][0], cost), best[s - 1][j][1] + cost * cost)
+                if value < best[s][i]:
+                    best[s][i], choice[s][i] = value, j
+    sizes, end = [], n
+    for s in range(n_stages, 0, -1):
+        start = choice[s][end]
+        sizes.append(end - start)
+        end = start
+    return tuple(sizes[::-1])
+
+
+def rank_stages(model: ModelSpec, config: ParallelConfig) -> tuple[RankStages, ...]:
+    """The blocks and ends every pipeline rank holds (one entry without pipeline parallel)."""
+    return _rank_stages(model, config.pp, config.pp_schedule if config.pp > 1 else "1f1b",
+                        stages_per_rank(config))
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_stages(model: ModelSpec, pp: int, schedule: str, per_rank: int) -> tuple[RankStages, ...]:
+    if pp == 1:
+        blocks = tuple(range(model.layers))
+        return (RankStages(0, (blocks,), True, True, sum(map(model.moe_layer, blocks))),)
+    n_stages = pp * per_rank
+    costs = tuple(model.block_params(i) for i in range(model.layers))
+    sizes = _balanced_sizes(costs, n_stages, model.embedding_params,
+                            model.final_norm_params + model.vocab_size * model.hidden)
+    starts = [sum(sizes[:s]) for s in range(n_stages)]
+    result = []
+    for rank in range(pp):
+        stages = sorted(_stage_indices(rank, pp, schedule, per_rank))
+        blocks = tuple(tuple(range(starts[s], starts[s] + sizes[s])) for s in stages)
+        n_moe = sum(model.moe_layer(b) for stage in blocks for b in stage)
+        result.append(RankStages(rank, blocks, 0 in stages, n_stages - 1 in stages, n_moe))
+    return tuple(result)
+
+
+def in_flight(config: ParallelConfig, rank: int, microbatches: int) -> float:
+    """Micro-batches whose activations rank ``rank`` holds at its peak, in units of the whole rank's blocks
+    (the module docstring gives each schedule's rule)."""
+    p, m = config.pp, microbatches
+    if p == 1:
+        return 1.0  # gradient accumulation: each micro-batch's backward frees its activations
+    schedule = config.pp_schedule
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(m, p - rank))
+    if schedule == "interleaved_1f1b":
+        v = config.pp_virtual_stages
+        chunks = min(v * m, 2 * (p - rank - 1) + (v - 1) * p + 1)
+        return chunks / v
+    return min(2 * m, 2 * p) / 2  # zbv: two chunks per rank, 2p chunk-micro-batches in flight
+
+
+# ------------------------------------------------------------------------------- activations per token
+def block_activation_bytes(model: ModelSpec, *, moe: bool = False, precision: str, tp: int = 1,
+                           sequence_parallel: bool = False, cp: int = 1, cp_method: str = "ulysses",
+                           checkpointing: str = "none") -> float:
+    """Bytes a dense (or, with ``moe``, a mixture-of-experts) block keeps for backward per token this rank
+    processes (see the module docstring)."""
+    h, heads = model.hidden, model.heads
+    a = matmul_activation_bytes(precision)
+    outside = tp if sequence_parallel else 1  # the norms' region: split by tp only under sequence parallel
+    x = residual_bytes(precision) * h  # the block's input
+    if checkpointing == "full":
+        return x / outside
+    if checkpointing == "selective":
+        q_k_v = a * (h + 2 * model.kv_dim)
+        ffn = _ffn_selective_bytes(model, moe, a)
+        attention_out = a * h + 4 * heads
+        # o_proj and down outputs are partial sums of the whole hidden size on every tensor-parallel rank.
+        return x / outside + (q_k_v + attention_out + ffn) / tp + 2 * a * h
+    norm = {"32-true": 8 * h, "bf16-mixed": 8 * h, "bf16-true": 6 * h}[precision] + 4
+    if precision == "bf16-mixed":
+        attention_input, ffn_input = 3 * 2 * h, (1 if moe else 2) * 2 * h  # an MoE's router casts once
+    else:
+        attention_input = ffn_input = a * h
+    if cp > 1 and cp_method == "ring":
+        attention = 3 * a * h + 4 * h + a * h + 4 * heads
+    elif cp > 1:
+        attention = 5 * a * h + 4 * heads
+    else:
+        attention = 4 * a * h + 4 * heads
+    ffn = _ffn_bytes(model, moe, a)
+    return 2 * norm / outside + attention_input + ffn_input + (attention + ffn) / tp
+
+
+def _ffn_bytes(model: ModelSpec, moe: bool, a: int) -> float:
+    if not moe:
+        return 4 * a * model.ffn_hidden
+    # Router: fp32 logits and probabilities, the chosen experts and weights; each of the top_k copies of a
+    # token: the gathered token (a·h), the SwiGLU's four tensors (4·a·f), the expert output and its fp32
+    # weighted copy (2 x 4·h).
+    k, e = model.moe_top_k, model.moe_experts
+    return 8 * e + 16 * k + k * (a * model.hidden + 4 * a * model.expert_hidden + 8 * model.hidden)
+
+
+def _ffn_selective_bytes(model: ModelSpec, moe: bool, a: int) -> float:
+    if not moe:
+        return 2 * a * model.ffn_hidden
+    return 8 * model.moe_experts + model.moe_top_k * a * (2 * model.expert_hidden + model.hidden)
+
+
+def final_activation_bytes(model: ModelSpec, *, precision: str, tp: int = 1, sequence_parallel: bool = False,
+                           loss_parallel: bool = False) -> tuple[float, float]:
+    """(final norm + head input, logits kept by the loss) bytes per token of the whole sequence."""
+    h, v = model.hidden, model.vocab_size
+    a = matmul_activation_bytes(precision)
+    norm = {"32-true": 8 * h, "bf16-mixed": 8 * h, "bf16-true": 6 * h}[precision] + 4
+    head_input = a * h
+    ids = 8 + 8  # int64 token ids (embedding) and targets (loss)
+    logits = 4 * v / (tp if loss_parallel else 1)  # fp32 log-softmax output
+    return norm / (tp if sequence_parallel else 1) + head_input + ids, logits
+
+
+def loss_workspace_bytes(model: ModelSpec, *, precision: str, tp: int = 1, loss_parallel: bool = False) -> float:
+    """Transient bytes per token while the loss runs: the logits, their fp32 copy and their gradient(s)."""
+    per_vocab = 8 if precision == "32-true" else 12  # 32: logits + grad; bf16: + fp32 copy and bf16 grad
+    return per_vocab * model.vocab_size / (tp if loss_parallel else 1)
+
+
+# --------------------------------------------------------------------------------------- the estimate
+def local_params(model: ModelSpec, config: ParallelConfig, stages: RankStages) -> tuple[float, float, float]:
+    """(all, matmul weights, expert weights) this rank holds before ZeRO sharding."""
+    tp, ep = config.tp, config.ep
+    n, n_moe = stages.n_blocks, stages.n_moe
+    experts = n_moe * model.expert_params / ep
+    matmul = n * model.attention_params / tp + (n - n_moe) * model.mlp_params / tp + experts \
+        + n_moe * model.router_params
+    total = matmul + n * model.norm_params
+    vocab = model.vocab_size * model.hidden / tp
+    if stages.embedding:
+        total += vocab
+    if stages.head:
+        total += model.final_norm_params
+        matmul += vocab
+        # A tied head shares the embedding's tensor when one rank holds both; a later stage holds a copy.
+        if not (model.tie_embeddings and stages.embedding):
+            total += vocab
+    return total, matmul, experts
+
+
+def estimate_memory(model: ModelSpec, config: ParallelConfig, *, seq_len: int, micro_batch_size: int,
+                    precision: str = "bf16-mixed", microbatches: int = 1, optimizer: str = "adamw") -> MemoryBreakdown:
+    """Per-rank memory of ``config`` (fully sized) for micro-batches of ``micro_batch_size`` sequences of
+    ``seq_len`` tokens, ``microbatches`` of them per optimizer step on each data-parallel rank (pipeline
+    micro-batches, or gradient accumulation steps). Returns the heaviest pipeline rank's breakdown."""
+    _check_precision(precision)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is not one of {OPTIMIZERS}")
+    config.mesh_shape()  # raises if sizes are still "auto"
+    results = [_rank_memory(model, config, stages, seq_len=seq_len, mbs=micro_batch_size, precision=precision,
+                            microbatches=microbatches) for stages in rank_stages(model, config)]
+    return max(results, key=lambda m: m.total)
+
+
+def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *, seq_len: int, mbs: int,
+                 precision: str, microbatches: int) -> MemoryBreakdown:
+    tp, cp = config.tp, config.cp
+    dp_shard = int(config.dp_shard)
+    pbytes = param_bytes(precision)
+    params, matmul, experts = local_params(model, config, stages)
+
+    # ---- model states (ZeRO)
+    fsdp = dp_shard * cp
+    stage = config.zero_stage
+    accumulating = microbatches > 1
+    parameters = params * pbytes / (fsdp if stage == 3 else 1)
+    if stage == 3:
+        gradients = params * 4 if accumulating else params * pbytes / fsdp  # FSDP2 accumulates unsharded, fp32
+    elif stage == 2:
+        gradients = params * pbytes if accumulating else params * pbytes / dp_shard
+    else:
+        gradients = params * pbytes
+    if tp > 1 and stages.embedding and stage != 3:
+        # DTensor's embedding backward returns the vocabulary-parallel table's gradient Replicate()d, whole on
+        # every tensor-parallel rank (measured with torch 2.13; FSDP2 re-shards it under ZeRO-3).
+        gradients += model.embedding_params * (1 - 1 / tp) * pbytes
+    shards = {0: 1, 1: dp_shard, 2: dp_shard, 3: fsdp}[stage]
+    optimizer_states = 2 * params * pbytes / shards
+
+    # ---- activations of the blocks, all micro-batches in flight
+    tokens = mbs * seq_len / cp
+    knobs = dict(precision=precision, tp=tp, sequence_parallel=config.sequence_parallel, cp=cp,
+                 cp_method=config.cp_method)
+    kept = {moe: block_activation_bytes(model, moe=moe, checkpointing=config.activation_checkpointing, **knobs)
+            for moe in (False, True)}
+    per_microbatch = (stages.n_dense * kept[False] + stages.n_moe * kept[True]) * tokens
+    activations = per_microbatch * in_flight(config, stages.rank, microbatches)
+    recompute = 0.0
+    if config.activation_checkpointing != "none" and stages.n_blocks:
+        recompute = tokens * max(block_activation_bytes(model, moe=moe, **knobs)
+                                 for moe, count in ((False, stages.n_dense), (True, stages.n_moe)) if count)
+
+    # ---- the ends: final norm, head and loss on the whole sequence (every cp rank)
+    logits = loss_workspace = 0.0
+    if stages.head:
+        whole = mbs * seq_len
+        norm_head, log_softmax = final_activation_bytes(model, precision=precision, tp=tp,
+                                                 sequence_parallel=config.sequence_parallel,
+                                                 loss_parallel=config.loss_parallel)
+        in_flight_losses = microbatches if config.pp > 1 and config.pp_schedule == "gpipe" else 1
+        logits = (norm_head + log_softmax) * whole * in_flight_losses
+        loss_workspace = loss_workspace_bytes(model, precision=precision, tp=tp,
+                                              loss_parallel=config.loss_parallel) * whole
+
+    # ---- bf16 weight copies autocast saves for backward (FSDP2 with bf16 params frees its own after use;
+    # with fp32 FSDP2 parameters autocast's copies are of the gathered, whole weights). Inside checkpointed
+    # blocks the casts are recomputed too: only the head's copy stays.
+    autocast_copies = 0.0
+    if precision == "bf16-mixed" and not (stage == 3 and config.param_dtype != "fp32"):
+        head = model.vocab_size * model.hidden / tp if stages.head else 0.0
+        autocast_copies = 2 * (head if config.activation_checkpointing != "none" else matmul)
+
+    # ---- communication buffers
+    comm = 0.0
+    dp_cp = int(config.dp_replicate) * dp_shard * cp
+    if stage in (0, 1) and dp_cp > 1:
+        comm += (params - experts) * pbytes  # DDP's buckets hold a flat copy of every gradient
+    if stage == 3 and fsdp > 1:
+        gather = 2 if config.param_dtype in ("bf16", "fp16") else pbytes
+        units = {moe: block_local_params(model, config, moe) for moe, count in
+                 ((False, stages.n_dense), (True, stages.n_moe)) if count}
+        unit = max(units.values(), default=0.0)
+        if config.reshard_after_forward:
+            root = params - stages.n_dense * units.get(False, 0.0) - stages.n_moe * units.get(True, 0.0)
+            comm += (2 * unit + root) * gather + unit * 4  # current + prefetched block, the root; one grad unit
+        else:
+            comm += params * gather + unit * 4
+    if config.pp > 1:
+        boundary = tokens * model.hidden * residual_bytes(precision) / (tp if config.sequence_parallel else 1)
+        comm += 2 * boundary * len(stages.stage_blocks)  # receive buffers: activation forward, gradient backward
+    return MemoryBreakdown(parameters=parameters, gradients=gradients, optimizer_states=optimizer_states,
+                           activations=activations, logits=logits, autocast_copies=autocast_copies,
+                           recompute=recompute, loss_workspace=loss_workspace, comm_buffers=comm,
+                           stage=stages.rank)
+
+
+def block_local_params(model: ModelSpec, config: ParallelConfig, moe: bool) -> float:
+    """Parameters of one dense (or MoE) block on a rank, before ZeRO sharding: one FSDP2 unit."""
+    ffn = model.expert_params / config.ep + model.router_params if moe \
+        else model.mlp_params / config.tp
+    return model.norm_params + model.attention_params / config.tp + ffn
+
+
+__all__ = ["MemoryBreakdown", "PRECISIONS", "estimate_memory", "block_activation_bytes", "final_activation_bytes",
+           "loss_workspace_bytes", "rank_stages", "RankStages", "in_flight", "local_params", "param_bytes",
+           "block_local_params"]

@@ -1,0 +1,233 @@
+"""ModelSpec: the shape of a decoder-only transformer, as the planner needs it.
+
+Only sizes: no weights, no torch. Parameter counts follow the reference model
+(``lightning_par.models.llama``: RMSNorm, q/k/v/o projections with grouped-query attention, SwiGLU
+gate/up/down, optional mixture-of-experts feed-forwards with a linear router) and Hugging Face's Llama /
+Mistral / Mixtral, which have the same matrices. Training FLOPs per token use the convention of
+``llama_flops_per_token`` (PaLM, Chowdhery et al. 2022, appendix B): ``6 x`` the matmul weights a token
+passes through plus ``12 x layers x hidden x seq_len`` for the attention scores and values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Sizes of a Llama-style decoder. ``moe_layers`` counts the blocks whose feed-forward is a mixture of
+    ``moe_experts`` experts (each a SwiGLU of ``expert_ffn_hidden``, default ``ffn_hidden``)."""
+
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    tie_embeddings: bool = False
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_layers: int = 0
+    expert_ffn_hidden: int | None = None
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelSpec.{field} must be a positive integer, got {value!r}")
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"ModelSpec: hidden={self.hidden} must divide into heads={self.heads}, and heads into "
+                             f"kv_heads={self.kv_heads}")
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"ModelSpec.moe_top_k={self.moe_top_k} must be between 1 and moe_experts={self.moe_experts}")
+        if not 0 <= self.moe_layers <= self.layers or (self.moe_layers and not self.moe_experts):
+            raise ValueError(f"ModelSpec.moe_layers={self.moe_layers} must be between 0 and layers={self.layers}, and "
+                             "needs moe_experts > 0")
+
+    # ------------------------------------------------------------------------------ derived sizes
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and of the value) projection: ``kv_heads x head_dim``."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_experts > 0 and self.moe_layers > 0
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.expert_ffn_hidden or self.ffn_hidden
+
+    def moe_layer(self, index: int) -> bool:
+        """Whether block ``index`` holds experts. The planner only needs how many; it spreads them evenly so
+        that pipeline stages get their share (Mixtral: all of them)."""
+        if not self.is_moe:
+            return False
+        return math.floor((index + 1) * self.moe_layers / self.layers) > math.floor(index * self.moe_layers / self.layers)
+
+    # ------------------------------------------------------------------------------ parameter counts
+    @property
+    def attention_params(self) -> int:
+        """q and o are ``hidden x hidden``; k and v ``hidden x kv_dim`` (GQA, Ainslie et al. 2023)."""
+        return 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_dim
+
+    @property
+    def mlp_params(self) -> int:
+        """A dense SwiGLU feed-forward (Shazeer 2020): gate, up and down."""
+        return 3 * self.hidden * self.ffn_hidden
+
+    @property
+    def expert_params(self) -> int:
+        """The experts of one MoE block (``moe_experts`` SwiGLUs), without the router."""
+        return self.moe_experts * 3 * self.hidden * self.expert_hidden
+
+    @property
+    def router_params(self) -> int:
+        return self.hidden * self.moe_experts
+
+    @property
+    def norm_params(self) -> int:
+        """The two RMSNorm gains of a block."""
+        return 2 * self.hidden
+
+    def block_params(self, index: int) -> int:
+        """All parameters of block ``index``."""
+        return self.norm_params + self.attention_params + self.block_ffn_params(index)
+
+    def block_ffn_params(self, index: int) -> int:
+        if self.moe_layer(index):
+            return self.expert_params + self.router_params
+        return self.mlp_params
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        """The output projection; 0 extra parameters when tied to the embedding (still a matmul)."""
+        return 0 if self.tie_embeddings else self.vocab_size * self.hidden
+
+    @property
+    def final_norm_params(self) -> int:
+        return self.hidden
+
+    @functools.cached_property
+    def total_params(self) -> int:
+        blocks = sum(self.block_params(i) for i in range(self.layers))
+        return self.embedding_params + blocks + self.final_norm_params + self.head_params
+
+    @property
+    def total_expert_params(self) -> int:
+        return self.moe_layers * self.expert_params
+
+    @functools.cached_property
+    def active_matmul_params(self) -> int:
+        """Matmul weights one token goes through: every attention, the dense or top-k expert feed-forwards
+        with their routers, and the head (counted even when tied); no embedding lookup, no norms."""
+        moe_ffn = self.moe_top_k * 3 * self.hidden * self.expert_hidden + self.router_params
+        ffns = sum(moe_ffn if self.moe_layer(i) else self.mlp_params for i in range(self.layers))
+        return self.layers * self.attention_params + ffns + self.hidden * self.vocab_size
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward), as ``llama_flops_per_token`` counts them."""
+        return 6 * self.active_matmul_params + 12 * self.layers * self.hidden * seq_len
+
+    def block_flops_per_token(self, moe: bool, seq_len: int) -> int:
+        """Training FLOPs per token of a dense (or ``moe``) block: its matmuls and its attention."""
+        ffn = self.moe_top_k * 3 * self.hidden * self.expert_hidden + self.router_params if moe else self.mlp_params
+        return 6 * (self.attention_params + ffn) + 12 * self.hidden * seq_len
+
+    @property
+    def head_flops_per_token(self) -> int:
+        return 6 * self.hidden * self.vocab_size
+
+    # ------------------------------------------------------------------------------ constructors
+    @classmethod
+    def preset(cls, name: str) -> ModelSpec:
+        """A published architecture by name: see :data:`MODEL_PRESETS`."""
+        key = name.lower()
+        if key not in MODEL_PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; presets: {sorted(MODEL_PRESETS)}")
+        return dataclasses.replace(MODEL_PRESETS[key], name=key)
+
+    @classmethod
+    def from_llama_config(cls, config: Any, name: str = "llama") -> ModelSpec:
+        """From a ``lightning_par.models.llama.LlamaConfig`` (or anything with its attribute names)."""
+        moe_experts = int(getattr(config, "moe_experts", 0) or 0)
+        is_moe = getattr(config, "is_moe_layer", None)
+        if moe_experts and callable(is_moe):
+            moe_layers = sum(bool(is_moe(i)) for i in range(config.n_layers))
+        else:
+            moe_layers = config.n_layers if moe_experts else 0
+        return cls(vocab_size=config.vocab_size, hidden=config.dim, layers=config.n_layers, heads=config.n_heads,
+                   kv_heads=config.resolved_n_kv_heads, ffn_hidden=config.resolved_ffn_hidden_size,
+                   tie_embeddings=bool(getattr(config, "tie_embeddings", False)), moe_experts=moe_experts,
+                   moe_top_k=int(getattr(config, "moe_top_k", 2) or 2) if moe_experts else 2,
+                   moe_layers=moe_layers, name=name)
+
+    @classmethod
+    def from_hf_config(cls, config: Any, name: str | None = None) -> ModelSpec:
+        """From a Hugging Face ``PretrainedConfig`` of the Llama family (Llama, Mistral, Mixtral, Qwen2)."""
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+        top_k = getattr(config, "num_experts_per_tok", None) or 2
+        expert_ffn = getattr(config, "moe_intermediate_size", None)
+        return cls(vocab_size=config.vocab_size, hidden=config.hidden_size, layers=config.num_hidden_layers,
+                   heads=heads, kv_heads=kv_heads, ffn_hidden=config.intermediate_size,
+                   tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)), moe_experts=int(experts),
+                   moe_top_k=int(top_k) if experts else 2, moe_layers=config.num_hidden_layers if experts else 0,
+                   expert_ffn_hidden=expert_ffn if experts else None,
+                   name=name or getattr(config, "model_type", None) or "hf-model")
+
+    @classmethod
+    def from_config(cls, config: Any, name: str | None = None) -> ModelSpec:
+        """From either kind of configuration object, recognised by its attribute names."""
+        if hasattr(config, "n_layers") and hasattr(config, "dim"):
+            return cls.from_llama_config(config, name=name or "llama")
+        if hasattr(config, "num_hidden_layers") and hasattr(config, "hidden_size"):
+            return cls.from_hf_config(config, name=name)
+        raise ValueError(f"{type(config).__name__} is neither a LlamaConfig-like (dim, n_layers, ...) nor a Hugging "
+                         "Face-like (hidden_size, num_hidden_layers, ...) configuration")
+
+    @classmethod
+    def from_module(cls, module: Any) -> ModelSpec:
+        """From a module carrying its configuration as ``.config``, on itself or on its ``.model``
+        (``LlamaLM``, ``Transformer``, a Hugging Face ``...ForCausalLM`` or a LightningModule wrapping one)."""
+        for owner in (module, getattr(module, "model", None)):
+            config = getattr(owner, "config", None)
+            if config is None:
+                continue
+            try:
+                return cls.from_config(config, name=type(owner).__name__)
+            except ValueError:
+                continue
+        raise ValueError(f"cannot read the architecture of {type(module).__name__}: the planner looks for a "
+                         "LlamaConfig-like or Hugging Face-like `.config` on the module or on its `.model`; give "
+                         "ModelSpec(...) explicitly instead")
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    # Llama 3.2 1B (tied embeddings), Llama 3.1 8B / 70B / 405B: Grattafiori et al. 2024, "The Llama 3 Herd of
+    # Models", table 3, and the released configs.
+    "llama3-1b": ModelSpec(vocab_size=128256, hidden=2048, layers=16, heads=32, kv_heads=8, ffn_hidden=8192,
+                           tie_embeddings=True),
+    "llama3-8b": ModelSpec(vocab_size=128256, hidden=4096, layers=32, heads=32, kv_heads=8, ffn_hidden=14336),
+    "llama3-70b": ModelSpec(vocab_size=128256, hidden=8192, layers=80, heads=64, kv_heads=8, ffn_hidden=28672),
+    "llama3-405b": ModelSpec(vocab_size=128256, hidden=16384, layers=126, heads=128, kv_heads=8, ffn_hidden=53248),
+    # Mixtral 8x7B (Jiang et al. 2024): Mistral 7B's attention, 8 SwiGLU experts per block, top-2 routing.
+    "mixtral-8x7b": ModelSpec(vocab_size=32000, hidden=4096, layers=32, heads=32, kv_heads=8, ffn_hidden=14336,
+                              moe_experts=8, moe_top_k=2, moe_layers=32),
+}
+
+__all__ = ["ModelSpec", "MODEL_PRESETS"]

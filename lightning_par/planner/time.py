@@ -1,0 +1,256 @@
+"""Step-time model: compute at a fraction of peak, collectives per mesh dimension, the pipeline bubble.
+
+Compute is the training FLOPs of the heaviest pipeline rank divided by ``peak x efficiency`` (PaLM's
+``6N + 12·L·h·s`` per token, as ``llama_flops_per_token``); full activation checkpointing adds one more
+forward of the blocks (1/3 of their FLOPs), selective a few per cent for the element-wise ops it reruns
+(Korthikanti et al. 2022, table 4).
+
+Collectives move bytes over rings (bus bandwidth): an all-reduce sends ``2(d-1)/d`` of its tensor per rank,
+an all-gather or reduce-scatter ``(d-1)/d`` of the whole tensor, an all-to-all ``(d-1)/d`` of the local one.
+A dimension whose ranks fit in one node uses NVLink, otherwise the network. In mesh order
+``pp, dp_replicate, dp_shard, cp, tp`` the innermost dimensions are the consecutive ranks, so ``tp``
+spans ``tp`` ranks, ``cp`` spans ``tp x cp``, and so on outwards (:func:`spans`).
+
+* tp (Shoeybi et al. 2019): per block two all-reduces of b·s·h forward and two backward (sequence parallel:
+  an all-gather and a reduce-scatter in place of each, the same bytes; Korthikanti et al. 2022); the head
+  all-gathers the logits unless the loss is vocabulary-parallel. Not overlapped.
+* cp: Ulysses, four all-to-alls (q, k, v, output) each way per block; ring, ``cp - 1`` key/value hops
+  forward and key/value/gradient hops backward; plus the gather of the sequence after the last block.
+  This implementation waits for each exchange, so none of it is overlapped.
+* ep: per MoE block four all-to-alls (dispatch and combine, forward and backward) of the routed tokens.
+* pp (Narayanan et al. 2021): point-to-point of one micro-batch's hidden states per stage boundary, forward
+  and backward; the bubble is ``(p-1)/m`` of the compute for GPipe and 1F1B, ``(p-1)/(v·m)`` interleaved,
+  and a residual of ZB-V's ideal zero (Qi et al. 2024) when forward, input- and weight-gradient passes
+  differ in length.
+* dp: gradients all-reduced once per step (DDP, ZeRO-1), reduced to their owners (ZeRO-2) or
+  reduce-scattered (ZeRO-3, Rajbhandari et al. 2020); ZeRO-1/2 then broadcast the updated parameters;
+  ZeRO-3 all-gathers every block's parameters in forward and again in backward, every micro-batch. Gradient
+  reduction overlaps the last backward, parameter gathers the compute of their micro-batch; what cannot
+  hide (at least the last unit's share) is exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_par.config import ParallelConfig
+from lightning_par.planner.cluster import ClusterSpec
+from lightning_par.planner.memory import (
+    block_local_params,
+    local_params,
+    matmul_activation_bytes,
+    param_bytes,
+    rank_stages,
+    residual_bytes,
+    stages_per_rank,
+)
+from lightning_par.planner.model import ModelSpec
+
+SELECTIVE_RECOMPUTE_OVERHEAD = 0.03  # of the blocks' compute: element-wise ops rerun (Korthikanti, table 4)
+ZBV_BUBBLE_RESIDUAL = 0.1  # of 1F1B's bubble: ZB-V's is zero only when F, B and W passes take equal time
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step on the slowest rank. ``comm`` holds each dimension's whole
+    communication time, ``exposed`` the part not hidden behind compute, ``comm_bytes`` the bytes one rank
+    sends per step."""
+
+    compute: float
+    recompute: float
+    bubble: float
+    comm: dict[str, float] = field(default_factory=dict)
+    exposed: dict[str, float] = field(default_factory=dict)
+    comm_bytes: dict[str, float] = field(default_factory=dict)
+    model_flops: float = 0.0  # per step, the whole cluster, without recomputation (for MFU)
+    tokens: float = 0.0  # per step
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.bubble + sum(self.exposed.values())
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.total
+
+    def mfu(self, cluster: ClusterSpec, precision: str = "bf16-mixed") -> float:
+        """Model FLOPs utilisation (Chowdhery et al. 2022): useful FLOP/s over the cluster's peak."""
+        return self.model_flops / (self.total * cluster.world_size * cluster.flops(precision))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"compute": self.compute, "recompute": self.recompute, "bubble": self.bubble,
+                **{f"{k}_exposed": v for k, v in self.exposed.items()},
+                **{f"{k}_comm": v for k, v in self.comm.items()},
+                **{f"{k}_bytes": v for k, v in self.comm_bytes.items()}, "total": self.total}
+
+
+def spans(config: ParallelConfig) -> dict[str, int]:
+    """How many consecutive global ranks each dimension's group spans (innermost dimension first)."""
+    tp, cp, shard, rep = config.tp, config.cp, int(config.dp_shard), int(config.dp_replicate)
+    return {"tp": tp, "cp": tp * cp, "ep": tp * config.ep, "dp_shard_cp": tp * cp * shard,
+            "dp_cp": tp * cp * shard * rep, "dp_replicate": tp * cp * shard * rep,
+            # neighbouring stages are world/pp ranks apart: the whole pipeline fits a node only if the world does
+            "pp": tp * cp * shard * rep * config.pp}
+
+
+def _all_reduce(nbytes: float, d: int) -> float:
+    return 2 * (d - 1) / d * nbytes if d > 1 else 0.0
+
+
+def _gather(nbytes: float, d: int) -> float:
+    """All-gather or reduce-scatter of a ``nbytes`` whole tensor, or all-to-all of a ``nbytes`` local one."""
+    return (d - 1) / d * nbytes if d > 1 else 0.0
+
+
+def _exposed(comm: float, overlap_with: float, units: int) -> float:
+    """Communication overlapped with ``overlap_with`` seconds of compute, issued in ``units`` pieces: the
+    excess is exposed, and at least the last piece (nothing is left to hide it behind)."""
+    if comm <= 0:
+        return 0.0
+    return max(comm - overlap_with, comm / max(units, 1))
+
+
+def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: ClusterSpec, *, seq_len: int,
+                       micro_batch_size: int, microbatches: int, precision: str = "bf16-mixed") -> StepTime:
+    """Seconds per optimizer step of ``config`` on ``cluster``: ``microbatches`` micro-batches of
+    ``micro_batch_size`` sequences per data-parallel rank (global batch = that x dp)."""
+    config.mesh_shape()
+    tp, cp, pp, ep = config.tp, config.cp, config.pp, config.ep
+    dp = config.dp
+    m, mbs = microbatches, micro_batch_size
+    rate = cluster.flops(precision) * cluster.compute_efficiency
+    a, r = matmul_activation_bytes(precision), residual_bytes(precision)
+    span = spans(config)
+    h = model.hidden
+
+    # ---- compute per micro-batch on each pipeline rank; the slowest sets the pace
+    ranks = rank_stages(model, config)
+    per_rank = []
+    for stages in ranks:
+        per_token = stages.n_dense * model.block_flops_per_token(False, seq_len) \
+            + stages.n_moe * model.block_flops_per_token(True, seq_len)
+        blocks = per_token * mbs * seq_len / (tp * cp)
+        head = model.head_flops_per_token * mbs * seq_len / tp if stages.head else 0.0  # whole sequence per cp rank
+        per_rank.append((blocks, head, stages))
+    block_flops, head_flops, stages = max(per_rank, key=lambda x: x[0] + x[1])
+    compute_mb = (block_flops + head_flops) / rate
+    recompute_mb = {"none": 0.0, "full": block_flops / 3 / rate,
+                    "selective": SELECTIVE_RECOMPUTE_OVERHEAD * block_flops / rate}[config.activation_checkpointing]
+    compute, recompute = m * compute_mb, m * recompute_mb
+    forward_mb, backward_mb = compute_mb / 3, 2 * compute_mb / 3 + recompute_mb
+
+    bubble = 0.0
+    if pp > 1:
+        ratio = (pp - 1) / m
+        if config.pp_schedule == "interleaved_1f1b":
+            ratio /= config.pp_virtual_stages
+        elif config.pp_schedule == "zbv":
+            ratio *= ZBV_BUBBLE_RESIDUAL
+        bubble = ratio * (compute + recompute)
+
+    comm: dict[str, float] = {}
+    volume: dict[str, float] = {}
+    exposed: dict[str, float] = {}
+    n_blocks = stages.n_blocks
+    tokens = mbs * seq_len / cp  # per micro-batch in the blocks of this rank
+
+    # ---- tensor parallel: not overlapped
+    if tp > 1:
+        activation = tokens * h * a
+        per_block = (4 + (2 if config.activation_checkpointing == "full" else 0)) * _all_reduce(activation, tp)
+        ends = 0.0
+        if stages.embedding:
+            ends += _all_reduce(mbs * seq_len * h * r, tp) / (2 if config.sequence_parallel else 1)
+        if stages.head:
+            # the head's input: gathered forward and reduce-scattered backward (sequence parallel), or
+            # all-reduced backward: the same bytes
+            ends += _all_reduce(mbs * seq_len * h * a, tp)
+            if not config.loss_parallel:
+                ends += _gather(mbs * seq_len * model.vocab_size * a, tp)
+        volume["tp"] = m * (n_blocks * per_block + ends)
+        comm["tp"] = exposed["tp"] = volume["tp"] / cluster.bandwidth(span["tp"])
+
+    # ---- context parallel: not overlapped in this implementation
+    if cp > 1:
+        local = tokens * h * a
+        if config.cp_method == "ulysses":
+            per_block = 8 * _gather(local, cp)
+            if config.activation_checkpointing == "full":
+                per_block += 4 * _gather(local, cp)
+        else:
+            per_block = ((cp - 1) * 2 + (cp - 1) * 4 + 2) * local
+            if config.activation_checkpointing == "full":
+                per_block += (cp - 1) * 2 * local
+        gather = _gather(mbs * seq_len * h * r, cp) if stages.head else 0.0
+        volume["cp"] = m * (n_blocks * per_block + gather)
+        comm["cp"] = exposed["cp"] = volume["cp"] / cluster.bandwidth(span["cp"])
+
+    # ---- expert parallel
+    moe_blocks = stages.n_moe
+    if ep > 1 and moe_blocks:
+        routed = tokens * model.moe_top_k * h * a
+        count = 4 + (2 if config.activation_checkpointing == "full" else 0)
+        volume["ep"] = m * moe_blocks * count * _gather(routed, ep)
+        comm["ep"] = exposed["ep"] = volume["ep"] / cluster.bandwidth(span["ep"])
+
+    # ---- pipeline point-to-point
+    if pp > 1:
+        hidden = tokens * h * r / (tp if config.sequence_parallel else 1)
+        volume["pp"] = m * 2 * hidden * stages_per_rank(config)
+        comm["pp"] = exposed["pp"] = volume["pp"] / cluster.bandwidth(span["pp"])
+
+    # ---- data parallel / ZeRO
+    params, _, experts = local_params(model, config, stages)
+    dense = params - experts
+    pbytes = param_bytes(precision)
+    gbytes = pbytes / (2 if config.gradient_compression != "none" and pbytes == 4 else 1)
+    shard, rep = int(config.dp_shard), int(config.dp_replicate)
+    stage = config.zero_stage
+    units = n_blocks + 1
+    dp_seconds = exposed_dp = dp_bytes = 0.0
+
+    def add(nbytes: float, group_span: int, overlap: float | None) -> None:
+        nonlocal dp_seconds, exposed_dp, dp_bytes
+        seconds = nbytes / cluster.bandwidth(group_span)
+        dp_bytes += nbytes
+        dp_seconds += seconds
+        exposed_dp += seconds if overlap is None else _exposed(seconds, overlap, units)
+
+    if stage in (0, 1):
+        # DDP overlaps its bucketed all-reduce with backward; pipeline stages and tensor-parallel DTensors are
+        # reduced in one flat all-reduce after the last backward instead (lightning_par.parallel.data.
+        # reduce_gradients, as Megatron-LM does under pipeline parallelism): nothing left to hide it behind.
+        after_backward = stage == 0 and (pp > 1 or tp > 1)
+        add(_all_reduce(dense * gbytes, dp * cp), span["dp_cp"], None if after_backward else backward_mb)
+        if stage == 1:
+            add(_gather(params * pbytes, shard), span["dp_shard_cp"], None)  # ZeroRedundancyOptimizer broadcast
+    elif stage == 2:
+        add(_gather(dense * gbytes, shard), span["dp_shard_cp"], backward_mb)
+        add(_all_reduce(dense * gbytes / shard, rep), span["dp_replicate"], backward_mb)  # HSDP: across groups
+        add(_gather(params * pbytes, shard), span["dp_shard_cp"], None)
+    else:
+        fsdp = shard * cp
+        gather_bytes = 2 if config.param_dtype in ("bf16", "fp16") else pbytes
+        reduce_bytes = {None: gather_bytes, "fp32": 4, "bf16": 2, "fp16": 2}[config.reduce_dtype]
+        # Every micro-batch gathers again, each gather hidden behind its own micro-batch's compute. Blocks are
+        # gathered for forward and again for backward; the root unit (embedding, norm, head) stays gathered.
+        blocks = stages.n_dense * block_local_params(model, config, False) \
+            + stages.n_moe * block_local_params(model, config, True)
+        add(m * _gather(params * gather_bytes, fsdp), span["dp_shard_cp"], m * forward_mb)
+        if config.reshard_after_forward:
+            add(m * _gather(blocks * gather_bytes, fsdp), span["dp_shard_cp"], m * backward_mb)
+        add(_gather(params * reduce_bytes, fsdp), span["dp_shard_cp"], backward_mb)
+        add(_all_reduce(params * reduce_bytes / fsdp, rep), span["dp_replicate"], backward_mb)  # HSDP
+    if ep > 1 and experts:
+        replicas = shard * cp // ep
+        add(_all_reduce(experts * gbytes, replicas), span["dp_shard_cp"], backward_mb)
+    if dp_bytes:
+        volume["dp"], comm["dp"], exposed["dp"] = dp_bytes, dp_seconds, exposed_dp
+
+    step_tokens = mbs * m * dp * seq_len
+    return StepTime(compute=compute, recompute=recompute, bubble=bubble, comm=comm, exposed=exposed,
+                    comm_bytes=volume, model_flops=model.flops_per_token(seq_len) * step_tokens, tokens=step_tokens)
+
+
+__all__ = ["StepTime", "estimate_step_time", "spans"]
