@@ -58,6 +58,19 @@ def test_layouts_it_cannot_compose_are_refused_at_construction(kwargs: dict, mes
         make_strategy(**kwargs)
 
 
+def test_context_parallel_refuses_mixture_of_experts_layers() -> None:
+    from lightning_par.parallel.plan import derive_plan
+    from lightning_par.parallel.sequence import apply_context_parallel
+
+    class TwoWayContext:  # the one question apply_context_parallel asks before it refuses
+        def size(self, name: str) -> int:
+            return 2
+
+    model = make_moe_module().model
+    with pytest.raises(ValueError, match=r"cp=2 with mixture-of-experts layers \('layers.0.mlp.experts', ...\)"):
+        apply_context_parallel(model, TwoWayContext(), derive_plan(model))
+
+
 def test_sizes_that_do_not_fill_the_world_fail_on_every_rank() -> None:
     assert_fails_on_every_rank(make_module, make_datamodule,
                                functools.partial(make_strategy, tensor_parallel_size=2, pipeline_parallel_size=2),

@@ -65,6 +65,10 @@ def check_available(config: ParallelConfig) -> None:
         if stage != 0:
             raise ValueError(f"ep={config.ep} with zero_stage={stage}: expert weights are split over the ep ranks "
                              "and the rest is replicated; use zero_stage=0")
+        if config.cp > 1:
+            raise ValueError(f"ep={config.ep} with cp={config.cp}: the router's capacity and load-balancing loss are "
+                             "per sequence, and context parallel splits sequences; use ep with data (and tensor) "
+                             "parallel")
         if config.sequence_parallel and config.tp > 1:
             raise ValueError(f"ep={config.ep} with sequence_parallel=True: the experts route whole sequences; set "
                              "sequence_parallel=False (tensor parallel still splits attention)")

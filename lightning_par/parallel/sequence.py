@@ -319,6 +319,13 @@ def apply_context_parallel(module: nn.Module, mesh: ParallelMesh, plan: ModelPla
     if plan is None:
         raise ValueError(f"cp={cp} needs to know where the blocks are, and no model plan was found: give the "
                          "strategy a plan (plan: {blocks: ...}) or use a standard decoder layout")
+    routed = [name for name, sub in module.named_modules() if plan.style_of(name) == "experts"]
+    if routed:
+        # Capacity and the load-balancing loss are computed per sequence (GShard, Switch): on a slice of each
+        # sequence they would be different numbers, and training would silently differ.
+        raise ValueError(f"cp={cp} with mixture-of-experts layers ({routed[0]!r}, ...): the router's capacity and "
+                         "load-balancing loss are per sequence, and context parallel gives each rank a slice of it; "
+                         "use data and expert parallel (and tensor parallel for attention) for MoE models")
     names = plan.block_names(module)
     for index, name in enumerate(names):
         block = module.get_submodule(name)
