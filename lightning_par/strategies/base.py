@@ -12,6 +12,7 @@ the other processes), SLURM, torchelastic/torchrun.
 from __future__ import annotations
 
 import atexit
+import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -199,6 +200,10 @@ class MeshStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # As torchrun does: processes sharing a machine's cores get a share each. With every process using
+            # every core, configs/hybrid3d.yaml (8 ranks on 2 cores) took 79 s for 6 steps instead of 42 s.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
         reset_seed()
         self.set_world_ranks()
         # Validate the sizes before the first collective: every rank raises the same ValueError.
