@@ -218,6 +218,24 @@ class ParallelConfig:
         return build_device_mesh(device_type, dict(zip(MESH_DIM_NAMES, config.mesh_shape())))
 
 
+def shard_size(data_parallel_size: Size, replicate_size: int) -> Size:
+    """``dp_shard`` when ``data_parallel_size`` ranks form ``replicate_size`` replicated groups (HSDP).
+
+    ``"auto"`` stays ``"auto"``; values that are not positive integers are passed on for :meth:`ParallelConfig.check`
+    to name.
+    """
+    if not (_positive(data_parallel_size) and _positive(replicate_size)):
+        return data_parallel_size
+    if data_parallel_size % replicate_size != 0:
+        raise ValueError(f"replicate_size={replicate_size} does not divide data_parallel_size={data_parallel_size}: "
+                         "HSDP needs shard groups of equal size")
+    return data_parallel_size // replicate_size
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _check_size(name: str, value: object, *, allow_auto: bool) -> None:
     if value == "auto" and allow_auto:
         return

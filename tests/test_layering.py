@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 
-# Modules that must stay usable without lightning: configuration, mesh, techniques, checkpoints, and
-# the pure parts of the model and data packages. The planner joins the list when it exists.
+# Modules that must stay usable without lightning: configuration, mesh, stage arithmetic, techniques,
+# checkpoints, the planner (and its command), and the pure parts of the model and data packages.
 PURE_MODULES = [
     "lightning_par",
     "lightning_par.config",
     "lightning_par.mesh",
+    "lightning_par.stages",
     "lightning_par.parallel",
     "lightning_par.checkpoint",
+    "lightning_par.planner",
+    "lightning_par.planner.cli",
     "lightning_par.models.llama",
     "lightning_par.data.corpus",
 ]
-if importlib.util.find_spec("lightning_par.planner") is not None:
-    PURE_MODULES.append("lightning_par.planner")
 
 
 def _run(code: str) -> str:

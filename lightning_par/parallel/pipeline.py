@@ -24,7 +24,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -42,9 +42,9 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from lightning_par.mesh import ParallelMesh
+from lightning_par.stages import Schedule, balance, stage_indices, stages_per_rank
 from lightning_par.parallel.plan import ModelPlan
 
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"]
 SCHEDULES: dict[str, type] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -55,18 +55,6 @@ BALANCE_METHODS = ("parameters", "profile")
 
 
 # ------------------------------------------------------------------------------------ placement
-def stages_per_rank(schedule: Schedule, virtual_stages: int) -> int:
-    """How many stages each rank holds under ``schedule``."""
-    return {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": virtual_stages, "zbv": 2}[schedule]
-
-
-def stage_indices(pp_rank: int, pp: int, schedule: Schedule, virtual_stages: int = 2) -> list[int]:
-    """The stages rank ``pp_rank`` holds: looped (``r, r + pp, ...``) or V-shaped (``r, 2pp - 1 - r``)."""
-    if schedule == "zbv":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(stages_per_rank(schedule, virtual_stages))]
-
-
 def check_microbatches(n_microbatches: int, schedule: Schedule, pp: int, batch_size: int | None = None) -> None:
     """Raise ``ValueError`` naming the values when the micro-batches do not fit the schedule or the batch."""
     if schedule in ("1f1b", "interleaved_1f1b", "zbv") and n_microbatches < pp:
@@ -78,42 +66,6 @@ def check_microbatches(n_microbatches: int, schedule: Schedule, pp: int, batch_s
 
 
 # ------------------------------------------------------------------------------------ balancing
-def balance(costs: Sequence[float], n_stages: int, *, first: float = 0.0, last: float = 0.0) -> list[int]:
-    """Numbers of consecutive blocks per stage that minimise the most expensive stage.
-
-    ``costs`` are per block; ``first`` (embedding) and ``last`` (final norm, head, loss) are added to the
-    first and the last stage. Exact dynamic programme over the split points, O(n_blocks^2 x n_stages).
-    """
-    n = len(costs)
-    prefix = [0.0]
-    for cost in costs:
-        prefix.append(prefix[-1] + cost)
-
-    def stage_cost(stage: int, start: int, end: int) -> float:
-        extra = (first if stage == 0 else 0.0) + (last if stage == n_stages - 1 else 0.0)
-        return prefix[end] - prefix[start] + extra
-
-    inf = (float("inf"), float("inf"))
-    # best[s][i]: (largest stage cost, sum of squared stage costs) of stages 0..s-1 holding blocks 0..i-1,
-    # least first by the largest cost, then by the squares (among equally slow splits, the most even).
-    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
-    choice = [[0] * (n + 1) for _ in range(n_stages + 1)]
-    best[0][0] = (0.0, 0.0)
-    for s in range(1, n_stages + 1):
-        for i in range(s, n - (n_stages - s) + 1):
-            for j in range(s - 1, i):  # stage s-1 holds blocks j..i-1 (at least one)
-                cost = stage_cost(s - 1, j, i)
-                value = (max(best[s - 1][j][0], cost), best[s - 1][j][1] + cost * cost)
-                if value < best[s][i]:
-                    best[s][i], choice[s][i] = value, j
-    sizes, end = [], n
-    for s in range(n_stages, 0, -1):
-        start = choice[s][end]
-        sizes.append(end - start)
-        end = start
-    return sizes[::-1]
-
-
 def sizes_from_split_points(block_names: list[str], split_points: Sequence[str], n_stages: int) -> list[int]:
     """Blocks per stage when the user names the blocks that start stages 1..n_stages-1."""
     if len(split_points) != n_stages - 1:

@@ -62,9 +62,9 @@ buffers; transients: one block's recomputation and the logits' fp32 copies and g
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import asdict, dataclass
 
+from lightning_par import stages as placement
 from lightning_par.config import ParallelConfig
 from lightning_par.planner.model import ModelSpec
 
@@ -149,46 +149,17 @@ class RankStages:
 
 
 def stages_per_rank(config: ParallelConfig) -> int:
-    if config.pp == 1:
-        return 1
-    return {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": config.pp_virtual_stages, "zbv": 2}[config.pp_schedule]
-
-
-def _stage_indices(rank: int, pp: int, schedule: str, per_rank: int) -> list[int]:
-    # Same placement as lightning_par.parallel.pipeline.stage_indices: looped, or V-shaped for ZB-V.
-    if schedule == "zbv":
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + k * pp for k in range(per_rank)]
+    """Pipeline stages per rank of ``config`` (1 without pipeline parallel)."""
+    return 1 if config.pp == 1 else placement.stages_per_rank(config.pp_schedule, config.pp_virtual_stages)
 
 
 @functools.lru_cache(maxsize=256)
 def _balanced_sizes(costs: tuple[int, ...], n_stages: int, first: int, last: int) -> tuple[int, ...]:
-    """Blocks per stage minimising the largest stage (then the sum of squares), the rule of
-    ``lightning_par.parallel.pipeline.balance`` with parameter counts as costs."""
-    n = len(costs)
-    if n_stages > n:
-        raise ValueError(f"{n_stages} pipeline stages need at least {n_stages} blocks, the model has {n}")
-    prefix = [0]
-    for cost in costs:
-        prefix.append(prefix[-1] + cost)
-    inf = (math.inf, math.inf)
-    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
-    choice = [[0] * (n + 1) for _ in range(n_stages + 1)]
-    best[0][0] = (0, 0)
-    for s in range(1, n_stages + 1):
-        extra = (first if s == 1 else 0) + (last if s == n_stages else 0)
-        for i in range(s, n - (n_stages - s) + 1):
-            for j in range(s - 1, i):
-                cost = prefix[i] - prefix[j] + extra
-                value = (max(best[s - 1][j][0], cost), best[s - 1][j][1] + cost * cost)
-                if value < best[s][i]:
-                    best[s][i], choice[s][i] = value, j
-    sizes, end = [], n
-    for s in range(n_stages, 0, -1):
-        start = choice[s][end]
-        sizes.append(end - start)
-        end = start
-    return tuple(sizes[::-1])
+    """Blocks per stage as ``parallel.pipeline`` balances them by parameter counts (cached: the search asks
+    for the same split many times)."""
+    if n_stages > len(costs):
+        raise ValueError(f"{n_stages} pipeline stages need at least {n_stages} blocks, the model has {len(costs)}")
+    return tuple(placement.balance(costs, n_stages, first=first, last=last))
 
 
 def rank_stages(model: ModelSpec, config: ParallelConfig) -> tuple[RankStages, ...]:
@@ -209,7 +180,7 @@ def _rank_stages(model: ModelSpec, pp: int, schedule: str, per_rank: int) -> tup
     starts = [sum(sizes[:s]) for s in range(n_stages)]
     result = []
     for rank in range(pp):
-        stages = sorted(_stage_indices(rank, pp, schedule, per_rank))
+        stages = sorted(placement.stage_indices(rank, pp, schedule, per_rank))
         blocks = tuple(tuple(range(starts[s], starts[s] + sizes[s])) for s in stages)
         n_moe = sum(model.moe_layer(b) for stage in blocks for b in stage)
         result.append(RankStages(rank, blocks, 0 in stages, n_stages - 1 in stages, n_moe))

@@ -10,7 +10,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_par.config import ParallelConfig
+from lightning_par.config import ParallelConfig, shard_size
 from lightning_par.strategies.staged import StagedStrategy
 
 Size = Union[int, Literal["auto"]]
@@ -96,14 +96,8 @@ class Hybrid3DStrategy(StagedStrategy):
         # Sizes for the planner: what it may choose is "auto"; a checkable placeholder until it has chosen.
         self._planned = {PLANNED_SIZES[name] for name, value in requested.items() if value == "auto"}
         chosen = {PLANNED_SIZES[name]: (1 if value == "auto" else value) for name, value in requested.items()}
-        shard: Size = data_parallel_size
-        if isinstance(data_parallel_size, int) and isinstance(replicate_size, int) and replicate_size > 0:
-            if data_parallel_size % replicate_size != 0:
-                raise ValueError(f"replicate_size={replicate_size} does not divide data_parallel_size="
-                                 f"{data_parallel_size}: HSDP needs shard groups of equal size")
-            shard = data_parallel_size // replicate_size
         config = ParallelConfig(
-            dp_replicate=replicate_size, dp_shard=shard, **chosen, sequence_parallel=sequence_parallel,
+            dp_replicate=replicate_size, dp_shard=shard_size(data_parallel_size, replicate_size), **chosen, sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel, cp_method=context_parallel_method, pp_schedule=pipeline_schedule,
             pp_microbatches=microbatches, pp_virtual_stages=virtual_stages, pp_balance=pipeline_balance,
             activation_checkpointing=activation_checkpointing,

@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional, Union
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from typing_extensions import override
 
-from lightning_par.config import ParallelConfig
+from lightning_par.config import ParallelConfig, shard_size
 from lightning_par.strategies.base import MeshStrategy
 
 
@@ -53,13 +53,7 @@ class ZeroStrategy(MeshStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
-        shard: Union[int, Literal["auto"]] = data_parallel_size  # a bad value is named by config.check()
-        if _positive_int(data_parallel_size) and _positive_int(replicate_size):
-            if data_parallel_size % replicate_size != 0:
-                raise ValueError(f"replicate_size={replicate_size} does not divide data_parallel_size="
-                                 f"{data_parallel_size}: HSDP needs shard groups of equal size")
-            shard = data_parallel_size // replicate_size
-        config = ParallelConfig(dp_replicate=replicate_size, dp_shard=shard, zero_stage=stage,
+        config = ParallelConfig(dp_replicate=replicate_size, dp_shard=shard_size(data_parallel_size, replicate_size), zero_stage=stage,
                                 reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
                                 reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
                                 activation_checkpointing=activation_checkpointing,
@@ -74,7 +68,3 @@ class ZeroStrategy(MeshStrategy):
             strategy_registry.register(f"zero{stage}", cls, description=f"ZeRO stage {stage}", stage=stage,
                                        override=True)
         strategy_registry.register("fsdp2", cls, description="FSDP2 = ZeRO stage 3", stage=3, override=True)
-
-
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
