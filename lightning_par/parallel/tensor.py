@@ -151,11 +151,31 @@ def apply_tensor_parallel(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan
     styles = tensor_parallel_styles(module, plan, sequence_parallel=sequence_parallel,
                                     vocab_parallel_logits=loss_parallel)
     parallelize_module(module, mesh["tp"], styles)
+    for name, sub in module.named_modules():
+        if plan.style_of(name) == "vocab" and isinstance(sub, nn.Embedding):
+            sub.weight.register_hook(_KeepPlacements(sub.weight.placements))
     if sequence_parallel and plan.embedding is not None:
         # Before the embedding's collective, on every rank alike: a sequence that does not split would
         # otherwise fail deep inside DTensor with shapes that do not mention the cause.
         module.get_submodule(plan.embedding).register_forward_pre_hook(_SequenceLengthCheck(tp))
     return module
+
+
+class _KeepPlacements:
+    """Gives a parameter's gradient the parameter's own placements.
+
+    DTensor's embedding backward returns the gradient of a vocabulary-sharded table replicated: the whole
+    (V, h) table on every tensor-parallel rank (torch 2.13). Re-sharding it right away is a local slice, and
+    the accumulated gradient (and what the optimizer reads) is then 1/tp of it, like the weight.
+    """
+
+    def __init__(self, placements: tuple[Placement, ...]) -> None:
+        self.placements = placements
+
+    def __call__(self, grad: DTensor) -> DTensor:
+        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(self.placements):
+            return grad.redistribute(grad.device_mesh, self.placements)
+        return grad
 
 
 class _SequenceLengthCheck:

@@ -325,10 +325,6 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
         gradients = params * pbytes if accumulating else params * pbytes / dp_shard
     else:
         gradients = params * pbytes
-    if tp > 1 and stages.embedding and stage != 3:
-        # DTensor's embedding backward returns the vocabulary-parallel table's gradient Replicate()d, whole on
-        # every tensor-parallel rank (measured with torch 2.13; FSDP2 re-shards it under ZeRO-3).
-        gradients += model.embedding_params * (1 - 1 / tp) * pbytes
     shards = {0: 1, 1: dp_shard, 2: dp_shard, 3: fsdp}[stage]
     optimizer_states = 2 * params * pbytes / shards
 
