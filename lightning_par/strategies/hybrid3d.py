@@ -97,10 +97,10 @@ class Hybrid3DStrategy(StagedStrategy):
         self._planned = {PLANNED_SIZES[name] for name, value in requested.items() if value == "auto"}
         chosen = {PLANNED_SIZES[name]: (1 if value == "auto" else value) for name, value in requested.items()}
         config = ParallelConfig(
-            dp_replicate=replicate_size, dp_shard=shard_size(data_parallel_size, replicate_size), **chosen, sequence_parallel=sequence_parallel,
-            loss_parallel=loss_parallel, cp_method=context_parallel_method, pp_schedule=pipeline_schedule,
-            pp_microbatches=microbatches, pp_virtual_stages=virtual_stages, pp_balance=pipeline_balance,
-            activation_checkpointing=activation_checkpointing,
+            dp_replicate=replicate_size, dp_shard=shard_size(data_parallel_size, replicate_size), **chosen,
+            sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, cp_method=context_parallel_method,
+            pp_schedule=pipeline_schedule, pp_microbatches=microbatches, pp_virtual_stages=virtual_stages,
+            pp_balance=pipeline_balance, activation_checkpointing=activation_checkpointing,
             activation_checkpointing_every=activation_checkpointing_every, reshard_after_forward=reshard_after_forward,
             param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         )
@@ -135,8 +135,9 @@ class Hybrid3DStrategy(StagedStrategy):
         rank_zero_info(f"{type(self).__name__}: planned {chosen.describe()}, zero_stage={chosen.zero_stage}, "
                        f"activation_checkpointing={chosen.activation_checkpointing}, sequence_parallel="
                        f"{chosen.sequence_parallel}\n{format_table(candidates, top=5)}\n{explain(candidates)}")
-        planned = {name: getattr(chosen, name) for name in (*PLANNED_SIZES.values(), *KNOBS, "pp_microbatches")
-                   if name in self._planned or (name == "pp_microbatches" and "pp" in self._planned and chosen.pp > 1)}
+        planned = {name: getattr(chosen, name) for name in self._planned}
+        if "pp" in self._planned and chosen.pp > 1:
+            planned["pp_microbatches"] = chosen.pp_microbatches
         return dataclasses.replace(config, dp_replicate=chosen.dp_replicate, dp_shard=chosen.dp_shard, **planned)
 
 

@@ -53,8 +53,8 @@ class ZeroStrategy(MeshStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
-        config = ParallelConfig(dp_replicate=replicate_size, dp_shard=shard_size(data_parallel_size, replicate_size), zero_stage=stage,
-                                reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
+        config = ParallelConfig(dp_replicate=replicate_size, dp_shard=shard_size(data_parallel_size, replicate_size),
+                                zero_stage=stage, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
                                 reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
                                 activation_checkpointing=activation_checkpointing,
                                 activation_checkpointing_every=activation_checkpointing_every)
