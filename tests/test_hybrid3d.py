@@ -28,15 +28,16 @@ def make_strategy(**kwargs):
                     microbatches=2), 2, 0.05, False),
         (4, 1, dict(tensor_parallel_size=2, pipeline_parallel_size=2, pipeline_schedule="gpipe", microbatches=2),
          1, None, False),
-        (4, 2, dict(tensor_parallel_size=2, zero_stage=3, sequence_parallel=True), 1, 0.05, False),
         (4, 2, dict(tensor_parallel_size=2), 2, 0.05, False),  # zero_stage 0: reduce_gradients, not DDP
         (4, 2, dict(tensor_parallel_size=2, expert_parallel_size=2), 2, None, True),
         (4, 1, dict(tensor_parallel_size=2, context_parallel_size=2, context_parallel_method="ring",
                     zero_stage=3), 1, 0.05, False),
     ],
-    ids=["dp2xtp2xpp2-sp-acc2-clip", "pp2xtp2-gpipe", "zero3xtp2-sp-clip", "dp2xtp2-zero0-acc2-clip",
+    ids=["dp2xtp2xpp2-sp-acc2-clip", "pp2xtp2-gpipe", "dp2xtp2-zero0-acc2-clip",
          "tp2xep2-dp2-acc2", "cp2xtp2-ring-zero3-clip"],
 )
+# ZeRO-3 x tp2 with sequence parallel is test_tensor_parallel.py's dp2xtp2-sp-acc2-clip (the same layout), dp2 x cp2
+# test_sequence_parallel.py's, ep2 inside dp4 test_experts.py's.
 def test_hybrid_layout_matches_single_process(world_size: int, dp: int, kwargs: dict, accumulate: int, clip,
                                               moe: bool) -> None:
     assert_layout_matches(make_moe_module if moe else make_module, make_datamodule,

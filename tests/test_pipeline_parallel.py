@@ -49,15 +49,15 @@ def test_balance_minimises_the_largest_stage() -> None:
         (2, dict(schedule="1f1b", microbatches=2), 2, 0.05),
         (2, dict(schedule="interleaved_1f1b", microbatches=2, activation_checkpointing="full"), 1, None),
         (2, dict(schedule="zbv", microbatches=2), 1, None),
-        (4, dict(schedule="gpipe", microbatches=4), 1, None),
         (4, dict(schedule="1f1b", microbatches=4), 1, 0.05),
-        (4, dict(schedule="interleaved_1f1b", microbatches=4), 1, None),
         (4, dict(schedule="zbv", microbatches=4), 1, None),
         (2, dict(schedule="1f1b", microbatches=2, balance="profile"), 1, None),
         (2, dict(schedule="gpipe", microbatches=4, plan=SPLIT_AFTER_3), 1, None),
     ],
-    ids=["pp2-gpipe", "pp2-1f1b-acc2-clip", "pp2-interleaved-recompute", "pp2-zbv", "pp4-gpipe", "pp4-1f1b-clip",
-         "pp4-interleaved", "pp4-zbv", "pp2-profile", "pp2-split-points"],
+    # pp=4 for the schedules whose order depends most on the number of stages (1F1B's warm-up, ZB-V's V);
+    # GPipe and interleaved 1F1B at pp=2.
+    ids=["pp2-gpipe", "pp2-1f1b-acc2-clip", "pp2-interleaved-recompute", "pp2-zbv", "pp4-1f1b-clip", "pp4-zbv",
+         "pp2-profile", "pp2-split-points"],
 )
 def test_pipeline_matches_single_process(world_size: int, kwargs: dict, accumulate: int, clip) -> None:
     datamodule = functools.partial(make_datamodule, batch_size=4)

@@ -25,13 +25,12 @@ def make_strategy(**kwargs):
         (2, dict(tensor_parallel_size=2), 1, None),
         (4, dict(tensor_parallel_size=4), 1, None),
         (4, dict(tensor_parallel_size=2), 2, 0.05),  # dp2 (FSDP2) x tp2, accumulation, global-norm clipping
-        (2, dict(tensor_parallel_size=2, sequence_parallel=True), 1, None),
         (4, dict(tensor_parallel_size=4, sequence_parallel=True), 1, 0.05),
         (4, dict(tensor_parallel_size=2, sequence_parallel=True), 2, 0.05),
         (2, dict(tensor_parallel_size=2, loss_parallel=True), 1, None),
         (4, dict(tensor_parallel_size=4, sequence_parallel=True, loss_parallel=True), 2, 0.05),
     ],
-    ids=["tp2", "tp4", "dp2xtp2-acc2-clip", "tp2-sp", "tp4-sp-clip", "dp2xtp2-sp-acc2-clip", "tp2-loss",
+    ids=["tp2", "tp4", "dp2xtp2-acc2-clip", "tp4-sp-clip", "dp2xtp2-sp-acc2-clip", "tp2-loss",
          "tp4-sp-loss-acc2-clip"],
 )
 def test_tensor_parallel_matches_single_process(world_size: int, kwargs: dict, accumulate: int, clip) -> None:
