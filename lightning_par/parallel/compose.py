@@ -10,9 +10,11 @@ The order matters and is the same as torchtitan's:
 6. torch.compile         -- compiles the already-sharded blocks;
 7. ZeRO / FSDP or DDP    -- last, because it must see the final parameters (DTensors included) and
                             because DDP wraps the whole module so that its hooks see the whole step.
-                            ZeRO stages 1-2 shard the optimizer afterwards (parallelize_optimizer).
+                            ZeRO stages 1-2 shard the optimizer afterwards (parallelize_optimizer). Where
+                            DDP cannot wrap the step (pipeline stages; tensor-parallel DTensors without
+                            ZeRO-3) the strategy calls reduce_gradients after the last backward instead.
 
-A combination this version does not compose yet is refused before any collective runs.
+A combination this version does not compose is refused (check_available) before any collective runs.
 """
 
 from __future__ import annotations
