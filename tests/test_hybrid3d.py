@@ -61,6 +61,24 @@ def test_layouts_it_cannot_compose_are_refused_at_construction(kwargs: dict, mes
         make_strategy(**kwargs)
 
 
+def test_every_knob_reaches_the_layout() -> None:
+    knobs = dict(sequence_parallel=True, loss_parallel=True, context_parallel_method="ring", pipeline_schedule="zbv",
+                 microbatches=8, virtual_stages=3, pipeline_balance="profile", activation_checkpointing="selective",
+                 activation_checkpointing_every=2, reshard_after_forward=False, param_dtype="bf16",
+                 reduce_dtype="fp32", cpu_offload=True, zero_stage=3, tensor_parallel_size=2, replicate_size=2,
+                 data_parallel_size=4)
+    config = make_strategy(**knobs).parallel_config
+    assert (config.sequence_parallel, config.loss_parallel, config.cp_method, config.pp_schedule) == (True, True,
+                                                                                                   "ring", "zbv")
+    assert (config.pp_microbatches, config.pp_virtual_stages, config.pp_balance) == (8, 3, "profile")
+    assert (config.activation_checkpointing, config.activation_checkpointing_every) == ("selective", 2)
+    assert (config.reshard_after_forward, config.param_dtype, config.reduce_dtype, config.cpu_offload) == (
+        False, "bf16", "fp32", True)
+    assert (config.zero_stage, config.tp, config.dp_replicate, config.dp_shard) == (3, 2, 2, 2)
+    ddp = make_strategy(bucket_cap_mb=50.0, static_graph=True, gradient_compression="bf16").parallel_config
+    assert (ddp.ddp_bucket_cap_mb, ddp.ddp_static_graph, ddp.gradient_compression) == (50.0, True, "bf16")
+
+
 def test_context_parallel_refuses_mixture_of_experts_layers() -> None:
     from lightning_par.parallel.plan import derive_plan
     from lightning_par.parallel.sequence import apply_context_parallel

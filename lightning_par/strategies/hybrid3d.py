@@ -52,7 +52,9 @@ class Hybrid3DStrategy(StagedStrategy):
         pipeline_balance: ``parameters`` or ``profile``.
         activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation per block.
         activation_checkpointing_every: checkpoint one block in this many.
-        reshard_after_forward, param_dtype, reduce_dtype: ZeRO-3 knobs (see ``ZeroStrategy``).
+        reshard_after_forward, param_dtype, reduce_dtype, cpu_offload: ZeRO-3 knobs (see ``ZeroStrategy``).
+        bucket_cap_mb, static_graph, find_unused_parameters, gradient_compression: DDP knobs, for layouts
+            DDP wraps (data parallel, ZeRO-1; see ``DataParallelStrategy``).
         device: the accelerator the planner assumes for ``"auto"`` sizes (a preset of
             ``lightning_par.planner``, e.g. ``h100-80gb``); by default ``cpu`` on CPU, ``h100-80gb`` on GPU.
         plan: where the model keeps its blocks (derived for standard decoders; see docs/architecture.md).
@@ -83,6 +85,11 @@ class Hybrid3DStrategy(StagedStrategy):
         reshard_after_forward: bool = True,
         param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
         reduce_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None,
+        cpu_offload: bool = False,
+        bucket_cap_mb: float = 25.0,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
+        gradient_compression: Literal["none", "bf16", "fp16"] = "none",
         device: Optional[str] = None,
         plan: dict[str, Any] | None = None,
         save_distributed_checkpoint: bool = True,
@@ -102,7 +109,9 @@ class Hybrid3DStrategy(StagedStrategy):
             pp_schedule=pipeline_schedule, pp_microbatches=microbatches, pp_virtual_stages=virtual_stages,
             pp_balance=pipeline_balance, activation_checkpointing=activation_checkpointing,
             activation_checkpointing_every=activation_checkpointing_every, reshard_after_forward=reshard_after_forward,
-            param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
+            ddp_bucket_cap_mb=bucket_cap_mb, ddp_static_graph=static_graph,
+            ddp_find_unused_parameters=find_unused_parameters, gradient_compression=gradient_compression,
         )
         self._device_preset = device
         super().__init__(config, plan=plan, save_distributed_checkpoint=save_distributed_checkpoint,
