@@ -26,6 +26,7 @@ make_datamodule = functools.partial(TokenDataModule, source="synthetic", vocab_s
 def make_strategy(name: str = "data_parallel", sharded: bool = True):
     from lightning_par import (
         DataParallelStrategy,
+        Hybrid3DStrategy,
         PipelineParallelStrategy,
         SequenceParallelStrategy,
         TensorParallelStrategy,
@@ -38,6 +39,9 @@ def make_strategy(name: str = "data_parallel", sharded: bool = True):
         return TensorParallelStrategy(tensor_parallel_size=2, save_distributed_checkpoint=sharded)
     if name == "pipeline_parallel":
         return PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2)
+    if name == "hybrid3d":  # dp2 x tp2 x pp2 on 8 ranks
+        return Hybrid3DStrategy(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2,
+                                sequence_parallel=True, microbatches=2)
     if name == "sequence_parallel":
         return SequenceParallelStrategy(context_parallel_size=2, method="ring", save_distributed_checkpoint=sharded)
     return ZeroStrategy(stage=int(name[-1]), save_distributed_checkpoint=sharded)
@@ -162,5 +166,16 @@ def test_model_parallel_checkpoints_reshard(tmp_path: Path, saved_under: str, lo
     loaded = run_distributed(_fit, 2, str(tmp_path / "b"), (loaded_under, True), 1,
                              str(tmp_path / "a" / "last.ckpt"), 1)[0]
     assert loaded["losses"] == []  # restored at the end of epoch 0: nothing left to train
+    for name, tensor in saved["state"].items():
+        assert torch.equal(loaded["state"][name], tensor), name
+
+
+def test_hybrid_checkpoint_reshards_into_data_parallel(tmp_path: Path) -> None:
+    """dp2 x tp2 x pp2 on 8 ranks (stages, tensor-parallel shards, sequence parallel) -> DDP on 4 ranks."""
+    saved = run_distributed(_fit, 8, str(tmp_path / "a"), ("hybrid3d", True), 0, None, 1)[0]
+    loaded = run_distributed(_fit, 4, str(tmp_path / "b"), ("data_parallel", True), 1,
+                             str(tmp_path / "a" / "last.ckpt"), 1)[0]
+    assert loaded["losses"] == []  # restored at the end of epoch 0: nothing left to train
+    assert set(saved["state"]) == set(loaded["state"])
     for name, tensor in saved["state"].items():
         assert torch.equal(loaded["state"][name], tensor), name
