@@ -141,7 +141,7 @@ class ParallelConfig:
 
         ep_host = _as_int(config.dp_shard) * config.cp
         if ep_host % config.ep != 0:
-            fits = _divisors(ep_host)
+            fits = divisors(ep_host)
             raise ValueError(
                 f"ep={config.ep} does not divide dp_shard x cp = {config.dp_shard} x {config.cp} = {ep_host}: "
                 f"expert parallel borrows its ranks from the sharded data-parallel and context-parallel "
@@ -255,7 +255,8 @@ def _as_int(value: Size) -> int:
     return value
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending: the sizes that split ``n`` evenly."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -268,10 +269,10 @@ def _suggest(fixed: dict[str, int], world_size: int) -> str:
     """Name the values of the largest model-parallel size that would fit, e.g. 'try tp=2 or tp=4'."""
     model_dims = [name for name in ("tp", "cp", "pp") if fixed.get(name, 1) > 1]
     if not model_dims:
-        return f"sizes whose product divides {world_size}: {_divisors(world_size)}"
+        return f"sizes whose product divides {world_size}: {divisors(world_size)}"
     name = max(model_dims, key=lambda n: fixed[n])
     others = math.prod(v for k, v in fixed.items() if k != name and k in ("tp", "cp", "pp"))
-    fits = [d for d in _divisors(world_size) if d > 1 and world_size % (d * others) == 0 and d != fixed[name]]
+    fits = [d for d in divisors(world_size) if d > 1 and world_size % (d * others) == 0 and d != fixed[name]]
     if not fits:
-        return f"no {name} fits with the other sizes; world size {world_size} has divisors {_divisors(world_size)}"
+        return f"no {name} fits with the other sizes; world size {world_size} has divisors {divisors(world_size)}"
     return "try " + " or ".join(f"{name}={d}" for d in fits)

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from lightning_par.config import divisors
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.plan import ModelPlan
 
@@ -201,7 +202,7 @@ def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, plan: 
     for n_experts in [layer.n_experts for layer in ours] + [_stacked_experts(m) for m in theirs]:
         if n_experts % ep != 0:
             raise ValueError(f"ep={ep} does not divide the {n_experts} experts of an MoE layer; use an ep in "
-                             f"{[d for d in range(1, n_experts + 1) if n_experts % d == 0]}")
+                             f"{divisors(n_experts)}")
     host = mesh["dp_shard_cp"]
     expert_mesh = host._unflatten(0, (host.size() // ep, ep), ("ep_replicate", "ep"))
     replicas = expert_mesh["ep_replicate"].get_group() if host.size() > ep else None

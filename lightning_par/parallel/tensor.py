@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.overrides import TorchFunctionMode
 
+from lightning_par.config import divisors
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.plan import ModelPlan
 
@@ -130,7 +131,7 @@ def check_tensor_parallel(module: nn.Module, plan: ModelPlan | None, tp: int) ->
             # Attention projections must split into whole heads, not just into equal slices.
             size, what = size // head_dim, "heads"
         if size % tp != 0:
-            fits = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
+            fits = [d for d in divisors(size) if d <= 64]
             raise ValueError(f"tp={tp} does not divide the {size} {what} of {name!r}; tensor-parallel sizes that "
                              f"fit this layer: {fits}")
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_par.planner.cluster import DEVICE_PRESETS, ClusterSpec
+from lightning_par.planner.memory import LIGHTNING_PRECISIONS
 from lightning_par.planner.model import MODEL_PRESETS, ModelSpec
 from lightning_par.planner.report import explain, format_table
 from lightning_par.planner.runtime import plan_for_run
@@ -27,8 +28,6 @@ from lightning_par.planner.search import TrainingSpec, plan_layouts
 # Strategy arguments that fix a size or the ZeRO stage (ZeroStrategy calls it `stage`).
 FIXED_ARGUMENTS = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
                    "expert_parallel_size", "replicate_size", "zero_stage", "stage")
-_PRECISIONS = {"32": "32-true", "32-true": "32-true", "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed",
-               "16-mixed": "bf16-mixed", "16": "bf16-mixed", "bf16-true": "bf16-true", "16-true": "bf16-true"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -123,9 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     # Lightning's own default is 32-true; on accelerators the planner assumes the usual bf16-mixed instead.
     default_precision = "32-true" if device == "cpu" else "bf16-mixed"
     raw_precision = str(options.precision or trainer.get("precision") or default_precision)
-    if raw_precision not in _PRECISIONS:
-        raise SystemExit(f"lightning-par plan: precision {raw_precision!r} is not one of {sorted(_PRECISIONS)}")
-    precision = _PRECISIONS[raw_precision]
+    if raw_precision not in LIGHTNING_PRECISIONS:
+        raise SystemExit(f"lightning-par plan: precision {raw_precision!r} is not one of {sorted(LIGHTNING_PRECISIONS)}")
+    precision = LIGHTNING_PRECISIONS[raw_precision]
     fixed = fixed_from_yaml(config)
     composable = (lambda c: True) if options.all else None
     per_rank = _int(data.get("batch_size"), 0)

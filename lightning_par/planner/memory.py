@@ -69,6 +69,9 @@ from lightning_par.config import ParallelConfig
 from lightning_par.planner.model import ModelSpec
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+# Lightning's precision names (Trainer(precision=...)) as the memory model counts them: fp16 like bf16.
+LIGHTNING_PRECISIONS = {"32": "32-true", "32-true": "32-true", "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed",
+                        "16-mixed": "bf16-mixed", "16": "bf16-mixed", "bf16-true": "bf16-true", "16-true": "bf16-true"}
 OPTIMIZERS = ("adamw",)
 
 
@@ -392,6 +395,6 @@ def block_local_params(model: ModelSpec, config: ParallelConfig, moe: bool) -> f
     return model.norm_params + model.attention_params / config.tp + ffn
 
 
-__all__ = ["MemoryBreakdown", "PRECISIONS", "estimate_memory", "block_activation_bytes", "final_activation_bytes",
+__all__ = ["LIGHTNING_PRECISIONS", "MemoryBreakdown", "PRECISIONS", "estimate_memory", "block_activation_bytes", "final_activation_bytes",
            "loss_workspace_bytes", "rank_stages", "RankStages", "in_flight", "local_params", "param_bytes",
            "block_local_params"]

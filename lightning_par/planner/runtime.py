@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning_par.config import ParallelConfig
+from lightning_par.config import ParallelConfig, divisors
 from lightning_par.planner.cluster import ClusterSpec
 from lightning_par.planner.model import ModelSpec
 from lightning_par.planner.search import Candidate, TrainingSpec, normalize_fixed, plan_layouts
@@ -33,20 +33,18 @@ def plan_for_run(model: ModelSpec, cluster: ClusterSpec, *, batch_size_per_rank:
     """
     fixed = normalize_fixed(fixed)
     per_step = batch_size_per_rank * accumulate_grad_batches  # sequences per data-parallel rank per optimizer step
-    sizes = [d for d in range(1, cluster.world_size + 1) if cluster.world_size % d == 0]
+    micro_batch_sizes = tuple(divisors(batch_size_per_rank))
     pooled: list[Candidate] = []
     errors: list[str] = []
-    for dp in sizes if "dp" not in fixed else [fixed["dp"]]:
+    for dp in divisors(cluster.world_size) if "dp" not in fixed else [fixed["dp"]]:
         training = TrainingSpec(global_batch_size=per_step * dp, seq_len=seq_len, precision=precision,
-                                micro_batch_size=tuple(b for b in range(1, batch_size_per_rank + 1)
-                                                       if batch_size_per_rank % b == 0),
-                                **(training_options or {}))
+                                micro_batch_size=micro_batch_sizes, **(training_options or {}))
         try:
             candidates = plan_layouts(model, cluster, training, fixed={**fixed, "dp": dp}, composable=composable)
         except ValueError as error:
             errors.append(str(error))
             continue
-        pooled += [c for c in candidates if _loader_can_feed(c, batch_size_per_rank, accumulate_grad_batches)]
+        pooled += [c for c in candidates if _loader_can_feed(c, batch_size_per_rank)]
     if not pooled:
         reason = errors[-1] if errors else "no layout cuts the loader's batch into the micro-batches it needs"
         raise ValueError(f"no layout of {model.name} fits {cluster.world_size} {cluster.name} devices with "
@@ -54,7 +52,7 @@ def plan_for_run(model: ModelSpec, cluster: ClusterSpec, *, batch_size_per_rank:
     return sorted(pooled, key=lambda c: (-c.tokens_per_second, c.memory.total))
 
 
-def _loader_can_feed(candidate: Candidate, batch_size: int, accumulate: int) -> bool:
+def _loader_can_feed(candidate: Candidate, batch_size: int) -> bool:
     """Whether the run executes the candidate as costed: Lightning steps on whole loader batches."""
     if candidate.config.pp == 1:
         return candidate.micro_batch_size == batch_size

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_par.config import ParallelConfig
+from lightning_par.config import ParallelConfig, divisors
 from lightning_par.planner.cluster import ClusterSpec, GiB
 from lightning_par.planner.memory import OPTIMIZERS, PRECISIONS, MemoryBreakdown, estimate_memory
 from lightning_par.planner.model import ModelSpec
@@ -135,10 +135,6 @@ class Candidate:
                 "tp": c.tp, "ep": c.ep}
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def normalize_fixed(fixed: dict[str, Any] | None) -> dict[str, Any]:
     """``fixed`` with aliases resolved and ``"auto"``/None entries dropped; unknown names raise."""
     result: dict[str, Any] = {}
@@ -163,7 +159,7 @@ def _check_fixed_sizes(fixed: dict[str, Any], world: int) -> None:
     text = " x ".join(f"{k}={v}" for k, v in sizes.items())
     if world % product:
         raise ValueError(f"the fixed sizes {text} = {product} do not divide the world size {world}: the mesh sizes "
-                         f"must multiply to the number of devices; sizes that divide it: {_divisors(world)}")
+                         f"must multiply to the number of devices; sizes that divide it: {divisors(world)}")
     if len(sizes) == 4 and product != world:
         raise ValueError(f"the fixed sizes {text} multiply to {product}, not to the world size {world}; leave one "
                          "of them 'auto' or change the number of devices")
@@ -199,7 +195,7 @@ def enumerate_layouts(model: ModelSpec, world: int, training: TrainingSpec,
                 continue
             m = training.global_batch_size // (dp * mbs)
             for zero, rep, shard in _data_parallel_options(dp, cp, training, fixed):
-                eps = [ep for ep in _options("ep", fixed, _divisors(model.moe_experts) if model.is_moe else [1])
+                eps = [ep for ep in _options("ep", fixed, divisors(model.moe_experts) if model.is_moe else [1])
                        if (shard * cp) % ep == 0 and (not model.is_moe or model.moe_experts % ep == 0)]
                 knobs = itertools.product(eps, _pipeline_options(pp, m, model, training, fixed), methods,
                                           _tp_options(tp, training.seq_len // cp, fixed),
@@ -217,13 +213,13 @@ def _mesh_sizes(model: ModelSpec, world: int, training: TrainingSpec,
                 fixed: dict[str, Any]) -> Iterator[tuple[int, int, int, int]]:
     """(tp, cp, pp, dp) multiplying to ``world`` that split the model: tp its heads, key/value heads, vocabulary
     and MLP; pp its layers; cp its sequence (the methods are checked by ``_cp_fits``)."""
-    splits = [t for t in _divisors(world) if all(n % t == 0 for n in (model.heads, model.kv_heads,
+    splits = [t for t in divisors(world) if all(n % t == 0 for n in (model.heads, model.kv_heads,
                                                                        model.vocab_size, model.ffn_hidden))]
     for tp in _options("tp", fixed, splits):
-        for cp in _options("cp", fixed, _divisors(world // tp) if world % tp == 0 else []):
+        for cp in _options("cp", fixed, divisors(world // tp) if world % tp == 0 else []):
             if world % (tp * cp) or training.seq_len % cp:
                 continue
-            layers = [p for p in _divisors(world // (tp * cp)) if model.layers % p == 0]
+            layers = [p for p in divisors(world // (tp * cp)) if model.layers % p == 0]
             for pp in _options("pp", fixed, layers):
                 if world % (tp * cp * pp) == 0 and fixed.get("dp", world // (tp * cp * pp)) == world // (tp * cp * pp):
                     yield tp, cp, pp, world // (tp * cp * pp)
@@ -234,7 +230,7 @@ def _data_parallel_options(dp: int, cp: int, training: TrainingSpec,
     """(zero stage, dp_replicate, dp_shard): ZeRO needs ranks to shard over (dp_shard, or dp_shard x cp for
     stage 3); without ZeRO the split into replicate and shard means nothing, so only one is kept."""
     for zero in _options("zero_stage", fixed, training.zero_stages):
-        for rep in _options("dp_replicate", fixed, _divisors(dp) if zero else [1]):
+        for rep in _options("dp_replicate", fixed, divisors(dp) if zero else [1]):
             if dp % rep or fixed.get("dp_shard", dp // rep) != dp // rep:
                 continue
             shard = dp // rep

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_par.config import ParallelConfig, shard_size
+from lightning_par.config import ParallelConfig, Size, shard_size
 from lightning_par.strategies.staged import StagedStrategy
-
-Size = Union[int, Literal["auto"]]
 
 # Strategy argument -> ParallelConfig field, for the sizes the planner may choose.
 PLANNED_SIZES = {"tensor_parallel_size": "tp", "pipeline_parallel_size": "pp", "context_parallel_size": "cp",
@@ -166,9 +164,10 @@ def _loader_shape(datamodule: Any, module: Any) -> tuple[int, int]:
 
 
 def _planner_precision(precision: str) -> str:
-    """Lightning's precision name as the planner's memory model knows it."""
-    return {"32-true": "32-true", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true", "16-mixed": "bf16-mixed",
-            "16-true": "bf16-true"}.get(str(precision), "32-true")
+    """Lightning's precision name as the planner's memory model knows it (others are counted as fp32)."""
+    from lightning_par.planner.memory import LIGHTNING_PRECISIONS
+
+    return LIGHTNING_PRECISIONS.get(str(precision), "32-true")
 
 
 class AutoParallelStrategy(Hybrid3DStrategy):
