@@ -75,7 +75,9 @@ class StagedStrategy(MeshStrategy):
 
         stages = pipeline_stages(module)
         self._schedule = build_schedule(stages, config.pp_schedule, micro, loss_fn)
-        self._forward_schedule = build_schedule(stages, config.pp_schedule, micro, None)
+        # torch 2.13's ZB-V runs backward actions when asked to evaluate: forward_through_stages stands in for it.
+        self._forward_schedule = (None if config.pp_schedule == "zbv"
+                                  else build_schedule(stages, config.pp_schedule, micro, None))
         # Fixed for the run: whether this rank feeds the inputs or computes the loss, and which rank does.
         self._holds_first = any(stage.is_first for stage in stages)
         self._holds_last = any(stage.is_last for stage in stages)
@@ -101,7 +103,7 @@ class StagedStrategy(MeshStrategy):
     def _forward(self, args: tuple[Tensor, ...]) -> Tensor | None:
         """The last stage's output of a forward-only pass (on its rank; None elsewhere)."""
         config = self.parallel_config
-        if config.pp_schedule == "zbv":  # torch 2.13's ZB-V cannot evaluate: see forward_through_stages
+        if self._forward_schedule is None:
             return forward_through_stages(pipeline_stages(self.lightning_module), args[0] if args else None,
                                           self.mesh, config.pp_schedule, config.pp_virtual_stages)
         return self._forward_schedule.eval(*args)
