@@ -117,7 +117,7 @@ def save_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike, *, shar
     staging = _staging_path(final)
     rank = _rank()
     if rank == 0:
-        final.parent.mkdir(parents=True, exist_ok=True)
+        staging.parent.mkdir(parents=True, exist_ok=True)
         _remove(staging)  # left behind by an earlier crash: never complete, never loaded
     _barrier()
     if sharded:
@@ -203,7 +203,7 @@ def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike
         raise FileNotFoundError(f"{str(checkpoint)!r} is neither a sharded checkpoint directory nor a checkpoint file")
     weights = {name: tensor.contiguous() for name, tensor in weights.items()}
     staging = _staging_path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    staging.parent.mkdir(parents=True, exist_ok=True)
     torch.save(weights, staging)
     _move_into_place(staging, output)
     return weights
@@ -231,20 +231,30 @@ def _weights_only(weights_only: bool | None) -> bool:
     return False if weights_only is None else weights_only
 
 
+# Beside the checkpoints, under a name no checkpoint scanner matches: ModelCheckpoint looks for ``last*.ckpt``
+# and Lightning's SLURM resume for any name containing ``hpc_ckpt_``, so ``.hpc_ckpt_3.ckpt.partial`` would
+# be taken for version 3. Same directory, same filesystem: the final rename stays atomic.
+STAGING_DIR = ".lightning_par-staging"
+
+
 def _staging_path(final: Path) -> Path:
     """Where ``final`` is written before it is renamed into place (never loaded, cleaned by the next save)."""
-    return final.with_name(f".{final.name}.partial")
+    return final.parent / STAGING_DIR / final.name
 
 
 def _move_into_place(staging: Path, final: Path) -> None:
     if final.is_dir():
-        retired = final.with_name(f".{final.name}.old")
+        retired = staging.with_name(f"{final.name}.old")
         _remove(retired)
         os.replace(final, retired)
         os.replace(staging, final)
         _remove(retired)
     else:
         os.replace(staging, final)  # atomic over an existing file on POSIX
+    try:
+        staging.parent.rmdir()  # only when no other save is staged there
+    except OSError:
+        pass
 
 
 def _remove(path: Path) -> None:

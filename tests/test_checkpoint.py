@@ -11,7 +11,7 @@ import torch
 from harness import run_distributed
 from parity import RecordLoss
 
-from lightning_par.checkpoint import export_consolidated, is_sharded_checkpoint
+from lightning_par.checkpoint import STAGING_DIR, export_consolidated
 from lightning_par.data import TokenDataModule
 from lightning_par.models import LlamaLM
 
@@ -65,23 +65,22 @@ def _fit(rank: int, world_size: int, directory: str, strategy: str | tuple, seed
             "step": trainer.global_step}
 
 
-@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "full"])
-def test_resume_continues_exactly(tmp_path: Path, sharded: bool) -> None:
+def test_resume_continues_exactly(tmp_path: Path) -> None:
+    """The full (one-file) format; the sharded one is test_resilience's kill-and-resume test."""
     first = tmp_path / "first"
-    first.mkdir()
-    # Debris of a save that crashed half-way: never loaded, cleaned up by the next save.
-    (first / ".last.ckpt.partial").mkdir()
-    (first / ".last.ckpt.partial" / "__0_0.distcp").write_bytes(b"truncated")
+    (first / STAGING_DIR).mkdir(parents=True)
+    # Debris of a save that crashed half-way: never loaded, cleaned up by the next save of that name.
+    (first / STAGING_DIR / "last.ckpt").write_bytes(b"truncated")
 
-    uninterrupted = run_distributed(_fit, 2, str(first), sharded, 0, None)[0]
+    uninterrupted = run_distributed(_fit, 2, str(first), False, 0, None)[0]
     epoch0 = first / "epoch=0-step=4.ckpt"
-    assert is_sharded_checkpoint(epoch0) == sharded
-    assert (epoch0 / "meta.pt").is_file() if sharded else epoch0.is_file()
+    assert epoch0.is_file()
     assert sorted(p.name for p in first.iterdir()) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
+    assert torch.load(first / "last.ckpt", weights_only=False)["global_step"] == 8
 
     # A different seed: everything the second half depends on must come from the checkpoint.
     second = tmp_path / "second"
-    resumed = run_distributed(_fit, 2, str(second), sharded, 1, str(epoch0))[0]
+    resumed = run_distributed(_fit, 2, str(second), False, 1, str(epoch0))[0]
     assert resumed["step"] == uninterrupted["step"] == 8
     assert resumed["losses"] == uninterrupted["losses"][4:]  # bitwise: same ops, same order, same data
     for name, tensor in uninterrupted["state"].items():
@@ -156,8 +155,7 @@ def test_export_consolidated_loads_in_plain_pytorch(tmp_path: Path, strategy: st
 
 @pytest.mark.parametrize(("saved_under", "loaded_under"), [("tensor_parallel", "data_parallel"),
                                                           ("zero2", "tensor_parallel"),
-                                                          ("sequence_parallel", "tensor_parallel"),
-                                                          ("pipeline_parallel", "data_parallel")])
+                                                          ("sequence_parallel", "tensor_parallel")])
 def test_model_parallel_checkpoints_reshard(tmp_path: Path, saved_under: str, loaded_under: str) -> None:
     """DTensor shards of a tensor-parallel run load into whole tensors, and back, and a context-parallel run's
     into tensor-parallel shards (weights compared after

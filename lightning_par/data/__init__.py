@@ -1,7 +1,7 @@
 """Datasets and a LightningDataModule for next-token training that need no download.
 
 ``corpus`` is pure PyTorch (the stdlib byte corpus, window and synthetic datasets);
-``datamodule`` adds the Lightning side, with exact sharding across data-parallel ranks.
+``resumable`` a DataLoader that resumes mid-epoch; ``datamodule`` adds the Lightning side, with exact sharding across data-parallel ranks.
 ``TokenDataModule`` is imported lazily (PEP 562) so that the datasets work without Lightning.
 """
 
@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_par.data.corpus import SyntheticTokenDataset, TokenWindowDataset, load_stdlib_tokens
+from lightning_par.data.resumable import ResumableDataLoader
 
 if TYPE_CHECKING:
     from lightning_par.data.datamodule import TokenDataModule
 
-__all__ = ["TokenDataModule", "TokenWindowDataset", "SyntheticTokenDataset", "load_stdlib_tokens"]
+__all__ = ["TokenDataModule", "ResumableDataLoader", "TokenWindowDataset", "SyntheticTokenDataset", "load_stdlib_tokens"]
 
 
 def __getattr__(name: str) -> Any:

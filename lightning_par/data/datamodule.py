@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from typing_extensions import override
 
 from lightning_par.data.corpus import SyntheticTokenDataset, TokenWindowDataset, load_stdlib_tokens
+from lightning_par.data.resumable import ResumableDataLoader
 
 __all__ = ["TokenDataModule"]
 
@@ -152,8 +153,9 @@ class TokenDataModule(pl.LightningDataModule):
             self.val_dataset = self._trim("val", self._build("val"), num_replicas)
 
     # ------------------------------------------------------------------ loaders
-    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
-        return DataLoader(
+    def _loader(self, dataset: Dataset, shuffle: bool, resumable: bool = False) -> DataLoader:
+        # The training loader resumes mid-epoch where its checkpoint was taken (see data/resumable.py).
+        return (ResumableDataLoader if resumable else DataLoader)(
             dataset,
             batch_size=self.batch_size,
             shuffle=shuffle,
@@ -168,7 +170,7 @@ class TokenDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             self.setup("fit")
-        return self._loader(self.train_dataset, shuffle=self.shuffle)
+        return self._loader(self.train_dataset, shuffle=self.shuffle, resumable=True)
 
     @override
     def val_dataloader(self) -> DataLoader:

@@ -30,7 +30,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.seed import _set_rng_states, reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
@@ -49,6 +49,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par import checkpoint as ckpt
+from lightning_par.fault import FLIGHT_RECORDER_ENTRIES, FaultMonitor
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.clip import clip_grad_norm_
@@ -63,6 +64,13 @@ from lightning_par.parallel.compose import (
 from lightning_par.parallel.data import reduce_gradients, unwrap
 from lightning_par.parallel.plan import ModelPlan, derive_plan
 from lightning_par.parallel.tensor import vocab_parallel_loss
+from lightning_par.strategies.resilience import (
+    RNG_STATES_KEY,
+    RequeueOnPreemption,
+    gather_rng_states,
+    rng_states_of_rank,
+    slurm_requeue_environment,
+)
 
 # Set when a run raised: the exit handler then leaves the process group alone instead of waiting for peers.
 _RUN_FAILED = False
@@ -104,7 +112,8 @@ class MeshStrategy(ParallelStrategy):
         save_distributed_checkpoint: write sharded DCP directories (reshardable across layouts) instead
             of one full file gathered on rank 0.
         process_group_backend: ``"nccl"`` / ``"gloo"``; by default from the device type.
-        timeout: how long a collective may wait before the process group raises.
+        timeout: how long a collective may wait before the process group raises; also the bound within which
+            every rank exits after one rank dies or hangs (see ``lightning_par/fault.py``).
     """
 
     strategy_name = "mesh"
@@ -148,6 +157,8 @@ class MeshStrategy(ParallelStrategy):
         self._mesh: ParallelMesh | None = None
         self._num_nodes = 1
         self._gradient_sync_blocked = False  # inside block_backward_sync (gradient accumulation)
+        self._fault_monitor: FaultMonitor | None = None
+        self._rng_states_to_restore: dict[str, Any] | None = None  # put back at the first batch after a resume
 
     # --------------------------------------------------------------------------- topology
     @property
@@ -213,12 +224,19 @@ class MeshStrategy(ParallelStrategy):
         )
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
+        # The flight recorder names the collective that failed (read when the process group starts).
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
         if not torch.distributed.is_initialized():
             _init_dist_connection(
                 self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
             )
             atexit.register(_destroy_process_group_at_exit)
         self._mesh = self.parallel_config.build_mesh(self.root_device.type)
+        if self.world_size > 1 and self._fault_monitor is None:
+            timeout = (self._timeout or default_pg_timeout).total_seconds()
+            store = torch.distributed.distributed_c10d._get_default_store()
+            self._fault_monitor = FaultMonitor(store, self.global_rank, self.world_size, timeout=timeout)
+            self._fault_monitor.start()
         if self.lightning_module is not None:
             # LightningModule.device_mesh, for user code in configure_model()/parallelize()
             self.lightning_module._device_mesh = self._mesh.root
@@ -320,6 +338,29 @@ class MeshStrategy(ParallelStrategy):
         # where PyTorch knows how to compute cross-entropy on them.
         return vocab_parallel_loss(self.parallel_config.loss_parallel and self.mesh.size("tp") > 1)
 
+    def _enter(self, phase: str) -> None:
+        if self._fault_monitor is not None:
+            self._fault_monitor.enter(phase)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        environment = slurm_requeue_environment(trainer)
+        if environment is not None and not any(isinstance(c, RequeueOnPreemption) for c in trainer.callbacks):
+            requeue = RequeueOnPreemption(environment)
+            trainer.callbacks.append(requeue)
+            requeue.on_train_start(trainer, self.lightning_module)  # the hook has just been called for the others
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._enter(f"training step {self.lightning_module.trainer.global_step}")
+        if self._rng_states_to_restore is not None:
+            # Taken at the end of the batch before this one: the first draw of this batch continues the saved run.
+            _set_rng_states(self._rng_states_to_restore)
+            self._rng_states_to_restore = None
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._loss_context():
@@ -327,6 +368,7 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._enter("validation")
         with self._loss_context():
             return super().validation_step(*args, **kwargs)
 
@@ -366,12 +408,18 @@ class MeshStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         global _RUN_FAILED
         _RUN_FAILED = True  # peers may be gone or stuck: do not wait for them at exit
+        if self._fault_monitor is not None:
+            # Name the rank and the collective; from here this rank exits within the timeout.
+            exception.add_note(self._fault_monitor.report(exception))
         super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
         if self.model is not None and unwrap(self.model) is self.lightning_module:
             self.model = self.lightning_module  # drop the DDP wrapper; the next run wraps again
+        if self._fault_monitor is not None:
+            self._fault_monitor.stop()
+            self._fault_monitor = None
         super().teardown()
 
     # ------------------------------------------------------------------------ collectives
@@ -432,17 +480,25 @@ class MeshStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))  # one path for every rank
+        self._enter(f"saving checkpoint {path}")
+        checkpoint[RNG_STATES_KEY] = gather_rng_states(self.root_device)
         ckpt.save_checkpoint(checkpoint, path, sharded=self._save_distributed_checkpoint)
+        if self._fault_monitor is not None:
+            self._fault_monitor.last_checkpoint = str(path)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.lightning_module is not None
         path = Path(self.broadcast(str(checkpoint_path)))
+        self._enter(f"loading checkpoint {path}")
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        return ckpt.load_checkpoint(
+        checkpoint = ckpt.load_checkpoint(
             path, self.lightning_module, optimizers, strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
         )
+        self._rng_states_to_restore = rng_states_of_rank(checkpoint.pop(RNG_STATES_KEY, None), self.global_rank,
+                                                         self.world_size)
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -1,0 +1,107 @@
+"""One rank of a short data-parallel run, launched as its own process by test_resilience.py.
+
+The environment says who this process is, as a launcher would set it: ``RANK``/``WORLD_SIZE``/``MASTER_*``
+(srun-like independent processes) or ``SLURM_*``. The run trains the tiny Llama for two epochs of four
+steps with a checkpoint every three steps, and can tell rank 1 to fail in a given way:
+
+- ``--kill-in-save STEP``: this rank SIGKILLs itself half-way through writing the checkpoint of ``STEP``;
+- ``--hang-at STEP``: this rank stops in the training step ``STEP`` (alive, never reaching a collective);
+- ``--signal-at STEP``: this rank sends itself SIGUSR1 (SLURM's requeue warning) in step ``STEP``.
+
+It writes ``rank<N>.pt`` into ``--out`` (losses, one RNG draw per step, final weights, last step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import lightning
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parity import RecordLoss  # noqa: E402
+
+from lightning_par import DataParallelStrategy  # noqa: E402
+from lightning_par.data import TokenDataModule  # noqa: E402
+from lightning_par.models import LlamaLM  # noqa: E402
+
+
+class Misbehave(lightning.Callback):
+    """Records one draw from the global RNG per step, and fails as the command line asks."""
+
+    def __init__(self, args: argparse.Namespace, rank: int) -> None:
+        self.args, self.rank, self.draws = args, rank, []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_step == 0:
+            torch.manual_seed(100 * self.args.seed + self.rank)  # every rank's stream differs
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.rank != 1:
+            return
+        step = trainer.global_step + 1
+        if step == self.args.hang_at:
+            time.sleep(3600)
+        if step == self.args.signal_at:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        if step == self.args.kill_in_save:
+            _die_while_writing()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.draws.append(torch.rand(1).item())  # continues exactly only if the RNG state was restored
+
+
+def _die_while_writing() -> None:
+    """From now on, writing this rank's part of a sharded checkpoint leaves half a file and kills the process."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    def write_half_and_die(self, plan, planner):
+        (Path(self.path) / "__half_written.distcp").write_bytes(b"\0" * 100)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    FileSystemWriter.write_data = write_half_and_die
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ckpt-path", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--kill-in-save", type=int, default=-1)
+    parser.add_argument("--hang-at", type=int, default=-1)
+    parser.add_argument("--signal-at", type=int, default=-1)
+    args = parser.parse_args()
+
+    torch.manual_seed(args.seed)
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+    recorder, misbehave = RecordLoss(), Misbehave(args, rank)
+    checkpoints = ModelCheckpoint(dirpath=args.dir, every_n_train_steps=3, save_top_k=-1, save_last=True)
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=int(os.environ.get("SLURM_NTASKS_PER_NODE", os.environ.get("WORLD_SIZE", 1))),
+        strategy=DataParallelStrategy(timeout=timedelta(seconds=args.timeout)), max_epochs=2,
+        callbacks=[recorder, misbehave, checkpoints], logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=args.dir,
+    )
+    module = LlamaLM(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16, learning_rate=1e-2,
+                     warmup_steps=2, max_steps=8)
+    # 16 samples / (batch 2 x 2 ranks) = 4 steps per epoch, shuffled.
+    data = TokenDataModule(source="synthetic", vocab_size=64, seq_len=16, batch_size=2, num_samples=16,
+                           num_val_samples=8)
+    trainer.fit(module, datamodule=data, ckpt_path=args.ckpt_path)
+    state = trainer.strategy.consolidated_state_dict()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    torch.save({"losses": recorder.losses, "draws": misbehave.draws, "state": state, "step": trainer.global_step},
+               Path(args.out, f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Faults, interrupted saves, exact resume and SLURM requeue, with ranks as independent processes.
+
+Each rank is its own ``python tests/resilience_run.py`` process, as srun or a node's launcher would start
+it, so one can be killed without the others being torn down by a parent: what the survivors do is what
+lightning-par does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from harness import free_port
+
+from lightning_par.checkpoint import STAGING_DIR, is_sharded_checkpoint
+
+SCRIPT = Path(__file__).with_name("resilience_run.py")
+WORLD_SIZE = 2
+
+
+def launch(directory: Path, out: Path, *args: str, slurm: bool = False, wait: float = 150.0,
+           extra_env: dict[str, str] | None = None) -> list[dict]:
+    """Start one process per rank; return each rank's exit code, stderr and seconds to exit."""
+    port = str(free_port())
+    procs = []
+    start = time.monotonic()
+    for rank in range(WORLD_SIZE):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+        if slurm:  # what srun sets for task `rank` of a one-node, two-task job
+            env.update(SLURM_NTASKS=str(WORLD_SIZE), SLURM_NTASKS_PER_NODE=str(WORLD_SIZE), SLURM_PROCID=str(rank),
+                       SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_JOB_NAME="train",
+                       SLURM_NODELIST="localhost")
+        else:
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), NODE_RANK="0")
+        env.update(extra_env or {})
+        command = [sys.executable, str(SCRIPT), "--dir", str(directory), "--out", str(out), *args]
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for rank, proc in enumerate(procs):
+        try:
+            _, stderr = proc.communicate(timeout=max(1.0, wait - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise AssertionError(f"rank {rank} did not exit within {wait:.0f} s") from None
+        results.append({"code": proc.returncode, "stderr": stderr, "seconds": time.monotonic() - start})
+    return results
+
+
+def outcome(out: Path, rank: int = 0) -> dict:
+    return torch.load(out / f"rank{rank}.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    base = tmp_path_factory.mktemp("uninterrupted")
+    ranks = launch(base / "ckpt", base / "out")
+    assert all(r["code"] == 0 for r in ranks), [r["stderr"][-3000:] for r in ranks]
+    return [outcome(base / "out", rank) for rank in range(WORLD_SIZE)]
+
+
+def assert_continues(resumed: list[dict], uninterrupted: list[dict], from_step: int) -> None:
+    """Bitwise: losses and every rank's RNG draws of the resumed steps, and the final weights."""
+    for rank in range(WORLD_SIZE):
+        assert resumed[rank]["losses"] == uninterrupted[rank]["losses"][from_step:], rank
+        assert resumed[rank]["draws"] == uninterrupted[rank]["draws"][from_step:], rank
+    assert resumed[0]["step"] == uninterrupted[0]["step"] == 8
+    for name, tensor in uninterrupted[0]["state"].items():
+        assert torch.equal(resumed[0]["state"][name], tensor), name
+
+
+def test_killed_rank_during_save(tmp_path: Path, uninterrupted: list[dict]) -> None:
+    """Rank 1 is SIGKILLed half-way through writing the step-6 checkpoint. Rank 0 exits within the timeout,
+    naming rank 1 and the collective; the half-written checkpoint stays out of sight; resuming from "last"
+    (step 3, inside epoch 0) repeats the uninterrupted run exactly, losses and RNG draws on every rank."""
+    timeout = 20.0
+    ranks = launch(tmp_path / "ckpt", tmp_path / "out", "--kill-in-save", "6", "--timeout", str(timeout))
+    assert ranks[1]["code"] == -signal.SIGKILL
+    survivor = ranks[0]
+    assert survivor["code"] != 0
+    assert survivor["seconds"] < timeout + 15, survivor["seconds"]  # start-up and training included
+    message = survivor["stderr"]
+    assert "lightning-par: rank 0 failed in saving checkpoint" in message, message[-3000:]
+    assert "on process group" in message  # the collective, from the flight recorder
+    assert "rank 1 is gone (last heartbeat" in message
+    assert f"the last complete checkpoint this run wrote is {tmp_path / 'ckpt' / 'last.ckpt'}" in message
+
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert names == [STAGING_DIR, "epoch=0-step=3.ckpt", "last.ckpt"], names
+    assert (tmp_path / "ckpt" / STAGING_DIR / "epoch=1-step=6.ckpt").is_dir()  # the half-written one
+    assert is_sharded_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+
+    ranks = launch(tmp_path / "ckpt", tmp_path / "resumed", "--ckpt-path", "last", "--seed", "7")
+    assert all(r["code"] == 0 for r in ranks), [r["stderr"][-3000:] for r in ranks]
+    assert_continues([outcome(tmp_path / "resumed", rank) for rank in range(WORLD_SIZE)], uninterrupted, 3)
+
+
+def test_hung_rank(tmp_path: Path) -> None:
+    """Rank 1 stops inside step 2 without dying. Rank 0's collective times out and it names rank 1 as stuck;
+    rank 1, alive but lost, leaves too once rank 0 has reported, instead of waiting forever."""
+    timeout = 6.0
+    ranks = launch(tmp_path / "ckpt", tmp_path / "out", "--hang-at", "2", "--timeout", str(timeout))
+    assert ranks[0]["code"] != 0 and ranks[1]["code"] != 0
+    # Lightning counts steps from 0: rank 1 stopped before starting step 1, rank 0 waited for it there.
+    assert "lightning-par: rank 0 failed in training step 1" in ranks[0]["stderr"], ranks[0]["stderr"][-3000:]
+    assert "rank 1 is alive but stuck in training step 0" in ranks[0]["stderr"]
+    assert "rank 1 stopped waiting in training step 0" in ranks[1]["stderr"], ranks[1]["stderr"][-3000:]
+    assert max(r["seconds"] for r in ranks) < 2 * timeout + 30
+
+
+def test_slurm_requeue(tmp_path: Path, uninterrupted: list[dict]) -> None:
+    """SIGUSR1 reaches one rank in step 6: at the end of that batch both ranks write hpc_ckpt_1.ckpt, rank 0
+    calls `scontrol requeue 4242` (a recorder here), training stops; the requeued job, started the same way
+    with no checkpoint named, resumes from it through Lightning's SLURM resume and finishes as if
+    uninterrupted."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "scontrol.log"
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {record}\n')
+    scontrol.chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+    ranks = launch(tmp_path / "run", tmp_path / "first", "--signal-at", "6", slurm=True, extra_env=env)
+    assert all(r["code"] == 0 for r in ranks), [r["stderr"][-3000:] for r in ranks]
+    assert record.read_text() == "requeue 4242\n"
+    assert is_sharded_checkpoint(tmp_path / "run" / "hpc_ckpt_1.ckpt")
+    assert outcome(tmp_path / "first")["step"] == 6
+
+    ranks = launch(tmp_path / "run", tmp_path / "requeued", "--seed", "7", slurm=True,
+                   extra_env={**env, "SLURM_RESTART_COUNT": "1"})
+    assert all(r["code"] == 0 for r in ranks), [r["stderr"][-3000:] for r in ranks]
+    assert_continues([outcome(tmp_path / "requeued", rank) for rank in range(WORLD_SIZE)], uninterrupted, 6)
