@@ -18,6 +18,7 @@ import argparse
 import os
 import shutil
 import tempfile
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -107,12 +108,28 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     return path.is_dir() and (path / _DCP_METADATA).is_file()
 
 
-def save_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike, *, sharded: bool) -> None:
+def save_checkpoint(
+    checkpoint: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    sharded: bool,
+    asynchronous: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+) -> Future | None:
     """Write ``checkpoint`` to ``path`` atomically. Collective; ``path`` must be the same on every rank.
 
     ``checkpoint`` is Lightning's checkpoint dict whose ``state_dict`` / ``optimizer_states`` entries come
     from :func:`model_state_dict` / :func:`optimizer_state_dict` with ``full=not sharded``.
+
+    ``asynchronous`` (sharded only): ``torch.distributed.checkpoint.async_save`` copies the tensors to CPU
+    memory and writes them in a background thread over ``process_group`` (a gloo group of its own, so its
+    collectives never interleave with training's); this returns at once with a future that completes when
+    the checkpoint is in place (on rank 0, after the rename). Training must not save or load again before
+    the future is done.
     """
+    if asynchronous and not sharded:
+        raise ValueError("asynchronous checkpoints are written by torch.distributed.checkpoint: "
+                         "they need the sharded format (save_distributed_checkpoint=True)")
     final = Path(path)
     staging = _staging_path(final)
     rank = _rank()
@@ -125,15 +142,36 @@ def save_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike, *, shar
         tensors = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
         for index, state in enumerate(checkpoint.pop(OPTIMIZERS_KEY, [])):
             tensors[f"optimizer_{index}"] = state
-        dcp.save(tensors, checkpoint_id=staging)
         if rank == 0:
+            staging.mkdir(exist_ok=True)
             torch.save(checkpoint, staging / META_FILE)
+        if asynchronous:
+            written = dcp.async_save(tensors, checkpoint_id=staging, process_group=process_group)
+            return _then_move_into_place(written, staging, final) if rank == 0 else written
+        dcp.save(tensors, checkpoint_id=staging)
     elif rank == 0:
         torch.save(checkpoint, staging)
     _barrier()
     if rank == 0:
         _move_into_place(staging, final)
     _barrier()
+    return None
+
+
+def _then_move_into_place(written: Future, staging: Path, final: Path) -> Future:
+    # DCP's future completes on rank 0 after every rank has written and rank 0 has added the metadata.
+    in_place: Future = Future()
+
+    def finish(done: Future) -> None:
+        try:
+            done.result()
+            _move_into_place(staging, final)
+            in_place.set_result(final)
+        except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
+            in_place.set_exception(error)
+
+    written.add_done_callback(finish)
+    return in_place
 
 
 def load_checkpoint(

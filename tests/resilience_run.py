@@ -51,7 +51,8 @@ class Misbehave(lightning.Callback):
             time.sleep(3600)
         if step == self.args.signal_at:
             os.kill(os.getpid(), signal.SIGUSR1)
-        if step == self.args.kill_in_save:
+        # Under torchrun, only the first attempt fails: the restarted one must get through.
+        if step == self.args.kill_in_save and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             _die_while_writing()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -11,7 +11,7 @@ import torch
 from harness import run_distributed
 from parity import RecordLoss
 
-from lightning_par.checkpoint import STAGING_DIR, export_consolidated
+from lightning_par.checkpoint import STAGING_DIR, export_consolidated, is_sharded_checkpoint
 from lightning_par.data import TokenDataModule
 from lightning_par.models import LlamaLM
 
@@ -48,8 +48,9 @@ def make_strategy(name: str = "data_parallel", sharded: bool = True):
 
 
 def _fit(rank: int, world_size: int, directory: str, strategy: str | tuple, seed: int, ckpt_path: str | None,
-         max_epochs: int = 2) -> dict:
+         max_epochs: int = 2, asynchronous: bool = False) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
     name, sharded = strategy if isinstance(strategy, tuple) else ("data_parallel", strategy)
     torch.manual_seed(seed)
@@ -59,28 +60,33 @@ def _fit(rank: int, world_size: int, directory: str, strategy: str | tuple, seed
         accelerator="cpu", devices=world_size, strategy=make_strategy(name, sharded),
         max_epochs=max_epochs, callbacks=[recorder, checkpoints], logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        plugins=[AsyncCheckpointIO()] if asynchronous else None,
     )
     trainer.fit(make_module(), datamodule=make_datamodule(), ckpt_path=ckpt_path)
     return {"losses": recorder.losses, "state": trainer.strategy.consolidated_state_dict(),
             "step": trainer.global_step}
 
 
-def test_resume_continues_exactly(tmp_path: Path) -> None:
-    """The full (one-file) format; the sharded one is test_resilience's kill-and-resume test."""
+@pytest.mark.parametrize("sharded", [False, True], ids=["full", "sharded-async"])
+def test_resume_continues_exactly(tmp_path: Path, sharded: bool) -> None:
+    """The full format, and the sharded one written in the background (AsyncCheckpointIO) while training goes
+    on: the checkpoint holds the state of its step, not of later ones. (The synchronous sharded case is
+    test_resilience's kill-and-resume test.)"""
     first = tmp_path / "first"
     (first / STAGING_DIR).mkdir(parents=True)
     # Debris of a save that crashed half-way: never loaded, cleaned up by the next save of that name.
     (first / STAGING_DIR / "last.ckpt").write_bytes(b"truncated")
 
-    uninterrupted = run_distributed(_fit, 2, str(first), False, 0, None)[0]
+    uninterrupted = run_distributed(_fit, 2, str(first), sharded, 0, None, asynchronous=sharded)[0]
     epoch0 = first / "epoch=0-step=4.ckpt"
-    assert epoch0.is_file()
+    assert is_sharded_checkpoint(epoch0) if sharded else epoch0.is_file()
     assert sorted(p.name for p in first.iterdir()) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
-    assert torch.load(first / "last.ckpt", weights_only=False)["global_step"] == 8
+    last = first / "last.ckpt" / "meta.pt" if sharded else first / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 8
 
     # A different seed: everything the second half depends on must come from the checkpoint.
     second = tmp_path / "second"
-    resumed = run_distributed(_fit, 2, str(second), False, 1, str(epoch0))[0]
+    resumed = run_distributed(_fit, 2, str(second), sharded, 1, str(epoch0))[0]
     assert resumed["step"] == uninterrupted["step"] == 8
     assert resumed["losses"] == uninterrupted["losses"][4:]  # bitwise: same ops, same order, same data
     for name, tensor in uninterrupted["state"].items():

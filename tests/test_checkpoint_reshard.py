@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning
-import pytest
 import torch
 from harness import run_distributed
 from parity import RecordLoss

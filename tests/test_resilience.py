@@ -101,6 +101,20 @@ def test_killed_rank_during_save(tmp_path: Path, uninterrupted: list[dict]) -> N
     assert_continues([outcome(tmp_path / "resumed", rank) for rank in range(WORLD_SIZE)], uninterrupted, 3)
 
 
+def test_torchrun_restart_resumes_from_last(tmp_path: Path, uninterrupted: list[dict]) -> None:
+    """torchrun restarts the group after rank 1 is killed mid-save; the restarted attempt, given
+    ``ckpt_path="last"`` like the first (which found none and started afresh), resumes from step 3."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD_SIZE),
+               "--max-restarts", "1", str(SCRIPT), "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
+               "--ckpt-path", "last", "--kill-in-save", "6", "--timeout", "20"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # The agent stops rank 0 of the failed attempt itself (SIGTERM), so no diagnosis is asked of it here.
+    assert f"Restored all states from the checkpoint at {tmp_path / 'ckpt' / 'last.ckpt'}" in result.stdout + result.stderr
+    assert_continues([outcome(tmp_path / "out", rank) for rank in range(WORLD_SIZE)], uninterrupted, 3)
+
+
 def test_hung_rank(tmp_path: Path) -> None:
     """Rank 1 stops inside step 2 without dying. Rank 0's collective times out and it names rank 1 as stuck;
     rank 1, alive but lost, leaves too once rank 0 has reported, instead of waiting forever."""

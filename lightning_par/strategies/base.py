@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import os
 from collections.abc import Generator, Mapping
+from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -68,6 +70,7 @@ from lightning_par.strategies.resilience import (
     RNG_STATES_KEY,
     RequeueOnPreemption,
     gather_rng_states,
+    init_process_group_under_torchelastic,
     rng_states_of_rank,
     slurm_requeue_environment,
 )
@@ -110,7 +113,9 @@ class MeshStrategy(ParallelStrategy):
             from the model when omitted. A LightningModule that defines ``parallelize(mesh, config)``
             parallelizes itself instead (it returns the module to train, or None if it changed itself).
         save_distributed_checkpoint: write sharded DCP directories (reshardable across layouts) instead
-            of one full file gathered on rank 0.
+            of one full file gathered on rank 0. With Lightning's ``AsyncCheckpointIO`` plugin
+            (``Trainer(plugins=[AsyncCheckpointIO()])``) they are written in the background while training
+            goes on (``torch.distributed.checkpoint.async_save``).
         process_group_backend: ``"nccl"`` / ``"gloo"``; by default from the device type.
         timeout: how long a collective may wait before the process group raises; also the bound within which
             every rank exits after one rank dies or hangs (see ``lightning_par/fault.py``).
@@ -159,6 +164,8 @@ class MeshStrategy(ParallelStrategy):
         self._gradient_sync_blocked = False  # inside block_backward_sync (gradient accumulation)
         self._fault_monitor: FaultMonitor | None = None
         self._rng_states_to_restore: dict[str, Any] | None = None  # put back at the first batch after a resume
+        self._pending_save: Future | None = None  # an asynchronous save still being written
+        self._checkpoint_group: torch.distributed.ProcessGroup | None = None
 
     # --------------------------------------------------------------------------- topology
     @property
@@ -219,6 +226,9 @@ class MeshStrategy(ParallelStrategy):
         self.set_world_ranks()
         # Validate the sizes before the first collective: every rank raises the same ValueError.
         self.parallel_config = self._choose_layout(self.parallel_config).validate(self.world_size)
+        if self._saves_asynchronously and not self._save_distributed_checkpoint:
+            raise ValueError("AsyncCheckpointIO writes through torch.distributed.checkpoint.async_save, which needs "
+                             "the sharded format: set save_distributed_checkpoint=True or drop the plugin")
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -227,9 +237,12 @@ class MeshStrategy(ParallelStrategy):
         # The flight recorder names the collective that failed (read when the process group starts).
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
         if not torch.distributed.is_initialized():
-            _init_dist_connection(
-                self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-            )
+            timeout = self._timeout or default_pg_timeout
+            if not init_process_group_under_torchelastic(self.cluster_environment, self._process_group_backend,
+                                                         timeout, device_id):
+                _init_dist_connection(
+                    self.cluster_environment, self._process_group_backend, timeout=timeout, device_id=device_id
+                )
             atexit.register(_destroy_process_group_at_exit)
         self._mesh = self.parallel_config.build_mesh(self.root_device.type)
         if self.world_size > 1 and self._fault_monitor is None:
@@ -417,6 +430,8 @@ class MeshStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if self.model is not None and unwrap(self.model) is self.lightning_module:
             self.model = self.lightning_module  # drop the DDP wrapper; the next run wraps again
+        if not _RUN_FAILED:
+            self._finish_pending_save()
         if self._fault_monitor is not None:
             self._fault_monitor.stop()
             self._fault_monitor = None
@@ -480,16 +495,41 @@ class MeshStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))  # one path for every rank
+        self._finish_pending_save()
         self._enter(f"saving checkpoint {path}")
         checkpoint[RNG_STATES_KEY] = gather_rng_states(self.root_device)
-        ckpt.save_checkpoint(checkpoint, path, sharded=self._save_distributed_checkpoint)
+        if self._saves_asynchronously and self._checkpoint_group is None:
+            self._checkpoint_group = torch.distributed.new_group(backend="gloo")
+        self._pending_save = ckpt.save_checkpoint(
+            checkpoint, path, sharded=self._save_distributed_checkpoint, asynchronous=self._saves_asynchronously,
+            process_group=self._checkpoint_group,
+        )
+        if self._pending_save is None:
+            self._note_complete(path)
+        else:
+            self._pending_save.add_done_callback(lambda done: done.exception() or self._note_complete(path))
+
+    @property
+    def _saves_asynchronously(self) -> bool:
+        return isinstance(self._checkpoint_io, AsyncCheckpointIO)
+
+    def _note_complete(self, path: Path) -> None:
         if self._fault_monitor is not None:
             self._fault_monitor.last_checkpoint = str(path)
+
+    def _finish_pending_save(self) -> None:
+        """Wait for an asynchronous save (raising its error), and for rank 0 to have renamed it into place."""
+        if self._pending_save is None:
+            return
+        pending, self._pending_save = self._pending_save, None
+        pending.result()
+        self.barrier("checkpoint in place")
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.lightning_module is not None
         path = Path(self.broadcast(str(checkpoint_path)))
+        self._finish_pending_save()
         self._enter(f"loading checkpoint {path}")
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         checkpoint = ckpt.load_checkpoint(
