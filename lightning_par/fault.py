@@ -63,6 +63,7 @@ class FaultMonitor:
         self.phase = "starting"
         self.progress = 0  # phases entered: the same sequence on every rank
         self.last_checkpoint: str | None = None
+        self._published_at = 0.0
         self._failing = False  # this rank's own error path runs: leave the exit to it (and the deadline)
         self._exit_at: float | None = None
         self._stop = threading.Event()
@@ -79,9 +80,15 @@ class FaultMonitor:
             self._thread.join(timeout=2 * self.interval + 1)
 
     def enter(self, phase: str) -> None:
-        """Record that this rank starts ``phase`` (called from the training loop; cheap, no I/O)."""
+        """Record that this rank starts ``phase`` (called from the training loop; at most two store writes per
+        interval, so that a rank that dies between heartbeats is reported where it was)."""
         self.progress += 1
         self.phase = phase
+        if time.monotonic() - self._published_at > self.interval / 2:
+            try:
+                self._publish()
+            except Exception:  # noqa: BLE001 - the heartbeat thread deals with a lost store
+                pass
 
     # ------------------------------------------------------------------ the failing rank
     def report(self, exception: BaseException) -> str:
@@ -118,19 +125,17 @@ class FaultMonitor:
             return [f"the rendezvous store ({_store_address()}) does not answer: the rank or agent hosting it "
                     "(rank 0 under a plain launch) is gone"]
         now = time.time()
-        dead = {r: p for r, p in peers.items() if p is None or now - p["time"] > 2 * self.interval}
-        alive = {r: p for r, p in peers.items() if r not in dead}
+        dead = {r for r, p in peers.items() if p is None or now - p["time"] > 2 * self.interval}
+        ahead = max([self.progress] + [p["progress"] for r, p in peers.items() if r not in dead])
         lines = []
-        for rank, state in sorted(dead.items()):
+        for rank, state in sorted(peers.items()):
             if state is None:
                 lines.append(f"rank {rank} never sent a heartbeat")
-            else:
+            elif state["failure"]:
+                lines.append(f"rank {rank} reported: {state['failure']}")
+            elif rank in dead:
                 lines.append(f"rank {rank} is gone (last heartbeat {now - state['time']:.1f} s ago, "
                              f"in {state['phase']})")
-        ahead = max([self.progress] + [p["progress"] for p in alive.values()])
-        for rank, state in sorted(alive.items()):
-            if state["failure"]:
-                lines.append(f"rank {rank} reported: {state['failure']}")
             elif state["progress"] < ahead:
                 lines.append(f"rank {rank} is alive but stuck in {state['phase']} (others are further on)")
         return lines or ["every other rank is alive and at the same point"]
@@ -145,6 +150,7 @@ class FaultMonitor:
 
     # ------------------------------------------------------------------ every rank
     def _publish(self) -> None:
+        self._published_at = time.monotonic()
         self._store.set(f"beat/{self.rank}", f"{self.progress}\t{time.time():.3f}\t{self.phase}")
 
     def _beat(self) -> None:

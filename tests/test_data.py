@@ -239,3 +239,51 @@ def test_datamodule_from_jsonargparse():
     cfg = parser.parse_string("data:\n  source: synthetic\n  seq_len: 8\n  num_samples: 12\n")
     dm = parser.instantiate_classes(cfg).data
     assert isinstance(dm, TokenDataModule) and dm.source == "synthetic" and dm.seq_len == 8
+
+
+# ---------------------------------------------------------------------------- resumable loader
+def _indices_loader(replicas: int, rank: int, batch_size: int, **kwargs) -> "ResumableDataLoader":
+    from lightning_par.data import ResumableDataLoader
+
+    sampler = DistributedSampler(range(24), num_replicas=replicas, rank=rank, shuffle=True, seed=3)
+    return ResumableDataLoader(list(range(24)), batch_size=batch_size, sampler=sampler, **kwargs)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2], ids=["in-process", "persistent-workers"])
+def test_resumable_loader_continues_mid_epoch(num_workers: int) -> None:
+    workers = {"num_workers": num_workers, "persistent_workers": num_workers > 0}
+    uninterrupted = _indices_loader(2, 1, 2, **workers)
+    epoch = [batch.tolist() for batch in uninterrupted]
+    interrupted = _indices_loader(2, 1, 2, **workers)
+    iterator = iter(interrupted)
+    seen = [next(iterator).tolist() for _ in range(4)]
+    state = interrupted.state_dict()
+    assert state["batches_in_epoch"] == 4 and state["global_batch"] == 4
+
+    resumed = _indices_loader(2, 1, 2, **workers)
+    resumed.load_state_dict(state)
+    rest = [batch.tolist() for batch in resumed]
+    assert seen + rest == epoch  # nothing read twice, nothing left out
+    assert len([batch for batch in resumed]) == len(epoch)  # the next epoch is whole again
+
+
+def test_resumable_loader_after_an_ended_epoch_and_under_another_data_parallel_size() -> None:
+    loader = _indices_loader(2, 0, 2)
+    list(loader)
+    ended = _indices_loader(2, 0, 2)
+    ended.load_state_dict(loader.state_dict())
+    assert len(list(ended)) == len(loader)  # an ended epoch is not skipped into
+
+    # 3 batches x 2 samples x 2 replicas = 12 samples seen; one replica with batch 4 resumes after 3 batches.
+    partial = _indices_loader(2, 0, 2)
+    iterator = iter(partial)
+    for _ in range(3):
+        next(iterator)
+    one_replica = _indices_loader(1, 0, 4)
+    one_replica.load_state_dict(partial.state_dict())
+    assert len(list(one_replica)) == len(one_replica) - 3
+    # 12 samples is not a whole number of batches of 8: it resumes after 8 and says so.
+    wide = _indices_loader(1, 0, 8)
+    with pytest.warns(UserWarning, match="not a whole number of this run's global batch"):
+        wide.load_state_dict(partial.state_dict())
+    assert len(list(wide)) == len(wide) - 1

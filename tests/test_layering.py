@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 # Modules that must stay usable without lightning: configuration, mesh, stage arithmetic, techniques,
-# checkpoints, the planner (and its command), and the pure parts of the model and data packages.
+# checkpoints, fault detection, the planner (and its command), and the pure parts of the model and data packages.
 PURE_MODULES = [
     "lightning_par",
     "lightning_par.config",
@@ -14,10 +14,12 @@ PURE_MODULES = [
     "lightning_par.stages",
     "lightning_par.parallel",
     "lightning_par.checkpoint",
+    "lightning_par.fault",
     "lightning_par.planner",
     "lightning_par.planner.cli",
     "lightning_par.models.llama",
     "lightning_par.data.corpus",
+    "lightning_par.data.resumable",
 ]
 
 

@@ -48,7 +48,10 @@ class ResumableDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         self._epoch_generator_state = self.generator.get_state()
         self._batches_in_epoch = self._batches_to_skip
-        for batch in super().__iter__():  # the skip is applied in _index_sampler, on indices
+        # Building the iterator reads the index sampler (twice with worker processes): the skip applies there.
+        batches = super().__iter__()
+        self._batches_to_skip = 0
+        for batch in batches:
             self._batches_in_epoch += 1
             yield batch
 
@@ -88,16 +91,15 @@ class ResumableDataLoader(DataLoader):
 class _SkipFirstBatches:
     """The loader's batch sampler, less the batches a resumed epoch has already trained on.
 
-    Read at every ``iter()``, so a persistent worker pool, which keeps its index sampler between epochs,
-    skips only in the epoch that resumed.
+    Read at every ``iter()``: a worker pool keeps its index sampler between epochs, and later epochs, which
+    the loader starts with nothing to skip, are whole.
     """
 
     def __init__(self, loader: ResumableDataLoader, sampler: Any) -> None:
         self.loader, self.sampler = loader, sampler
 
     def __iter__(self) -> Iterator[Any]:
-        skip, self.loader._batches_to_skip = self.loader._batches_to_skip, 0
-        return itertools.islice(iter(self.sampler), skip, None)
+        return itertools.islice(iter(self.sampler), self.loader._batches_to_skip, None)
 
     def __len__(self) -> int:
         return len(self.sampler)

@@ -22,7 +22,6 @@ from typing import Any, Callable
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -37,6 +36,7 @@ from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -51,8 +51,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par import checkpoint as ckpt
-from lightning_par.fault import FLIGHT_RECORDER_ENTRIES, FaultMonitor
 from lightning_par.config import ParallelConfig
+from lightning_par.fault import FLIGHT_RECORDER_ENTRIES, FaultMonitor
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.clip import clip_grad_norm_
 from lightning_par.parallel.compose import (
