@@ -12,15 +12,18 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_par  # noqa: F401 - importing registers the strategy names with Lightning
+from lightning_par.callbacks import ParallelMonitor, ParallelProgressBar
 from lightning_par.data.datamodule import TokenDataModule
 from lightning_par.models.lightning_module import LlamaLM
 
 
 class ParallelCLI(LightningCLI):
-    """LightningCLI whose model and data default to the reference Llama model on the stdlib corpus."""
+    """LightningCLI whose model and data default to the reference Llama model on the stdlib corpus, with
+    :class:`~lightning_par.callbacks.ParallelMonitor` on (the ``monitor:`` section switches its parts) and
+    the layout in the progress bar."""
 
     def __init__(self, args: Any = None, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
@@ -32,6 +35,14 @@ class ParallelCLI(LightningCLI):
             args=args,
             **kwargs,
         )
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(ParallelMonitor, "monitor")
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config["trainer"].get("enable_progress_bar") is not False:
+            self.trainer_defaults["callbacks"] = [ParallelProgressBar()]
 
 
 def main(args: Any = None) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import pickle
 import sys
 import threading
 import time
@@ -29,6 +28,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from lightning_par.parallel.comm import flight_recorder_trace
 
 __all__ = ["FaultMonitor", "FLIGHT_RECORDER_ENTRIES", "failed_collective"]
 
@@ -216,12 +217,8 @@ def is_communication_error(exception: BaseException) -> bool:
 def failed_collective() -> str | None:
     """The last collective this process issued that had not completed, from PyTorch's flight recorder:
     operation, process group and sequence number; None when the recorder is off or empty."""
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace
-
-        entries = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=False))["entries"]
-    except Exception:  # noqa: BLE001 - a private API: the diagnosis only loses a detail without it
-        return None
+    trace = flight_recorder_trace()
+    entries = trace["entries"] if trace else []
     if not entries:
         return None
     pending = [entry for entry in entries if not entry.get("retired", True)]

@@ -39,6 +39,35 @@ def test_shipped_config_trains_and_logs_to_tensorboard(tmp_path: Path, name: str
     assert len(train_loss) == 6
     assert all(0.0 < value < 10.0 for value in train_loss)  # byte vocabulary: ln(256) = 5.5 at the start
     assert (run_dir / "checkpoints" / "epoch=0-step=6.ckpt" / "meta.pt").is_file()
+    _assert_monitoring(name, events)
+
+
+def _assert_monitoring(name: str, events: EventAccumulator) -> None:
+    """The monitor the command adds by default: every scalar there, every step, with plausible values."""
+    def values(tag: str) -> list[float]:
+        return [event.value for event in events.Scalars(tag)]
+
+    scalars = set(events.Tags()["scalars"])
+    expected = {"perf/tokens_per_sec", "perf/samples_per_sec", "perf/tokens_per_sec_per_device",
+                "perf/samples_per_sec_per_device", "perf/tflops_per_device", "perf/mfu", "memory/peak_gib_max",
+                "memory/peak_gib_mean", "memory/peak_gib_rank0", "train/grad_norm"}
+    assert expected <= scalars, expected - scalars
+    assert any(tag.startswith("comm/") and tag.endswith("_bytes") for tag in scalars), scalars
+    assert all(len(values(tag)) == 6 for tag in expected)
+    assert all(0.0 < mfu < 1.0 for mfu in values("perf/mfu"))
+    assert all(0.05 < gib < 8.0 for gib in values("memory/peak_gib_max"))
+    assert all(0.0 < norm < 100.0 for norm in values("train/grad_norm"))
+    for samples, tokens in zip(values("perf/samples_per_sec"), values("perf/tokens_per_sec")):
+        assert tokens == pytest.approx(samples * 128, rel=1e-5)  # sequences of 128 tokens
+    assert "layout/text_summary" in events.Tags()["tensors"]
+    if name == "data_parallel":
+        # DDP all-reduces every fp32 gradient once a step; the rest is the loss's metric all-reduce.
+        gradient_bytes = 4 * 803_968
+        assert gradient_bytes <= values("comm/dp_bytes")[0] <= gradient_bytes + 64
+    if name == "tensor_parallel":
+        assert "comm/tp_bytes" in scalars and min(values("comm/tp_bytes")) > 0
+    if name == "pipeline_parallel":
+        assert "comm/pp_bytes" in scalars and min(values("comm/pp_bytes")) > 0
 
 
 def test_console_script_is_installed() -> None:

@@ -13,6 +13,7 @@ PURE_MODULES = [
     "lightning_par.mesh",
     "lightning_par.stages",
     "lightning_par.parallel",
+    "lightning_par.parallel.comm",
     "lightning_par.checkpoint",
     "lightning_par.fault",
     "lightning_par.planner",

@@ -17,10 +17,9 @@ from torch.distributed.tensor import DTensor
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: list[Tensor], max_norm: float, *,
-                    partition_group: dist.ProcessGroup | None = None,
-                    stage_group: dist.ProcessGroup | None = None) -> float:
-    """Clip ``parameters``' gradients in place to a total 2-norm of ``max_norm``; return the norm before.
+def gradient_norm(parameters: list[Tensor], *, partition_group: dist.ProcessGroup | None = None,
+                  stage_group: dist.ProcessGroup | None = None) -> float:
+    """The 2-norm of the whole model's gradient, the same on every rank. Collective.
 
     DTensor gradients contribute their whole norm (reduced over their own mesh). ``partition_group``:
     the ranks over which plain-tensor gradients are partitioned (ZeRO-2); their squares are summed there.
@@ -42,11 +41,21 @@ def clip_grad_norm_(parameters: list[Tensor], max_norm: float, *,
         squares = torch.stack([plain, sharded]).to(_device(grads))
         dist.all_reduce(squares, group=stage_group)
         plain, sharded = squares.cpu()
-    total = float((plain + sharded).sqrt())
+    return float((plain + sharded).sqrt())
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: list[Tensor], max_norm: float, *,
+                    partition_group: dist.ProcessGroup | None = None,
+                    stage_group: dist.ProcessGroup | None = None) -> float:
+    """Clip ``parameters``' gradients in place to a total 2-norm of ``max_norm``; return the norm before
+    (see :func:`gradient_norm` for the groups)."""
+    total = gradient_norm(parameters, partition_group=partition_group, stage_group=stage_group)
     coefficient = min(1.0, max_norm / (total + 1e-6))
     if coefficient < 1.0:
-        for grad in grads:
-            grad.mul_(coefficient)
+        for parameter in parameters:
+            if parameter.grad is not None:
+                parameter.grad.mul_(coefficient)
     return total
 
 
@@ -57,4 +66,4 @@ def _device(grads: list[Tensor]) -> torch.device:
     return grads[0].to_local().device if isinstance(grads[0], DTensor) else grads[0].device
 
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "gradient_norm"]

@@ -54,7 +54,7 @@ from lightning_par import checkpoint as ckpt
 from lightning_par.config import ParallelConfig
 from lightning_par.fault import FLIGHT_RECORDER_ENTRIES, FaultMonitor
 from lightning_par.mesh import ParallelMesh
-from lightning_par.parallel.clip import clip_grad_norm_
+from lightning_par.parallel.clip import clip_grad_norm_, gradient_norm
 from lightning_par.parallel.compose import (
     check_available,
     gradient_norm_groups,
@@ -323,6 +323,11 @@ class MeshStrategy(ParallelStrategy):
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         clip_grad_norm_(parameters, float(clip_val), **gradient_norm_groups(self.mesh, self.parallel_config))
+
+    def gradient_norm(self, optimizer: Optimizer) -> float:
+        """The 2-norm of the whole model's gradient (every shard, stage and partition), on every rank. Collective."""
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        return gradient_norm(parameters, **gradient_norm_groups(self.mesh, self.parallel_config))
 
     def resolve_plan(self, module: nn.Module) -> ModelPlan | None:
         """The plan given to the strategy, else one derived from the model (None if it has no standard shape)."""

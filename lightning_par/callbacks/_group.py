@@ -1,0 +1,32 @@
+"""The process group monitoring callbacks talk over: gloo on CPU tensors, kept apart from training's."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+_GROUP: dist.ProcessGroup | None = None
+_WORLD: object = None  # the default group _GROUP was made in (a new process group needs a new one)
+
+
+def monitoring_group() -> dist.ProcessGroup | None:
+    """A gloo group over the whole world (None in a single process). Collective on first call.
+
+    Its own group, so that what the callbacks exchange is accounted as ``other`` rather than as traffic of
+    a mesh dimension, and so that it works with CPU tensors whatever the training backend is.
+    """
+    global _GROUP, _WORLD
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    if _GROUP is None or _WORLD is not dist.group.WORLD:
+        _GROUP, _WORLD = dist.new_group(backend="gloo", group_desc="lightning_par_monitoring"), dist.group.WORLD
+    return _GROUP
+
+
+def gather_floats(value: float) -> list[float]:
+    """``value`` of every rank, in rank order (``[value]`` in a single process). Collective."""
+    group = monitoring_group()
+    if group is None:
+        return [value]
+    values: list[float] = [0.0] * dist.get_world_size()
+    dist.all_gather_object(values, value, group=group)
+    return values
