@@ -68,6 +68,8 @@ def _assert_monitoring(name: str, events: EventAccumulator) -> None:
         assert "comm/tp_bytes" in scalars and min(values("comm/tp_bytes")) > 0
     if name == "pipeline_parallel":
         assert "comm/pp_bytes" in scalars and min(values("comm/pp_bytes")) > 0
+        # 1F1B, p=2, m=4: at least the (p-1)/(m+p-1) = 0.2 of the schedule, plus the transfers' waits.
+        assert all(0.2 <= fraction < 1.0 for fraction in values("pipeline/bubble_fraction_max"))
 
 
 def test_console_script_is_installed() -> None:

@@ -9,7 +9,13 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from lightning_par.data import SyntheticTokenDataset, TokenDataModule, TokenWindowDataset, load_stdlib_tokens
+from lightning_par.data import (
+    ResumableDataLoader,
+    SyntheticTokenDataset,
+    TokenDataModule,
+    TokenWindowDataset,
+    load_stdlib_tokens,
+)
 from lightning_par.data.corpus import DOCUMENT_SEPARATOR, is_validation_document, list_stdlib_documents
 
 
@@ -242,8 +248,8 @@ def test_datamodule_from_jsonargparse():
 
 
 # ---------------------------------------------------------------------------- resumable loader
-def _indices_loader(replicas: int, rank: int, batch_size: int, **kwargs) -> "ResumableDataLoader":
-    from lightning_par.data import ResumableDataLoader
+def _indices_loader(replicas: int, rank: int, batch_size: int, **kwargs) -> ResumableDataLoader:
+
 
     sampler = DistributedSampler(range(24), num_replicas=replicas, rank=rank, shuffle=True, seed=3)
     return ResumableDataLoader(list(range(24)), batch_size=batch_size, sampler=sampler, **kwargs)

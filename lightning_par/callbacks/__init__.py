@@ -3,12 +3,13 @@
 - :class:`ThroughputMonitor`: tokens/s, samples/s (global, per device), model TFLOP/s and MFU;
 - :class:`MemoryMonitor`: peak memory of every rank;
 - :class:`CommunicationMonitor`: bytes and collectives per mesh dimension per step;
+- :class:`PipelineBubbleMonitor`: the measured pipeline bubble of each step;
 - :class:`GradientNormMonitor`: the global gradient norm;
 - :class:`LayoutSummary`: which rank holds which mesh coordinates;
 - :class:`ParallelMonitor`: all of the above, each switchable (on by default in the ``lightning-par`` command);
 - :class:`ParallelProgressBar`: the layout and throughput in the progress bar.
 
-Pipeline and expert statistics come from the strategies and the model (``moe/*``).
+Expert load and dropped tokens are logged by the mixture-of-experts model itself (``moe/*``).
 """
 
 from lightning_par.callbacks.communication import CommunicationMonitor
@@ -16,6 +17,7 @@ from lightning_par.callbacks.gradient_norm import GradientNormMonitor
 from lightning_par.callbacks.layout import LayoutSummary
 from lightning_par.callbacks.memory import MemoryMonitor
 from lightning_par.callbacks.monitor import ParallelMonitor
+from lightning_par.callbacks.pipeline import PipelineBubbleMonitor
 from lightning_par.callbacks.progress import ParallelProgressBar
 from lightning_par.callbacks.throughput import ThroughputMonitor
 
@@ -26,5 +28,6 @@ __all__ = [
     "MemoryMonitor",
     "ParallelMonitor",
     "ParallelProgressBar",
+    "PipelineBubbleMonitor",
     "ThroughputMonitor",
 ]

@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_par.parallel.bubble import BubbleMeter
 from lightning_par.parallel.compose import pipeline_stages
 from lightning_par.parallel.pipeline import (
     build_schedule,
@@ -33,7 +34,8 @@ class StagedStrategy(MeshStrategy):
     and ``validation_step`` are not called): ``split_batch(batch) -> (inputs, targets)``, ``forward(inputs)
     -> logits`` through a network submodule that holds the blocks, embedding and head, and
     ``loss_fn(logits, targets) -> mean loss``. The strategy logs ``train_loss`` / ``val_loss`` /
-    ``test_loss`` (the same value on every rank).
+    ``test_loss`` (the same value on every rank). ``bubble_fraction`` is the idle share of this rank's last
+    training step, measured (``parallel/bubble.py``; logged by the monitoring callbacks).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -48,6 +50,8 @@ class StagedStrategy(MeshStrategy):
         self._pending_grads: list[tuple[Tensor, Tensor]] = []
         self._holds_first = self._holds_last = False
         self._last_stage_global_rank = 0
+        self._bubble: BubbleMeter | None = None
+        self.bubble_fraction: float | None = None  # idle share of this rank's last training step (pp > 1)
 
     @property
     def pipelined(self) -> bool:
@@ -75,6 +79,7 @@ class StagedStrategy(MeshStrategy):
 
         stages = pipeline_stages(module)
         self._schedule = build_schedule(stages, config.pp_schedule, micro, loss_fn)
+        self._bubble = BubbleMeter(stages, self.root_device)
         # torch 2.13's ZB-V runs backward actions when asked to evaluate: forward_through_stages stands in for it.
         self._forward_schedule = (None if config.pp_schedule == "zbv"
                                   else build_schedule(stages, config.pp_schedule, micro, None))
@@ -115,7 +120,9 @@ class StagedStrategy(MeshStrategy):
         losses: list[Tensor] = []
         loss = torch.zeros((), device=inputs.device)
         if train:
+            self._bubble.start()
             self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            self.bubble_fraction = self._bubble.stop()
             if self._holds_last:  # each micro-batch loss was divided by micro x accumulate: report the batch's mean
                 loss = torch.stack(losses).sum().detach() * self._accumulate
         else:
