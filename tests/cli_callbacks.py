@@ -18,6 +18,15 @@ class RecordEnvironment(lightning.Callback):
             "environment": type(strategy.cluster_environment).__name__,
             "world_size": trainer.world_size,
             "global_rank": trainer.global_rank,
+            "node_rank": trainer.node_rank,
             "mesh": strategy.mesh.sizes(),
         }
         Path(os.environ["RECORD_DIR"], f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+class MarkSteps(lightning.Callback):
+    """Rank 0 writes the last finished step to ``$RECORD_DIR/step``, so a test can act while training runs."""
+
+    def on_train_batch_end(self, trainer: lightning.Trainer, *args: object) -> None:
+        if trainer.is_global_zero:
+            Path(os.environ["RECORD_DIR"], "step").write_text(str(trainer.global_step))

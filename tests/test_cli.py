@@ -78,21 +78,28 @@ def test_console_script_is_installed() -> None:
     assert "fit" in result.stdout and "validate" in result.stdout
 
 
-def test_torchrun_launch_uses_the_torchelastic_environment(tmp_path: Path) -> None:
-    """Lightning's cluster environments are used as they are: under torchrun, TorchElasticEnvironment."""
+def test_two_node_torchrun_rendezvous(tmp_path: Path) -> None:
+    """Two torchrun agents (two "nodes", one process each) meet through c10d rendezvous on localhost, as on
+    two machines; Lightning's TorchElasticEnvironment is used as it is."""
+    from harness import free_port
+
     torchrun = shutil.which("torchrun")
     assert torchrun is not None, "torchrun comes with torch"
     command = [
-        torchrun, "--standalone", "--nproc_per_node=2", "-m", "lightning_par.cli", "fit",
-        "--config", str(REPO / "configs" / "data_parallel.yaml"), "--trainer.max_steps=2",
-        "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--data.init_args.max_bytes=100000",
-        "--trainer.callbacks+=cli_callbacks.RecordEnvironment",
+        torchrun, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--rdzv-id=lightning-par-test", "-m", "lightning_par.cli", "fit",
+        "--config", str(REPO / "configs" / "data_parallel.yaml"), "--trainer.devices=1", "--trainer.num_nodes=2",
+        "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+        "--data.init_args.max_bytes=100000", "--trainer.callbacks+=cli_callbacks.RecordEnvironment",
     ]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "RECORD_DIR": str(tmp_path),
            "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    agents = [subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=env) for _ in range(2)]
+    for agent in agents:
+        stdout, stderr = agent.communicate(timeout=300)
+        assert agent.returncode == 0, stdout[-3000:] + stderr[-5000:]
     records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     for rank, record in enumerate(records):
         assert record == {"environment": "TorchElasticEnvironment", "world_size": 2, "global_rank": rank,
-                          "mesh": {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}}
+                          "node_rank": rank, "mesh": {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}}

@@ -123,34 +123,43 @@ class SleepModule(torch.nn.Module):  # the model contract, without Lightning
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 
 
-def _bubble(rank: int, world_size: int, schedule: str, microbatches: int) -> float:
+def _bubble(rank: int, world_size: int, schedules: tuple[str, ...], microbatches: int) -> dict:
+    """Per schedule: the idle fraction from the known sleep costs, and as the strategy's BubbleMeter measures it."""
     import torch.distributed as dist
 
     from lightning_par.config import ParallelConfig
+    from lightning_par.parallel.bubble import BubbleMeter
     from lightning_par.parallel.compose import parallelize, pipeline_stages
     from lightning_par.parallel.pipeline import build_schedule
     from lightning_par.parallel.plan import derive_plan
 
     dist.init_process_group("gloo")
-    config = ParallelConfig(pp=world_size, dp_shard=1, pp_schedule=schedule, pp_microbatches=microbatches)
-    mesh = config.build_mesh("cpu")
-    module = SleepModule()
-    parallelize(module, mesh, config.validate(world_size), derive_plan(module), training=False)
-    stages = pipeline_stages(module)
-    runner = build_schedule(stages, schedule, microbatches, module.loss_fn)
-    tokens = torch.randint(0, 16, (microbatches, 5))
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    times = []
-    for _ in range(4):
-        dist.barrier()
-        started = time.perf_counter()
-        runner.step(*((inputs,) if stages[0].is_first else ()), target=targets if stages[-1].is_last else None)
-        dist.barrier()
-        times.append(time.perf_counter() - started)
-    blocks = sum(len([b for b in stage.submod.network.blocks if isinstance(b, SleepBlock)]) for stage in stages)
-    busy = microbatches * blocks * 3 * SLEEP  # forward + input gradient + weight gradient, every micro-batch
+    results = {}
+    for schedule in schedules:
+        config = ParallelConfig(pp=world_size, dp_shard=1, pp_schedule=schedule, pp_microbatches=microbatches)
+        mesh = config.build_mesh("cpu")
+        module = SleepModule()
+        parallelize(module, mesh, config.validate(world_size), derive_plan(module), training=False)
+        stages = pipeline_stages(module)
+        runner = build_schedule(stages, schedule, microbatches, module.loss_fn)
+        meter = BubbleMeter(stages, torch.device("cpu"))
+        tokens = torch.randint(0, 16, (microbatches, 5))
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        times, metered = [], []
+        for _ in range(3):
+            dist.barrier()
+            started = time.perf_counter()
+            meter.start()
+            runner.step(*((inputs,) if stages[0].is_first else ()), target=targets if stages[-1].is_last else None)
+            metered.append(meter.stop())
+            dist.barrier()
+            times.append(time.perf_counter() - started)
+        blocks = sum(len([b for b in stage.submod.network.blocks if isinstance(b, SleepBlock)]) for stage in stages)
+        busy = microbatches * blocks * 3 * SLEEP  # forward + input gradient + weight gradient, every micro-batch
+        # The first step also infers shapes.
+        results[schedule] = (1.0 - busy / min(times[1:]), min(metered[1:]))
     dist.destroy_process_group()
-    return 1.0 - busy / min(times[1:])  # the first step also infers shapes
+    return results
 
 
 def test_pipeline_bubble_matches_theory() -> None:
@@ -160,15 +169,19 @@ def test_pipeline_bubble_matches_theory() -> None:
     from harness import run_distributed
 
     p, m, v = 2, 4, 2
-    measured = {name: max(run_distributed(_bubble, p, name, m)) for name in ("gpipe", "1f1b", "interleaved_1f1b",
-                                                                              "zbv")}
+    schedules = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
+    ranks = run_distributed(_bubble, p, schedules, m)
+    measured = {name: max(rank[name][0] for rank in ranks) for name in schedules}
+    metered = {name: max(rank[name][1] for rank in ranks) for name in schedules}
     theory = {"gpipe": (p - 1) / (m + p - 1), "1f1b": (p - 1) / (m + p - 1),
               "interleaved_1f1b": (p - 1) / (v * m + p - 1)}
-    print("pipeline bubble (measured / theory):",
-          {k: (round(value, 3), round(theory.get(k, 0.0), 3)) for k, value in measured.items()})
+    print("pipeline bubble (measured / BubbleMeter / theory):",
+          {k: (round(value, 3), round(metered[k], 3), round(theory.get(k, 0.0), 3)) for k, value in measured.items()})
     for name, expected in theory.items():
         assert abs(measured[name] - expected) <= 0.05, (name, measured[name], expected)
+        assert abs(metered[name] - expected) <= 0.05, (name, metered[name], expected)  # what the monitor logs
     assert measured["zbv"] < measured["1f1b"] - 0.05
+    assert metered["zbv"] < metered["1f1b"] - 0.05
 
 
 def _peak_saved_activation_bytes(rank: int, world_size: int, schedule: str, microbatches: int) -> int:
