@@ -110,7 +110,8 @@ def run_one(strategy_name: str, args: argparse.Namespace, out: str) -> dict:
             "state_mib": max(r["state_mib"] for r in ranks), "tokens_per_step": ranks[0]["tokens_per_step"]}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_docs.py checks the documented invocations against it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
@@ -127,7 +128,11 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=["lightning_ddp", "data_parallel"])
     parser.add_argument("--worker", choices=STRATEGIES)
     parser.add_argument("--out")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.worker:
         worker(args.worker, args)
         return

@@ -58,7 +58,8 @@ def worker(args: argparse.Namespace) -> None:
     trainer.fit(model, datamodule=data)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_docs.py checks the documented invocations against it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
@@ -72,7 +73,11 @@ def main() -> None:
     parser.add_argument("--worker-pp", type=int)
     parser.add_argument("--worker-schedule", choices=SCHEDULES)
     parser.add_argument("--out")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.worker_schedule:
         worker(args)
         return

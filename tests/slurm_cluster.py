@@ -61,6 +61,7 @@ SchedulerParameters=sched_interval=2
 ReturnToService=2
 MpiDefault=none
 JobRequeue=1
+KillWait=2
 NodeName=node[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[{node_port}-{node_port + 1}] CPUs={CPUS_PER_NODE} State=UNKNOWN
 PartitionName=lightningpar Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
 """

@@ -15,7 +15,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 REPO = Path(__file__).resolve().parents[1]
 
 
-CONFIGS = sorted(path.stem for path in (REPO / "configs").glob("*.yaml"))
+# zero1 and zero2 differ from zero3.yaml only in the stage; tests/test_docs.py parses them as documented, and
+# test_zero.py trains both stages. Every other shipped config trains here.
+CONFIGS = sorted(path.stem for path in (REPO / "configs").glob("*.yaml") if path.stem not in ("zero1", "zero2"))
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -27,11 +27,9 @@ def gradient_norm(parameters: list[Tensor], *, partition_group: dist.ProcessGrou
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     plain = torch.zeros((), dtype=torch.float64)
-    sharded = torch.zeros((), dtype=torch.float64)
+    sharded = _sharded_squares(grads)
     for grad in grads:
-        if isinstance(grad, DTensor):
-            sharded += torch.linalg.vector_norm(grad, dtype=torch.float32).full_tensor().double().cpu() ** 2
-        else:
+        if not isinstance(grad, DTensor):
             plain += grad.detach().double().pow(2).sum().cpu()
     if partition_group is not None:
         plain = plain.to(_device(grads))
@@ -56,6 +54,36 @@ def clip_grad_norm_(parameters: list[Tensor], max_norm: float, *,
         for parameter in parameters:
             if parameter.grad is not None:
                 parameter.grad.mul_(coefficient)
+    return total
+
+
+def _sharded_squares(grads: list[Tensor]) -> Tensor:
+    """The summed squares of every DTensor gradient, with one all-reduce per mesh dimension, not per tensor.
+
+    Each rank adds the squares of its local shard, divided by the number of ranks holding the same values
+    (the sizes of the dimensions the tensor is replicated on); summing that over every dimension of the
+    tensor's mesh counts each element once. A pending (Partial) gradient cannot be squared locally: its
+    norm is reduced on its own.
+    """
+    total = torch.zeros((), dtype=torch.float64)
+    by_mesh: dict[int, tuple[object, Tensor]] = {}
+    for grad in grads:
+        if not isinstance(grad, DTensor):
+            continue
+        if any(placement.is_partial() for placement in grad.placements):
+            total += torch.linalg.vector_norm(grad, dtype=torch.float32).full_tensor().double().cpu() ** 2
+            continue
+        replicas = 1
+        for size, placement in zip(grad.device_mesh.shape, grad.placements):
+            replicas *= size if placement.is_replicate() else 1
+        mesh, squares = by_mesh.get(id(grad.device_mesh), (grad.device_mesh, torch.zeros((), dtype=torch.float64)))
+        by_mesh[id(grad.device_mesh)] = (mesh, squares + grad.to_local().detach().double().pow(2).sum().cpu() / replicas)
+    for mesh, squares in by_mesh.values():
+        squares = squares.to(mesh.device_type if mesh.device_type != "cpu" else "cpu")
+        for dim in range(mesh.ndim):
+            if mesh.size(dim) > 1:
+                dist.all_reduce(squares, group=mesh.get_group(dim))
+        total += squares.cpu()
     return total
 
 

@@ -1,0 +1,110 @@
+"""Every command in README.md and docs/*.md is checked as written.
+
+Commands come from the ```bash blocks (continued lines joined, ``&&`` chains split, comments dropped) and
+are checked by kind, without the minutes a full run takes:
+
+- ``lightning-par fit|validate ...`` (also after ``srun``/``torchrun ... -m lightning_par.cli``): the
+  command line and its config parse, with ``--print_config``, in this process;
+- ``lightning-par plan ...``: runs, in this process;
+- ``python benchmarks/X.py ...`` / ``python docs/X.py``: the script's own parser accepts the arguments;
+- ``sbatch SCRIPT CONFIG ...``: the script and config exist (tests/test_slurm.py submits it for real);
+- ``pip install`` and ``python -m pytest``: what CI itself runs; ``tensorboard``: installed.
+
+Anything else (a user's own ``train.py``, paths of a past run, ``...`` placeholders) is named in the
+skip list below with the reason, so a new kind of command fails until someone decides how to check it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# Commands that need what only a user has: checked by eye, not here.
+NOT_RUNNABLE = (
+    "train.py",  # the user's own training script
+    "lightning-par-export lightning_logs/",  # a checkpoint of an earlier run
+    "lightning-par plan ...",  # an abbreviation in prose
+)
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(document name, command) for every command in a ```bash block."""
+    found = []
+    for document in DOCUMENTS:
+        for block in re.findall(r"```bash\n(.*?)```", document.read_text(), flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split(" #")[0].strip()
+                if not line or line.startswith("#"):
+                    continue
+                found += [(document.name, part.strip()) for part in line.split("&&")]
+    return found
+
+
+COMMANDS = documented_commands()
+
+
+def test_the_documents_have_commands() -> None:
+    assert len(COMMANDS) >= 15, COMMANDS
+
+
+@pytest.mark.parametrize(("document", "command"), COMMANDS, ids=[f"{d}:{c[:60]}" for d, c in COMMANDS])
+def test_documented_command(document: str, command: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr("sys.argv", ["lightning-par"])  # the command line is the documented one, not pytest's
+    words = shlex.split(command)
+    if any(marker in command for marker in NOT_RUNNABLE):
+        pytest.skip("needs the user's own script or an earlier run's files")
+    if words[0] == "srun":
+        words = words[1:]
+    if words[0] == "torchrun":
+        words = ["lightning-par", *words[words.index("lightning_par.cli") + 1:]]
+    if words[:2] in (["pip", "install"], ["python", "-m"]) and ("pytest" in words or "install" in words):
+        return  # CI runs exactly these: .ci/run ends with the README's test command
+    if words[0] == "tensorboard":
+        assert shutil.which("tensorboard"), "tensorboard is a dependency"
+        return
+    if words[0] == "sbatch":
+        script = next(word for word in words[1:] if not word.startswith("--"))
+        config = words[words.index(script) + 1]
+        assert (REPO / script).is_file() and (REPO / config).is_file(), command
+        return
+    if words[0] == "python" and words[1].endswith(".py"):
+        _check_script_arguments(REPO / words[1], words[2:])
+        return
+    assert words[0] == "lightning-par", f"no check for this kind of command yet: {command}"
+    if words[1] == "plan":
+        from lightning_par.planner.cli import main as plan
+
+        plan(words[2:])
+        assert "Planning" in capsys.readouterr().out
+        return
+    _check_fit_command(words[1:])
+
+
+def _check_fit_command(args: list[str]) -> None:
+    from lightning_par.cli import ParallelCLI
+
+    with contextlib.redirect_stdout(io.StringIO()) as printed, pytest.raises(SystemExit) as exit_:
+        ParallelCLI(args=[*args, "--print_config"])
+    assert exit_.value.code in (0, None), printed.getvalue()[-2000:]
+    assert "strategy:" in printed.getvalue()
+
+
+def _check_script_arguments(script: Path, args: list[str]) -> None:
+    assert script.is_file(), script
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if hasattr(module, "build_parser"):
+        module.build_parser().parse_args(args)
+    else:
+        assert len(args) >= 1, f"{script.name} takes arguments"
