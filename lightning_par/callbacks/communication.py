@@ -28,7 +28,9 @@ class CommunicationMonitor(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         mesh = getattr(trainer.strategy, "_mesh", None)
-        self._counter = CommunicationCounter(mesh) if mesh is not None and trainer.world_size > 1 else None
+        sends = getattr(trainer.strategy, "pipeline_sends", None)
+        self._counter = (CommunicationCounter(mesh, pipeline_sends=sends)
+                         if mesh is not None and trainer.world_size > 1 else None)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,

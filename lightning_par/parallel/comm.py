@@ -15,6 +15,10 @@ Python would miss most of them; the recorder misses none.
 - ``calls``: the number of collectives;
 - ``seconds``: their summed durations, where the backend measured them (NCCL with timing; gloo does not).
 
+Point-to-point transfers between pipeline stages are counted where they are made instead
+(:class:`PipelineSends`): the flight recorder keeps no record of gloo's send/recv, and counting them in
+one place for every backend avoids counting NCCL's twice. A send counts its tensor's bytes.
+
 Dimensions are named as in the mesh (``tp``, ``cp``, ``pp``, ``ep``; every data-parallel view — ``dp``,
 ``dp_shard``, ``dp_replicate``, ``dp_cp``, ``dp_shard_cp`` — is ``dp``). Process groups of one rank move
 nothing and are left out; anything else (the default group's barriers, a checkpoint's own group) is
@@ -33,7 +37,8 @@ import torch
 
 from lightning_par.mesh import FLATTENED_DIMS, MESH_DIM_NAMES, ParallelMesh
 
-__all__ = ["CommunicationCounter", "CommTotals", "DIMENSIONS", "flight_recorder_trace", "message_bytes"]
+__all__ = ["CommunicationCounter", "CommTotals", "DIMENSIONS", "PipelineSends", "flight_recorder_trace",
+           "message_bytes"]
 
 DIMENSIONS = ("dp", "tp", "pp", "cp", "ep", "other")
 # Mesh (and sub-mesh) names -> the dimension their traffic counts for.
@@ -52,15 +57,42 @@ class CommTotals:
     seconds: float | None = None  # None when the backend does not time collectives
 
 
+class PipelineSends:
+    """Counts the activations and gradients this rank's pipeline stages send (bytes, sends), by wrapping the
+    stages' ``get_fwd_send_ops`` / ``get_bwd_send_ops`` (``torch.distributed.pipelining``)."""
+
+    def __init__(self, stages: list[Any]) -> None:
+        self.bytes = self.calls = 0
+        for stage in stages:
+            for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
+                setattr(stage, name, self._counted(getattr(stage, name)))
+
+    def _counted(self, make_ops: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> list[Any]:
+            ops = make_ops(*args, **kwargs)
+            self.bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+            self.calls += len(ops)
+            return ops
+
+        return counted
+
+    def take(self) -> tuple[int, int]:
+        """(bytes, sends) since the last call."""
+        counted, self.bytes, self.calls = (self.bytes, self.calls), 0, 0
+        return counted
+
+
 @dataclass
 class CommunicationCounter:
     """Totals per mesh dimension of the collectives recorded since the previous :meth:`read`.
 
     ``mesh`` names the groups the flight recorder only knows by number: a mesh dimension that spans the
-    whole world reuses the default process group.
+    whole world reuses the default process group. ``pipeline_sends`` adds the pipeline's point-to-point
+    transfers to ``pp``.
     """
 
     mesh: ParallelMesh
+    pipeline_sends: PipelineSends | None = None
     lost: bool = False  # True once the recorder's ring buffer overflowed between two readings
     _last_record: int = -1
     _default_label: str = field(init=False, default="other")
@@ -77,6 +109,8 @@ class CommunicationCounter:
         """Totals of the collectives issued since the last reading, by dimension (every dimension present)."""
         trace = flight_recorder_trace()
         totals = {dimension: CommTotals() for dimension in DIMENSIONS}
+        if self.pipeline_sends is not None:
+            totals["pp"].bytes, totals["pp"].calls = self.pipeline_sends.take()
         if trace is None:
             return totals
         entries = [e for e in trace["entries"] if e["record_id"] > self._last_record]
@@ -85,7 +119,7 @@ class CommunicationCounter:
         for entry in entries:
             self._last_record = max(self._last_record, entry["record_id"])
             name, desc = entry["process_group"]
-            if _group_size(name) < 2:
+            if entry.get("is_p2p") or _group_size(name) < 2:
                 continue
             total = totals[self._label(name, desc)]
             total.bytes += message_bytes(entry)

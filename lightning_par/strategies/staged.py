@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par.parallel.bubble import BubbleMeter
+from lightning_par.parallel.comm import PipelineSends
 from lightning_par.parallel.compose import pipeline_stages
 from lightning_par.parallel.pipeline import (
     build_schedule,
@@ -52,6 +53,7 @@ class StagedStrategy(MeshStrategy):
         self._last_stage_global_rank = 0
         self._bubble: BubbleMeter | None = None
         self.bubble_fraction: float | None = None  # idle share of this rank's last training step (pp > 1)
+        self.pipeline_sends: PipelineSends | None = None  # bytes the stages send, for the communication monitor
 
     @property
     def pipelined(self) -> bool:
@@ -80,6 +82,7 @@ class StagedStrategy(MeshStrategy):
         stages = pipeline_stages(module)
         self._schedule = build_schedule(stages, config.pp_schedule, micro, loss_fn)
         self._bubble = BubbleMeter(stages, self.root_device)
+        self.pipeline_sends = PipelineSends(stages)
         # torch 2.13's ZB-V runs backward actions when asked to evaluate: forward_through_stages stands in for it.
         self._forward_schedule = (None if config.pp_schedule == "zbv"
                                   else build_schedule(stages, config.pp_schedule, micro, None))
