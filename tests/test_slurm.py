@@ -76,3 +76,22 @@ def test_two_node_hybrid_job_is_requeued_and_resumes(slurm: dict[str, str], tmp_
     environment = (tmp_path / "rank3.json").read_text()
     assert '"environment": "SLURMEnvironment"' in environment and '"world_size": 4' in environment
     assert '"tp": 2' in environment and '"pp": 2' in environment
+    _assert_monitoring(sorted((tmp_path / "lightning_logs" / "hybrid3d").iterdir())[-1])
+
+
+def _assert_monitoring(run: Path) -> None:
+    """The requeued run's TensorBoard scalars: what a tp x pp layout across two nodes moves and idles."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run))
+    events.Reload()
+
+    def values(tag: str) -> list[float]:
+        return [event.value for event in events.Scalars(tag)]
+
+    assert all(value > 0 for value in values("comm/tp_bytes"))  # sequence-parallel gathers and scatters
+    # Stage 0 sends 4 micro-batches x (2, 64, 128) fp32 sequence slices per step (rank 0's slice of 128 tokens).
+    assert all(4 * 2 * 64 * 128 * 4 <= sent <= 4 * 2 * 64 * 128 * 4 + 64 for sent in values("comm/pp_bytes"))
+    assert all(0.0 < fraction < 1.0 for fraction in values("pipeline/bubble_fraction_max"))
+    assert all(0.0 < mfu < 1.0 for mfu in values("perf/mfu"))
+    assert "layout/text_summary" in events.Tags()["tensors"]
