@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_par.parallel.comm import CommunicationCounter
@@ -24,6 +25,7 @@ class CommunicationMonitor(Callback):
     def __init__(self) -> None:
         self._counter: CommunicationCounter | None = None
         self._seen: set[str] = set()
+        self._warned = False
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -37,7 +39,12 @@ class CommunicationMonitor(Callback):
                            batch_idx: int) -> None:
         if self._counter is None:
             return
-        for dimension, total in self._counter.read().items():
+        totals = self._counter.read()
+        if self._counter.lost and not self._warned:
+            self._warned = True
+            rank_zero_warn("more collectives ran between two batches than PyTorch's flight recorder keeps: comm/* "
+                           "undercounts; raise TORCH_FR_BUFFER_SIZE (set it before the run starts)")
+        for dimension, total in totals.items():
             if total.calls:
                 self._seen.add(dimension)
             if dimension not in self._seen:
