@@ -1,8 +1,13 @@
-"""The process group monitoring callbacks talk over: gloo on CPU tensors, kept apart from training's."""
+"""What the monitoring callbacks share: their own process group (gloo on CPU tensors, kept apart from
+training's) and the run's mesh."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.distributed as dist
+
+from lightning_par.mesh import ParallelMesh
 
 _GROUP: dist.ProcessGroup | None = None
 _WORLD: object = None  # the default group _GROUP was made in (a new process group needs a new one)
@@ -30,3 +35,8 @@ def gather_floats(value: float) -> list[float]:
     values: list[float] = [0.0] * dist.get_world_size()
     dist.all_gather_object(values, value, group=group)
     return values
+
+
+def strategy_mesh(trainer: Any) -> ParallelMesh | None:
+    """The run's mesh under a lightning_par strategy (built at set-up), else None."""
+    return getattr(trainer.strategy, "_mesh", None)

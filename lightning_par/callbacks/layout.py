@@ -10,7 +10,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_par.callbacks._group import monitoring_group
+from lightning_par.callbacks._group import monitoring_group, strategy_mesh
 from lightning_par.mesh import MESH_DIM_NAMES
 
 __all__ = ["LayoutSummary", "layout_table"]
@@ -22,7 +22,7 @@ class LayoutSummary(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        mesh = getattr(trainer.strategy, "_mesh", None)
+        mesh = strategy_mesh(trainer)
         if mesh is None:
             return
         mine = {"host": socket.gethostname(), **mesh.coordinates()}

@@ -8,6 +8,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
 
+from lightning_par.callbacks._group import strategy_mesh
+
 from lightning_par.mesh import MESH_DIM_NAMES
 
 __all__ = ["ParallelProgressBar", "layout_name"]
@@ -20,7 +22,7 @@ class ParallelProgressBar(TQDMProgressBar):
     @override
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         metrics = super().get_metrics(trainer, pl_module)
-        mesh = getattr(trainer.strategy, "_mesh", None)
+        mesh = strategy_mesh(trainer)
         if mesh is not None:
             metrics["layout"] = layout_name(mesh.sizes())
         return metrics

@@ -24,6 +24,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_par.callbacks._group import strategy_mesh
+
 __all__ = ["ThroughputMonitor", "measure_matmul_flops"]
 
 _PRECISION_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64,
@@ -133,7 +135,7 @@ def _batch_size(pl_module: LightningModule, batch: Any) -> tuple[int, int, int]:
 
 def _data_parallel_size(trainer: Trainer) -> int:
     """Ranks reading different samples: the mesh's ``dp`` under lightning_par, else every rank."""
-    mesh = getattr(trainer.strategy, "_mesh", None)
+    mesh = strategy_mesh(trainer)
     return mesh.size("dp") if mesh is not None else trainer.world_size
 
 

@@ -79,7 +79,7 @@ def _sharded_squares(grads: list[Tensor]) -> Tensor:
         mesh, squares = by_mesh.get(id(grad.device_mesh), (grad.device_mesh, torch.zeros((), dtype=torch.float64)))
         by_mesh[id(grad.device_mesh)] = (mesh, squares + grad.to_local().detach().double().pow(2).sum().cpu() / replicas)
     for mesh, squares in by_mesh.values():
-        squares = squares.to(mesh.device_type if mesh.device_type != "cpu" else "cpu")
+        squares = squares.to(mesh.device_type)
         for dim in range(mesh.ndim):
             if mesh.size(dim) > 1:
                 dist.all_reduce(squares, group=mesh.get_group(dim))

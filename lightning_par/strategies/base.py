@@ -236,8 +236,8 @@ class MeshStrategy(ParallelStrategy):
         device_id = self.root_device if self.root_device.type != "cpu" else None
         # The flight recorder names the collective that failed (read when the process group starts).
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
+        timeout = self._timeout or default_pg_timeout
         if not torch.distributed.is_initialized():
-            timeout = self._timeout or default_pg_timeout
             if not init_process_group_under_torchelastic(self.cluster_environment, self._process_group_backend,
                                                          timeout, device_id):
                 _init_dist_connection(
@@ -246,9 +246,9 @@ class MeshStrategy(ParallelStrategy):
             atexit.register(_destroy_process_group_at_exit)
         self._mesh = self.parallel_config.build_mesh(self.root_device.type)
         if self.world_size > 1 and self._fault_monitor is None:
-            timeout = (self._timeout or default_pg_timeout).total_seconds()
             store = torch.distributed.distributed_c10d._get_default_store()
-            self._fault_monitor = FaultMonitor(store, self.global_rank, self.world_size, timeout=timeout)
+            self._fault_monitor = FaultMonitor(store, self.global_rank, self.world_size,
+                                               timeout=timeout.total_seconds())
             self._fault_monitor.start()
         if self.lightning_module is not None:
             # LightningModule.device_mesh, for user code in configure_model()/parallelize()
