@@ -5,8 +5,11 @@
 Each (pp, schedule) trains the reference Llama model with ``pipeline_parallel`` on ``pp`` CPU processes
 (gloo) for ``--steps`` optimizer steps, the same global batch for all; the first ``--warmup`` steps are
 not timed. Reported: median step time of the slowest rank, tokens per second, and each as a ratio to
-GPipe at the same pp. On a 2-core machine more processes than cores share the CPU, so compare schedules
-within one pp rather than across pp.
+GPipe at the same pp; the pipeline bubble as the strategy measures it (``BubbleMeter``: median over the
+timed steps of the slowest rank's idle share, transfers and load included) beside the bubble the schedule's
+recorded order of actions implies with equal costs (``simulated_bubble``, what the tests assert). On a
+2-core machine more processes than cores share the CPU, so compare schedules within one pp rather than
+across pp.
 """
 
 from __future__ import annotations
@@ -37,15 +40,20 @@ def worker(args: argparse.Namespace) -> None:
     class StepTimer(lightning.Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.bubbles: list[float] = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self._start = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.times.append(time.perf_counter() - self._start)
+            self.bubbles.append(trainer.strategy.bubble_fraction)
 
         def on_train_end(self, trainer, pl_module):
-            Path(f"{args.out}.rank{trainer.global_rank}").write_text(json.dumps(self.times[args.warmup:]))
+            meter = trainer.strategy._bubble
+            record = {"times": self.times[args.warmup:], "bubbles": self.bubbles[args.warmup:],
+                      "actions": meter.actions, "n_stages": meter.n_stages}
+            Path(f"{args.out}.rank{trainer.global_rank}").write_text(json.dumps(record))
 
     torch.manual_seed(0)
     model = LlamaLM(dim=args.dim, n_layers=args.layers, n_heads=4, n_kv_heads=2, max_seq_len=args.seq_len)
@@ -77,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
+    from lightning_par.parallel.bubble import simulated_bubble
+
     args = build_parser().parse_args()
     if args.worker_schedule:
         worker(args)
@@ -86,7 +96,7 @@ def main() -> None:
     tokens = args.batch_size * args.seq_len
     print(f"dim={args.dim} layers={args.layers} seq={args.seq_len} batch={args.batch_size} "
           f"microbatches={args.microbatches}, {args.steps - args.warmup} timed steps")
-    print(f"{'pp':>3} {'schedule':<18}{'step (ms)':>10}{'tokens/s':>10}{'vs gpipe':>10}")
+    print(f"{'pp':>3} {'schedule':<18}{'step (ms)':>10}{'tokens/s':>10}{'vs gpipe':>10}{'bubble':>8}{'implied':>9}")
     with tempfile.TemporaryDirectory() as tmp:
         for pp in args.pp:
             medians: dict[str, float] = {}
@@ -97,10 +107,14 @@ def main() -> None:
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env={**os.environ, "PYTHONWARNINGS": "ignore"})
                 ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(pp)]
-                medians[schedule] = statistics.median(max(step) for step in zip(*ranks))
+                medians[schedule] = statistics.median(max(step) for step in zip(*(r["times"] for r in ranks)))
                 base = medians.get("gpipe", medians[schedule])
+                measured = statistics.median(max(step) for step in zip(*(r["bubbles"] for r in ranks)))
+                implied = max(simulated_bubble({rank: [tuple(a) for a in record["actions"]]
+                                                for rank, record in enumerate(ranks)},
+                                               n_stages=ranks[0]["n_stages"]).values())
                 print(f"{pp:>3} {schedule:<18}{medians[schedule] * 1e3:>10.1f}{tokens / medians[schedule]:>10.0f}"
-                      f"{base / medians[schedule]:>10.2f}")
+                      f"{base / medians[schedule]:>10.2f}{measured:>8.3f}{implied:>9.3f}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ calls of the rank's ``PipelineStage`` objects (``forward_one_chunk``, ``backward
 bound ``(p - 1) / (m + p - 1)`` (Huang et al. 2019; Narayanan et al. 2021) describes, plus whatever
 point-to-point transfers add. On CUDA the compute is timed with events on the stream, not on the host.
 
+The meter also records the order in which the rank ran its compute (``actions``). :func:`simulated_bubble`
+replays the recorded orders of every rank with fixed costs per action, which gives the bubble the
+schedule implies independent of machine load: that is what tests assert, while the measured fraction is
+what a run reports.
+
 Pure PyTorch: no lightning import.
 """
 
@@ -19,9 +24,22 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["BubbleMeter"]
+__all__ = ["Action", "BubbleMeter", "simulated_bubble"]
 
 _COMPUTE = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+# (stage index, kind, micro-batch): kind F (forward), B (whole backward), I (input-gradient half of
+# backward) or W (weight-gradient half), as torch.distributed.pipelining names them.
+Action = tuple[int, str, int]
+
+
+def _kind(method: str, kwargs: dict[str, Any], args: tuple) -> str:
+    if method == "forward_one_chunk":
+        return "F"
+    if method == "backward_weight_one_chunk":
+        return "W"
+    full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
+    return "B" if full else "I"
 
 
 class BubbleMeter:
@@ -32,16 +50,20 @@ class BubbleMeter:
         self._busy = 0.0
         self._events: list[tuple[Any, Any]] = []
         self._started: float | None = None
+        self.actions: list[Action] = []  # this rank's compute of the last measured step, in order
+        self.n_stages = stages[0].num_stages if stages else 1
         for stage in stages:
             for name in _COMPUTE:
                 if hasattr(stage, name):
-                    setattr(stage, name, self._timed(getattr(stage, name)))
+                    setattr(stage, name, self._timed(getattr(stage, name), stage.stage_index, name))
 
-    def _timed(self, compute: Callable[..., Any]) -> Callable[..., Any]:
+    def _timed(self, compute: Callable[..., Any], stage_index: int, method: str) -> Callable[..., Any]:
         @functools.wraps(compute)
         def timed(*args: Any, **kwargs: Any) -> Any:
             if self._started is None:  # outside a measured step (evaluation): not counted
                 return compute(*args, **kwargs)
+            microbatch = args[0] if args else next(iter(kwargs.values()))
+            self.actions.append((stage_index, _kind(method, kwargs, args), int(microbatch)))
             if self._cuda:
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 begin.record()
@@ -59,7 +81,7 @@ class BubbleMeter:
     def start(self) -> None:
         if self._cuda:
             torch.cuda.synchronize()
-        self._busy, self._events = 0.0, []
+        self._busy, self._events, self.actions = 0.0, [], []
         self._started = time.perf_counter()
 
     def stop(self) -> float:
@@ -70,3 +92,47 @@ class BubbleMeter:
         step = time.perf_counter() - (self._started or 0.0)
         self._started = None
         return min(1.0, max(0.0, 1.0 - self._busy / step)) if step > 0 else 0.0
+
+
+def simulated_bubble(actions: dict[int, list[Action]], n_stages: int,
+                     costs: dict[str, float] | None = None) -> dict[int, float]:
+    """The idle fraction of every rank when each runs its recorded ``actions`` in order with fixed costs.
+
+    A forward of stage ``s`` waits for the forward of ``s - 1`` on the same micro-batch; a backward (``B``
+    or ``I``) of ``s`` waits for the backward of ``s + 1`` (the last stage: for its own forward). Transfers
+    cost nothing. With the default costs (F = I = W = 1, B = I + W) GPipe and 1F1B leave
+    ``(p - 1) / (m + p - 1)`` of the step idle and interleaved 1F1B ``(p - 1) / (v m + p - 1)`` (Narayanan et
+    al. 2021). Raises ``ValueError`` when the orders deadlock (a schedule that cannot run).
+    """
+    costs = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0, **(costs or {})}
+    done: dict[tuple[int, str, int], float] = {}  # (stage, F or backward, micro-batch) -> finish time
+    clock = {rank: 0.0 for rank in actions}
+    busy = {rank: 0.0 for rank in actions}
+    position = {rank: 0 for rank in actions}
+    remaining = sum(len(a) for a in actions.values())
+    while remaining:
+        progressed = False
+        for rank, sequence in actions.items():
+            while position[rank] < len(sequence):
+                stage, kind, micro = sequence[position[rank]]
+                if kind == "F":
+                    needs = [(stage - 1, "F", micro)] if stage > 0 else []
+                elif kind in ("B", "I"):
+                    needs = [(stage + 1, "bwd", micro)] if stage < n_stages - 1 else [(stage, "F", micro)]
+                else:
+                    needs = [(stage, "bwd", micro)]
+                if any(need not in done for need in needs):
+                    break
+                start = max([clock[rank], *(done[need] for need in needs)])
+                clock[rank] = start + costs[kind]
+                busy[rank] += costs[kind]
+                done[(stage, "F" if kind == "F" else ("W" if kind == "W" else "bwd"), micro)] = clock[rank]
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {rank: sequence[position[rank]] for rank, sequence in actions.items()
+                     if position[rank] < len(sequence)}
+            raise ValueError(f"the recorded pipeline orders deadlock: ranks wait on {stuck}")
+    makespan = max(clock.values())
+    return {rank: 1.0 - busy[rank] / makespan for rank in actions}
