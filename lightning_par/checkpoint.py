@@ -38,16 +38,31 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
+from lightning_par.parallel.ties import tied_aliases
+
 MODEL_KEY = "state_dict"  # Lightning's own key for the model weights
+# {alias: name} of tied parameters (a head tied to the embedding): saved once under the first name, restored on
+# load and on export.
+TIED_KEY = "lightning_par_tied_parameters"
 OPTIMIZERS_KEY = "optimizer_states"  # Lightning's own key: a list, one entry per optimizer
 META_FILE = "meta.pt"
 _DCP_METADATA = ".metadata"
 
 
-def model_state_dict(module: nn.Module, *, full: bool) -> dict[str, Any]:
+def model_state_dict(module: nn.Module, *, full: bool, aliases: bool = True) -> dict[str, Any]:
     """The model's state by fully qualified name: this rank's shards, or with ``full`` whole tensors on CPU
-    gathered to rank 0 (the other ranks get an empty dict)."""
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+    gathered to rank 0 (the other ranks get an empty dict). ``aliases=False`` leaves out the other names of a
+    tied parameter, so that a checkpoint holds it once."""
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+    if not aliases:
+        for alias in tied_aliases(module):
+            state.pop(alias, None)
+    return state
+
+
+def with_aliases(state: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+    """``state`` with every alias of a tied parameter pointing at its first name's tensor (the same object)."""
+    return {**state, **{alias: state[name] for alias, name in aliases.items() if name in state}}
 
 
 def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, *, full: bool) -> dict[str, Any]:
@@ -190,10 +205,11 @@ def load_checkpoint(
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    aliases = tied_aliases(module)
     if is_sharded_checkpoint(path):
-        model_state = {MODEL_KEY: model_state_dict(module, full=False)}
+        model_state = {MODEL_KEY: model_state_dict(module, full=False, aliases=False)}
         dcp.load(model_state, checkpoint_id=path)
-        set_model_state_dict(module, model_state[MODEL_KEY], options=StateDictOptions(strict=strict))
+        set_model_state_dict(module, with_aliases(model_state[MODEL_KEY], aliases), options=StateDictOptions(strict=strict))
         for index, optimizer in enumerate(optimizers):
             key = f"optimizer_{index}"
             template = optimizer_state_dict(module, optimizer, full=False)
@@ -211,7 +227,7 @@ def load_checkpoint(
 
     checkpoint = torch.load(path, map_location="cpu", weights_only=_weights_only(weights_only))
     full = StateDictOptions(full_state_dict=True, strict=strict)
-    set_model_state_dict(module, checkpoint.pop(MODEL_KEY), options=full)
+    set_model_state_dict(module, with_aliases(checkpoint.pop(MODEL_KEY), aliases), options=full)
     saved_optimizers = checkpoint.pop(OPTIMIZERS_KEY, [])
     if optimizers and len(saved_optimizers) != len(optimizers):
         raise ValueError(f"checkpoint {str(path)!r} has {len(saved_optimizers)} optimizer states, "
@@ -234,12 +250,15 @@ def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike
             whole = Path(tmp) / "whole.pt"
             dcp_to_torch_save(checkpoint, whole)
             weights = torch.load(whole, map_location="cpu", weights_only=True)[MODEL_KEY]
+        aliases = torch.load(checkpoint / META_FILE, map_location="cpu", weights_only=False).get(TIED_KEY, {})
     elif checkpoint.is_file():
         # The user's own full checkpoint: Lightning's metadata in it needs the full unpickler.
-        weights = torch.load(checkpoint, map_location="cpu", weights_only=False)[MODEL_KEY]
+        saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        weights, aliases = saved[MODEL_KEY], saved.get(TIED_KEY, {})
     else:
         raise FileNotFoundError(f"{str(checkpoint)!r} is neither a sharded checkpoint directory nor a checkpoint file")
-    weights = {name: tensor.contiguous() for name, tensor in weights.items()}
+    # A tied parameter under each of its names, one tensor: written once, loads into the model strictly.
+    weights = with_aliases({name: tensor.contiguous() for name, tensor in weights.items()}, aliases)
     staging = _staging_path(output)
     staging.parent.mkdir(parents=True, exist_ok=True)
     torch.save(weights, staging)

@@ -66,21 +66,27 @@ def _optimizer_state(strategy: Any, module: Any, optimizer: Any) -> dict[str, An
     return {"state": state, "param_groups": groups}
 
 
-def _fit(rank: int, world_size: int, directory: str, strategy: str, seed: int, ckpt_path: str | None) -> dict:
+def _fit(rank: int, world_size: int, directory: str, strategy: str, seed: int, ckpt_path: str | None,
+         max_epochs: int = 1, tied: bool = False) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_par.parallel.ties import clean_name
 
     torch.manual_seed(seed)
     recorder = RecordLoss()
     trainer = lightning.Trainer(
-        accelerator="cpu", devices=world_size, strategy=_strategy(strategy), max_epochs=1,
-        callbacks=[recorder, ModelCheckpoint(dirpath=directory, save_top_k=0, save_last=True)],
+        accelerator="cpu", devices=world_size, strategy=_strategy(strategy), max_epochs=max_epochs,
+        callbacks=[recorder, ModelCheckpoint(dirpath=directory, save_top_k=-1, save_last=True)],
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0,
     )
-    trainer.fit(make_module(), datamodule=make_datamodule(), ckpt_path=ckpt_path)
+    module = make_module(tie_embeddings=tied)
+    trainer.fit(module, datamodule=make_datamodule(), ckpt_path=ckpt_path)
     return {"losses": recorder.losses, "step": trainer.global_step,
             "weights": trainer.strategy.consolidated_state_dict(),
-            "optimizer": _optimizer_state(trainer.strategy, trainer.lightning_module, trainer.optimizers[0])}
+            "optimizer": _optimizer_state(trainer.strategy, trainer.lightning_module, trainer.optimizers[0]),
+            # every distinct parameter under its first name, at its whole size
+            "sizes": {clean_name(n): p.numel() for n, p in module.named_parameters()}}
 
 
 def _merge(results: list[dict]) -> dict[str, Any]:
@@ -99,9 +105,9 @@ def _merge(results: list[dict]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups[0]}
 
 
-def _assert_resharded(saved: list[dict], loaded: list[dict]) -> None:
+def _assert_resharded(saved: list[dict], loaded: list[dict], tied: bool = False) -> None:
     assert saved[0]["step"] == loaded[0]["step"] > 0
-    assert all(r["losses"] == [] for r in loaded)  # restored at the end of epoch 0: nothing left to train
+    assert all(r["losses"] == [] for r in loaded)  # restored at the end of the run: nothing left to train
 
     weights_a, weights_b = saved[0]["weights"], loaded[0]["weights"]
     assert weights_a and weights_a.keys() == weights_b.keys()
@@ -109,7 +115,7 @@ def _assert_resharded(saved: list[dict], loaded: list[dict]) -> None:
         assert torch.equal(weights_b[name], tensor), name
 
     optim_a, optim_b = _merge(saved), _merge(loaded)
-    trainable = {name for name, p in make_module().named_parameters() if p.requires_grad}
+    trainable = {name for name, p in make_module(tie_embeddings=tied).named_parameters() if p.requires_grad}
     assert optim_a["state"].keys() == optim_b["state"].keys() == trainable
     for name, entry in optim_a["state"].items():
         assert entry.keys() == optim_b["state"][name].keys() == {"step", "exp_avg", "exp_avg_sq"}, name
@@ -134,3 +140,40 @@ def test_pipeline_checkpoint_reshards_into_fewer_stages(tmp_path: Path) -> None:
     saved = run_distributed(_fit, 4, str(tmp_path / "a"), "pp4", 0, None)
     loaded = run_distributed(_fit, 2, str(tmp_path / "b"), "pp2", 1, str(tmp_path / "a" / "last.ckpt"))
     _assert_resharded(saved, loaded)
+
+
+def test_tied_head_stays_one_tensor_through_save_resume_reshard_and_export(tmp_path: Path) -> None:
+    """A head tied to the embedding (tie_embeddings=True) under tensor parallel: one DTensor for both, saved
+    once; the run resumed from its epoch-0 checkpoint finishes bitwise like the uninterrupted one; the last
+    checkpoint loads into pipeline stages (the embedding on stage 0, the head on stage 1: one copy each, equal,
+    the parameter count one process's) with weights and AdamW states unchanged; and it exports as one plain
+    file in which both names share one tensor and that loads strictly into the tied model."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_par.checkpoint import export_consolidated
+
+    saved = run_distributed(_fit, 2, str(tmp_path / "a"), "tensor_parallel", 0, None, 2, True)
+    single = sum(p.numel() for p in make_module(tie_embeddings=True).parameters())
+    assert sum(saved[0]["sizes"].values()) == single
+    last = tmp_path / "a" / "last.ckpt"
+    stored = set(dcp.FileSystemReader(str(last)).read_metadata().state_dict_metadata)
+    assert "state_dict.model.embed_tokens.weight" in stored and "state_dict.model.lm_head.weight" not in stored
+
+    epoch0 = next((tmp_path / "a").glob("epoch=0-*.ckpt"))
+    resumed = run_distributed(_fit, 2, str(tmp_path / "r"), "tensor_parallel", 1, str(epoch0), 2, True)
+    assert resumed[0]["losses"] == saved[0]["losses"][len(saved[0]["losses"]) - len(resumed[0]["losses"]):]
+    for name, tensor in saved[0]["weights"].items():
+        assert torch.equal(resumed[0]["weights"][name], tensor), name
+
+    loaded = run_distributed(_fit, 2, str(tmp_path / "b"), "pp2", 1, str(last), 2, True)
+    _assert_resharded(saved, loaded, tied=True)
+    assert sum({n: size for r in loaded for n, size in r["sizes"].items()}.values()) == single
+
+    weights = export_consolidated(last, tmp_path / "model.pt")
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert exported["model.lm_head.weight"].data_ptr() == exported["model.embed_tokens.weight"].data_ptr()
+    module = make_module(tie_embeddings=True)
+    module.load_state_dict(exported)
+    assert module.model.lm_head.weight is module.model.embed_tokens.weight
+    assert torch.equal(module.model.lm_head.weight, saved[0]["weights"]["model.lm_head.weight"])
+    assert weights.keys() == module.state_dict().keys()

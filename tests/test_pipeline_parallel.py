@@ -140,14 +140,16 @@ def _schedule_step(rank: int, world_size: int, schedules: tuple[str, ...], micro
         config = ParallelConfig(pp=world_size, dp_shard=1, pp_schedule=schedule, pp_microbatches=microbatches)
         mesh = config.build_mesh("cpu")
         module = SleepModule()
-        parallelize(module, mesh, config.validate(world_size), derive_plan(module), training=False)
+        tokens = torch.randint(0, 16, (microbatches, 5))
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        parallelize(module, mesh, config.validate(world_size), derive_plan(module), training=False,
+                    sample_batch=(inputs, targets))
         stages = pipeline_stages(module)
         runner = build_schedule(stages, schedule, microbatches, module.loss_fn)
         meter = BubbleMeter(stages, torch.device("cpu"))
-        tokens = torch.randint(0, 16, (microbatches, 5))
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
         meter.start()
-        runner.step(*((inputs,) if stages[0].is_first else ()), target=targets if stages[-1].is_last else None)
+        runner.step(*((inputs,) if stages[0].is_first else ()), target=targets if stages[-1].is_last else None,
+                    tokens=inputs)
         fraction = meter.stop()
         blocks = sum(len([b for b in stage.submod.network.blocks if isinstance(b, SleepBlock)]) for stage in stages)
         results[schedule] = {"actions": meter.actions, "n_stages": meter.n_stages, "busy": meter._busy,
@@ -203,10 +205,11 @@ def _peak_saved_activation_bytes(rank: int, world_size: int, schedule: str, micr
     mesh = config.build_mesh("cpu")
     torch.manual_seed(0)
     module = make_module()
-    parallelize(module, mesh, config.validate(world_size), derive_plan(module), training=False)
+    inputs, targets = module.split_batch(torch.randint(0, 64, (microbatches, 17)))
+    parallelize(module, mesh, config.validate(world_size), derive_plan(module), training=False,
+                sample_batch=(inputs, targets))
     stages = pipeline_stages(module)
     runner = build_schedule(stages, schedule, microbatches, module.loss_fn)
-    inputs, targets = module.split_batch(torch.randint(0, 64, (microbatches, 17)))
     live = {"now": 0, "peak": 0}
 
     class Saved:  # released by autograd when the saved tensor is freed after its backward
@@ -222,7 +225,8 @@ def _peak_saved_activation_bytes(rank: int, world_size: int, schedule: str, micr
         return (None if isinstance(t, torch.nn.Parameter) else Saved(t.numel() * t.element_size())), t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed[1]):
-        runner.step(*((inputs,) if stages[0].is_first else ()), target=targets if stages[-1].is_last else None)
+        runner.step(*((inputs,) if stages[0].is_first else ()), target=targets if stages[-1].is_last else None,
+                    tokens=inputs)
     dist.destroy_process_group()
     return live["peak"]
 

@@ -45,10 +45,13 @@ def gradient_norm(parameters: list[Tensor], *, partition_group: dist.ProcessGrou
 @torch.no_grad()
 def clip_grad_norm_(parameters: list[Tensor], max_norm: float, *,
                     partition_group: dist.ProcessGroup | None = None,
-                    stage_group: dist.ProcessGroup | None = None) -> float:
+                    stage_group: dist.ProcessGroup | None = None,
+                    counted: list[Tensor] | None = None) -> float:
     """Clip ``parameters``' gradients in place to a total 2-norm of ``max_norm``; return the norm before
-    (see :func:`gradient_norm` for the groups)."""
-    total = gradient_norm(parameters, partition_group=partition_group, stage_group=stage_group)
+    (see :func:`gradient_norm` for the groups). ``counted``: the parameters the norm is taken over, when a
+    tensor held on several pipeline ranks must count once (default: ``parameters``)."""
+    total = gradient_norm(parameters if counted is None else counted, partition_group=partition_group,
+                          stage_group=stage_group)
     coefficient = min(1.0, max_norm / (total + 1e-6))
     if coefficient < 1.0:
         for parameter in parameters:

@@ -19,6 +19,7 @@ A combination this version does not compose is refused (check_available) before 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
@@ -33,9 +34,11 @@ from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas,
 from lightning_par.parallel.experts import apply_expert_parallel
 from lightning_par.parallel.pipeline import build_stages, split_pipeline
 from lightning_par.parallel.plan import ModelPlan
+from lightning_par.parallel.plan_check import check_plan
 from lightning_par.parallel.recompute import apply_activation_checkpointing
 from lightning_par.parallel.sequence import apply_context_parallel
-from lightning_par.parallel.tensor import apply_tensor_parallel
+from lightning_par.parallel.tensor import apply_tensor_parallel, split_summary
+from lightning_par.parallel.ties import StageTies, clean_name
 from lightning_par.parallel.zero import fully_shard_model, is_zero_module, materialize_meta_parameters, shard_optimizer
 
 
@@ -92,11 +95,17 @@ def _sizes(sizes: dict[str, int]) -> str:
 
 _LAYOUT_ATTRIBUTE = "_lightning_par_layout"
 _STAGES_ATTRIBUTE = "_lightning_par_pipeline_stages"
+_TIES_ATTRIBUTE = "_lightning_par_stage_ties"
 
 
 def pipeline_stages(model: nn.Module) -> list:
     """This rank's pipeline stages of a module :func:`parallelize` split (empty without pipeline parallel)."""
     return getattr(model, _STAGES_ATTRIBUTE, [])
+
+
+def stage_ties(model: nn.Module) -> StageTies | None:
+    """The parameters several pipeline ranks hold (a head tied to the embedding), or None without any."""
+    return getattr(model, _TIES_ATTRIBUTE, None)
 
 
 def parallelize(
@@ -108,7 +117,8 @@ def parallelize(
     training: bool = True,
     device: torch.device | None = None,
     device_ids: list[int] | None = None,
-    profile_batch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sample_batch: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> nn.Module:
     """Apply every technique ``config`` asks for to ``model`` over ``mesh``; return the module to run.
 
@@ -116,7 +126,10 @@ def parallelize(
     With ``training=False`` (validate/test/predict) no gradient machinery is installed; replicas are made
     equal by a broadcast instead (ZeRO-3 still shards: that is what lets the model fit). Parameters
     created on the meta device are allocated on ``device`` (after sharding, under ZeRO-3).
-    ``profile_batch`` (inputs, targets) is what pipeline balancing by profile times the blocks on.
+    ``sample_batch`` (inputs, targets; one micro-batch of the data) is what the tensor-parallel plan is checked
+    on (``plan_check``), what pipeline parallel traces to place the code outside the blocks, and what balancing
+    by profile times the blocks on; without it the plan is applied unchecked. ``log`` receives what was split
+    and what the check changed.
     """
     device = device if device is not None else torch.device(mesh.device_type)
     check_available(config)
@@ -128,13 +141,20 @@ def parallelize(
         raise ValueError(f"this module was parallelized for {applied[1].describe()} already and cannot be "
                          f"re-laid out as {config.describe()}; build a new module (or load a checkpoint into one)")
     if applied is None:
+        if config.tp > 1 and plan is not None and sample_batch is not None:  # 0: the plan, checked
+            plan, notes = check_plan(model, mesh, plan, sample_batch[0], sequence_parallel=config.sequence_parallel,
+                                     loss_parallel=config.loss_parallel, apply=apply_tensor_parallel)
+            if log is not None:
+                log(f"tensor-parallel plan ({plan.source}) checked on a sample: " + ("; ".join(notes) or "as planned"))
         stages = None
         if config.pp > 1:  # 1
             stages = split_pipeline(model, mesh, plan, schedule=config.pp_schedule,
                                     virtual_stages=config.pp_virtual_stages, balance_by=config.pp_balance,
-                                    device=device, profile_batch=profile_batch)
+                                    device=device, sample_batch=sample_batch)
         apply_tensor_parallel(model, mesh, plan, sequence_parallel=config.sequence_parallel,  # 2
                               loss_parallel=config.loss_parallel)
+        if config.tp > 1 and log is not None and plan is not None:
+            log(f"tensor parallel (tp={config.tp}) split, on this rank: {split_summary(model, plan)}")
         apply_context_parallel(model, mesh, plan, method=config.cp_method)  # 3
         apply_expert_parallel(model, mesh, config.ep, plan)  # 4
         apply_activation_checkpointing(model, plan, mode=config.activation_checkpointing,  # 5
@@ -146,11 +166,15 @@ def parallelize(
         if stages is not None:  # 1, completed: each stage's view of the blocks as they now are
             setattr(model, _STAGES_ATTRIBUTE, build_stages(model, stages, mesh, device,
                                                           sequence_parallel=config.sequence_parallel))
+            by_name = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+            setattr(model, _TIES_ATTRIBUTE, StageTies({by_name[n]: ranks for n, ranks in stages.shared.items()
+                                                       if n in by_name and by_name[n].requires_grad}, mesh))
         setattr(model, _LAYOUT_ATTRIBUTE, layout)
-    if config.zero_stage == 3:
-        materialize_meta_parameters(model, device)
-        return model
     materialize_meta_parameters(model, device)
+    if applied is None and stage_ties(model) is not None:
+        stage_ties(model).make_equal()  # copies of one tensor on several stages start equal
+    if config.zero_stage == 3:
+        return model
     if not training or config.zero_stage == 2 or reduces_gradients_after_backward(config):
         # Stage 2 reduces gradients with hooks installed by parallelize_optimizer(), the others listed in
         # reduces_gradients_after_backward() with reduce_gradients(), not with DDP.
@@ -199,5 +223,5 @@ def gradient_norm_groups(mesh: ParallelMesh, config: ParallelConfig) -> dict[str
             "stage_group": mesh.group("pp") if mesh.size("pp") > 1 else None}
 
 
-__all__ = ["parallelize", "pipeline_stages", "parallelize_optimizer", "no_gradient_sync", "gradient_norm_groups",
+__all__ = ["parallelize", "pipeline_stages", "stage_ties", "parallelize_optimizer", "no_gradient_sync", "gradient_norm_groups",
            "check_available", "reduces_gradients_after_backward"]

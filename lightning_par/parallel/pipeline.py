@@ -9,12 +9,17 @@ holds ``r`` and ``2pp - 1 - r``) and fills the bubble with the weight-gradient h
 schedules and stage communication are PyTorch's ``torch.distributed.pipelining``; this module decides
 where the stages are and builds them from the model plan.
 
-How a stage is made, without model-specific code: the network (the module holding the plan's blocks,
-embedding and head) keeps its forward; on a stage, the parts it does not own are replaced by a
-pass-through module that returns its first input. The first stage's embedding turns tokens into hidden
-states and later stages receive hidden states in the same argument; the head of the last stage returns
-logits and earlier stages return hidden states. Parameter names do not change, so optimizers and
-checkpoints see the usual names, each rank holding only its stages' parameters.
+How a stage is made, without model-specific code: every stage runs the network's own forward (the module
+holding the plan's blocks), with the blocks it does not own skipped. What runs outside the blocks is found
+by tracing one forward (``lightning_par.parallel.pipeline_trace``): stage 0 runs the code before the first
+block (embedding, positions, scaling); a later stage runs the same code on stand-ins that hold no weights
+(zeros for an embedding), only for the tensors every block takes beside the hidden states (rotary tables,
+masks), and a hook swaps its first block's hidden-state input for the activations it received; a stage
+that is not the last stops right after its last block, so the final norm, the head and whatever follows
+them (soft-capping) run once, on the last stage. Every stage receives the micro-batch's tokens as a keyword
+argument for that purpose. Parameter names do not change, so optimizers and checkpoints see the usual names,
+each rank holding only its stages' parameters; a parameter several stages use (a head tied to the
+embedding) is held by each of them and kept equal (``lightning_par.parallel.ties.StageTies``).
 """
 
 from __future__ import annotations
@@ -42,8 +47,10 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.pipeline_trace import Call, NetworkTrace, StandIn, first_tensor, trace_network
+from lightning_par.parallel.plan import ModelPlan, network_prefix
+from lightning_par.parallel.ties import clean_name
 from lightning_par.stages import Schedule, balance, stage_indices, stages_per_rank
-from lightning_par.parallel.plan import ModelPlan
 
 SCHEDULES: dict[str, type] = {
     "gpipe": ScheduleGPipe,
@@ -150,38 +157,109 @@ def _time_forward_and_backward(module: nn.Module, key: str, timings: dict[str, f
 
 
 # ---------------------------------------------------------------------------------- stage modules
-class PassThrough(nn.Module):
-    """Stands in for a part a stage does not own: returns its first input unchanged."""
+class SkippedBlock(nn.Module):
+    """Stands in for a block another stage owns: hands its hidden-state input on, shaped like the block's output."""
 
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+    def __init__(self, call: Call) -> None:
+        super().__init__()
+        self.call = call
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = _hidden_of(self.call, args, kwargs)
+        if self.call.output_index is None:
+            return hidden
+        return tuple(hidden if i == self.call.output_index else None for i in range(self.call.output_length))
+
+
+class StandInModule(nn.Module):
+    """Stands in for a module outside the blocks that this stage does not run (see :class:`StandIn`).
+
+    It keeps the parameters of that module that this stage holds anyway (a head tied to the embedding), under
+    the same names, without computing with them.
+    """
+
+    holds_only = True  # lightning_par.parallel.ties.retie: holds tied parameters, never computes with them
+
+    def __init__(self, spec: StandIn, parameters: dict[str, nn.Parameter] | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        for name, parameter in (parameters or {}).items():
+            self.register_parameter(name, parameter)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        x = args[0] if args else next(iter(kwargs.values()))
+        if self.spec.kind == "zeros":  # an embedding's output: (*input shape, width)
+            return torch.zeros(*x.shape, self.spec.width, dtype=self.spec.dtype, device=x.device)
         return x
 
 
-class StageModule(nn.Module):
-    """One pipeline stage: the network with only this stage's parts; returns a tensor.
+class _StageOutput(Exception):
+    """Raised after a stage's last block to stop the network's forward there, carrying the hidden states."""
 
-    The network may return an output object (Hugging Face ``ModelOutput``, a tuple): the stage passes on
-    its first element (the logits, or the hidden states on earlier stages). Under tensor parallel with
-    sequence parallel the hidden states between blocks are DTensors split along the sequence: a stage
-    sends its own slice to the same tensor-parallel rank of the next stage (``sequence_mesh``: the ``tp``
-    mesh on stages that receive such slices), which makes it a DTensor again.
+    def __init__(self, hidden: Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: the network's forward with only this stage's parts; returns a tensor.
+
+    ``forward(x, tokens)``: ``x`` is the micro-batch's inputs on the first stage and the received hidden
+    states elsewhere; ``tokens`` (the inputs, on every stage) feed the code before the blocks on later stages,
+    whose stand-ins produce what the blocks take beside the hidden states. Under tensor parallel with
+    sequence parallel the hidden states between blocks are DTensors split along the sequence: a stage sends
+    its own slice to the same tensor-parallel rank of the next stage (``sequence_mesh``: the ``tp`` mesh on
+    stages that receive such slices), which makes it a DTensor again.
     """
 
-    def __init__(self, network: nn.Module, sequence_mesh: DeviceMesh | None = None) -> None:
+    def __init__(self, network: nn.Module, *, is_first: bool, sequence_mesh: DeviceMesh | None = None) -> None:
         super().__init__()
         self.network = network
+        self.is_first = is_first
         self.sequence_mesh = sequence_mesh
+        self.incoming: Tensor | None = None  # the received hidden states, for the first block's input hook
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.sequence_mesh is not None:
-            x = DTensor.from_local(x, self.sequence_mesh, (Shard(1),), run_check=False)  # (B, T/tp, C) -> (B, T, C)
-        output = self.network(x)
-        output = output if isinstance(output, Tensor) else output[0]
+    def forward(self, x: Tensor, tokens: Tensor | None = None) -> Tensor:
+        if not self.is_first:
+            if tokens is None:
+                raise ValueError("a pipeline stage after the first needs the micro-batch's tokens (tokens=...) to run "
+                                 "the code before its blocks")
+            if self.sequence_mesh is not None:  # (B, T/tp, C) -> (B, T, C)
+                x = DTensor.from_local(x, self.sequence_mesh, (Shard(1),), run_check=False)
+            self.incoming, x = x, tokens
+        try:
+            output, _, _ = first_tensor(self.network(x))
+        except _StageOutput as stop:
+            output = stop.hidden
+        finally:
+            self.incoming = None
         if isinstance(output, DTensor):
             output = output.to_local()
         # The zero-bubble schedules detach stage outputs in place, which PyTorch refuses on views (the
         # output of a linear layer on a 3-D input is one).
         return output.clone() if output._base is not None else output
+
+
+def _hidden_of(call: Call, args: tuple, kwargs: dict) -> Any:
+    return args[call.argument] if isinstance(call.argument, int) else kwargs[call.argument]
+
+
+def _receive_hidden(stage: StageModule, call: Call) -> Callable:
+    """Forward pre-hook of a stage's first block: its hidden-state input becomes what the stage received."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if isinstance(call.argument, int):
+            return (*args[:call.argument], stage.incoming, *args[call.argument + 1:]), kwargs
+        return args, {**kwargs, call.argument: stage.incoming}
+    return hook
+
+
+def _stop_after(call: Call) -> Callable:
+    """Forward hook of a stage's last block (not the last stage): end the network's forward with its output."""
+    def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        hidden = output if call.output_index is None else (
+            output.to_tuple() if hasattr(output, "to_tuple") else output)[call.output_index]
+        raise _StageOutput(hidden)
+    return hook
 
 
 def _replace(network: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:
@@ -206,34 +284,39 @@ def _replace(network: nn.Module, replacements: dict[str, nn.Module]) -> nn.Modul
     return copied
 
 
-def network_prefix(plan: ModelPlan) -> str:
-    """The plan's names share the network's path: ``model.layers`` -> ``model.``."""
-    names = [n for n in (plan.blocks, plan.embedding, plan.final_norm, plan.head) if n]
-    parts = [n.split(".") for n in names]
-    common: list[str] = []
-    for level in zip(*parts):
-        if len(set(level)) != 1:
-            break
-        common.append(level[0])
-    if len(common) == len(parts[0]) and len(names) == 1:
-        common = common[:-1]
-    return ".".join(common) + "." if common else ""
-
-
 @dataclass(frozen=True)
 class StageLayout:
-    """This rank's share of the pipeline: its stage indices and the module names each stage owns."""
+    """This rank's share of the pipeline: its stage indices, what each runs, and the parameters held twice."""
 
     network: str  # the module (relative to the model) whose forward a stage runs
     n_stages: int
-    stages: dict[int, frozenset[str]]  # stage index -> owned names, relative to ``network``
+    call: Call  # where the blocks take and return their hidden states
+    # stage index -> (owned block names, outside modules it runs), names relative to ``network``
+    stages: dict[int, tuple[frozenset[str], frozenset[str]]]
+    stand_ins: dict[str, StandIn]  # outside modules (relative to ``network``) -> their stand-in on other stages
+    shared: dict[str, tuple[int, ...]]  # parameter names (from the model root) -> pp ranks holding a copy (2+)
 
 
-def cut_network(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, *, schedule: Schedule,
+def _outside_runs(trace: NetworkTrace, name: str, module: nn.Module, prefix: str, n_stages: int) -> set[int]:
+    """The stages that run outside module ``name`` (a full name) for real."""
+    own = {f"{name}.{leaf}" for leaf, _ in module.named_parameters(recurse=False)}
+    if own & trace.shared:
+        return set(range(n_stages))  # it computes what every block takes
+    if name in trace.before_blocks:
+        return {0}
+    if own & trace.postlude:
+        return {n_stages - 1}
+    return {0}  # used nowhere in the forward: kept once
+
+
+def cut_network(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, trace: NetworkTrace, *, schedule: Schedule,
                 virtual_stages: int, sizes: list[int]) -> StageLayout:
-    """Drop from the network inside ``module`` every part this rank's stages do not own (in place).
+    """Drop from the network inside ``module`` every part this rank's stages do not run (in place).
 
-    ``sizes`` are the numbers of blocks of every stage (``pp x stages per rank`` of them).
+    ``sizes`` are the numbers of blocks of every stage (``pp x stages per rank`` of them). A part this rank
+    does not run but whose parameters one of its stages uses (a head tied to the embedding) becomes a
+    stand-in holding those parameters. Raises ``ValueError`` naming a module that must run before the blocks
+    on stage 0 and that later stages cannot stand in for.
     """
     pp, pp_rank = mesh.size("pp"), mesh.local_rank("pp")
     n_stages = len(sizes)
@@ -241,20 +324,60 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, *, sched
     network = module.get_submodule(prefix.rstrip(".")) if prefix else module
     blocks = plan.block_names(module)
     starts = [sum(sizes[:s]) for s in range(n_stages)]
+    block_stage = {name: s for s in range(n_stages) for name in blocks[starts[s]:starts[s] + sizes[s]]}
+    rank_of = {s: r for r in range(pp) for s in stage_indices(r, pp, schedule, virtual_stages)}
+    mine = stage_indices(pp_rank, pp, schedule, virtual_stages)
 
-    def parts_of(stage: int) -> frozenset[str]:
-        parts = set(blocks[starts[stage]:starts[stage] + sizes[stage]])
-        if stage == 0 and plan.embedding:
-            parts.add(plan.embedding)
-        if stage == n_stages - 1:
-            parts.update(n for n in (plan.final_norm, plan.head) if n)
-        return frozenset(name[len(prefix):] for name in parts)
+    # Where each parameter is held: its block's stage, every stage that runs its outside module, and every
+    # stage whose role needs it (its stand-in keeps it); a parameter of an enclosing module stays everywhere.
+    holders: dict[str, set[int]] = {}
+    runs: dict[str, set[int]] = {}
+    for name, sub in module.named_modules():
+        if name in trace.outside:
+            runs[name] = _outside_runs(trace, name, sub, prefix, n_stages)
+            if name in trace.before_blocks and trace.outside[name].reason and runs[name] != set(range(n_stages)):
+                raise ValueError(f"pipeline parallel: {name!r} runs before the first block and holds parameters, but "
+                                 f"{trace.outside[name].reason}; later stages cannot stand in for it. Make it part "
+                                 "of the first block, or train this model without pp")
+        for leaf, parameter in sub.named_parameters(recurse=False):
+            full = clean_name(f"{name}.{leaf}" if name else leaf)
+            block = next((b for b in blocks if full.startswith(b + ".")), None)
+            if block is not None:
+                stages = {block_stage[block]}
+            elif name in runs:
+                stages = runs[name] | trace.role_stages(full, n_stages)
+            else:
+                stages = set(range(n_stages))
+            holders.setdefault(full, set()).update(stages)
 
-    every_part = {n[len(prefix):] for n in (*blocks, plan.embedding, plan.final_norm, plan.head) if n}
-    mine = {stage: parts_of(stage) for stage in stage_indices(pp_rank, pp, schedule, virtual_stages)}
-    for name in every_part - set().union(*mine.values()):
-        _set(network, name, PassThrough())
-    return StageLayout(prefix.rstrip("."), n_stages, mine)
+    for name in blocks:
+        if block_stage[name] not in mine:
+            _set(network, name[len(prefix):], SkippedBlock(trace.block_call))
+    for name, stages in runs.items():
+        if stages & set(mine):
+            continue
+        sub = module.get_submodule(name)
+        kept = {leaf: p for leaf, p in sub.named_parameters(recurse=False)
+                if holders[clean_name(f"{name}.{leaf}")] & set(mine)}
+        spec = trace.outside[name] if name in trace.before_blocks else StandIn("unused")
+        _set(network, name[len(prefix):], StandInModule(spec, kept))
+
+    stage_parts = {}
+    for s in mine:
+        owned = frozenset(b[len(prefix):] for b in blocks if block_stage[b] == s)
+        running = frozenset(n[len(prefix):] for n, stages in runs.items() if s in stages)
+        stage_parts[s] = (owned, running)
+    # Trainable parameters some code uses, held on more than one pipeline rank: kept equal by StageTies.
+    used = trace.prelude | trace.postlude | trace.shared
+    shared = {}
+    for name, stages in holders.items():
+        ranks = tuple(sorted({rank_of[s] for s in stages}))
+        in_block = any(name.startswith(b + ".") for b in blocks)
+        if len(ranks) > 1 and (in_block or name in used):
+            shared[name] = ranks
+    return StageLayout(prefix.rstrip("."), n_stages, trace.block_call, stage_parts,
+                       {n[len(prefix):]: trace.outside[n] if n in trace.before_blocks else StandIn("unused")
+                        for n in runs}, shared)
 
 
 def build_stages(module: nn.Module, layout: StageLayout, mesh: ParallelMesh, device: torch.device, *,
@@ -263,16 +386,32 @@ def build_stages(module: nn.Module, layout: StageLayout, mesh: ParallelMesh, dev
 
     Built after every other technique has changed the blocks (activation checkpointing replaces them),
     because each stage sees the network through its own view: one rank's stages share every module and
-    parameter, and differ only in which parts are pass-throughs. ``sequence_parallel``: tensor parallel
-    keeps the hidden states split along the sequence, so stages after the first receive slices.
+    parameter, and differ only in which parts are stand-ins. The hooks that swap a stage's first hidden-state
+    input and stop after its last block sit on the blocks as they now are, outside any recomputation wrapper.
+    ``sequence_parallel``: tensor parallel keeps the hidden states split along the sequence, so stages after
+    the first receive slices.
     """
     network = module.get_submodule(layout.network) if layout.network else module
-    held = set().union(*layout.stages.values())
+    prefix = f"{layout.network}." if layout.network else ""
+    blocks_held = set().union(*(owned for owned, _ in layout.stages.values()))
+    outside_held = set().union(*(running for _, running in layout.stages.values()))
     sliced = mesh["tp"] if sequence_parallel and mesh.size("tp") > 1 else None
-    return [PipelineStage(StageModule(_replace(network, {name: PassThrough() for name in held - owned}),
-                                      sliced if stage > 0 else None),
-                          stage, layout.n_stages, device, group=mesh.group("pp"))
-            for stage, owned in layout.stages.items()]
+    block_order = {name: index for index, name in enumerate(
+        n[len(prefix):] for n, _ in module.named_modules() if n[len(prefix):] in blocks_held)}
+    stages = []
+    for index, (owned, running) in layout.stages.items():
+        replacements: dict[str, nn.Module] = {name: SkippedBlock(layout.call) for name in blocks_held - owned}
+        replacements.update({name: StandInModule(layout.stand_ins[name]) for name in outside_held - running})
+        stage_module = StageModule(_replace(network, replacements), is_first=index == 0,
+                                   sequence_mesh=sliced if index > 0 else None)
+        ordered = sorted(owned, key=block_order.__getitem__)
+        if index > 0:
+            network.get_submodule(ordered[0]).register_forward_pre_hook(
+                _receive_hidden(stage_module, layout.call), with_kwargs=True)
+        if index < layout.n_stages - 1:
+            network.get_submodule(ordered[-1]).register_forward_hook(_stop_after(layout.call))
+        stages.append(PipelineStage(stage_module, index, layout.n_stages, device, group=mesh.group("pp")))
+    return stages
 
 
 def _set(network: nn.Module, name: str, value: nn.Module) -> None:
@@ -283,31 +422,38 @@ def _set(network: nn.Module, name: str, value: nn.Module) -> None:
 
 def split_pipeline(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *, schedule: Schedule,
                    virtual_stages: int, balance_by: str, device: torch.device,
-                   profile_batch: tuple[Tensor, Tensor] | None = None) -> StageLayout:
+                   sample_batch: tuple[Tensor, Tensor] | None = None) -> StageLayout:
     """Balance the blocks over ``pp x stages per rank`` stages and cut this rank's parts out (in place).
 
     ``module`` must meet the model contract: ``module(inputs) -> logits`` and
-    ``module.loss_fn(logits, targets)``; ``balance_by="profile"`` times them on ``profile_batch``
-    (inputs, targets). Split points in ``plan`` win over balancing.
+    ``module.loss_fn(logits, targets)``. ``sample_batch`` (inputs, targets; one micro-batch) is traced once
+    (its first sample) to find what runs outside the blocks, and ``balance_by="profile"`` times it. Split points
+    in ``plan`` win over balancing.
     """
     pp = mesh.size("pp")
     if plan is None:
         raise ValueError(f"pp={pp} needs to know where the blocks are, and no model plan was found: give the "
                          "strategy a plan (plan: {blocks: ..., embedding: ..., head: ...})")
+    if sample_batch is None:
+        raise ValueError(f"pp={pp} traces the network once on a sample of the data to place what runs outside the "
+                         "blocks, and no data was found: train with a datamodule or dataloaders")
     n_stages = pp * stages_per_rank(schedule, virtual_stages)
     blocks = plan.block_names(module)
     if len(blocks) < n_stages:
         raise ValueError(f"{n_stages} pipeline stages (pp={pp} x {n_stages // pp} per rank for {schedule!r}) need "
                          f"at least {n_stages} blocks, the model has {len(blocks)}")
+    prefix = network_prefix(plan)
+    network = module.get_submodule(prefix.rstrip(".")) if prefix else module
+    sample = sample_batch[0][:1]
+    if any(p.is_meta for p in module.parameters()):
+        sample = sample.to("meta")
+    trace = trace_network(network, blocks, sample.to(device) if not sample.is_meta else sample, root=module)
     if plan.split_points:
         sizes = sizes_from_split_points(blocks, plan.split_points, n_stages)
     else:
         if balance_by == "profile":
-            if profile_batch is None:
-                raise ValueError("balance='profile' times the blocks on a sample batch and none is available: "
-                                 "train with a LightningDataModule, or use balance='parameters' or split points")
             costs, first, last = profile_costs(module, plan, module, module.loss_fn,
-                                               *(t.to(device) for t in profile_batch))
+                                               *(t.to(device) for t in sample_batch))
             # Every rank must cut at the same places: agree on the mean of the measured costs.
             measured = torch.tensor([*costs, first, last], dtype=torch.float64)
             torch.distributed.all_reduce(measured)
@@ -316,7 +462,7 @@ def split_pipeline(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None
         else:
             costs, first, last = parameter_costs(module, plan)
         sizes = balance(costs, n_stages, first=first, last=last)
-    return cut_network(module, mesh, plan, schedule=schedule, virtual_stages=virtual_stages, sizes=sizes)
+    return cut_network(module, mesh, plan, trace, schedule=schedule, virtual_stages=virtual_stages, sizes=sizes)
 
 
 def last_stage_rank(pp: int, schedule: Schedule, virtual_stages: int) -> int:
@@ -325,7 +471,7 @@ def last_stage_rank(pp: int, schedule: Schedule, virtual_stages: int) -> int:
     return next(r for r in range(pp) if n_stages - 1 in stage_indices(r, pp, schedule, virtual_stages))
 
 
-def forward_through_stages(stages: list[PipelineStage], inputs: Tensor | None, mesh: ParallelMesh,
+def forward_through_stages(stages: list[PipelineStage], inputs: Tensor, mesh: ParallelMesh,
                            schedule: Schedule, virtual_stages: int = 2) -> Tensor | None:
     """One forward of a whole batch through every stage in turn, without a schedule (evaluation under ZB-V).
 
@@ -345,7 +491,7 @@ def forward_through_stages(stages: list[PipelineStage], inputs: Tensor | None, m
             continue
         if index > 0 and owner[index - 1] != me:
             x = _receive(dist.get_global_rank(group, owner[index - 1]), mine[index].device)
-        x = mine[index].submod(x)
+        x = mine[index].submod(x, tokens=inputs)
         if index < last and owner[index + 1] != me:
             _send(x, dist.get_global_rank(group, owner[index + 1]))
     return x if owner[last] == me else None
@@ -384,7 +530,8 @@ def build_schedule(stages: list[PipelineStage], schedule: Schedule, n_microbatch
 __all__ = [
     "BALANCE_METHODS",
     "SCHEDULES",
-    "PassThrough",
+    "SkippedBlock",
+    "StandInModule",
     "StageLayout",
     "StageModule",
     "balance",

@@ -5,31 +5,72 @@ comes, in order of precedence, from (DESIGN.md):
 
 1. the model itself (a ``parallelize(mesh, config)`` hook: the strategy then applies nothing itself);
 2. a declarative plan (constructor argument or YAML): :meth:`ModelPlan.from_dict`;
-3. :func:`derive_plan`, which recognises standard decoder transformers by structure and by the usual
-   names (the project's reference model, Hugging Face's Llama/Mistral/Qwen family, torchtitan's Llama).
+3. the model's own plan where it has one: Hugging Face configs carry ``base_model_tp_plan`` and
+   ``base_model_pp_plan`` (:func:`huggingface_plan` translates them);
+4. :func:`derive_plan`, which recognises decoder transformers by structure and by the usual names (the
+   project's reference model, Llama/Mistral/Qwen/Gemma, GPT-2's ``Conv1D``, GPT-NeoX, Phi, nanoGPT, MLA).
+
+Whatever its source, a tensor-parallel plan is then checked against what the model computes
+(``lightning_par.parallel.plan_check``) before anything trains.
 
 Styles name what a technique does to a module:
-``colwise`` (split the output features), ``rowwise`` (split the input features), ``vocab``
-(vocabulary-parallel embedding), ``sequence`` (norms that run on sequence-sharded activations),
-``experts`` (an MoE expert group), ``replicate`` (leave whole).
+``colwise`` (split the output features), ``rowwise`` (split the input features), ``colwise_gather`` (split
+the output features, then gather them: for a projection whose output the model slices by global sizes, such
+as a fused q/k/v), ``rowwise_split`` (split the input features of a layer whose input arrives whole),
+``vocab`` (vocabulary-parallel embedding), ``sequence`` (norms that run on sequence-sharded activations),
+``per_shard`` (a replicated module applied to each rank's split activations, such as a per-head q/k norm:
+its gradients are summed over the tensor-parallel ranks), ``experts`` (an MoE expert group), ``replicate``
+(leave whole).
 """
 
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
 
-STYLES = ("colwise", "rowwise", "vocab", "sequence", "experts", "replicate")
+STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_split", "vocab", "sequence", "per_shard", "experts",
+          "replicate")
+SPLIT_STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_split")  # styles that shard a projection
+PLAN_SOURCES = ("given", "huggingface", "derived")
 
 # Names used across decoder families for the same role inside a block.
-_COLWISE_NAMES = ("q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "gate_proj", "up_proj", "w1", "w3", "fc1")
-_ROWWISE_NAMES = ("o_proj", "wo", "out_proj", "down_proj", "w2", "fc2")
+_COLWISE_NAMES = ("q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "gate_proj", "up_proj", "w1", "w3", "fc1", "c_fc",
+                  "fc_in", "dense_h_to_4h", "query", "key", "value", "q_b_proj", "kv_b_proj")
+_ROWWISE_NAMES = ("o_proj", "wo", "out_proj", "down_proj", "w2", "fc2", "c_proj", "fc_out", "dense_4h_to_h", "dense")
+# Several projections in one matrix: split like the others when each rank's rows hold whole heads (GPT-NeoX's
+# per-head q/k/v), gathered when the model slices the output by global sizes; the plan check decides.
+_FUSED_NAMES = ("qkv_proj", "Wqkv", "c_attn", "query_key_value", "gate_up_proj", "W_pack", "qkv")
 _EXPERT_NAMES = ("experts",)
-_FINAL_NORM_NAMES = ("norm", "final_norm", "ln_f", "final_layernorm", "norm_f")
-_FUSED_QKV_NAMES = ("qkv_proj", "Wqkv", "c_attn", "query_key_value")
+_FINAL_NORM_NAMES = ("norm", "final_norm", "ln_f", "final_layernorm", "norm_f", "final_layer_norm")
+
+# Hugging Face's tensor-parallel styles -> ours (transformers' ParallelInterface names). Expert styles are
+# left to expert parallel; styles not listed are left out of the plan.
+HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output": "colwise_gather",
+             "rowwise_split_input": "rowwise_split", "embedding_rowwise": "vocab",
+             "replicated_with_grad_allreduce": "per_shard", "moe_tp_experts": "experts"}
+
+
+def is_projection(module: nn.Module) -> bool:
+    """A linear map tensor parallel can split: ``nn.Linear`` or GPT-2's ``Conv1D`` (weight stored (in, out))."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D``: a linear layer whose weight is (in_features, out_features), recognised by shape
+    (``nf`` output features) so that transformers need not be imported."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
+            and weight is not None and weight.dim() == 2 and weight.shape[1] == module.nf)
+
+
+def projection_features(module: nn.Module) -> tuple[int, int]:
+    """(input features, output features) of a projection."""
+    if is_conv1d(module):
+        return int(module.weight.shape[0]), int(module.weight.shape[1])
+    return module.in_features, module.out_features
 
 
 @dataclass(frozen=True)
@@ -47,6 +88,7 @@ class ModelPlan:
     head: str | None = None
     styles: dict[str, str] = field(default_factory=dict)
     split_points: tuple[str, ...] = ()
+    source: str = "given"  # given (by the user), huggingface (the model's config), derived (derive_plan)
 
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, str) or not self.blocks:
@@ -54,6 +96,12 @@ class ModelPlan:
         for pattern, style in self.styles.items():
             if style not in STYLES:
                 raise ValueError(f"ModelPlan style {style!r} for {pattern!r} is not one of {STYLES}")
+        if self.source not in PLAN_SOURCES:
+            raise ValueError(f"ModelPlan.source={self.source!r} is not one of {PLAN_SOURCES}")
+
+    def with_styles(self, styles: dict[str, str]) -> ModelPlan:
+        """The same plan with ``styles`` in place of its own."""
+        return replace(self, styles=dict(styles))
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> ModelPlan:
@@ -93,12 +141,31 @@ class ModelPlan:
                 raise ValueError(f"ModelPlan style pattern {pattern!r} matches no module of {type(model).__name__}")
 
 
-def derive_plan(model: nn.Module) -> ModelPlan | None:
-    """Recognise a standard decoder transformer; return None when the model does not look like one.
+def network_prefix(plan: ModelPlan) -> str:
+    """The path of the module whose forward runs the whole network: the plan's names share it
+    (``model.model.layers`` and ``model.lm_head`` -> ``model.``; empty when the model root is the network)."""
+    names = [n for n in (plan.blocks, plan.embedding, plan.final_norm, plan.head) if n]
+    parts = [n.split(".") for n in names]
+    common: list[str] = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    if len(common) == len(parts[0]) and len(names) == 1:
+        common = common[:-1]
+    return ".".join(common) + "." if common else ""
 
-    The blocks are the longest ``ModuleList``/``ModuleDict`` of identical modules that contain linear
-    projections; the embedding is the ``nn.Embedding`` outside them; the head is the last ``nn.Linear``
-    outside them whose output size is the vocabulary; the final norm is the norm beside the blocks.
+
+def derive_plan(model: nn.Module) -> ModelPlan | None:
+    """Recognise a decoder transformer; return None when the model does not look like one.
+
+    The blocks are the longest ``ModuleList``/``ModuleDict`` of identical modules that contain projections
+    (``nn.Linear`` or ``Conv1D``); the embedding is the ``nn.Embedding`` outside them; the head is the last
+    projection outside them whose output size is the vocabulary; the final norm is the norm beside the blocks.
+    Inside a block, projections are marked by their usual names and kept only in pairs: a module (attention,
+    MLP, or the block itself) with at least one column-wise layer and exactly one row-wise layer, which restores
+    the whole activation. A row-wise layer without its partner (``nn.MultiheadAttention``'s ``out_proj``, whose
+    input projection is a bare parameter) stays whole.
     """
     blocks = _find_blocks(model)
     if blocks is None:
@@ -107,7 +174,7 @@ def derive_plan(model: nn.Module) -> ModelPlan | None:
     embeddings = [(n, m) for n, m in outside if isinstance(m, nn.Embedding)]
     embedding = embeddings[0][0] if embeddings else None
     vocab = embeddings[0][1].num_embeddings if embeddings else None
-    heads = [n for n, m in outside if isinstance(m, nn.Linear) and (vocab is None or m.out_features == vocab)]
+    heads = [n for n, m in outside if is_projection(m) and (vocab is None or projection_features(m)[1] == vocab)]
     head = heads[-1] if heads else None
     parent = blocks.rpartition(".")[0]
     norms = [n for n, _ in outside if n.rpartition(".")[0] == parent and n.rpartition(".")[2] in _FINAL_NORM_NAMES]
@@ -117,32 +184,91 @@ def derive_plan(model: nn.Module) -> ModelPlan | None:
     # Every block, not just the first: blocks of one type may differ inside (dense and MoE feed-forwards).
     block_modules = [(name, sub) for block in model.get_submodule(blocks).children()
                      for name, sub in block.named_modules()]
+    regions: dict[str, dict[str, str]] = {}  # parent (relative to a block) -> {layer: style}
     for name, sub in block_modules:
         leaf = name.rpartition(".")[2]
         pattern = f"{blocks}.*.{name}"
         if leaf in _EXPERT_NAMES:
             styles[pattern] = "experts"
-        elif leaf in _FUSED_QKV_NAMES:
-            styles[pattern] = "replicate"  # a fused projection cannot be split column-wise per head
-        elif isinstance(sub, nn.Linear) and not _inside_experts(name):
-            if leaf in _COLWISE_NAMES:
-                styles[pattern] = "colwise"
-            elif leaf in _ROWWISE_NAMES:
-                styles[pattern] = "rowwise"
+        elif is_projection(sub) and not _inside_experts(name) and not _inside(name, block_modules, nn.MultiheadAttention):
+            role = ("colwise" if leaf in _COLWISE_NAMES or leaf in _FUSED_NAMES
+                    else "rowwise" if leaf in _ROWWISE_NAMES else None)
+            if role is not None:
+                regions.setdefault(name.rpartition(".")[0], {})[name] = role
         elif "norm" in type(sub).__name__.lower() or "norm" in leaf.lower():
             if "." not in name:  # norms directly in the block, not inside attention (q/k norms)
                 styles[pattern] = "sequence"
+    for layers in regions.values():
+        roles = list(layers.values())
+        if roles.count("rowwise") == 1 and "colwise" in roles:
+            styles.update({f"{blocks}.*.{name}": role for name, role in layers.items()})
     if embedding:
         styles[embedding] = "vocab"
     if head:
         styles[head] = "colwise"
     if final_norm:
         styles[final_norm] = "sequence"
-    return ModelPlan(blocks=blocks, embedding=embedding, final_norm=final_norm, head=head, styles=styles)
+    return ModelPlan(blocks=blocks, embedding=embedding, final_norm=final_norm, head=head, styles=styles,
+                     source="derived")
+
+
+def huggingface_plan(model: nn.Module) -> ModelPlan | None:
+    """The plan a Hugging Face model's config states, translated; None when ``model`` holds no such model.
+
+    transformers configs carry ``base_model_tp_plan`` (module patterns -> styles, relative to the base model)
+    and ``base_model_pp_plan`` (the embedding, the blocks and the final norm, in order); the causal-LM class adds
+    its head. The blocks, embedding and head come from the pp plan where there is one; the styles inside the
+    blocks from the tp plan (:data:`HF_STYLES`), the others (embedding, head, norms for sequence parallel) as
+    :func:`derive_plan` would set them.
+    """
+    for name, sub in model.named_modules():
+        config = getattr(sub, "config", None)
+        tp_plan = getattr(config, "base_model_tp_plan", None) or {}
+        pp_plan = getattr(config, "base_model_pp_plan", None) or {}
+        base_prefix = getattr(sub, "base_model_prefix", None)
+        if not (tp_plan or pp_plan) or not isinstance(base_prefix, str):
+            continue
+        base = f"{name}.{base_prefix}" if hasattr(sub, base_prefix) else name
+        base = base.strip(".")
+        derived = derive_plan(model)
+        if derived is None:
+            return None
+
+        def full(key: str) -> str:
+            return f"{base}.{key}" if base else key
+
+        keys = list(pp_plan)
+        block_keys = [k for k in keys if isinstance(_get(model, full(k)), (nn.ModuleList, nn.ModuleDict))]
+        blocks = full(block_keys[0]) if block_keys else derived.blocks
+        after = keys[keys.index(block_keys[0]) + 1:] if block_keys else []
+        head_keys = [k for k in getattr(sub, "_pp_plan", None) or {} if _get(model, f"{name}.{k}" if name else k)]
+        styles = {full(pattern): HF_STYLES[style] for pattern, style in tp_plan.items() if style in HF_STYLES}
+        # Block internals from the config; the rest (embedding, head, norms between regions) as derived.
+        styles.update({p: s for p, s in derived.styles.items()
+                       if not p.startswith(blocks + ".") or s in ("sequence", "experts")})
+        return replace(derived, blocks=blocks,
+                       embedding=full(keys[0]) if keys and isinstance(_get(model, full(keys[0])), nn.Embedding)
+                       else derived.embedding,
+                       final_norm=full(after[-1]) if after else derived.final_norm,
+                       head=(f"{name}.{head_keys[0]}" if name else head_keys[0]) if head_keys else derived.head,
+                       styles=styles, source="huggingface")
+    return None
+
+
+def _get(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _inside_experts(name: str) -> bool:
     return any(part in _EXPERT_NAMES for part in name.split("."))
+
+
+def _inside(name: str, modules: list[tuple[str, nn.Module]], kind: type) -> bool:
+    """Whether ``name`` lies inside a module of type ``kind`` (names relative to the same block)."""
+    return any(isinstance(m, kind) and name.startswith(n + ".") for n, m in modules if n)
 
 
 def _find_blocks(model: nn.Module) -> str | None:
@@ -153,7 +279,7 @@ def _find_blocks(model: nn.Module) -> str | None:
         children = list(module.children())
         if len({type(c) for c in children}) != 1:
             continue
-        if not any(isinstance(m, nn.Linear) for m in children[0].modules()):
+        if not any(is_projection(m) for m in children[0].modules()):
             continue
         if _inside_experts(name):
             continue
@@ -162,4 +288,5 @@ def _find_blocks(model: nn.Module) -> str | None:
     return best[1] if best else None
 
 
-__all__ = ["ModelPlan", "derive_plan", "STYLES"]
+__all__ = ["HF_STYLES", "ModelPlan", "PLAN_SOURCES", "SPLIT_STYLES", "STYLES", "derive_plan", "huggingface_plan",
+           "is_conv1d", "is_projection", "network_prefix", "projection_features"]

@@ -7,21 +7,23 @@ and its own slice of the MLP hidden units, and one all-reduce per pair restores 
 The embedding is split by vocabulary rows (each rank looks up the tokens it holds, an all-reduce sums
 them) and the head by vocabulary columns (an all-gather assembles the logits, or, with loss parallel,
 the logits stay split and the cross-entropy is computed on the shards). Which module gets which style
-comes from the model plan (``colwise``, ``rowwise``, ``vocab``).
+comes from the model plan (``colwise``, ``rowwise``, ``colwise_gather``, ``rowwise_split``, ``vocab``,
+``sequence``, ``per_shard``; see ``lightning_par.parallel.plan``), checked against the model's computation
+before training (``lightning_par.parallel.plan_check``). ``nn.Linear`` and GPT-2's ``Conv1D`` (weight stored
+as (in, out)) are both split.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable
 
-import inspect
-
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -34,7 +36,8 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_par.config import divisors
 from lightning_par.mesh import ParallelMesh
-from lightning_par.parallel.plan import ModelPlan
+from lightning_par.parallel.plan import SPLIT_STYLES, ModelPlan, is_conv1d, is_projection, projection_features
+from lightning_par.parallel.ties import retie, tied_groups
 
 
 class PrepareFirstInput(ParallelStyle):
@@ -66,14 +69,92 @@ class PrepareFirstInput(ParallelStyle):
         return module
 
 
+def _distribute(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement]) -> None:
+    for name, placement in placements.items():
+        parameter = getattr(module, name, None)
+        if parameter is not None:
+            module.register_parameter(name, nn.Parameter(distribute_tensor(parameter, mesh, [placement]),
+                                                         requires_grad=parameter.requires_grad))
+
+
+class Colwise(ColwiseParallel):
+    """PyTorch's ``ColwiseParallel``, also for ``Conv1D``, whose (in, out) weight splits along dim 1."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        return distribute_module(
+            module, device_mesh, lambda _, m, mesh: _distribute(m, mesh, {"weight": Shard(1), "bias": Shard(0)}),
+            lambda m, inputs, mesh: self._prepare_input_fn(self.input_layouts, self.desired_input_layouts, m, inputs,
+                                                           mesh),
+            lambda m, outputs, mesh: self._prepare_output_fn(self.output_layouts, self.use_local_output, m, outputs,
+                                                             mesh))
+
+
+class Rowwise(RowwiseParallel):
+    """PyTorch's ``RowwiseParallel``, also for ``Conv1D``, whose (in, out) weight splits along dim 0."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh, lambda _, m, mesh: _distribute(m, mesh, {"weight": Shard(0), "bias": Replicate()}),
+            lambda m, inputs, mesh: self._prepare_input_fn(self.input_layouts, self.desired_input_layouts, m, inputs,
+                                                           mesh),
+            lambda m, outputs, mesh: self._prepare_output_fn(self.output_layouts, self.use_local_output, m, outputs,
+                                                             mesh))
+
+
+class PerShard(ParallelStyle):
+    """A replicated module applied to each rank's share of a split activation (a norm over each head's features).
+
+    Each rank sees only its heads, so its parameter gradients are partial: the parameters become ``Replicate``
+    DTensors and the input is declared split (along its leading dimension: the module must not mix positions
+    across it, which a per-head norm does not), so that DTensor sums the gradients over the tensor-parallel
+    ranks. The output is handed on as the local tensor it was.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def declare_split(m: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(DTensor.from_local(x, mesh, (Shard(0),), run_check=False)
+                         if isinstance(x, Tensor) and not isinstance(x, DTensor) and x.is_floating_point() else x
+                         for x in inputs)
+
+        def local(m: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+        return distribute_module(
+            module, device_mesh,
+            lambda _, m, mesh: _distribute(m, mesh, {n: Replicate() for n, _ in m.named_parameters(recurse=False)}),
+            declare_split, local)
+
+
+class Replicated(ParallelStyle):
+    """A module outside the split regions whose output meets sequence-split DTensors (a learned position
+    embedding added to the embedding's output): its parameters and inputs become ``Replicate`` DTensors, and so
+    does its output, which DTensor then adds to the split activations correctly."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicated(m: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+                         if isinstance(x, Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+        return distribute_module(
+            module, device_mesh,
+            lambda _, m, mesh: _distribute(m, mesh, {n: Replicate() for n, _ in m.named_parameters(recurse=False)}),
+            replicated)
+
+
 def tensor_parallel_styles(module: nn.Module, plan: ModelPlan, *, sequence_parallel: bool = False,
                            vocab_parallel_logits: bool = False) -> dict[str, ParallelStyle]:
-    """The DTensor style of every module that ``plan`` marks ``colwise``, ``rowwise``, ``vocab`` or ``sequence``.
+    """The DTensor style of every module the plan splits (see :data:`~lightning_par.parallel.plan.STYLES`).
 
     With ``sequence_parallel`` (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
     Transformer Models") the activations between the tensor-parallel regions stay split along the
     sequence: norms run on 1/tp of the tokens, each region starts with an all-gather of the sequence and
-    ends with a reduce-scatter, in place of the one all-reduce (same bytes, 1/tp of the activation memory).
+    ends with a reduce-scatter, in place of the one all-reduce (same bytes, 1/tp of the activation memory);
+    modules outside the blocks that hold parameters and meet those activations compute on replicated DTensors.
     With ``vocab_parallel_logits`` the head returns its logits as a DTensor split over the vocabulary, for
     :func:`vocab_parallel_loss`.
     """
@@ -82,28 +163,60 @@ def tensor_parallel_styles(module: nn.Module, plan: ModelPlan, *, sequence_paral
     # tables built from the hidden states' length, as in Hugging Face models) sees the global shape.
     between = Shard(1) if sequence_parallel else Replicate()
     styles: dict[str, ParallelStyle] = {}
+    regions: dict[str, list[tuple[str, str]]] = {}  # module holding split layers -> (layer, style)
+    blocks = plan.blocks + "."
     for name, sub in module.named_modules():
         style = plan.style_of(name)
         if style == "vocab" and isinstance(sub, nn.Embedding):
             # Rows are the vocabulary: each rank embeds the tokens it holds; the partial sums are reduced.
             styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between,
                                            use_local_output=not sequence_parallel)
-        elif style == "colwise" and isinstance(sub, nn.Linear) and name == plan.head and vocab_parallel_logits:
-            styles[name] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
-        elif style == "colwise" and isinstance(sub, nn.Linear) and name == plan.head:
-            # The vocabulary-sharded logits are gathered so that any loss function sees them whole.
-            styles[name] = ColwiseParallel(input_layouts=between, output_layouts=Replicate())
-        elif style == "colwise" and isinstance(sub, nn.Linear):
-            styles[name] = ColwiseParallel()
+        elif style in ("colwise", "colwise_gather") and is_projection(sub) and name == plan.head:
+            # The vocabulary-sharded logits are gathered so that any loss function sees them whole, unless the
+            # loss runs on the shards (loss parallel).
+            styles[name] = (Colwise(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
+                            if vocab_parallel_logits else Colwise(input_layouts=between, output_layouts=Replicate()))
+        elif style in SPLIT_STYLES and is_projection(sub):
+            regions.setdefault(name.rpartition(".")[0], []).append((name, style))
+        elif style == "sequence" and sequence_parallel:
+            styles[name] = SequenceParallel()
+        elif style == "per_shard":
+            styles[name] = PerShard()
+        elif (sequence_parallel and style in (None, "replicate") and not name.startswith(blocks) and name != plan.blocks
+              and next(sub.parameters(recurse=False), None) is not None):
+            styles[name] = Replicated()
+    for parent, layers in regions.items():
+        once = _takes_input_once(module, parent, plan)
+        for name, style in layers:
+            if style in ("colwise", "colwise_gather"):
+                # Split heads stay local; a gathered output is whole (for code that slices it by global sizes).
+                styles[name] = Colwise(input_layouts=Replicate() if once else between,
+                                       output_layouts=Shard(-1) if style == "colwise" else Replicate())
+            else:
+                # A row-wise layer after a gathered output takes its input whole and keeps its own slice.
+                styles[name] = Rowwise(input_layouts=Shard(-1) if style == "rowwise" else Replicate(),
+                                       output_layouts=between, use_local_output=not sequence_parallel)
+        if once:
             # The module owning the projections (attention, MLP) hands all of them one replicated input: one
             # all-gather of the sequence under sequence parallel, and in backward their input gradients are
             # summed before one all-reduce (or reduce-scatter), not one per projection (Megatron's f operator).
-            styles[name.rpartition(".")[0]] = PrepareFirstInput(between, Replicate())
-        elif style == "rowwise" and isinstance(sub, nn.Linear):
-            styles[name] = RowwiseParallel(output_layouts=between, use_local_output=not sequence_parallel)
-        elif style == "sequence" and sequence_parallel:
-            styles[name] = SequenceParallel()
+            styles[parent] = PrepareFirstInput(between, Replicate())
     return styles
+
+
+def _takes_input_once(module: nn.Module, parent: str, plan: ModelPlan) -> bool:
+    """Whether the split layers' module can receive its input as one replicated DTensor: it is not a block (whose
+    norms and residual need the plain activations) and every parameter in it belongs to a split layer or to a
+    ``per_shard`` module, so nothing else in it meets that DTensor."""
+    if not parent or parent == plan.blocks or parent.rpartition(".")[0] == plan.blocks:
+        return False
+    for name, sub in module.get_submodule(parent).named_modules():
+        if next(sub.parameters(recurse=False), None) is None:
+            continue
+        style = plan.style_of(f"{parent}.{name}" if name else parent)
+        if not (style == "per_shard" or (style in SPLIT_STYLES and is_projection(sub))):
+            return False
+    return True
 
 
 def check_tensor_parallel(module: nn.Module, plan: ModelPlan | None, tp: int) -> None:
@@ -113,21 +226,30 @@ def check_tensor_parallel(module: nn.Module, plan: ModelPlan | None, tp: int) ->
     if plan is None:
         raise ValueError(
             f"tp={tp} needs to know which layers to split, and no model plan was found: give the strategy a plan "
-            "(plan: {blocks: ..., styles: {...}}) or use a standard decoder layout (see docs/architecture.md)"
+            "(plan: {blocks: ..., styles: {...}}) or use a standard decoder layout (see docs/models.md)"
         )
-    for name, style in tensor_parallel_styles(module, plan).items():
-        sub = module.get_submodule(name)
-        if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+    for name, sub in module.named_modules():
+        style = plan.style_of(name)
+        if style not in (*SPLIT_STYLES, "vocab"):
             continue
+        inside = [n for n, m in module.named_modules() if isinstance(m, nn.MultiheadAttention) and
+                  name.startswith(n + ".")]
+        if inside and style in SPLIT_STYLES:
+            raise ValueError(f"tensor parallel cannot split {name!r} ({style}): it belongs to nn.MultiheadAttention "
+                             f"{inside[0]!r}, which computes with its projections' weights directly "
+                             "(F.multi_head_attention_forward); leave it whole (style 'replicate'), or write the "
+                             "attention with nn.Linear q/k/v/out projections")
         if isinstance(sub, nn.Embedding):
             size, what = sub.num_embeddings, "vocabulary size"
-        elif isinstance(style, ColwiseParallel):
-            size, what = sub.out_features, "output features"
+        elif is_projection(sub):
+            features_in, features_out = projection_features(sub)
+            size, what = ((features_out, "output features") if style.startswith("colwise")
+                          else (features_in, "input features"))
         else:
-            size, what = sub.in_features, "input features"
+            continue
         parent = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
         head_dim = getattr(parent, "head_dim", None)
-        if isinstance(head_dim, int) and isinstance(sub, nn.Linear) and size % head_dim == 0:
+        if style in ("colwise", "rowwise") and isinstance(head_dim, int) and size % head_dim == 0:
             # Attention projections must split into whole heads, not just into equal slices.
             size, what = size // head_dim, "heads"
         if size % tp != 0:
@@ -151,15 +273,29 @@ def apply_tensor_parallel(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan
     assert plan is not None
     styles = tensor_parallel_styles(module, plan, sequence_parallel=sequence_parallel,
                                     vocab_parallel_logits=loss_parallel)
+    ties = tied_groups(module)
     parallelize_module(module, mesh["tp"], styles)
+    # parallelize_module gives each module its own DTensors: a head tied to the embedding would become a copy.
+    retie(module, ties)
     for name, sub in module.named_modules():
-        if plan.style_of(name) == "vocab" and isinstance(sub, nn.Embedding):
+        if plan.style_of(name) == "vocab" and isinstance(sub, nn.Embedding) and isinstance(sub.weight, DTensor):
             sub.weight.register_hook(_KeepPlacements(sub.weight.placements))
     if sequence_parallel and plan.embedding is not None:
         # Before the embedding's collective, on every rank alike: a sequence that does not split would
         # otherwise fail deep inside DTensor with shapes that do not mention the cause.
         module.get_submodule(plan.embedding).register_forward_pre_hook(_SequenceLengthCheck(tp))
     return module
+
+
+def split_summary(module: nn.Module, plan: ModelPlan) -> str:
+    """How many parameter tensors each style split, e.g. ``colwise 8, rowwise 4, vocab 1``."""
+    counts: dict[str, int] = {}
+    for name, sub in module.named_modules():
+        style = plan.style_of(name)
+        tensors = [p for p in sub.parameters(recurse=False) if isinstance(p, DTensor)]
+        if style is not None and tensors:
+            counts[style] = counts.get(style, 0) + len(tensors)
+    return ", ".join(f"{style} {count}" for style, count in sorted(counts.items())) or "nothing"
 
 
 class _KeepPlacements:
@@ -220,4 +356,5 @@ def vocab_parallel_loss(enabled: bool = True) -> Iterator[None]:
         yield
 
 
-__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tensor_parallel_styles", "vocab_parallel_loss"]
+__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "split_summary", "tensor_parallel_styles",
+           "vocab_parallel_loss"]

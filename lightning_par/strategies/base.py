@@ -42,7 +42,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
@@ -62,10 +62,12 @@ from lightning_par.parallel.compose import (
     parallelize,
     parallelize_optimizer,
     reduces_gradients_after_backward,
+    stage_ties,
 )
 from lightning_par.parallel.data import reduce_gradients, unwrap
-from lightning_par.parallel.plan import ModelPlan, derive_plan
+from lightning_par.parallel.plan import ModelPlan, derive_plan, huggingface_plan
 from lightning_par.parallel.tensor import vocab_parallel_loss
+from lightning_par.parallel.ties import tied_aliases
 from lightning_par.strategies.resilience import (
     RNG_STATES_KEY,
     RequeueOnPreemption,
@@ -166,6 +168,7 @@ class MeshStrategy(ParallelStrategy):
         self._rng_states_to_restore: dict[str, Any] | None = None  # put back at the first batch after a resume
         self._pending_save: Future | None = None  # an asynchronous save still being written
         self._checkpoint_group: torch.distributed.ProcessGroup | None = None
+        self._failed_with: BaseException | None = None  # the exception this run raised, until teardown
 
     # --------------------------------------------------------------------------- topology
     @property
@@ -294,12 +297,34 @@ class MeshStrategy(ParallelStrategy):
             returned = hook(self.mesh, self.parallel_config)
             return module if returned is None else returned
         device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
-        return parallelize(module, self.mesh, self.parallel_config, self.resolve_plan(module),
-                           training=training, device=self.root_device, device_ids=device_ids,
-                           profile_batch=self._profile_batch())
+        plan = self.resolve_plan(module)
+        sample = self._sample_batch()
+        if self.parallel_config.tp > 1 and plan is not None and sample is None:
+            raise ValueError(f"tp={self.parallel_config.tp}: the tensor-parallel plan is checked on one sample of the "
+                             "data before training, and none could be taken: define split_batch(batch) -> (inputs, "
+                             "targets) on the LightningModule, or batches of token tensors or of dicts with "
+                             "'input_ids' (see docs/models.md)")
+        return parallelize(module, self.mesh, self.parallel_config, plan, training=training, device=self.root_device,
+                           device_ids=device_ids, sample_batch=sample, log=rank_zero_info)
 
-    def _profile_batch(self) -> tuple[Tensor, Tensor] | None:
-        """A sample (inputs, targets) for techniques that measure the model (none by default)."""
+    def _sample_batch(self) -> tuple[Tensor, Tensor | None] | None:
+        """The first batch of the data this run reads, as the model contract's (inputs, targets): through
+        ``split_batch`` when the module defines it, else a batch of token ids or a dict's ``input_ids`` as the
+        inputs. None without data. Techniques that check, trace or time the model at set-up run it on this."""
+        module = self.lightning_module
+        loader = _data_of_this_run(module.trainer)
+        if loader is None:
+            return None
+        # Rank 0's: a shuffling loader would hand each rank another first batch, and ranks that check or cut the
+        # model together must run it on the same sample.
+        batch = self.broadcast(next(iter(loader)))
+        split = getattr(module, "split_batch", None)
+        if callable(split):
+            return split(batch)
+        if isinstance(batch, Tensor):
+            return batch, None
+        if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), Tensor):
+            return batch["input_ids"], None
         return None
 
     @override
@@ -322,19 +347,26 @@ class MeshStrategy(ParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_(parameters, float(clip_val), **gradient_norm_groups(self.mesh, self.parallel_config))
+        clip_grad_norm_(parameters, float(clip_val), counted=self._counted_once(parameters),
+                        **gradient_norm_groups(self.mesh, self.parallel_config))
 
     def gradient_norm(self, optimizer: Optimizer) -> float:
         """The 2-norm of the whole model's gradient (every shard, stage and partition), on every rank. Collective."""
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        return gradient_norm(parameters, **gradient_norm_groups(self.mesh, self.parallel_config))
+        return gradient_norm(self._counted_once(parameters), **gradient_norm_groups(self.mesh, self.parallel_config))
+
+    def _counted_once(self, parameters: list[Tensor]) -> list[Tensor]:
+        """``parameters`` without the copies of a tensor that another pipeline rank counts in the norm."""
+        ties = stage_ties(self.lightning_module)
+        return ties.counted(parameters) if ties is not None else parameters
 
     def resolve_plan(self, module: nn.Module) -> ModelPlan | None:
-        """The plan given to the strategy, else one derived from the model (None if it has no standard shape)."""
+        """The plan given to the strategy, else the one a Hugging Face model's config states, else one derived from
+        the model (None if it has no standard shape)."""
         if self._plan is not None:
             self._plan.check(module)
             return self._plan
-        return derive_plan(module)
+        return huggingface_plan(module) or derive_plan(module)
 
     @contextmanager
     @override
@@ -418,14 +450,20 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
+        if self._gradient_sync_blocked:
+            return
         # Layouts DDP cannot wrap average their gradients here, after the last backward of a step.
-        if not self._gradient_sync_blocked and reduces_gradients_after_backward(self.parallel_config):
+        if reduces_gradients_after_backward(self.parallel_config):
             reduce_gradients(self.lightning_module, self.mesh)
+        ties = stage_ties(self.lightning_module)
+        if ties is not None:
+            ties.sum_gradients()  # copies of one tensor on several pipeline stages: every copy gets the sum
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         global _RUN_FAILED
         _RUN_FAILED = True  # peers may be gone or stuck: do not wait for them at exit
+        self._failed_with = exception
         if self._fault_monitor is not None:
             # Name the rank and the collective; from here this rank exits within the timeout.
             exception.add_note(self._fault_monitor.report(exception))
@@ -435,12 +473,22 @@ class MeshStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if self.model is not None and unwrap(self.model) is self.lightning_module:
             self.model = self.lightning_module  # drop the DDP wrapper; the next run wraps again
-        if not _RUN_FAILED:
+        failed, self._failed_with = self._failed_with, None
+        if failed is None:
             self._finish_pending_save()
         if self._fault_monitor is not None:
             self._fault_monitor.stop()
             self._fault_monitor = None
-        super().teardown()
+        if failed is None:
+            super().teardown()
+            return
+        try:
+            super().teardown()
+        except Exception as error:  # noqa: BLE001 - the run's own error is the one to report
+            # A step that failed half-way can leave modules Lightning's teardown cannot move (FSDP2 between
+            # gathering and resharding): that second error would hide the first, which Lightning re-raises.
+            failed.add_note(f"(lightning_par: the teardown after this error also failed and was skipped: "
+                            f"{type(error).__name__}: {error})")
 
     # ------------------------------------------------------------------------ collectives
     @override
@@ -486,7 +534,7 @@ class MeshStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        return ckpt.model_state_dict(self.lightning_module, full=not self._save_distributed_checkpoint)
+        return ckpt.model_state_dict(self.lightning_module, full=not self._save_distributed_checkpoint, aliases=False)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -503,6 +551,7 @@ class MeshStrategy(ParallelStrategy):
         self._finish_pending_save()
         self._enter(f"saving checkpoint {path}")
         checkpoint[RNG_STATES_KEY] = gather_rng_states(self.root_device)
+        checkpoint[ckpt.TIED_KEY] = tied_aliases(self.lightning_module)
         if self._saves_asynchronously and self._checkpoint_group is None:
             self._checkpoint_group = torch.distributed.new_group(backend="gloo")
         self._pending_save = ckpt.save_checkpoint(
@@ -541,6 +590,7 @@ class MeshStrategy(ParallelStrategy):
             path, self.lightning_module, optimizers, strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
         )
+        checkpoint.pop(ckpt.TIED_KEY, None)  # load_checkpoint restored the ties already
         self._rng_states_to_restore = rng_states_of_rank(checkpoint.pop(RNG_STATES_KEY, None), self.global_rank,
                                                          self.world_size)
         return checkpoint
@@ -572,3 +622,18 @@ class MeshStrategy(ParallelStrategy):
         parts: list[Any] = [None] * self.mesh.size("pp") if self.global_rank == 0 else None
         torch.distributed.gather_object(mine, parts, dst=0, group=self.mesh.group("pp"))
         return {k: v for part in parts for k, v in part.items()} if self.global_rank == 0 else {}
+
+
+def _data_of_this_run(trainer: Trainer) -> Any:
+    """The dataloader of what ``trainer`` is running (fit: training data), or None when there is none."""
+    loop = {TrainerFn.FITTING: trainer.fit_loop, TrainerFn.VALIDATING: trainer.validate_loop,
+            TrainerFn.TESTING: trainer.test_loop, TrainerFn.PREDICTING: trainer.predict_loop}.get(trainer.state.fn)
+    source = getattr(loop, "_data_source", None)
+    if source is None or not source.is_defined():
+        return None
+    loader = source.dataloader()
+    if isinstance(loader, (list, tuple)):
+        loader = loader[0] if loader else None
+    elif isinstance(loader, dict):
+        loader = next(iter(loader.values()), None)
+    return loader

@@ -93,28 +93,30 @@ class StagedStrategy(MeshStrategy):
         self._last_stage_global_rank = dist.get_global_rank(self.mesh.group("pp"), last)
 
     @override
-    def _profile_batch(self) -> tuple[Tensor, Tensor] | None:
-        # Balancing by profile times one micro-batch of the first training batch.
-        datamodule = self.lightning_module.trainer.datamodule
-        if not self.pipelined or self.parallel_config.pp_balance != "profile" or datamodule is None:
-            return None
-        inputs, targets = self.lightning_module.split_batch(next(iter(datamodule.train_dataloader())))
+    def _sample_batch(self) -> tuple[Tensor, Tensor] | None:
+        # One micro-batch of the first batch: traced to place the code outside the blocks, timed by
+        # balancing by profile.
+        sample = super()._sample_batch()
+        if not self.pipelined or sample is None:
+            return sample
+        inputs, targets = sample
         size = max(1, inputs.shape[0] // self.parallel_config.pp_microbatches)
         return inputs[:size], targets[:size]
 
     def _stage_inputs(self, inputs: Tensor) -> tuple[Tensor, ...]:
-        """What this rank passes to the schedule: the inputs on the first stage's rank, nothing elsewhere."""
+        """What this rank passes to the schedule: the inputs on the first stage's rank, nothing elsewhere.
+        Every stage also gets them as ``tokens`` (a keyword, split into micro-batches like the inputs)."""
         config = self.parallel_config
         check_microbatches(config.pp_microbatches, config.pp_schedule, config.pp, inputs.shape[0])
         return (inputs,) if self._holds_first else ()
 
-    def _forward(self, args: tuple[Tensor, ...]) -> Tensor | None:
+    def _forward(self, inputs: Tensor) -> Tensor | None:
         """The last stage's output of a forward-only pass (on its rank; None elsewhere)."""
         config = self.parallel_config
         if self._forward_schedule is None:
-            return forward_through_stages(pipeline_stages(self.lightning_module), args[0] if args else None,
-                                          self.mesh, config.pp_schedule, config.pp_virtual_stages)
-        return self._forward_schedule.eval(*args)
+            return forward_through_stages(pipeline_stages(self.lightning_module), inputs, self.mesh,
+                                          config.pp_schedule, config.pp_virtual_stages)
+        return self._forward_schedule.eval(*self._stage_inputs(inputs), tokens=inputs)
 
     def _run(self, batch: Any, *, train: bool) -> Tensor:
         inputs, targets = self.lightning_module.split_batch(batch)
@@ -124,14 +126,14 @@ class StagedStrategy(MeshStrategy):
         loss = torch.zeros((), device=inputs.device)
         if train:
             self._bubble.start()
-            self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            self._schedule.step(*args, target=target, losses=losses, return_outputs=False, tokens=inputs)
             self.bubble_fraction = self._bubble.stop()
             if self._holds_last:  # each micro-batch loss was divided by micro x accumulate: report the batch's mean
                 loss = torch.stack(losses).sum().detach() * self._accumulate
         else:
             # Forward only, then the loss on the whole batch's logits (the mean over equal micro-batches).
             with torch.no_grad():
-                logits = self._forward(args)
+                logits = self._forward(inputs)
                 if self._holds_last:
                     loss = self.lightning_module.loss_fn(logits, targets).detach()
         dist.broadcast(loss, src=self._last_stage_global_rank, group=self.mesh.group("pp"))
@@ -177,7 +179,7 @@ class StagedStrategy(MeshStrategy):
             return super().predict_step(*args, **kwargs)
         # The batch is the model's input; the last stage's logits are handed to every rank.
         with torch.no_grad():
-            logits = self._forward(self._stage_inputs(args[0]))
+            logits = self._forward(args[0])
         carrier = [logits]
         dist.broadcast_object_list(carrier, src=self._last_stage_global_rank, group=self.mesh.group("pp"))
         return carrier[0]

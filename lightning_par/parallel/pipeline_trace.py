@@ -1,0 +1,298 @@
+"""What a network does outside its blocks, established from one traced forward (for pipeline parallel).
+
+A pipeline stage runs the network's own forward with the blocks it does not own skipped. That is only right
+if everything outside the blocks runs exactly once, on the right stage: the embedding, learned positions,
+embedding scaling and dropout before the first block; the final norm under any name, the head and post-head
+transforms such as soft-capping after the last block; and the tensors every block receives beside the hidden
+states (rotary tables, masks, position ids) on every stage. Names cannot tell these apart; the autograd graph
+of one forward can. :func:`trace_network` runs the network once on a sample (on the meta device when the
+model was built there) and reads, from the graph:
+
+- the *prelude*: parameters on the path from the inputs into the first block's hidden states (stage 0);
+- the *postlude*: parameters between the last block's output and the network's output (the last stage);
+- *shared*: parameters behind the blocks' other inputs (every stage that holds a block);
+- where each block takes and returns its hidden states.
+
+It refuses, naming the blocks or the argument, a network whose stages could not reproduce it: code between
+two blocks, an output that uses more than the last block's output, a block argument computed from the hidden
+states, or a parameter outside the blocks that only a block registers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_par.parallel.ties import clean_name
+
+
+@dataclass(frozen=True)
+class Call:
+    """Where a module's hidden states go in and come out: a position or a keyword of its arguments, and an index
+    into its output (None: the output is the tensor itself) with the output's length."""
+
+    argument: int | str
+    output_index: int | None
+    output_length: int
+
+
+@dataclass(frozen=True)
+class StandIn:
+    """How a stage that does not run an outside module replaces it: ``identity`` (returns its input, same
+    shape), ``zeros`` (an embedding: the input's shape plus ``width``), or ``unused`` (never called there).
+    ``reason``: why no stand-in fits (a module the first stage runs before the blocks that neither keeps its
+    input's shape nor embeds it)."""
+
+    kind: str
+    width: int = 0
+    dtype: torch.dtype = torch.float32
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class NetworkTrace:
+    """The roles found by :func:`trace_network`; parameter names are cleaned full names from the model root,
+    every name of a tied parameter included."""
+
+    block_call: Call
+    prelude: frozenset[str]
+    postlude: frozenset[str]
+    shared: frozenset[str]
+    outside: dict[str, StandIn]  # modules outside the blocks holding parameters of their own -> stand-in
+    before_blocks: frozenset[str]  # those of them the network calls before its first block
+
+    def role_stages(self, name: str, n_stages: int) -> set[int]:
+        """The stages that use parameter ``name`` outside the blocks."""
+        stages: set[int] = set()
+        if name in self.prelude:
+            stages.add(0)
+        if name in self.postlude:
+            stages.add(n_stages - 1)
+        if name in self.shared:
+            stages.update(range(n_stages))
+        return stages
+
+
+def first_tensor(output: Any) -> tuple[Tensor | None, int | None, int]:
+    """(tensor, index, length) of the first tensor of a module output: a tensor, a tuple/list, or a
+    ``ModelOutput`` (index None: the output is the tensor)."""
+    if isinstance(output, Tensor):
+        return output, None, 1
+    items = output.to_tuple() if hasattr(output, "to_tuple") else output
+    if isinstance(items, (tuple, list)):
+        for index, item in enumerate(items):
+            if isinstance(item, Tensor):
+                return item, index, len(items)
+    return None, None, 0
+
+
+def _tensors(value: Any) -> Iterable[Tensor]:
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _hidden_argument(args: tuple, kwargs: dict, signature_order: list[str]) -> tuple[int | str, Tensor]:
+    """The block's hidden-state input: its first floating-point tensor argument, positional first."""
+    for index, value in enumerate(args):
+        if isinstance(value, Tensor) and value.is_floating_point():
+            return index, value
+    for name in [*signature_order, *kwargs]:
+        value = kwargs.get(name)
+        if isinstance(value, Tensor) and value.is_floating_point():
+            return name, value
+    raise ValueError("a block received no floating-point tensor: pipeline parallel needs the hidden states as a "
+                     "block argument")
+
+
+def _walk(roots: Iterable[Tensor], stop: set[Any]) -> tuple[set[int], set[Any]]:
+    """(ids of the leaf tensors, graph nodes) reachable backwards from ``roots`` without passing ``stop``."""
+    leaves: set[int] = set()
+    seen: set[Any] = set()
+    stack = []
+    for root in roots:
+        if root.grad_fn is not None:
+            stack.append(root.grad_fn)
+        elif root.requires_grad:
+            leaves.add(id(root))
+    while stack:
+        node = stack.pop()
+        if node in seen or node in stop:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            leaves.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return leaves, seen
+
+
+def _stand_in(shapes: tuple | None) -> StandIn:
+    """The stand-in for a module called before the blocks, from its first call's (input, output) shapes."""
+    if shapes is None:
+        return StandIn("identity", reason="it takes no tensor input")
+    in_shape, out_shape, out_dtype = shapes
+    if out_shape == in_shape:
+        return StandIn("identity")
+    if len(out_shape) == len(in_shape) + 1 and out_shape[:-1] == in_shape:
+        return StandIn("zeros", width=out_shape[-1], dtype=out_dtype)
+    return StandIn("identity", reason=f"it turns a {list(in_shape)} input into a {list(out_shape)} output")
+
+
+def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
+                  root: nn.Module | None = None) -> NetworkTrace:
+    """Trace ``network(inputs)`` once and classify what runs outside the blocks (see the module docstring).
+
+    ``block_names`` are full names from ``root`` (the model holding ``network``; by default ``network``).
+    Parameters are made trainable for the trace and restored after, so frozen ones are placed too. Raises
+    ``ValueError`` naming what a pipeline cannot reproduce.
+    """
+    root = root if root is not None else network
+    names_by_id: dict[int, list[str]] = {}
+    for name, parameter in root.named_parameters(remove_duplicate=False):
+        names_by_id.setdefault(id(parameter), []).append(clean_name(name))
+    blocks = [root.get_submodule(name) for name in block_names]
+    in_block = {id(p) for block in blocks for p in block.parameters()}
+    outside_modules = {name: module for name, module in root.named_modules()
+                       if name and not any(name == b or name.startswith(b + ".") or b.startswith(name + ".")
+                                           for b in block_names)
+                       and next(module.parameters(recurse=False), None) is not None}
+
+    calls: list[dict[str, Any]] = [{} for _ in blocks]
+    first_calls: dict[str, tuple | None] = {}  # outside modules called before the first block -> shapes
+    blocks_started = []
+
+    def before_block(index: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            blocks_started.append(index)
+            position, hidden = _hidden_argument(args, kwargs, _signature(module))
+            side = [t for i, a in enumerate(args) if i != position for t in _tensors(a)]
+            side += [t for k, v in kwargs.items() if k != position for t in _tensors(v)]
+            calls[index].update(argument=position, hidden=hidden, side=side)
+        return hook
+
+    def after_block(index: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            calls[index]["output"] = output
+        return hook
+
+    def outside_call(name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if blocks_started or name in first_calls:
+                return
+            tensor_args = [a for a in args if isinstance(a, Tensor)]
+            out, _, _ = first_tensor(output)
+            first_calls[name] = ((tuple(tensor_args[0].shape), tuple(out.shape), out.dtype)
+                                 if tensor_args and out is not None else None)
+        return hook
+
+    handles = []
+    for index, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(before_block(index), with_kwargs=True))
+        handles.append(block.register_forward_hook(after_block(index)))
+    for name, module in outside_modules.items():
+        handles.append(module.register_forward_hook(outside_call(name)))
+    frozen = [p for p in root.parameters() if not p.requires_grad]
+    for parameter in frozen:
+        parameter.requires_grad_(True)
+    try:
+        with torch.enable_grad():
+            output = network(inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for parameter in frozen:
+            parameter.requires_grad_(False)
+
+    missing = [block_names[i] for i, call in enumerate(calls) if "output" not in call]
+    if missing or blocks_started != sorted(blocks_started):
+        raise ValueError(f"pipeline parallel: the network's forward must run every block of the plan once, in "
+                         f"order; it skipped {missing}" if missing else "it ran them out of order")
+    output_index, output_length = _hidden_output(calls, block_names)
+    hidden_out = [_item(call["output"], output_index) for call in calls]
+    for index in range(1, len(calls)):
+        if calls[index]["hidden"] is not hidden_out[index - 1]:
+            raise ValueError(f"pipeline parallel cuts between blocks, but between {block_names[index - 1]!r} and "
+                             f"{block_names[index]!r} the network changes the hidden states: a stage boundary there "
+                             "would skip that code. Move it into a block, or train this model without pp")
+    logits, _, _ = first_tensor(output)
+    if logits is None:
+        raise ValueError("pipeline parallel: the network's forward returned no tensor")
+    first_input, last_output = calls[0]["hidden"], hidden_out[-1]
+    # Graph nodes no code outside the blocks may reach except where it feeds the first block: the hidden
+    # states between blocks and at the first block's input.
+    inner = {t.grad_fn for t in [first_input, *hidden_out[:-1]] if t.grad_fn is not None}
+
+    prelude, _ = _walk([first_input], set())
+    postlude, after = _walk([logits], {last_output.grad_fn})
+    if logits is not last_output and last_output.grad_fn not in _walk([logits], set())[1]:
+        raise ValueError(f"pipeline parallel: the network's output does not depend on the last block "
+                         f"{block_names[-1]!r}; the last stage could not compute it")
+    if after & inner or postlude & in_block:
+        raise ValueError("pipeline parallel: the network's output uses more than the last block's output (an earlier "
+                         "block's or the embedding's activations); only the last stage computes it, and it holds "
+                         "neither. Train this model without pp")
+    shared: set[int] = set()
+    for index, call in enumerate(calls):
+        leaves, nodes = _walk(call["side"], set())
+        if nodes & inner:
+            raise ValueError(f"pipeline parallel: an argument of block {block_names[index]!r} besides its hidden "
+                             "states is computed from the hidden states; later stages, which receive only the "
+                             "hidden states, could not compute it")
+        shared |= leaves - in_block
+    if prelude & in_block:
+        raise ValueError("pipeline parallel: the code before the first block uses parameters of a block; the first "
+                         "stage would not hold them")
+
+    def names(ids: set[int]) -> frozenset[str]:
+        return frozenset(n for i in ids for n in names_by_id.get(i, ()))
+
+    return NetworkTrace(block_call=Call(calls[0]["argument"], output_index, output_length),
+                        prelude=names(prelude), postlude=names(postlude), shared=names(shared),
+                        outside={name: _stand_in(first_calls.get(name)) if name in first_calls else StandIn("unused")
+                                 for name in outside_modules},
+                        before_blocks=frozenset(first_calls))
+
+
+def _signature(module: nn.Module) -> list[str]:
+    import inspect
+
+    try:
+        return list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def _item(output: Any, index: int | None) -> Tensor:
+    if index is None:
+        return output
+    items = output.to_tuple() if hasattr(output, "to_tuple") else output
+    return items[index]
+
+
+def _hidden_output(calls: list[dict[str, Any]], block_names: list[str]) -> tuple[int | None, int]:
+    """The index of the hidden states in a block's output: the item the next block takes, else the first tensor."""
+    output = calls[0]["output"]
+    if isinstance(output, Tensor):
+        return None, 1
+    items = output.to_tuple() if hasattr(output, "to_tuple") else output
+    if len(calls) > 1:
+        for index, item in enumerate(items):
+            if item is calls[1]["hidden"]:
+                return index, len(items)
+    _, index, length = first_tensor(output)
+    if index is None and length == 0:
+        raise ValueError(f"block {block_names[0]!r} returned no tensor")
+    return index, length
+
+
+__all__ = ["Call", "NetworkTrace", "StandIn", "first_tensor", "trace_network"]

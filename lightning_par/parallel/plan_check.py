@@ -1,0 +1,419 @@
+"""A tensor-parallel plan checked against what the model computes, before anything trains.
+
+A plan names the layers to split; whether the model then computes the same thing depends on the code
+around them. Splitting a fused q/k/v projection column-wise hands a rank the first rows of [q; k; v] (the
+model's ``split(n_embd)`` then fails, or a ``chunk(3)`` silently pairs the wrong heads); a norm over the
+whole projection width (OLMo 2) cannot run on one rank's slice; a per-head norm (Qwen3, Gemma 3) runs fine
+but receives each rank's share of the gradient only. Names cannot tell these apart. So the plan is run:
+
+- a copy of the model is made on the meta device (no weights are copied) with one block of each kind,
+  filled with random values that every rank draws alike;
+- it runs forward and backward on one sample of the data, whole, then split with the plan (in evaluation
+  mode: dropout draws differ between the two);
+- outputs of every split region and the logits, and every parameter's gradient, must agree (float64, where
+  every kernel has a float64 version: the differences left are rounding, ~1e-15; else float32).
+
+What disagrees is named: the region whose output differs first, or the module that raised. A replicated
+parameter whose gradient is exactly the sum over the ranks of the split one is marked ``per_shard`` (its
+gradients are then summed). For a plan :func:`~lightning_par.parallel.plan.derive_plan` made, a region that
+does not compute the same is tried again with its output gathered (``colwise_gather`` / ``rowwise_split``),
+then left whole, and the log says so; a plan the user or the model's config gave is refused with the module,
+the reason and the plan key that would change it. A model of which nothing in the blocks stays split is
+refused: it would train replicated, not tensor parallel.
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.pipeline_trace import first_tensor
+from lightning_par.parallel.plan import SPLIT_STYLES, ModelPlan, is_projection, network_prefix
+from lightning_par.parallel.ties import clean_name
+from lightning_par.parallel.zero import materialize_meta_parameters
+
+# A faithful split differs from the whole model by rounding only: ~1e-15 in float64, ~1e-7 where a model
+# computes a norm in float32 whatever its dtype (Gemma), ~1e-6 in float32 (models whose kernels have no float64
+# version, such as grouped expert matmuls); a wrong split differs by O(0.1-1).
+_RTOL = {torch.float64: 1e-5, torch.float32: 1e-4}
+_GATHERED = {"colwise": "colwise_gather", "rowwise": "rowwise_split"}
+
+
+@dataclass
+class _Outcome:
+    """One run of the plan: None fields mean it agreed with the whole model."""
+
+    region: str | None = None  # the split region (module full name) that differed or raised
+    module: str | None = None  # the innermost module running when it raised
+    reason: str | None = None
+    partial: tuple[str, ...] = ()  # modules whose replicated parameters got only their rank's share
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None and not self.partial
+
+
+def check_plan(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, inputs: Tensor, *,
+               sequence_parallel: bool = False, loss_parallel: bool = False,
+               apply: Callable[..., nn.Module]) -> tuple[ModelPlan, list[str]]:
+    """The plan to train with, and notes on what the check changed. Collective over the ``tp`` ranks.
+
+    ``apply(copy, mesh, plan, sequence_parallel=..., loss_parallel=...)`` splits a copy as training will
+    (``apply_tensor_parallel``). ``inputs``: a sample of the network's input; its first row is used. Raises
+    ``ValueError`` naming the module and the reason when the plan cannot compute what the model computes.
+    """
+    notes: list[str] = []
+    candidate = plan
+    dtype = _dtype_that_runs(module, plan, inputs[:1], torch.device(mesh.device_type))
+    for _ in range(4 * max(1, len(_regions(module, plan))) + 4):
+        outcome = _run(module, mesh, candidate, inputs[:1], dtype=dtype, sequence_parallel=sequence_parallel,
+                       loss_parallel=loss_parallel, apply=apply)
+        if outcome.ok:
+            break
+        if outcome.partial:
+            added = {_pattern(plan, name): "per_shard" for name in outcome.partial}
+            notes.append(f"{', '.join(sorted(added))}: per_shard (applied to each rank's heads; gradients summed "
+                         "over tp)")
+            candidate = candidate.with_styles({**added, **candidate.styles})
+            continue
+        where = outcome.region or outcome.module or "the model"
+        if plan.source != "derived" or outcome.region is None:
+            raise ValueError(_refusal(plan, outcome, mesh.size("tp")))
+        layers = _layers(module, candidate, outcome.region)
+        styles = {candidate_key(candidate, layer): candidate.style_of(layer) for layer in layers}
+        if any(style in _GATHERED for style in styles.values()):
+            candidate = candidate.with_styles({**candidate.styles,
+                                               **{k: _GATHERED.get(s, s) for k, s in styles.items()}})
+            notes.append(f"{_relative(plan, where)}: its output gathered before the code that uses it "
+                         f"(split as planned, {outcome.reason})")
+        else:
+            candidate = candidate.with_styles({k: ("replicate" if k in styles else s)
+                                               for k, s in candidate.styles.items()})
+            notes.append(f"{_relative(plan, where)}: left whole ({outcome.reason})")
+    else:
+        raise ValueError(f"tensor parallel: the plan for {type(module).__name__} did not settle; last: "
+                         f"{_refusal(plan, outcome, mesh.size('tp'))}")
+    if not any(is_projection(sub) and candidate.style_of(name) in SPLIT_STYLES
+               for name, sub in module.named_modules() if name.startswith(plan.blocks + ".")):
+        why = "; ".join(notes) if notes else "the plan marks no projection inside the blocks column- and row-wise"
+        raise ValueError(f"tp={mesh.size('tp')} would split no layer inside the blocks of {type(module).__name__} "
+                         f"({plan.source} plan; {why}): the blocks would train replicated on every tensor-parallel "
+                         "rank. Give a plan whose blocks pair colwise and rowwise projections (docs/models.md), or "
+                         "use data parallel / ZeRO-3 for this model")
+    return candidate, notes
+
+
+def candidate_key(plan: ModelPlan, name: str) -> str:
+    """The pattern of ``plan.styles`` that gives ``name`` its style."""
+    return next(pattern for pattern in plan.styles if _matches(name, pattern))
+
+
+def _matches(name: str, pattern: str) -> bool:
+    import fnmatch
+
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def _pattern(plan: ModelPlan, name: str) -> str:
+    """A pattern naming ``name`` in every block: ``model.layers.0.attn.q_norm`` -> ``model.layers.*.attn.q_norm``."""
+    prefix = plan.blocks + "."
+    if name.startswith(prefix):
+        _, _, rest = name[len(prefix):].partition(".")
+        return f"{prefix}*.{rest}"
+    return name
+
+
+def _relative(plan: ModelPlan, name: str) -> str:
+    return _pattern(plan, name)
+
+
+def _regions(module: nn.Module, plan: ModelPlan) -> list[str]:
+    """Modules holding split layers, in module order."""
+    regions: list[str] = []
+    for name, sub in module.named_modules():
+        if is_projection(sub) and plan.style_of(name) in SPLIT_STYLES and name != plan.head:
+            parent = name.rpartition(".")[0]
+            if parent not in regions:
+                regions.append(parent)
+    return regions
+
+
+def _layers(module: nn.Module, plan: ModelPlan, region: str) -> list[str]:
+    return [f"{region}.{name}" for name, sub in module.get_submodule(region).named_children()
+            if is_projection(sub) and plan.style_of(f"{region}.{name}") in SPLIT_STYLES]
+
+
+def _refusal(plan: ModelPlan, outcome: _Outcome, tp: int) -> str:
+    where = outcome.region or outcome.module or "the model"
+    key = _relative(plan, where)
+    return (f"tensor parallel (tp={tp}, {plan.source} plan) does not compute what the model computes in {key!r}: "
+            f"{outcome.reason}. Change the styles of {key!r}'s layers in the plan (colwise_gather/rowwise_split "
+            "when the model slices a projection's output by global sizes, replicate to keep it whole; see "
+            "docs/models.md)")
+
+
+# ------------------------------------------------------------------------------------------- one run
+def _network(replica: nn.Module, plan: ModelPlan) -> nn.Module:
+    prefix = network_prefix(plan)
+    return replica.get_submodule(prefix.rstrip(".")) if prefix else replica
+
+
+def _dtype_that_runs(module: nn.Module, plan: ModelPlan, inputs: Tensor, device: torch.device) -> torch.dtype:
+    """float64 where the whole model runs in it, else float32 (some kernels, such as grouped expert matmuls,
+    have no float64 version). Local, without collectives, so every rank finds the same."""
+    try:
+        replica = _verification_copy(module, plan, device, torch.float64)
+        _network(replica, plan)(_as(inputs, device, torch.float64))
+        return torch.float64
+    except RuntimeError:
+        return torch.float32
+
+
+def _as(inputs: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
+    inputs = inputs.to(device)
+    return inputs.to(dtype) if inputs.is_floating_point() else inputs
+
+
+def _run(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, inputs: Tensor, *, dtype: torch.dtype,
+         sequence_parallel: bool, loss_parallel: bool, apply: Callable[..., nn.Module]) -> _Outcome:
+    device = torch.device(mesh.device_type)
+    replica = _verification_copy(module, plan, device, dtype)
+    network = _network(replica, plan)
+    regions = _regions(replica, plan)
+    inputs = _as(inputs, device, dtype)
+    def run(record: dict[str, Tensor], stack: list[str]) -> Tensor:
+        handles = []
+        for name, sub in replica.named_modules():
+            if not name:
+                continue
+            handles.append(sub.register_forward_pre_hook(
+                lambda m, a, k, n=name: _enter(stack, n, record, a, k, regions), with_kwargs=True))
+            handles.append(sub.register_forward_hook(lambda m, a, o, n=name: _leave(stack, n, record, o, regions)))
+        try:
+            logits, _, _ = first_tensor(network(inputs))
+        finally:
+            for handle in handles:
+                handle.remove()
+        whole = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        seed = torch.Generator(device="cpu").manual_seed(0)  # the same cotangent for both runs
+        cotangent = torch.randn(whole.shape, generator=seed, dtype=whole.dtype).to(whole.device)
+        (whole * cotangent).sum().backward()
+        record["logits"] = whole.detach()
+        return whole
+
+    expected: dict[str, Tensor] = {}
+    run(expected, [])
+    expected_grads = {clean_name(n): p.grad.detach().clone() for n, p in replica.named_parameters()
+                      if p.grad is not None}
+    replica.zero_grad(set_to_none=True)
+
+    group = mesh.group("tp")
+    actual: dict[str, Tensor] = {}
+    stack: list[str] = []
+    outcome = _Outcome()
+    # Sizes that do not split raise here, with a message that already says what would fit.
+    apply(replica, mesh, plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    try:
+        run(actual, stack)
+    except Exception as error:  # noqa: BLE001 - what the split model raises is the reason it is refused
+        innermost = stack[-1] if stack else None
+        region = next((n for n in reversed(stack) if n in regions), None)
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        outcome = _Outcome(region=region, module=innermost, reason=f"it raises {type(error).__name__}: {first_line}")
+    if outcome.reason is None:
+        outcome = _compare(replica, expected, actual, expected_grads, regions, group)
+    return _agree(outcome, group)
+
+
+def _gradient_culprit(expected: dict[str, Tensor], actual: dict[str, Tensor], regions: list[str]) -> str | None:
+    """The region closest to the output whose input received a different gradient: gradients flow backwards,
+    so the regions before it only inherit the difference."""
+    wrong = [r for r in regions if f"grad:{r}" in expected and not _close(actual.get(f"grad:{r}"),
+                                                                           expected[f"grad:{r}"])]
+    return wrong[-1] if wrong else None
+
+
+def _enter(stack: list[str], name: str, record: dict[str, Tensor], args: tuple, kwargs: dict,
+           regions: list[str]) -> tuple[tuple, dict] | None:
+    """Push ``name``; for a region, keep the gradient its own input receives (``grad:<region>``). The input is
+    handed on as an alias, so that a tensor two regions share (a parallel residual) gives each its own part."""
+    stack.append(name)
+    if name not in regions or f"grad:{name}" in record:
+        return None
+
+    def keep(grad: Tensor) -> None:
+        record.setdefault(f"grad:{name}", (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone())
+
+    for index, value in enumerate(args):
+        if isinstance(value, Tensor) and value.requires_grad:
+            alias = value.view_as(value)
+            alias.register_hook(keep)
+            return (*args[:index], alias, *args[index + 1:]), kwargs
+    for key, value in kwargs.items():
+        if isinstance(value, Tensor) and value.requires_grad:
+            alias = value.view_as(value)
+            alias.register_hook(keep)
+            return args, {**kwargs, key: alias}
+    return None
+
+
+def _leave(stack: list[str], name: str, record: dict[str, Tensor], output: Any, regions: list[str]) -> None:
+    if stack and stack[-1] == name:
+        stack.pop()
+    if name in regions and name not in record:
+        tensor, _, _ = first_tensor(output)
+        if tensor is not None:
+            record[name] = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+
+def _compare(replica: nn.Module, expected: dict[str, Tensor], actual: dict[str, Tensor],
+             expected_grads: dict[str, Tensor], regions: list[str], group: dist.ProcessGroup) -> _Outcome:
+    for name in [*regions, "logits"]:
+        if name in expected and not _close(actual.get(name), expected[name]):
+            return _Outcome(region=name if name != "logits" else None, module=name,
+                            reason=f"its output differs from the whole model's by {_error(actual.get(name), expected[name]):.1e} "
+                                   "relative")
+    culprit = _gradient_culprit(expected, actual, regions)
+    if culprit is not None:
+        return _Outcome(region=culprit, module=culprit,
+                        reason=f"the gradient it passes back to its input differs by "
+                               f"{_error(actual.get(f'grad:{culprit}'), expected[f'grad:{culprit}']):.1e} relative "
+                               "(a whole tensor in it is used by the split heads only)")
+    partial: list[str] = []
+    for name, parameter in replica.named_parameters():
+        name = clean_name(name)
+        grad = parameter.grad
+        want = expected_grads.get(name)
+        if grad is None or want is None:
+            if (grad is None) != (want is None):
+                return _Outcome(module=name, reason=f"the gradient of {name!r} is missing on one side")
+            continue
+        if isinstance(grad, DTensor):
+            got = grad.full_tensor()
+        else:
+            got = grad.detach().clone()
+            summed = got.clone()
+            dist.all_reduce(summed, group=group)  # every rank, every plain gradient: the same collectives
+            if not _close(got, want) and _close(summed, want):
+                partial.append(name.rpartition(".")[0])
+                continue
+        if not _close(got, want):
+            owner = name.rpartition(".")[0]
+            region = next((r for r in regions if owner == r or owner.startswith(r + ".")), None)
+            return _Outcome(region=region, module=owner,
+                            reason=f"the gradient of {name!r} differs by {_error(got, want):.1e} relative")
+    return _Outcome(partial=tuple(dict.fromkeys(partial)))
+
+
+def _agree(outcome: _Outcome, group: dist.ProcessGroup) -> _Outcome:
+    """Every tensor-parallel rank takes the same decision: the first rank's that found a difference."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, outcome, group=group)
+    return next((o for o in everyone if not o.ok), outcome)
+
+
+def _close(actual: Tensor | None, expected: Tensor) -> bool:
+    return (actual is not None and actual.shape == expected.shape
+            and _error(actual, expected) <= _RTOL[expected.dtype])
+
+
+def _error(actual: Tensor | None, expected: Tensor) -> float:
+    if actual is None or actual.shape != expected.shape:
+        return float("inf")
+    scale = expected.abs().max().clamp_min(1e-30)
+    return float((actual.to(expected.dtype) - expected).abs().max() / scale)
+
+
+# ------------------------------------------------------------------------------------------- the copy
+def _verification_copy(module: nn.Module, plan: ModelPlan, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """``module`` rebuilt on ``device`` in ``dtype`` with one block of each kind and random weights every rank
+    draws alike; no weight of ``module`` is copied (they are swapped for meta tensors in the copy)."""
+    memo: dict[int, Any] = {}
+    for sub in module.modules():
+        for value in vars(sub).values():
+            if isinstance(value, DeviceMesh):
+                memo[id(value)] = None  # a LightningModule's device_mesh: not part of the computation
+        for name, parameter in sub.named_parameters(recurse=False):
+            if id(parameter) not in memo:
+                memo[id(parameter)] = nn.Parameter(torch.empty_like(parameter, device="meta"))
+    replica = copy.deepcopy(module, memo)
+    replica.eval()  # dropout draws differ between the whole and the split model: compare without it
+    _drop_hooks(replica)
+    _keep_one_block_of_each_kind(replica, plan)
+    if any(b.is_meta for b in replica.buffers()):
+        # Built on the meta device: buffers (rotary tables, masks) are computed as training will compute them.
+        materialize_meta_parameters(replica, device)
+    else:
+        _allocate(replica, device)
+    replica.to(dtype=dtype)
+    with torch.no_grad():
+        seen: set[int] = set()
+        for name, parameter in replica.named_parameters(remove_duplicate=False):
+            if id(parameter) in seen:
+                continue
+            seen.add(id(parameter))
+            generator = torch.Generator(device="cpu").manual_seed(zlib.crc32(clean_name(name).encode()))
+            values = torch.randn(parameter.shape, generator=generator, dtype=torch.float64).to(dtype)
+            # Matrices scaled like a fan-in init; vectors (norm gains, biases) around one.
+            values = values / max(parameter.shape[-1], 1) ** 0.5 if parameter.dim() >= 2 else 1.0 + 0.1 * values
+            parameter.copy_(values.to(parameter.device))
+            parameter.requires_grad_(True)
+    return replica
+
+
+def _drop_hooks(replica: nn.Module) -> None:
+    """The copy runs without the hooks users put on the model (monitors that record or assume a layout), except
+    those that compute a weight (``weight_norm``)."""
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    for sub in replica.modules():
+        kept = {k: h for k, h in sub._forward_pre_hooks.items() if isinstance(h, WeightNorm)}
+        sub._forward_pre_hooks.clear()
+        sub._forward_pre_hooks.update(kept)
+        for hooks in (sub._forward_hooks, sub._backward_hooks, sub._backward_pre_hooks):
+            hooks.clear()
+
+
+def _allocate(replica: nn.Module, device: torch.device) -> None:
+    """Real tensors for the meta parameters of ``replica`` (tied ones stay tied), its buffers moved as they are."""
+    allocated: dict[int, nn.Parameter] = {}
+    for sub in replica.modules():
+        for name, parameter in list(sub._parameters.items()):
+            if parameter is None:
+                continue
+            if id(parameter) not in allocated:
+                allocated[id(parameter)] = nn.Parameter(torch.empty(parameter.shape, dtype=parameter.dtype,
+                                                                    device=device))
+            sub._parameters[name] = allocated[id(parameter)]
+    for sub in replica.modules():
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None:
+                sub._buffers[name] = buffer.to(device)
+
+
+def _keep_one_block_of_each_kind(replica: nn.Module, plan: ModelPlan) -> None:
+    """Shorten the blocks to the first ones that contain one block of each structure (dense and MoE blocks)."""
+    container = replica.get_submodule(plan.blocks)
+    if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+        return
+    kinds: dict[tuple, int] = {}
+    for index, block in enumerate(container.children()):
+        kind = tuple((name, type(sub).__name__, tuple(tuple(p.shape) for p in sub.parameters(recurse=False)))
+                     for name, sub in block.named_modules())
+        kinds.setdefault(kind, index)
+    keep = max(kinds.values()) + 1
+    for key in list(container._modules)[keep:]:
+        del container._modules[key]
+
+
+__all__ = ["check_plan"]

@@ -1,0 +1,119 @@
+"""Every zoo architecture under tp2, pp2 and hybrid3d dp2 x tp2: 20 steps equal to one process, or refused
+before the first step with the module and the reason (tests/zoo.py lists what each covers).
+
+One launch per layout trains every model in turn on the same ranks, so the zoo costs one process start-up per
+layout, not one per cell.
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+
+import pytest
+import torch
+import zoo
+from harness import run_distributed
+from parity import RecordLoss, assert_parity, reference_run
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 20
+PARITY_RTOL = 1e-5
+
+
+def make_datamodule():
+    from lightning_par.data import TokenDataModule
+
+    return TokenDataModule(source="synthetic", vocab_size=zoo.VOCAB, seq_len=zoo.SEQ_LEN, batch_size=4,
+                           num_samples=256, num_val_samples=8)
+
+
+def make_strategy(layout: str):
+    import lightning_par
+
+    if layout == "tp2":
+        return lightning_par.TensorParallelStrategy(tensor_parallel_size=2)
+    if layout == "pp2":
+        return lightning_par.PipelineParallelStrategy(pipeline_parallel_size=2, schedule="1f1b", microbatches=2)
+    if layout == "dp2xtp2":
+        return lightning_par.Hybrid3DStrategy(data_parallel_size=2, tensor_parallel_size=2)
+    raise ValueError(layout)
+
+
+LAYOUTS = {"tp2": (2, 1), "pp2": (2, 1), "dp2xtp2": (4, 2)}  # world size, data-parallel size
+
+# Cells refused before the first step, and a fragment of the reason they give; every other cell trains exactly.
+REFUSED: dict[tuple[str, str], str] = {}
+
+
+def _train_every_model(rank: int, world_size: int, layout: str, models: tuple[str, ...]) -> dict:
+    import lightning
+
+    from lightning_par.parallel.ties import clean_name
+
+    results = {}
+    for name in models:
+        torch.manual_seed(1234)
+        module = zoo.make_model(name)
+        recorder = RecordLoss()
+        trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=make_strategy(layout),
+                                    max_steps=STEPS, callbacks=[recorder], logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                                    limit_val_batches=0)
+        try:
+            trainer.fit(module, datamodule=make_datamodule())
+        except (ValueError, TypeError) as error:
+            results[name] = ("refused", f"{type(error).__name__}: {error}", len(recorder.losses))
+            continue
+        except Exception:  # noqa: BLE001 - reported as a failed cell
+            results[name] = ("crashed", traceback.format_exc(), len(recorder.losses))
+            continue
+        state = trainer.strategy.consolidated_state_dict()
+        # Each distinct parameter under its first name, at its whole size: a tie lost would add a name.
+        sizes = {clean_name(n): p.numel() for n, p in module.named_parameters()}
+        results[name] = ("trained", recorder.losses, state if rank == 0 else None, sizes)
+    return results
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_zoo_trains_like_one_process_or_is_refused(layout: str) -> None:
+    world_size, dp = LAYOUTS[layout]
+    per_rank = run_distributed(_train_every_model, world_size, layout, zoo.MODELS, timeout=1500)
+    failures, table = [], []
+    for name in zoo.MODELS:
+        outcomes = [rank[name] for rank in per_rank]
+        kind = outcomes[0][0]
+        expected_refusal = REFUSED.get((name, layout))
+        if kind == "refused":
+            messages = {o[1] for o in outcomes}
+            steps = max(o[2] for o in outcomes)
+            table.append(f"{name:12s} refused: {outcomes[0][1][:160]}")
+            if expected_refusal is None or expected_refusal not in outcomes[0][1]:
+                failures.append(f"{name}: refused unexpectedly: {outcomes[0][1]}")
+            elif len(messages) != 1 or steps:
+                failures.append(f"{name}: refused differently across ranks or after {steps} steps: {messages}")
+            continue
+        if kind == "crashed" or any(o[0] != kind for o in outcomes):
+            failures.append(f"{name}: {[o[0] for o in outcomes]}\n{next(o[1] for o in outcomes if o[0] != 'trained')}")
+            table.append(f"{name:12s} CRASHED")
+            continue
+        if expected_refusal is not None:
+            failures.append(f"{name}: trained, but this cell should be refused ({expected_refusal!r})")
+        losses = torch.tensor([o[1] for o in outcomes], dtype=torch.float64).mean(0).tolist()
+        from parity import ParityRun
+
+        actual = ParityRun(losses, outcomes[0][2])
+        expected = reference_run(zoo.factory(name), make_datamodule, dp=dp, steps=STEPS)
+        sizes = {n: size for o in outcomes for n, size in o[3].items()}
+        single = sum(p.numel() for p in zoo.make_model(name).parameters())
+        if sum(sizes.values()) != single:
+            failures.append(f"{name}: {sum(sizes.values())} parameters under {layout}, {single} in one process")
+        try:
+            loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
+            table.append(f"{name:12s} loss {loss_error:.1e}  weights {weight_error:.1e}")
+        except AssertionError as error:
+            failures.append(f"{name}: {error}")
+            table.append(f"{name:12s} DIFFERS: {str(error)[:120]}")
+    print(f"\nzoo under {layout}:\n" + "\n".join(table))
+    assert not failures, "\n\n".join(failures)

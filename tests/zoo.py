@@ -1,0 +1,200 @@
+"""A zoo of tiny language models (random weights, no download) that the model-parallel layouts must train
+exactly as one process does, or refuse before the first step.
+
+Each entry builds a LightningModule that meets the model contract (``split_batch``, ``forward``,
+``loss_fn``) with SGD + momentum, whose update is linear in the gradient so that rounding differences in a
+collective stay rounding-sized, at a learning rate at which every model is well conditioned (weights
+perturbed by 1e-7 stay within 5e-6 of the unperturbed run after 20 steps; OLMo 2 is not at 0.1). Dropout
+is off: its masks come from each layout's own random stream, so no layout could match one process. Together the architectures cover tied heads, fused q/k/v and gate/up
+projections, GPT-2's ``Conv1D``, learned positions, parallel residuals, q/k norms per head and over the
+whole width, soft-capping, attention biases, MoE with shared experts and multi-head latent attention, plus
+a hand-written nanoGPT.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB = 64
+SEQ_LEN = 16
+
+
+class SGDModule(pl.LightningModule):
+    """The model contract around a network whose forward returns logits (or an output whose first item is)."""
+
+    def split_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch[:, :-1], batch[:, 1:]
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        inputs, targets = self.split_batch(batch)
+        loss = self.loss_fn(self(inputs), targets)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        inputs, targets = self.split_batch(batch)
+        self.log("val_loss", self.loss_fn(self(inputs), targets), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.03, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.1 * step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class HuggingFaceLM(SGDModule):
+    """Any ``AutoModelForCausalLM`` built from a config dict; nothing here knows which family it is."""
+
+    def __init__(self, config: dict, attention: str = "sdpa") -> None:
+        super().__init__()
+        import transformers
+
+        model_config = transformers.AutoConfig.for_model(**config)
+        self.model = transformers.AutoModelForCausalLM.from_config(model_config, attn_implementation=attention)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=inputs).logits
+
+
+# ------------------------------------------------------------------------------------------ nanoGPT
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head, self.n_embd = n_head, n_embd
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)  # fused q, k, v
+        self.c_proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(n_embd), CausalSelfAttention(n_embd, n_head)
+        self.ln_2, self.mlp = nn.LayerNorm(n_embd), MLP(n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Karpathy's nanoGPT: learned positions, fused c_attn, SDPA, weight-tied head."""
+
+    def __init__(self, vocab_size: int = VOCAB, block_size: int = SEQ_LEN, n_layer: int = 2, n_head: int = 4,
+                 n_embd: int = 32) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab_size, n_embd),
+            wpe=nn.Embedding(block_size, n_embd),
+            h=nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer)),
+            ln_f=nn.LayerNorm(n_embd),
+        ))
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+class NanoGPT(SGDModule):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self.model = GPT(**kwargs)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs)
+
+
+# --------------------------------------------------------------------------------- the architectures
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, use_cache=False,
+               max_position_embeddings=SEQ_LEN)
+ARCHITECTURES: dict[str, dict] = {
+    # untied, Llama naming: the reference point
+    "llama": dict(model_type="llama", intermediate_size=64, num_key_value_heads=2, tie_word_embeddings=False),
+    # tied head, attention biases (q/k/v)
+    "qwen2": dict(model_type="qwen2", intermediate_size=64, num_key_value_heads=2, tie_word_embeddings=True),
+    # q/k norms per head, tied head
+    "qwen3": dict(model_type="qwen3", intermediate_size=64, num_key_value_heads=2, head_dim=8,
+                  tie_word_embeddings=True),
+    # final-logit and attention soft-capping, embedding scaling, tied head, sliding window (eager attention:
+    # transformers' SDPA path has no soft-capping)
+    "gemma2": dict(model_type="gemma2", intermediate_size=64, num_key_value_heads=2, head_dim=8,
+                   final_logit_softcapping=3.0, attn_logit_softcapping=5.0, sliding_window=8,
+                   tie_word_embeddings=True),
+    # q/k norms per head, embedding scaling, tied head, local and global attention layers
+    "gemma3_text": dict(model_type="gemma3_text", intermediate_size=64, num_key_value_heads=2, head_dim=8,
+                        sliding_window=8, tie_word_embeddings=True),
+    # GPT-2: Conv1D (transposed weights), fused c_attn, learned positions, tied head
+    "gpt2": dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=SEQ_LEN, n_inner=64,
+                 vocab_size=VOCAB, tie_word_embeddings=True, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                 attn_pdrop=0.0),
+    # GPT-NeoX: fused query_key_value (per head), parallel residual, final_layer_norm, partial rotary
+    "gpt_neox": dict(model_type="gpt_neox", intermediate_size=64, rotary_pct=0.5, use_parallel_residual=True,
+                     tie_word_embeddings=False),
+    # Phi-3: fused qkv_proj and gate_up_proj
+    "phi3": dict(model_type="phi3", intermediate_size=64, num_key_value_heads=4, tie_word_embeddings=False,
+                 pad_token_id=0),
+    # OLMo 2: q/k norms over the whole projection width
+    "olmo2": dict(model_type="olmo2", intermediate_size=64, num_key_value_heads=4, tie_word_embeddings=False,
+                  pad_token_id=0),
+    # Phi-2: parallel residual, dense/fc1/fc2 naming, final_layernorm, partial rotary, biases
+    "phi": dict(model_type="phi", intermediate_size=64, partial_rotary_factor=0.5, tie_word_embeddings=False),
+    # Qwen2-MoE: routed experts plus a gated shared expert
+    "qwen2_moe": dict(model_type="qwen2_moe", intermediate_size=64, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                      num_key_value_heads=2, tie_word_embeddings=False),
+    # DeepSeek-V3: multi-head latent attention, a dense first block, MoE with a shared expert
+    "deepseek_v3": dict(model_type="deepseek_v3", intermediate_size=64, moe_intermediate_size=16,
+                        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                        first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                        qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4, tie_word_embeddings=False),
+}
+
+
+def make_model(name: str) -> pl.LightningModule:
+    if name == "nanogpt":
+        return NanoGPT()
+    config = dict(ARCHITECTURES[name])
+    if config["model_type"] != "gpt2":
+        config = {**_COMMON, **config}
+    return HuggingFaceLM(config, attention="eager" if name == "gemma2" else "sdpa")
+
+
+MODELS = (*ARCHITECTURES, "nanogpt")
+
+
+def factory(name: str) -> Any:
+    """A picklable zero-argument constructor of zoo model ``name``."""
+    return functools.partial(make_model, name)
