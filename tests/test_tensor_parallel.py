@@ -236,3 +236,87 @@ def test_layers_that_do_not_split_are_named(config: dict, message: str) -> None:
                                        **config}))
     with pytest.raises(ValueError, match=message):
         check_tensor_parallel(model, derive_plan(model), 4)
+
+
+class SelfParallelizedLlama(SGDLlamaLM):
+    """Written for Lightning's ModelParallelStrategy: configure_model() splits the blocks over
+    ``self.device_mesh["tensor_parallel"]`` and shards them with FSDP2 over ``["data_parallel"]``."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        plan = {"attention.q_proj": ColwiseParallel(), "attention.k_proj": ColwiseParallel(),
+                "attention.v_proj": ColwiseParallel(), "attention.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel()}
+        for block in self.model.layers.values():
+            parallelize_module(block, tp_mesh, plan)
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(self.model, mesh=dp_mesh)
+
+
+class SelfSplitLlama(SelfParallelizedLlama):
+    """The same split without FSDP2: the strategy averages the gradients over data_parallel itself."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        for block in self.model.layers.values():
+            parallelize_module(block, self.device_mesh["tensor_parallel"],
+                               {"attention.q_proj": ColwiseParallel(), "attention.k_proj": ColwiseParallel(),
+                                "attention.v_proj": ColwiseParallel(), "attention.o_proj": RowwiseParallel()})
+
+
+@pytest.mark.parametrize(
+    ("module", "strategy", "kwargs"),
+    [
+        (SelfParallelizedLlama, "TensorParallelStrategy", dict(tensor_parallel_size=2)),
+        (SelfParallelizedLlama, "Hybrid3DStrategy", dict(data_parallel_size=2, tensor_parallel_size=2)),
+        (SelfSplitLlama, "Hybrid3DStrategy", dict(data_parallel_size=2, tensor_parallel_size=2)),
+    ],
+    ids=["tensor_parallel-fsdp", "hybrid3d-fsdp", "hybrid3d-split-only"],
+)
+def test_lightning_configure_model_idiom_runs_unchanged(module, strategy: str, kwargs: dict) -> None:
+    """A LightningModule written for Lightning's ModelParallelStrategy (device_mesh["tensor_parallel"] and
+    ["data_parallel"] in configure_model) trains under tensor_parallel and hybrid3d exactly as one process."""
+    import lightning_par
+
+    make = functools.partial(module, **{**MODEL, "n_kv_heads": 4})
+    assert_layout_matches(make, make_datamodule, functools.partial(getattr(lightning_par, strategy), **kwargs),
+                          world_size=4, dp=2, steps=STEPS, rtol=PARITY_RTOL, label=f"configure_model {strategy}")
+
+
+class FailsInStep(SGDLlamaLM):
+    """Raises inside a block's forward, where FSDP2 holds the block's parameters gathered."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+
+        def fail(module, args):
+            raise RuntimeError("the model's own error at step 0")
+
+        self.model.layers["1"].mlp.register_forward_pre_hook(fail)
+
+
+def _first_error(rank: int, world_size: int) -> tuple[str, str]:
+    import lightning
+
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, max_steps=1, logger=False,
+                                strategy=make_strategy(tensor_parallel_size=2), enable_progress_bar=False,
+                                enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    try:
+        trainer.fit(FailsInStep(**{**MODEL, "n_kv_heads": 4}), datamodule=make_datamodule())
+    except Exception as error:  # noqa: BLE001 - the point is which one arrives
+        return type(error).__name__, str(error)
+    raise AssertionError("fit did not raise")
+
+
+def test_the_error_of_a_failed_step_is_the_one_raised() -> None:
+    """Lightning's teardown after an exception moves the model to CPU, which FSDP2 refuses between gathering and
+    resharding; that second error must not replace the first."""
+    from harness import run_distributed
+
+    for kind, message in run_distributed(_first_error, 2):
+        assert (kind, message) == ("RuntimeError", "the model's own error at step 0")

@@ -29,35 +29,65 @@ def make_datamodule():
                            num_samples=256, num_val_samples=8)
 
 
-def make_strategy(layout: str):
+def make_strategy(layout: str, plan: dict | None = None):
     import lightning_par
 
     if layout == "tp2":
-        return lightning_par.TensorParallelStrategy(tensor_parallel_size=2)
+        return lightning_par.TensorParallelStrategy(tensor_parallel_size=2, plan=plan)
+    if layout == "tp2-sp":
+        return lightning_par.TensorParallelStrategy(tensor_parallel_size=2, sequence_parallel=True, loss_parallel=True,
+                                                    plan=plan)
     if layout == "pp2":
-        return lightning_par.PipelineParallelStrategy(pipeline_parallel_size=2, schedule="1f1b", microbatches=2)
+        return lightning_par.PipelineParallelStrategy(pipeline_parallel_size=2, schedule="1f1b", microbatches=2,
+                                                      plan=plan)
     if layout == "dp2xtp2":
-        return lightning_par.Hybrid3DStrategy(data_parallel_size=2, tensor_parallel_size=2)
+        return lightning_par.Hybrid3DStrategy(data_parallel_size=2, tensor_parallel_size=2, plan=plan)
+    if layout == "pp2xtp2-sp":
+        return lightning_par.Hybrid3DStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
+                                              microbatches=2, plan=plan)
     raise ValueError(layout)
 
 
-LAYOUTS = {"tp2": (2, 1), "pp2": (2, 1), "dp2xtp2": (4, 2)}  # world size, data-parallel size
+# world size, data-parallel size. tp2, pp2 and dp2 x tp2 are the layouts a user tries first; tp2 with sequence
+# and loss parallel and pp2 x tp2 (+SP) compose the techniques.
+LAYOUTS = {"tp2": (2, 1), "pp2": (2, 1), "dp2xtp2": (4, 2), "tp2-sp": (2, 1), "pp2xtp2-sp": (4, 1)}
 
 # Cells refused before the first step, and a fragment of the reason they give; every other cell trains exactly.
-REFUSED: dict[tuple[str, str], str] = {}
+NO_SPLIT = "would split no layer inside the blocks"
+REFUSED: dict[tuple[str, str], str] = {
+    **{("custom_names", layout): NO_SPLIT for layout in ("tp2", "dp2xtp2")},
+    # Sequence parallel hands the modules it does not split (nn.MultiheadAttention, MoE routers, MLA's low-rank
+    # projections) sequence-split DTensors they cannot compute with.
+    **{(name, layout): "set sequence_parallel=False for this model"
+       for name in ("mha", "custom_names", "qwen2_moe", "deepseek_v3") for layout in ("tp2-sp", "pp2xtp2-sp")},
+}
 
 
 def _train_every_model(rank: int, world_size: int, layout: str, models: tuple[str, ...]) -> dict:
+    import logging
+
     import lightning
 
     from lightning_par.parallel.ties import clean_name
 
+    class Messages(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    log = Messages()
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(log)
     results = {}
     for name in models:
+        log.lines.clear()
         torch.manual_seed(1234)
         module = zoo.make_model(name)
         recorder = RecordLoss()
-        trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=make_strategy(layout),
+        trainer = lightning.Trainer(accelerator="cpu", devices=world_size,
+                                    strategy=make_strategy(layout, zoo.PLANS.get(name)),
                                     max_steps=STEPS, callbacks=[recorder], logger=False, enable_checkpointing=False,
                                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                                     limit_val_batches=0)
@@ -72,8 +102,19 @@ def _train_every_model(rank: int, world_size: int, layout: str, models: tuple[st
         state = trainer.strategy.consolidated_state_dict()
         # Each distinct parameter under its first name, at its whole size: a tie lost would add a name.
         sizes = {clean_name(n): p.numel() for n, p in module.named_parameters()}
-        results[name] = ("trained", recorder.losses, state if rank == 0 else None, sizes)
+        plan_lines = [line for line in log.lines if "tensor-parallel plan" in line or "tensor parallel (tp=" in line]
+        results[name] = ("trained", recorder.losses, state if rank == 0 else None, sizes, plan_lines)
     return results
+
+
+def rank_zero_plan(outcomes: list) -> str | None:
+    """The plan's source and split, as rank 0 logged them: ``huggingface: colwise 11, rowwise 4, vocab 1``."""
+    import re
+
+    lines = outcomes[0][4]
+    source = next((m.group(1) for line in lines if (m := re.search(r"plan \((\w+)\) checked", line))), None)
+    split = next((line.split("on this rank: ")[1] for line in lines if "on this rank: " in line), None)
+    return f"{source}: {split}" if source and split else None
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -109,9 +150,11 @@ def test_zoo_trains_like_one_process_or_is_refused(layout: str) -> None:
         single = sum(p.numel() for p in zoo.make_model(name).parameters())
         if sum(sizes.values()) != single:
             failures.append(f"{name}: {sum(sizes.values())} parameters under {layout}, {single} in one process")
+        if "tp" in layout and rank_zero_plan(outcomes) is None:
+            failures.append(f"{name}: no log line says where the tensor-parallel plan came from and what it split")
         try:
             loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
-            table.append(f"{name:12s} loss {loss_error:.1e}  weights {weight_error:.1e}")
+            table.append(f"{name:12s} loss {loss_error:.1e}  weights {weight_error:.1e}  {rank_zero_plan(outcomes) or ''}")
         except AssertionError as error:
             failures.append(f"{name}: {error}")
             table.append(f"{name:12s} DIFFERS: {str(error)[:120]}")

@@ -8,7 +8,9 @@ perturbed by 1e-7 stay within 5e-6 of the unperturbed run after 20 steps; OLMo 2
 is off: its masks come from each layout's own random stream, so no layout could match one process. Together the architectures cover tied heads, fused q/k/v and gate/up
 projections, GPT-2's ``Conv1D``, learned positions, parallel residuals, q/k norms per head and over the
 whole width, soft-capping, attention biases, MoE with shared experts and multi-head latent attention, plus
-a hand-written nanoGPT.
+a hand-written nanoGPT and three models of plain torch blocks: ``nn.MultiheadAttention`` (left whole by
+tensor parallel), projections no naming rule recognises (refused by tensor parallel), and projections
+directly in the block (split from an explicit plan).
 """
 
 from __future__ import annotations
@@ -137,6 +139,87 @@ class NanoGPT(SGDModule):
         return self.model(inputs)
 
 
+# ------------------------------------------------------------------------------------ torch-native blocks
+class TorchBlock(nn.Module):
+    """Pre-norm block on ``nn.MultiheadAttention`` (which computes with its projections' weights directly, so
+    tensor parallel leaves it whole) and an MLP named ``mlp_names``."""
+
+    def __init__(self, dim: int, heads: int, mlp_names: tuple[str, str]) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim), nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm2, self.mlp = nn.LayerNorm(dim), nn.Module()
+        self.names = mlp_names
+        self.mlp.add_module(mlp_names[0], nn.Linear(dim, 2 * dim))
+        self.mlp.add_module(mlp_names[1], nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)  # True: may not attend
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        up, down = (getattr(self.mlp, n) for n in self.names)
+        return x + down(F.gelu(up(self.norm2(x))))
+
+
+class FlatBlock(nn.Module):
+    """Every projection directly in the block, no attention or MLP module, named so no rule recognises them: it
+    trains under tensor parallel from an explicit plan (:data:`PLANS`)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.fc_a, self.fc_b = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(B, T, -1, 8).transpose(1, 2) for p in (self.q, self.k, self.v))  # heads of 8
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+        x = x + self.o(y)
+        return x + self.fc_b(F.silu(self.fc_a(self.norm2(x))))
+
+
+class TorchNetwork(nn.Module):
+    def __init__(self, block: str, vocab: int = VOCAB, dim: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            FlatBlock(dim, heads) if block == "flat" else
+            TorchBlock(dim, heads, ("fc1", "fc2") if block == "mha" else ("lin_in", "lin_out"))
+            for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+class TorchLM(SGDModule):
+    def __init__(self, block: str) -> None:
+        super().__init__()
+        self.model = TorchNetwork(block)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs)
+
+
+# Explicit plans (the strategy's ``plan`` argument, as in YAML) for models no rule recognises.
+PLANS: dict[str, dict] = {
+    "flat_block": {"blocks": "model.blocks", "embedding": "model.embed", "final_norm": "model.norm",
+                   "head": "model.head",
+                   "styles": {"model.blocks.*.q": "colwise", "model.blocks.*.k": "colwise",
+                              "model.blocks.*.v": "colwise", "model.blocks.*.o": "rowwise",
+                              "model.blocks.*.fc_a": "colwise", "model.blocks.*.fc_b": "rowwise",
+                              "model.blocks.*.norm1": "sequence", "model.blocks.*.norm2": "sequence",
+                              "model.embed": "vocab", "model.head": "colwise", "model.norm": "sequence"}},
+}
+
+
 # --------------------------------------------------------------------------------- the architectures
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, use_cache=False,
                max_position_embeddings=SEQ_LEN)
@@ -183,16 +266,21 @@ ARCHITECTURES: dict[str, dict] = {
 }
 
 
+TORCH_MODELS = {"mha": "mha", "custom_names": "custom", "flat_block": "flat"}
+
+
 def make_model(name: str) -> pl.LightningModule:
     if name == "nanogpt":
         return NanoGPT()
+    if name in TORCH_MODELS:
+        return TorchLM(TORCH_MODELS[name])
     config = dict(ARCHITECTURES[name])
     if config["model_type"] != "gpt2":
         config = {**_COMMON, **config}
     return HuggingFaceLM(config, attention="eager" if name == "gemma2" else "sdpa")
 
 
-MODELS = (*ARCHITECTURES, "nanogpt")
+MODELS = (*ARCHITECTURES, "nanogpt", *TORCH_MODELS)
 
 
 def factory(name: str) -> Any:

@@ -103,6 +103,11 @@ def pipeline_stages(model: nn.Module) -> list:
     return getattr(model, _STAGES_ATTRIBUTE, [])
 
 
+def applied_layout(model: nn.Module) -> tuple | None:
+    """(mesh sizes, config) :func:`parallelize` laid ``model`` out for, or None if it has not."""
+    return getattr(model, _LAYOUT_ATTRIBUTE, None)
+
+
 def stage_ties(model: nn.Module) -> StageTies | None:
     """The parameters several pipeline ranks hold (a head tied to the embedding), or None without any."""
     return getattr(model, _TIES_ATTRIBUTE, None)
@@ -223,5 +228,5 @@ def gradient_norm_groups(mesh: ParallelMesh, config: ParallelConfig) -> dict[str
             "stage_group": mesh.group("pp") if mesh.size("pp") > 1 else None}
 
 
-__all__ = ["parallelize", "pipeline_stages", "stage_ties", "parallelize_optimizer", "no_gradient_sync", "gradient_norm_groups",
+__all__ = ["applied_layout", "parallelize", "pipeline_stages", "stage_ties", "parallelize_optimizer", "no_gradient_sync", "gradient_norm_groups",
            "check_available", "reduces_gradients_after_backward"]

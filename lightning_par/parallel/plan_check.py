@@ -88,7 +88,7 @@ def check_plan(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, inputs: T
             continue
         where = outcome.region or outcome.module or "the model"
         if plan.source != "derived" or outcome.region is None:
-            raise ValueError(_refusal(plan, outcome, mesh.size("tp")))
+            raise ValueError(_refusal(plan, outcome, mesh.size("tp"), sequence_parallel))
         layers = _layers(module, candidate, outcome.region)
         styles = {candidate_key(candidate, layer): candidate.style_of(layer) for layer in layers}
         if any(style in _GATHERED for style in styles.values()):
@@ -102,7 +102,7 @@ def check_plan(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, inputs: T
             notes.append(f"{_relative(plan, where)}: left whole ({outcome.reason})")
     else:
         raise ValueError(f"tensor parallel: the plan for {type(module).__name__} did not settle; last: "
-                         f"{_refusal(plan, outcome, mesh.size('tp'))}")
+                         f"{_refusal(plan, outcome, mesh.size('tp'), sequence_parallel)}")
     if not any(is_projection(sub) and candidate.style_of(name) in SPLIT_STYLES
                for name, sub in module.named_modules() if name.startswith(plan.blocks + ".")):
         why = "; ".join(notes) if notes else "the plan marks no projection inside the blocks column- and row-wise"
@@ -153,13 +153,19 @@ def _layers(module: nn.Module, plan: ModelPlan, region: str) -> list[str]:
             if is_projection(sub) and plan.style_of(f"{region}.{name}") in SPLIT_STYLES]
 
 
-def _refusal(plan: ModelPlan, outcome: _Outcome, tp: int) -> str:
+def _refusal(plan: ModelPlan, outcome: _Outcome, tp: int, sequence_parallel: bool) -> str:
     where = outcome.region or outcome.module or "the model"
     key = _relative(plan, where)
+    if sequence_parallel and "mixed torch.Tensor and DTensor" in (outcome.reason or ""):
+        # Between the split regions the activations are DTensors split along the sequence.
+        advice = (f"{key!r} is not split but receives the sequence-split activations of sequence parallel, which "
+                  "it cannot compute with (an MoE router, nn.MultiheadAttention, a low-rank projection): set "
+                  "sequence_parallel=False for this model, or give the plan a style for it")
+    else:
+        advice = (f"change the styles of {key!r}'s layers in the plan (colwise_gather/rowwise_split when the model "
+                  "slices a projection's output by global sizes, replicate to keep it whole; see docs/models.md)")
     return (f"tensor parallel (tp={tp}, {plan.source} plan) does not compute what the model computes in {key!r}: "
-            f"{outcome.reason}. Change the styles of {key!r}'s layers in the plan (colwise_gather/rowwise_split "
-            "when the model slices a projection's output by global sizes, replicate to keep it whole; see "
-            "docs/models.md)")
+            f"{outcome.reason}. {advice[0].upper()}{advice[1:]}")
 
 
 # ------------------------------------------------------------------------------------------- one run

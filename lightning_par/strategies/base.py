@@ -46,6 +46,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -56,6 +57,7 @@ from lightning_par.fault import FLIGHT_RECORDER_ENTRIES, FaultMonitor
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.clip import clip_grad_norm_, gradient_norm
 from lightning_par.parallel.compose import (
+    applied_layout,
     check_available,
     gradient_norm_groups,
     no_gradient_sync,
@@ -64,7 +66,7 @@ from lightning_par.parallel.compose import (
     reduces_gradients_after_backward,
     stage_ties,
 )
-from lightning_par.parallel.data import reduce_gradients, unwrap
+from lightning_par.parallel.data import broadcast_replicas, reduce_gradients, unwrap
 from lightning_par.parallel.plan import ModelPlan, derive_plan, huggingface_plan
 from lightning_par.parallel.tensor import vocab_parallel_loss
 from lightning_par.parallel.ties import tied_aliases
@@ -169,6 +171,8 @@ class MeshStrategy(ParallelStrategy):
         self._pending_save: Future | None = None  # an asynchronous save still being written
         self._checkpoint_group: torch.distributed.ProcessGroup | None = None
         self._failed_with: BaseException | None = None  # the exception this run raised, until teardown
+        self._applied_in_configure_model: bool | None = None  # DTensors or FSDP2 before the strategy's set-up
+        self._average_gradients = False  # reduce gradients over dp after backward (a self-parallelized module)
 
     # --------------------------------------------------------------------------- topology
     @property
@@ -296,6 +300,19 @@ class MeshStrategy(ParallelStrategy):
         if callable(hook):
             returned = hook(self.mesh, self.parallel_config)
             return module if returned is None else returned
+        if self._applied_in_configure_model is None:
+            self._applied_in_configure_model = applied_layout(module) is None and _split_or_sharded(module)
+        if self._applied_in_configure_model:
+            # Lightning's ModelParallelStrategy idiom: configure_model() split and sharded the model itself on
+            # self.device_mesh["tensor_parallel"] / ["data_parallel"]. It is trained as it is; only gradients it
+            # left unreduced (DTensors without FSDP over data_parallel) are averaged over dp after backward.
+            rank_zero_info(f"{type(self).__name__}: the LightningModule parallelized itself in configure_model(); "
+                           "the strategy applies no plan to it")
+            self._average_gradients = self.mesh.size("dp") > 1 and not any(
+                isinstance(m, FSDPModule) for m in module.modules())
+            if self._average_gradients:
+                broadcast_replicas(module, self.mesh)
+            return module
         device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
         plan = self.resolve_plan(module)
         sample = self._sample_batch()
@@ -453,7 +470,9 @@ class MeshStrategy(ParallelStrategy):
         if self._gradient_sync_blocked:
             return
         # Layouts DDP cannot wrap average their gradients here, after the last backward of a step.
-        if reduces_gradients_after_backward(self.parallel_config):
+        reduce = (self._average_gradients if self._applied_in_configure_model
+                  else reduces_gradients_after_backward(self.parallel_config))
+        if reduce:
             reduce_gradients(self.lightning_module, self.mesh)
         ties = stage_ties(self.lightning_module)
         if ties is not None:
@@ -637,3 +656,9 @@ def _data_of_this_run(trainer: Trainer) -> Any:
     elif isinstance(loader, dict):
         loader = next(iter(loader.values()), None)
     return loader
+
+
+def _split_or_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` holds DTensor parameters or FSDP2 modules before the strategy parallelized it."""
+    return any(isinstance(p, DTensor) for p in module.parameters()) or any(
+        isinstance(m, FSDPModule) for m in module.modules())
