@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from lightning_par.models import LlamaConfig, Transformer
@@ -113,3 +114,98 @@ def test_bad_declarative_plans(spec: dict, message: str) -> None:
 def test_plan_checked_against_the_model(spec: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ModelPlan.from_dict(spec).check(HFLlamaLike())
+
+
+class Conv1D(nn.Module):
+    """Hugging Face's Conv1D in shape: weight (in, out), ``nf`` output features."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, attention: str, mlp: tuple[str, str]) -> None:
+        super().__init__()
+        if attention == "mha":
+            self.attn = nn.MultiheadAttention(dim, 2, batch_first=True)
+        else:
+            self.attn = nn.Module()
+            self.attn.c_attn, self.attn.c_proj = Conv1D(3 * dim, dim), Conv1D(dim, dim)
+        self.mlp = nn.Module()
+        self.mlp.add_module(mlp[0], nn.Linear(dim, 2 * dim))
+        self.mlp.add_module(mlp[1], nn.Linear(2 * dim, dim))
+
+
+class _Network(nn.Module):
+    def __init__(self, attention: str = "conv1d", mlp: tuple[str, str] = ("c_fc", "c_proj")) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(50, 8)
+        self.h = nn.ModuleList(_Block(8, attention, mlp) for _ in range(2))
+        self.ln_f = nn.LayerNorm(8)
+        self.lm_head = nn.Linear(8, 50, bias=False)
+
+
+def test_derived_plan_splits_conv1d_and_fused_projections() -> None:
+    """GPT-2's Conv1D layers are projections; a fused q/k/v is marked column-wise like the rest (the plan check
+    decides whether it can stay split or must be gathered)."""
+    plan = derive_plan(_Network())
+    assert plan is not None and plan.source == "derived"
+    assert (plan.blocks, plan.embedding, plan.final_norm, plan.head) == ("h", "wte", "ln_f", "lm_head")
+    assert plan.style_of("h.1.attn.c_attn") == "colwise" and plan.style_of("h.1.attn.c_proj") == "rowwise"
+    assert plan.style_of("h.0.mlp.c_fc") == "colwise" and plan.style_of("h.0.mlp.c_proj") == "rowwise"
+
+
+def test_derived_plan_pairs_projections_or_leaves_them_whole() -> None:
+    """nn.MultiheadAttention's out_proj has no column-wise partner (its input projection is a bare parameter):
+    left whole. Projections no rule recognises are left whole too."""
+    plan = derive_plan(_Network(attention="mha", mlp=("fc1", "fc2")))
+    assert plan.style_of("h.0.attn.out_proj") is None
+    assert plan.style_of("h.0.mlp.fc1") == "colwise" and plan.style_of("h.0.mlp.fc2") == "rowwise"
+    plan = derive_plan(_Network(attention="mha", mlp=("lin_in", "lin_out")))
+    assert not [p for p, s in plan.styles.items() if p.startswith("h.") and s in ("colwise", "rowwise")]
+
+
+def test_an_explicit_plan_cannot_split_multihead_attention() -> None:
+    from lightning_par.parallel.tensor import check_tensor_parallel
+
+    model = _Network(attention="mha", mlp=("fc1", "fc2"))
+    plan = ModelPlan.from_dict({"blocks": "h", "styles": {"h.*.attn.out_proj": "rowwise"}})
+    with pytest.raises(ValueError, match=r"cannot split 'h.0.attn.out_proj' \(rowwise\): it belongs to "
+                                         r"nn.MultiheadAttention 'h.0.attn'"):
+        check_tensor_parallel(model, plan, 2)
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        (dict(model_type="gpt_neox"), {"model.gpt_neox.embed_in": "vocab",
+                                        "model.gpt_neox.layers.1.attention.query_key_value": "colwise",
+                                        "model.gpt_neox.layers.0.mlp.dense_4h_to_h": "rowwise"}),
+        (dict(model_type="qwen3", head_dim=8), {"model.model.layers.0.self_attn.q_norm": "per_shard",
+                                                 "model.model.layers.0.self_attn.o_proj": "rowwise"}),
+        (dict(model_type="phi3", pad_token_id=0), {"model.model.layers.0.self_attn.qkv_proj": "colwise_gather",
+                                   "model.model.layers.0.mlp.down_proj": "rowwise_split"}),
+    ],
+    ids=["gpt_neox", "qwen3", "phi3"],
+)
+def test_hugging_face_plans_are_translated(config: dict, expected: dict) -> None:
+    """The config's base_model_tp_plan gives the styles inside the blocks, its base_model_pp_plan the parts
+    (GPT-NeoX's final norm is final_layer_norm), the causal-LM class its head."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_par.parallel.plan import huggingface_plan
+
+    model_config = transformers.AutoConfig.for_model(**config, vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                     num_hidden_layers=2, num_attention_heads=4)
+    model = nn.Module()
+    model.model = transformers.AutoModelForCausalLM.from_config(model_config)
+    plan = huggingface_plan(model)
+    assert plan is not None and plan.source == "huggingface"
+    for name, style in expected.items():
+        assert plan.style_of(name) == style, name
+    assert plan.head == "model.lm_head" and plan.style_of(plan.head) == "colwise"
+    if config["model_type"] == "gpt_neox":
+        assert (plan.blocks, plan.final_norm) == ("model.gpt_neox.layers", "model.gpt_neox.final_layer_norm")
+    assert huggingface_plan(_Network()) is None  # not a Hugging Face model

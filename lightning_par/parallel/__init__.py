@@ -10,7 +10,9 @@ from lightning_par.parallel.compose import (
 from lightning_par.parallel.data import apply_data_parallel
 from lightning_par.parallel.experts import MoEFeedForward
 from lightning_par.parallel.pipeline import split_pipeline
-from lightning_par.parallel.plan import ModelPlan, derive_plan
+from lightning_par.parallel.pipeline_trace import trace_network
+from lightning_par.parallel.plan import ModelPlan, derive_plan, huggingface_plan
+from lightning_par.parallel.plan_check import check_plan
 from lightning_par.parallel.clip import clip_grad_norm_
 from lightning_par.parallel.sequence import apply_context_parallel
 from lightning_par.parallel.tensor import apply_tensor_parallel, vocab_parallel_loss
@@ -33,4 +35,7 @@ __all__ = [
     "clip_grad_norm_",
     "ModelPlan",
     "derive_plan",
+    "huggingface_plan",
+    "check_plan",
+    "trace_network",
 ]
