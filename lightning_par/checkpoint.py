@@ -209,7 +209,8 @@ def load_checkpoint(
     if is_sharded_checkpoint(path):
         model_state = {MODEL_KEY: model_state_dict(module, full=False, aliases=False)}
         dcp.load(model_state, checkpoint_id=path)
-        set_model_state_dict(module, with_aliases(model_state[MODEL_KEY], aliases), options=StateDictOptions(strict=strict))
+        set_model_state_dict(module, with_aliases(model_state[MODEL_KEY], aliases),
+                             options=StateDictOptions(strict=strict))
         for index, optimizer in enumerate(optimizers):
             key = f"optimizer_{index}"
             template = optimizer_state_dict(module, optimizer, full=False)

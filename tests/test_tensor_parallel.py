@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 from parity import assert_fails_on_every_rank, assert_layout_matches
 from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
 
@@ -320,3 +321,32 @@ def test_the_error_of_a_failed_step_is_the_one_raised() -> None:
 
     for kind, message in run_distributed(_first_error, 2):
         assert (kind, message) == ("RuntimeError", "the model's own error at step 0")
+
+
+def _replicated_weights_after_dropout(rank: int, world_size: int) -> "torch.Tensor":
+    import lightning
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    import zoo
+
+    torch.manual_seed(0)
+    module = zoo.HuggingFaceLM({**zoo.ARCHITECTURES["gpt2"], "resid_pdrop": 0.5, "embd_pdrop": 0.5})
+    torch.manual_seed(100 + rank)  # an unseeded run: every process draws its own dropout masks
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, max_steps=3, logger=False,
+                                strategy=make_strategy(tensor_parallel_size=2), enable_progress_bar=False,
+                                enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=make_datamodule())
+    weight = module.model.transformer.ln_f.weight  # whole on every tensor-parallel rank
+    return (weight.to_local() if isinstance(weight, DTensor) else weight).detach().clone()
+
+
+def test_dropout_draws_the_same_masks_on_every_tensor_parallel_rank() -> None:
+    """Between the split layers every tensor-parallel rank computes the same activations in full; a dropout there
+    must mask them alike, or the copies drift apart (the gathered logits hide it: the loss stays equal while the
+    ranks' copies of a norm's weight diverge). The ranks start from different random states here."""
+    from harness import run_distributed
+
+    pytest.importorskip("transformers")
+    first, second = run_distributed(_replicated_weights_after_dropout, 2)
+    assert torch.equal(first, second)

@@ -154,7 +154,8 @@ def test_zoo_trains_like_one_process_or_is_refused(layout: str) -> None:
             failures.append(f"{name}: no log line says where the tensor-parallel plan came from and what it split")
         try:
             loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
-            table.append(f"{name:12s} loss {loss_error:.1e}  weights {weight_error:.1e}  {rank_zero_plan(outcomes) or ''}")
+            plan = rank_zero_plan(outcomes) or ""
+            table.append(f"{name:12s} loss {loss_error:.1e}  weights {weight_error:.1e}  {plan}")
         except AssertionError as error:
             failures.append(f"{name}: {error}")
             table.append(f"{name:12s} DIFFERS: {str(error)[:120]}")

@@ -5,12 +5,13 @@ Each entry builds a LightningModule that meets the model contract (``split_batch
 ``loss_fn``) with SGD + momentum, whose update is linear in the gradient so that rounding differences in a
 collective stay rounding-sized, at a learning rate at which every model is well conditioned (weights
 perturbed by 1e-7 stay within 5e-6 of the unperturbed run after 20 steps; OLMo 2 is not at 0.1). Dropout
-is off: its masks come from each layout's own random stream, so no layout could match one process. Together the architectures cover tied heads, fused q/k/v and gate/up
-projections, GPT-2's ``Conv1D``, learned positions, parallel residuals, q/k norms per head and over the
-whole width, soft-capping, attention biases, MoE with shared experts and multi-head latent attention, plus
-a hand-written nanoGPT and three models of plain torch blocks: ``nn.MultiheadAttention`` (left whole by
-tensor parallel), projections no naming rule recognises (refused by tensor parallel), and projections
-directly in the block (split from an explicit plan).
+is off: its masks come from each layout's own random stream, so no layout could match one process.
+Together the architectures cover tied heads, fused q/k/v and gate/up projections, GPT-2's ``Conv1D``,
+learned positions, parallel residuals, q/k norms per head and over the whole width, soft-capping, attention
+biases, MoE with shared experts and multi-head latent attention, plus a hand-written nanoGPT and three
+models of plain torch blocks: ``nn.MultiheadAttention`` (left whole by tensor parallel), projections no
+naming rule recognises (refused by tensor parallel), and projections directly in the block (split from an
+explicit plan).
 """
 
 from __future__ import annotations

@@ -228,5 +228,5 @@ def gradient_norm_groups(mesh: ParallelMesh, config: ParallelConfig) -> dict[str
             "stage_group": mesh.group("pp") if mesh.size("pp") > 1 else None}
 
 
-__all__ = ["applied_layout", "parallelize", "pipeline_stages", "stage_ties", "parallelize_optimizer", "no_gradient_sync", "gradient_norm_groups",
-           "check_available", "reduces_gradients_after_backward"]
+__all__ = ["applied_layout", "parallelize", "pipeline_stages", "stage_ties", "parallelize_optimizer",
+           "no_gradient_sync", "gradient_norm_groups", "check_available", "reduces_gradients_after_backward"]

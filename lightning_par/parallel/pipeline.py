@@ -47,7 +47,14 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from lightning_par.mesh import ParallelMesh
-from lightning_par.parallel.pipeline_trace import Call, NetworkTrace, StandIn, first_tensor, trace_network
+from lightning_par.parallel.pipeline_trace import (
+    Call,
+    NetworkTrace,
+    StandIn,
+    first_tensor,
+    output_item,
+    trace_network,
+)
 from lightning_par.parallel.plan import ModelPlan, network_prefix
 from lightning_par.parallel.ties import clean_name
 from lightning_par.stages import Schedule, balance, stage_indices, stages_per_rank
@@ -256,9 +263,7 @@ def _receive_hidden(stage: StageModule, call: Call) -> Callable:
 def _stop_after(call: Call) -> Callable:
     """Forward hook of a stage's last block (not the last stage): end the network's forward with its output."""
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
-        hidden = output if call.output_index is None else (
-            output.to_tuple() if hasattr(output, "to_tuple") else output)[call.output_index]
-        raise _StageOutput(hidden)
+        raise _StageOutput(output_item(output, call.output_index))
     return hook
 
 
@@ -297,7 +302,7 @@ class StageLayout:
     shared: dict[str, tuple[int, ...]]  # parameter names (from the model root) -> pp ranks holding a copy (2+)
 
 
-def _outside_runs(trace: NetworkTrace, name: str, module: nn.Module, prefix: str, n_stages: int) -> set[int]:
+def _outside_runs(trace: NetworkTrace, name: str, module: nn.Module, n_stages: int) -> set[int]:
     """The stages that run outside module ``name`` (a full name) for real."""
     own = {f"{name}.{leaf}" for leaf, _ in module.named_parameters(recurse=False)}
     if own & trace.shared:
@@ -334,7 +339,7 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, trace: N
     runs: dict[str, set[int]] = {}
     for name, sub in module.named_modules():
         if name in trace.outside:
-            runs[name] = _outside_runs(trace, name, sub, prefix, n_stages)
+            runs[name] = _outside_runs(trace, name, sub, n_stages)
             if name in trace.before_blocks and trace.outside[name].reason and runs[name] != set(range(n_stages)):
                 raise ValueError(f"pipeline parallel: {name!r} runs before the first block and holds parameters, but "
                                  f"{trace.outside[name].reason}; later stages cannot stand in for it. Make it part "
@@ -444,10 +449,9 @@ def split_pipeline(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None
                          f"at least {n_stages} blocks, the model has {len(blocks)}")
     prefix = network_prefix(plan)
     network = module.get_submodule(prefix.rstrip(".")) if prefix else module
-    sample = sample_batch[0][:1]
-    if any(p.is_meta for p in module.parameters()):
-        sample = sample.to("meta")
-    trace = trace_network(network, blocks, sample.to(device) if not sample.is_meta else sample, root=module)
+    # One sample, on the meta device when the model was built there (Trainer.init_module(empty_init=True)).
+    on_meta = any(p.is_meta for p in module.parameters())
+    trace = trace_network(network, blocks, sample_batch[0][:1].to("meta" if on_meta else device), root=module)
     if plan.split_points:
         sizes = sizes_from_split_points(blocks, plan.split_points, n_stages)
     else:

@@ -218,7 +218,7 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
         raise ValueError(f"pipeline parallel: the network's forward must run every block of the plan once, in "
                          f"order; it skipped {missing}" if missing else "it ran them out of order")
     output_index, output_length = _hidden_output(calls, block_names)
-    hidden_out = [_item(call["output"], output_index) for call in calls]
+    hidden_out = [output_item(call["output"], output_index) for call in calls]
     for index in range(1, len(calls)):
         if calls[index]["hidden"] is not hidden_out[index - 1]:
             raise ValueError(f"pipeline parallel cuts between blocks, but between {block_names[index - 1]!r} and "
@@ -272,7 +272,8 @@ def _signature(module: nn.Module) -> list[str]:
         return []
 
 
-def _item(output: Any, index: int | None) -> Tensor:
+def output_item(output: Any, index: int | None) -> Tensor:
+    """Item ``index`` of a module's output (a tuple or a ``ModelOutput``); the output itself for None."""
     if index is None:
         return output
     items = output.to_tuple() if hasattr(output, "to_tuple") else output
@@ -295,4 +296,4 @@ def _hidden_output(calls: list[dict[str, Any]], block_names: list[str]) -> tuple
     return index, length
 
 
-__all__ = ["Call", "NetworkTrace", "StandIn", "first_tensor", "trace_network"]
+__all__ = ["Call", "NetworkTrace", "StandIn", "first_tensor", "output_item", "trace_network"]

@@ -190,7 +190,8 @@ def derive_plan(model: nn.Module) -> ModelPlan | None:
         pattern = f"{blocks}.*.{name}"
         if leaf in _EXPERT_NAMES:
             styles[pattern] = "experts"
-        elif is_projection(sub) and not _inside_experts(name) and not _inside(name, block_modules, nn.MultiheadAttention):
+        elif (is_projection(sub) and not _inside_experts(name)
+              and not _inside(name, block_modules, nn.MultiheadAttention)):
             role = ("colwise" if leaf in _COLWISE_NAMES or leaf in _FUSED_NAMES
                     else "rowwise" if leaf in _ROWWISE_NAMES else None)
             if role is not None:
@@ -243,15 +244,17 @@ def huggingface_plan(model: nn.Module) -> ModelPlan | None:
         after = keys[keys.index(block_keys[0]) + 1:] if block_keys else []
         head_keys = [k for k in getattr(sub, "_pp_plan", None) or {} if _get(model, f"{name}.{k}" if name else k)]
         styles = {full(pattern): HF_STYLES[style] for pattern, style in tp_plan.items() if style in HF_STYLES}
-        # Block internals from the config; the rest (embedding, head, norms between regions) as derived.
+        # Block internals from the config; the rest (embedding, head, norms between regions) as derived. A
+        # config that says nothing about the blocks (only its embedding) leaves them to derivation too.
+        from_config = any(p.startswith(blocks + ".") for p in styles)
         styles.update({p: s for p, s in derived.styles.items()
-                       if not p.startswith(blocks + ".") or s in ("sequence", "experts")})
+                       if not from_config or not p.startswith(blocks + ".") or s in ("sequence", "experts")})
         return replace(derived, blocks=blocks,
                        embedding=full(keys[0]) if keys and isinstance(_get(model, full(keys[0])), nn.Embedding)
                        else derived.embedding,
                        final_norm=full(after[-1]) if after else derived.final_norm,
                        head=(f"{name}.{head_keys[0]}" if name else head_keys[0]) if head_keys else derived.head,
-                       styles=styles, source="huggingface")
+                       styles=styles, source="huggingface" if from_config else "derived")
     return None
 
 

@@ -92,7 +92,18 @@ class Colwise(ColwiseParallel):
 
 
 class Rowwise(RowwiseParallel):
-    """PyTorch's ``RowwiseParallel``, also for ``Conv1D``, whose (in, out) weight splits along dim 0."""
+    """PyTorch's ``RowwiseParallel``, also for ``Conv1D``, whose (in, out) weight splits along dim 0.
+
+    A whole output is handed on as a tensor of its own, not as the view of the DTensor's local tensor that
+    ``to_local`` returns: models add to it in place (Falcon's parallel attention: ``mlp_output +=
+    attention_output``), which autograd refuses on a view made by a custom Function.
+    """
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
+                           device_mesh: DeviceMesh) -> Any:
+        outputs = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return outputs.clone() if use_local_output else outputs
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):
@@ -169,8 +180,8 @@ def tensor_parallel_styles(module: nn.Module, plan: ModelPlan, *, sequence_paral
         style = plan.style_of(name)
         if style == "vocab" and isinstance(sub, nn.Embedding):
             # Rows are the vocabulary: each rank embeds the tokens it holds; the partial sums are reduced.
-            styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between,
-                                           use_local_output=not sequence_parallel)
+            styles[name] = Rowwise(input_layouts=Replicate(), output_layouts=between,
+                                   use_local_output=not sequence_parallel)
         elif style in ("colwise", "colwise_gather") and is_projection(sub) and name == plan.head:
             # The vocabulary-sharded logits are gathered so that any loss function sees them whole, unless the
             # loss runs on the shards (loss parallel).

@@ -76,6 +76,7 @@ from lightning_par.strategies.resilience import (
     gather_rng_states,
     init_process_group_under_torchelastic,
     rng_states_of_rank,
+    share_rng_states,
     slurm_requeue_environment,
 )
 
@@ -252,6 +253,8 @@ class MeshStrategy(ParallelStrategy):
                 )
             atexit.register(_destroy_process_group_at_exit)
         self._mesh = self.parallel_config.build_mesh(self.root_device.type)
+        if self._mesh.size("tp") > 1:
+            share_rng_states(self._mesh.group("tp"), self.root_device)
         if self.world_size > 1 and self._fault_monitor is None:
             store = torch.distributed.distributed_c10d._get_default_store()
             self._fault_monitor = FaultMonitor(store, self.global_rank, self.world_size,
@@ -315,13 +318,15 @@ class MeshStrategy(ParallelStrategy):
             return module
         device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
         plan = self.resolve_plan(module)
-        sample = self._sample_batch()
-        if self.parallel_config.tp > 1 and plan is not None and sample is None:
-            raise ValueError(f"tp={self.parallel_config.tp}: the tensor-parallel plan is checked on one sample of the "
+        config = self.parallel_config
+        # Checking a tensor-parallel plan and cutting pipeline stages run the model on a sample of the data.
+        sample = self._sample_batch() if config.tp > 1 or config.pp > 1 else None
+        if config.tp > 1 and plan is not None and sample is None:
+            raise ValueError(f"tp={config.tp}: the tensor-parallel plan is checked on one sample of the "
                              "data before training, and none could be taken: define split_batch(batch) -> (inputs, "
                              "targets) on the LightningModule, or batches of token tensors or of dicts with "
                              "'input_ids' (see docs/models.md)")
-        return parallelize(module, self.mesh, self.parallel_config, plan, training=training, device=self.root_device,
+        return parallelize(module, self.mesh, config, plan, training=training, device=self.root_device,
                            device_ids=device_ids, sample_batch=sample, log=rank_zero_info)
 
     def _sample_batch(self) -> tuple[Tensor, Tensor | None] | None:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.fabric.utilities.seed import _collect_rng_states
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
@@ -45,6 +45,19 @@ def gather_rng_states(root_device: torch.device) -> list[dict[str, Any]] | None:
     states: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, states, dst=0)
     return states
+
+
+def share_rng_states(group: dist.ProcessGroup, root_device: torch.device) -> None:
+    """Give every rank of ``group`` the RNG states of its first rank. Collective over ``group``.
+
+    Tensor-parallel ranks compute the activations between the split layers each in full: a dropout there
+    must draw the same mask on every one of them, or their copies of one activation drift apart (Megatron's
+    model-parallel RNG tracker keeps these draws alike too). Seeding every rank alike does it; this does it
+    for runs that did not seed.
+    """
+    box = [_collect_rng_states(include_cuda=root_device.type == "cuda")]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    _set_rng_states(box[0])
 
 
 def rng_states_of_rank(states: list[dict[str, Any]] | None, rank: int, world_size: int) -> dict[str, Any] | None:
