@@ -62,14 +62,18 @@ def _meta_init(rank: int, world_size: int, strategy: str) -> dict:
 
     from lightning_par.models import LlamaLM
 
-    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
+    from lightning_par import PipelineParallelStrategy
+
+    chosen = PipelineParallelStrategy(microbatches=2) if strategy == "pipeline_parallel" else strategy
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=chosen, max_steps=1, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                 limit_val_batches=0)
     with trainer.init_module(empty_init=True):
         module = LlamaLM(**{k: v for k, v in MODEL.items()})
     was_meta = all(p.is_meta for p in module.parameters())
-    trainer.fit(module, datamodule=make_datamodule())
-    q = module.model.layers["1"].attention.q_proj.weight
+    trainer.fit(module, datamodule=make_datamodule(batch_size=4))
+    # Block 1: on the second pipeline stage, whose rank holds it (rank 0 reads the consolidated copy).
+    q = dict(module.named_parameters()).get("model.layers.1.attention.q_proj.weight", torch.empty(64, 32))
     q_local = q.to_local() if hasattr(q, "to_local") else q
     full = trainer.strategy.consolidated_state_dict() or {"q": q_local}  # whole tensors on rank 0 only
     return {"was_meta": was_meta, "q_local_rows": q_local.shape[0], "q_rows": q.shape[0],
@@ -79,14 +83,15 @@ def _meta_init(rank: int, world_size: int, strategy: str) -> dict:
                 torch.arange(16.0)[:, None] / 10000 ** (torch.arange(0, 8, 2) / 8)), atol=1e-6))}
 
 
-@pytest.mark.parametrize("strategy", ["zero3", "data_parallel"])
+@pytest.mark.parametrize("strategy", ["zero3", "data_parallel", "tensor_parallel", "pipeline_parallel"])
 def test_meta_device_initialization(strategy: str) -> None:
-    """Trainer.init_module(empty_init=True): no weights until the strategy places them (after sharding)."""
+    """Trainer.init_module(empty_init=True): no weights until the strategy places them (after sharding). Tensor
+    parallel checks its plan and pipeline parallel traces the network without allocating the model."""
     from harness import run_distributed
 
     for result in run_distributed(_meta_init, 2, strategy):
         assert result["was_meta"] and result["finite"] and result["rope_ok"], result
-        expected_rows = result["q_rows"] // 2 if strategy == "zero3" else result["q_rows"]
+        expected_rows = result["q_rows"] // 2 if strategy in ("zero3", "tensor_parallel") else result["q_rows"]
         assert result["q_local_rows"] == expected_rows  # zero3: each rank only ever allocated its shard
         assert result["q_std"] == pytest.approx(0.02, rel=0.2)  # the model's own init, not a default one
 

@@ -161,3 +161,43 @@ def test_zoo_trains_like_one_process_or_is_refused(layout: str) -> None:
             table.append(f"{name:12s} DIFFERS: {str(error)[:120]}")
     print(f"\nzoo under {layout}:\n" + "\n".join(table))
     assert not failures, "\n\n".join(failures)
+
+
+def _built_on_meta(rank: int, world_size: int, layout: str, models: tuple[str, ...]) -> dict:
+    import lightning
+
+    from lightning_par.parallel.ties import clean_name
+
+    results = {}
+    for name in models:
+        trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=make_strategy(layout),
+                                    max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                    enable_model_summary=False, limit_val_batches=0)
+        with trainer.init_module(empty_init=True):
+            module = zoo.make_model(name)
+        on_meta = all(p.is_meta for p in module.parameters())
+        recorder = RecordLoss()
+        trainer.callbacks.append(recorder)
+        trainer.fit(module, datamodule=make_datamodule())
+        state = trainer.strategy.consolidated_state_dict()
+        sizes = {clean_name(n): p.numel() for n, p in module.named_parameters()}
+        results[name] = (on_meta, recorder.losses, {k: bool(torch.isfinite(v).all()) for k, v in state.items()}, sizes)
+    return results
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_models_built_on_the_meta_device(layout: str) -> None:
+    """Trainer.init_module(empty_init=True): the plan check and the pipeline trace run on a small replica, the
+    model's own initialisation runs after the split, and a tied head stays tied (on the last stage too)."""
+    import math
+
+    models = ("qwen2", "gpt2")  # tied heads; GPT-2 with learned positions
+    ranks = run_distributed(_built_on_meta, LAYOUTS[layout][0], layout, models)
+    for name in models:
+        on_meta, losses, finite, _ = ranks[0][name]
+        assert on_meta and all(finite.values()), (name, finite)
+        assert all(abs(loss - math.log(zoo.VOCAB)) < 0.5 for loss in losses), (name, losses)  # a fresh model
+        # Each distinct parameter under its first name across the ranks: a head untied by the allocation would
+        # appear under a name of its own.
+        sizes = {n: size for rank in ranks for n, size in rank[name][3].items()}
+        assert sum(sizes.values()) == sum(p.numel() for p in zoo.make_model(name).parameters()), name

@@ -257,6 +257,11 @@ class TransformerBlock(nn.Module):
         return h + self.mlp(self.mlp_norm(h))  # (B, T, C)
 
 
+def _weight(module: nn.Module | None) -> Tensor | None:
+    """The module's weight, or None for a part this pipeline stage does not hold."""
+    return getattr(module, "weight", None)
+
+
 class Transformer(nn.Module):
     """Decoder-only Llama-style language model: ``embed_tokens -> layers -> norm -> lm_head``.
 
@@ -289,9 +294,9 @@ class Transformer(nn.Module):
         Called again by :meth:`init_weights` because ``to_empty`` materialises each module's parameters
         separately and so unties them.
         """
-        if self.config.tie_embeddings and self.embed_tokens is not None and self.lm_head is not None:
-            if self.lm_head.weight is not self.embed_tokens.weight:
-                self.lm_head.weight = self.embed_tokens.weight
+        embedding, head = _weight(self.embed_tokens), _weight(self.lm_head)
+        if self.config.tie_embeddings and embedding is not None and head is not None and head is not embedding:
+            self.lm_head.weight = embedding
 
     def _init_rope(self) -> None:
         positions = torch.arange(self.config.max_seq_len, device=self.rope_cos.device)
@@ -312,16 +317,17 @@ class Transformer(nn.Module):
         self._init_rope()
         std = self.config.init_std
         out_std = std / math.sqrt(2 * self.config.n_layers)
-        if self.embed_tokens is not None:
-            nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=std)
+        # On a pipeline stage the parts other stages run are stand-ins without weights (or are None).
+        embedding, head = _weight(self.embed_tokens), _weight(self.lm_head)
+        if embedding is not None:
+            nn.init.normal_(embedding, mean=0.0, std=std)
         for layer in self.layers.values():
-            layer.init_weights(std, out_std)
-        if self.norm is not None:
+            if isinstance(layer, TransformerBlock):
+                layer.init_weights(std, out_std)
+        if isinstance(self.norm, RMSNorm):
             self.norm.reset_parameters()
-        if self.lm_head is not None:
-            tied = self.embed_tokens is not None and self.lm_head.weight is self.embed_tokens.weight
-            if not tied:
-                nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
+        if head is not None and head is not embedding:
+            nn.init.normal_(head, mean=0.0, std=std)
 
     def rope(self, seq_len: int, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Rotary ``(cos, sin)`` for ``positions`` (default ``arange(seq_len)``): (T, D/2) or (B, T, D/2)."""

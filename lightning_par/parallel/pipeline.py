@@ -56,6 +56,7 @@ from lightning_par.parallel.pipeline_trace import (
     trace_network,
 )
 from lightning_par.parallel.plan import ModelPlan, network_prefix
+from lightning_par.parallel.replica import small_replica
 from lightning_par.parallel.ties import clean_name
 from lightning_par.stages import Schedule, balance, stage_indices, stages_per_rank
 
@@ -335,9 +336,11 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, trace: N
 
     # Where each parameter is held: its block's stage, every stage that runs its outside module, and every
     # stage whose role needs it (its stand-in keeps it); a parameter of an enclosing module stays everywhere.
-    holders: dict[str, set[int]] = {}
+    # By parameter, not by name: the names of a tied parameter share one set of holders.
+    holders: dict[int, set[int]] = {}
+    names: dict[int, str] = {}  # parameter -> its first name
     runs: dict[str, set[int]] = {}
-    for name, sub in module.named_modules():
+    for name, sub in module.named_modules(remove_duplicate=False):
         if name in trace.outside:
             runs[name] = _outside_runs(trace, name, sub, n_stages)
             if name in trace.before_blocks and trace.outside[name].reason and runs[name] != set(range(n_stages)):
@@ -353,7 +356,8 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, trace: N
                 stages = runs[name] | trace.role_stages(full, n_stages)
             else:
                 stages = set(range(n_stages))
-            holders.setdefault(full, set()).update(stages)
+            holders.setdefault(id(parameter), set()).update(stages)
+            names.setdefault(id(parameter), full)
 
     for name in blocks:
         if block_stage[name] not in mine:
@@ -362,8 +366,7 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, trace: N
         if stages & set(mine):
             continue
         sub = module.get_submodule(name)
-        kept = {leaf: p for leaf, p in sub.named_parameters(recurse=False)
-                if holders[clean_name(f"{name}.{leaf}")] & set(mine)}
+        kept = {leaf: p for leaf, p in sub.named_parameters(recurse=False) if holders[id(p)] & set(mine)}
         spec = trace.outside[name] if name in trace.before_blocks else StandIn("unused")
         _set(network, name[len(prefix):], StandInModule(spec, kept))
 
@@ -375,8 +378,9 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, trace: N
     # Trainable parameters some code uses, held on more than one pipeline rank: kept equal by StageTies.
     used = trace.prelude | trace.postlude | trace.shared
     shared = {}
-    for name, stages in holders.items():
+    for key, stages in holders.items():
         ranks = tuple(sorted({rank_of[s] for s in stages}))
+        name = names[key]
         in_block = any(name.startswith(b + ".") for b in blocks)
         if len(ranks) > 1 and (in_block or name in used):
             shared[name] = ranks
@@ -447,11 +451,7 @@ def split_pipeline(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None
     if len(blocks) < n_stages:
         raise ValueError(f"{n_stages} pipeline stages (pp={pp} x {n_stages // pp} per rank for {schedule!r}) need "
                          f"at least {n_stages} blocks, the model has {len(blocks)}")
-    prefix = network_prefix(plan)
-    network = module.get_submodule(prefix.rstrip(".")) if prefix else module
-    # One sample, on the meta device when the model was built there (Trainer.init_module(empty_init=True)).
-    on_meta = any(p.is_meta for p in module.parameters())
-    trace = trace_network(network, blocks, sample_batch[0][:1].to("meta" if on_meta else device), root=module)
+    trace = _trace(module, plan, sample_batch[0][:1].to(device))
     if plan.split_points:
         sizes = sizes_from_split_points(blocks, plan.split_points, n_stages)
     else:
@@ -467,6 +467,18 @@ def split_pipeline(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None
             costs, first, last = parameter_costs(module, plan)
         sizes = balance(costs, n_stages, first=first, last=last)
     return cut_network(module, mesh, plan, trace, schedule=schedule, virtual_stages=virtual_stages, sizes=sizes)
+
+
+def _trace(module: nn.Module, plan: ModelPlan, sample: Tensor) -> NetworkTrace:
+    """What the network does outside its blocks (``pipeline_trace``), traced on one sample. A model built on the
+    meta device (``Trainer.init_module(empty_init=True)``) cannot run: its trace runs on a small replica with its
+    first blocks (code such as a causal mask built from the data needs real values)."""
+    prefix = network_prefix(plan)
+    root = module
+    if any(p.is_meta for p in module.parameters()):
+        root = small_replica(module, plan.blocks, sample.device, torch.float32, min_blocks=2)
+    network = root.get_submodule(prefix.rstrip(".")) if prefix else root
+    return trace_network(network, plan.block_names(root), sample, root=root)
 
 
 def last_stage_rank(pp: int, schedule: Schedule, virtual_stages: int) -> int:

@@ -6,8 +6,8 @@ model's ``split(n_embd)`` then fails, or a ``chunk(3)`` silently pairs the wrong
 whole projection width (OLMo 2) cannot run on one rank's slice; a per-head norm (Qwen3, Gemma 3) runs fine
 but receives each rank's share of the gradient only. Names cannot tell these apart. So the plan is run:
 
-- a copy of the model is made on the meta device (no weights are copied) with one block of each kind,
-  filled with random values that every rank draws alike;
+- a small copy of the model is made (``lightning_par.parallel.replica``: no weights are copied, one block of
+  each kind, random values that every rank draws alike);
 - it runs forward and backward on one sample of the data, whole, then split with the plan (in evaluation
   mode: dropout draws differ between the two);
 - outputs of every split region and the logits, and every parameter's gradient, must agree (float64, where
@@ -24,9 +24,7 @@ refused: it would train replicated, not tensor parallel.
 
 from __future__ import annotations
 
-import copy
 import fnmatch
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,14 +32,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.pipeline_trace import first_tensor
 from lightning_par.parallel.plan import SPLIT_STYLES, ModelPlan, is_projection, network_prefix
+from lightning_par.parallel.replica import small_replica
 from lightning_par.parallel.ties import clean_name
-from lightning_par.parallel.zero import materialize_meta_parameters
 
 # A faithful split differs from the whole model by rounding only: ~1e-15 in float64, ~1e-7 where a model
 # computes a norm in float32 whatever its dtype (Gemma), ~1e-6 in float32 (models whose kernels have no float64
@@ -169,7 +166,7 @@ def _dtype_that_runs(module: nn.Module, plan: ModelPlan, inputs: Tensor, device:
     """float64 where the whole model runs in it, else float32 (some kernels, such as grouped expert matmuls,
     have no float64 version). Local, without collectives, so every rank finds the same."""
     try:
-        replica = _verification_copy(module, plan, device, torch.float64)
+        replica = small_replica(module, plan.blocks, device, torch.float64)
         _network(replica, plan)(_as(inputs, device, torch.float64))
         return torch.float64
     except RuntimeError:
@@ -184,7 +181,7 @@ def _as(inputs: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
 def _run(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, inputs: Tensor, *, dtype: torch.dtype,
          sequence_parallel: bool, loss_parallel: bool, apply: Callable[..., nn.Module]) -> _Outcome:
     device = torch.device(mesh.device_type)
-    replica = _verification_copy(module, plan, device, dtype)
+    replica = small_replica(module, plan.blocks, device, dtype)
     network = _network(replica, plan)
     regions = _regions(replica, plan)
     inputs = _as(inputs, device, dtype)
@@ -333,88 +330,6 @@ def _error(actual: Tensor | None, expected: Tensor, floor: float = 0.0) -> float
         return float("inf")
     scale = max(float(expected.abs().max()), floor, 1e-30)
     return float((actual.to(expected.dtype) - expected).abs().max()) / scale
-
-
-# ------------------------------------------------------------------------------------------- the copy
-def _verification_copy(module: nn.Module, plan: ModelPlan, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """``module`` rebuilt on ``device`` in ``dtype`` with one block of each kind and random weights every rank
-    draws alike; no weight of ``module`` is copied (they are swapped for meta tensors in the copy)."""
-    memo: dict[int, Any] = {}
-    for sub in module.modules():
-        for value in vars(sub).values():
-            if isinstance(value, DeviceMesh):
-                memo[id(value)] = None  # a LightningModule's device_mesh: not part of the computation
-        for name, parameter in sub.named_parameters(recurse=False):
-            if id(parameter) not in memo:
-                memo[id(parameter)] = nn.Parameter(torch.empty_like(parameter, device="meta"))
-    replica = copy.deepcopy(module, memo)
-    replica.eval()  # dropout draws differ between the whole and the split model: compare without it
-    _drop_hooks(replica)
-    _keep_one_block_of_each_kind(replica, plan)
-    if any(b.is_meta for b in replica.buffers()):
-        # Built on the meta device: buffers (rotary tables, masks) are computed as training will compute them.
-        materialize_meta_parameters(replica, device)
-    else:
-        _allocate(replica, device)
-    replica.to(dtype=dtype)
-    with torch.no_grad():
-        seen: set[int] = set()
-        for name, parameter in replica.named_parameters(remove_duplicate=False):
-            if id(parameter) in seen:
-                continue
-            seen.add(id(parameter))
-            generator = torch.Generator(device="cpu").manual_seed(zlib.crc32(clean_name(name).encode()))
-            values = torch.randn(parameter.shape, generator=generator, dtype=torch.float64).to(dtype)
-            # Matrices scaled like a fan-in init; vectors (norm gains, biases) around one.
-            values = values / max(parameter.shape[-1], 1) ** 0.5 if parameter.dim() >= 2 else 1.0 + 0.1 * values
-            parameter.copy_(values.to(parameter.device))
-            parameter.requires_grad_(True)
-    return replica
-
-
-def _drop_hooks(replica: nn.Module) -> None:
-    """The copy runs without the hooks users put on the model (monitors that record or assume a layout), except
-    those that compute a weight (``weight_norm``)."""
-    from torch.nn.utils.weight_norm import WeightNorm
-
-    for sub in replica.modules():
-        kept = {k: h for k, h in sub._forward_pre_hooks.items() if isinstance(h, WeightNorm)}
-        sub._forward_pre_hooks.clear()
-        sub._forward_pre_hooks.update(kept)
-        for hooks in (sub._forward_hooks, sub._backward_hooks, sub._backward_pre_hooks):
-            hooks.clear()
-
-
-def _allocate(replica: nn.Module, device: torch.device) -> None:
-    """Real tensors for the meta parameters of ``replica`` (tied ones stay tied), its buffers moved as they are."""
-    allocated: dict[int, nn.Parameter] = {}
-    for sub in replica.modules():
-        for name, parameter in list(sub._parameters.items()):
-            if parameter is None:
-                continue
-            if id(parameter) not in allocated:
-                allocated[id(parameter)] = nn.Parameter(torch.empty(parameter.shape, dtype=parameter.dtype,
-                                                                    device=device))
-            sub._parameters[name] = allocated[id(parameter)]
-    for sub in replica.modules():
-        for name, buffer in list(sub._buffers.items()):
-            if buffer is not None:
-                sub._buffers[name] = buffer.to(device)
-
-
-def _keep_one_block_of_each_kind(replica: nn.Module, plan: ModelPlan) -> None:
-    """Shorten the blocks to the first ones that contain one block of each structure (dense and MoE blocks)."""
-    container = replica.get_submodule(plan.blocks)
-    if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
-        return
-    kinds: dict[tuple, int] = {}
-    for index, block in enumerate(container.children()):
-        kind = tuple((name, type(sub).__name__, tuple(tuple(p.shape) for p in sub.parameters(recurse=False)))
-                     for name, sub in block.named_modules())
-        kinds.setdefault(kind, index)
-    keep = max(kinds.values()) + 1
-    for key in list(container._modules)[keep:]:
-        del container._modules[key]
 
 
 __all__ = ["check_plan"]

@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.plan import ModelPlan
+from lightning_par.parallel.ties import retie, tied_groups
 
 
 def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *,
@@ -69,14 +70,23 @@ def materialize_meta_parameters(module: nn.Module, device: torch.device) -> bool
     """
     if not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
         return False
+    ties = tied_groups(module)
     module.to_empty(device=device)
+    retie(module, ties)  # to_empty allocates each module's parameters on their own: a tied head would come apart
     covered: set[nn.Module] = set()
     with torch.no_grad():
         for sub in module.modules():
             if sub in covered:
                 continue
             if callable(getattr(sub, "init_weights", None)):
-                sub.init_weights()
+                try:
+                    sub.init_weights()
+                except AttributeError as error:
+                    raise ValueError(
+                        f"{type(sub).__name__}.init_weights() failed on the model as this rank holds it ({error}): "
+                        "under pipeline parallel a stage holds stand-ins for the parts other stages run; make "
+                        "init_weights() skip parts without the weights it initialises"
+                    ) from error
                 covered.update(sub.modules())
             elif callable(getattr(sub, "reset_parameters", None)):
                 sub.reset_parameters()

@@ -1,0 +1,108 @@
+"""A small real copy of a model: the same modules, one block of each kind, random weights, no weight copied.
+
+Checking a tensor-parallel plan runs the model whole and split; tracing what a network does outside its
+blocks runs it once. Neither needs the model's own weights or all of its blocks, and a model built on the
+meta device (``Trainer.init_module(empty_init=True)``) has no weights to run. :func:`small_replica` deep-copies
+the model with every parameter swapped for a meta tensor (so nothing is copied), keeps the first blocks that
+hold one block of each structure (a dense and an MoE block, say), allocates it, and fills every parameter with
+random values drawn from its name: every rank builds the same replica. It runs without the hooks users put on
+the model, in evaluation mode (no dropout draws), and is never trained.
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_par.parallel.ties import clean_name
+from lightning_par.parallel.zero import materialize_meta_parameters
+
+
+def small_replica(module: nn.Module, blocks: str, device: torch.device, dtype: torch.dtype, *,
+                  min_blocks: int = 1) -> nn.Module:
+    """``module`` rebuilt on ``device`` in ``dtype`` with the blocks under ``blocks`` (a dotted name) shortened to
+    one of each kind, at least ``min_blocks`` of them, and random weights every rank draws alike."""
+    memo: dict[int, Any] = {}
+    for sub in module.modules():
+        for value in vars(sub).values():
+            if isinstance(value, DeviceMesh):
+                memo[id(value)] = None  # a LightningModule's device_mesh: not part of the computation
+        for name, parameter in sub.named_parameters(recurse=False):
+            if id(parameter) not in memo:
+                memo[id(parameter)] = nn.Parameter(torch.empty_like(parameter, device="meta"))
+    replica = copy.deepcopy(module, memo)
+    replica.eval()
+    _drop_hooks(replica)
+    _keep_one_block_of_each_kind(replica, blocks, min_blocks)
+    if any(b.is_meta for b in replica.buffers()):
+        # Built on the meta device: buffers (rotary tables, masks) are computed as training will compute them.
+        materialize_meta_parameters(replica, device)
+    else:
+        _allocate(replica, device)
+    replica.to(dtype=dtype)
+    with torch.no_grad():
+        seen: set[int] = set()
+        for name, parameter in replica.named_parameters(remove_duplicate=False):
+            if id(parameter) in seen:
+                continue
+            seen.add(id(parameter))
+            generator = torch.Generator(device="cpu").manual_seed(zlib.crc32(clean_name(name).encode()))
+            values = torch.randn(parameter.shape, generator=generator, dtype=torch.float64).to(dtype)
+            # Matrices scaled like a fan-in init; vectors (norm gains, biases) around one.
+            values = values / max(parameter.shape[-1], 1) ** 0.5 if parameter.dim() >= 2 else 1.0 + 0.1 * values
+            parameter.copy_(values.to(parameter.device))
+            parameter.requires_grad_(True)
+    return replica
+
+
+def _drop_hooks(replica: nn.Module) -> None:
+    """The copy runs without the hooks users put on the model (monitors that record or assume a layout), except
+    those that compute a weight (``weight_norm``)."""
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    for sub in replica.modules():
+        kept = {k: h for k, h in sub._forward_pre_hooks.items() if isinstance(h, WeightNorm)}
+        sub._forward_pre_hooks.clear()
+        sub._forward_pre_hooks.update(kept)
+        for hooks in (sub._forward_hooks, sub._backward_hooks, sub._backward_pre_hooks):
+            hooks.clear()
+
+
+def _allocate(replica: nn.Module, device: torch.device) -> None:
+    """Real tensors for the meta parameters of ``replica`` (tied ones stay tied), its buffers moved as they are."""
+    allocated: dict[int, nn.Parameter] = {}
+    for sub in replica.modules():
+        for name, parameter in list(sub._parameters.items()):
+            if parameter is None:
+                continue
+            if id(parameter) not in allocated:
+                allocated[id(parameter)] = nn.Parameter(torch.empty(parameter.shape, dtype=parameter.dtype,
+                                                                    device=device))
+            sub._parameters[name] = allocated[id(parameter)]
+    for sub in replica.modules():
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None:
+                sub._buffers[name] = buffer.to(device)
+
+
+def _keep_one_block_of_each_kind(replica: nn.Module, blocks: str, min_blocks: int) -> None:
+    """Shorten the blocks to the first ones that contain one block of each structure (dense and MoE blocks)."""
+    container = replica.get_submodule(blocks)
+    if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+        return
+    kinds: dict[tuple, int] = {}
+    for index, block in enumerate(container.children()):
+        kind = tuple((name, type(sub).__name__, tuple(tuple(p.shape) for p in sub.parameters(recurse=False)))
+                     for name, sub in block.named_modules())
+        kinds.setdefault(kind, index)
+    keep = max(max(kinds.values()) + 1, min_blocks)
+    for key in list(container._modules)[keep:]:
+        del container._modules[key]
+
+
+__all__ = ["small_replica"]
