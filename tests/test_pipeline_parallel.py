@@ -339,3 +339,14 @@ def test_a_module_outside_the_contract_is_told_what_is_missing() -> None:
     assert_fails_on_every_rank(functools.partial(WithoutLossFn, **MODEL), make_datamodule,
                                functools.partial(make_strategy, microbatches=2), world_size=2,
                                message="TypeError: pipeline parallel needs the LightningModule to define loss_fn()")
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_tied_head_under_multi_stage_schedules_matches_single_process(schedule: str) -> None:
+    """The head tied to the embedding under the schedules that give a rank two stages: interleaved puts the
+    first and the last stage on different ranks (the copies' gradients are summed), ZB-V on the same rank
+    (one tensor, no copy). 20 steps: a tie that comes apart drifts slowly."""
+    tied = functools.partial(SGDLlamaLM, **{**MODEL, "n_layers": 4, "tie_embeddings": True, "max_steps": 20})
+    assert_layout_matches(tied, functools.partial(make_datamodule, batch_size=4),
+                          functools.partial(make_strategy, pipeline_parallel_size=2, schedule=schedule, microbatches=2),
+                          world_size=2, dp=1, steps=20, rtol=PARITY_RTOL, label=f"tied head, {schedule}")

@@ -65,10 +65,23 @@ class _Block(nn.Module):
         return self.proj(x) * (1.0 if scale is None else scale)
 
 
+def test_code_between_blocks_keeps_stages_from_starting_there() -> None:
+    """Code between two blocks runs inside a stage, but no stage may start right after it: the split that would
+    is refused, naming the split points that avoid it."""
+    from lightning_par.parallel.pipeline import _check_boundaries
+
+    trace = trace_network(_Network("between"), ["blocks.0", "blocks.1"], torch.zeros(1, 4, dtype=torch.long))
+    assert trace.changed == {1}
+    blocks = [f"blocks.{i}" for i in range(4)]
+    _check_boundaries(blocks, [2, 2], frozenset({1}))  # stages start at blocks 0 and 2: fine
+    with pytest.raises(ValueError, match=r"between 'blocks.0' and 'blocks.1' the network changes the hidden states.*"
+                                         r"split_points \(any of \['blocks.2', 'blocks.3'\]"):
+        _check_boundaries(blocks, [1, 3], frozenset({1}))
+
+
 @pytest.mark.parametrize(
     ("variant", "message"),
     [
-        ("between", "between 'blocks.0' and 'blocks.1' the network changes the hidden states"),
         ("skip", "the network's output uses more than the last block's output"),
         ("argument", "an argument of block 'blocks.0' besides its hidden states is computed from the hidden states"),
     ],

@@ -466,7 +466,21 @@ def split_pipeline(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None
         else:
             costs, first, last = parameter_costs(module, plan)
         sizes = balance(costs, n_stages, first=first, last=last)
+    _check_boundaries(blocks, sizes, trace.changed)
     return cut_network(module, mesh, plan, trace, schedule=schedule, virtual_stages=virtual_stages, sizes=sizes)
+
+
+def _check_boundaries(blocks: list[str], sizes: list[int], changed: frozenset[int]) -> None:
+    """Refuse a split whose stage starts right after code that runs between two blocks (that code would be
+    skipped), naming the blocks and split points that avoid it."""
+    starts = {sum(sizes[:s]) for s in range(1, len(sizes))}
+    if starts & changed:
+        index = min(starts & changed)
+        allowed = [blocks[i] for i in range(1, len(blocks)) if i not in changed]
+        raise ValueError(f"pipeline parallel: between {blocks[index - 1]!r} and {blocks[index]!r} the network changes "
+                         "the hidden states, and a stage would start there, skipping that code. Choose the stages' "
+                         f"first blocks elsewhere with the plan's split_points (any of {allowed[:8]}"
+                         f"{' ...' if len(allowed) > 8 else ''}), or move that code into a block")
 
 
 def _trace(module: nn.Module, plan: ModelPlan, sample: Tensor) -> NetworkTrace:

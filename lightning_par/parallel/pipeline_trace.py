@@ -13,9 +13,11 @@ model was built there) and reads, from the graph:
 - *shared*: parameters behind the blocks' other inputs (every stage that holds a block);
 - where each block takes and returns its hidden states.
 
-It refuses, naming the blocks or the argument, a network whose stages could not reproduce it: code between
-two blocks, an output that uses more than the last block's output, a block argument computed from the hidden
-states, or a parameter outside the blocks that only a block registers.
+It refuses, naming the blocks or the argument, a network whose stages could not reproduce it: an output that
+uses more than the last block's output, a block argument computed from the hidden states, or a parameter
+outside the blocks that only a block registers. Code between two blocks is noted (``changed``): a stage
+must not start after it (:func:`~lightning_par.parallel.pipeline.split_pipeline` refuses such a split and
+names the split points that avoid it).
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class NetworkTrace:
     every name of a tied parameter included."""
 
     block_call: Call
+    # Indices i of the blocks whose hidden-state input is not the output of block i - 1 (code runs between them):
+    # a stage may not start there.
+    changed: frozenset[int]
     prelude: frozenset[str]
     postlude: frozenset[str]
     shared: frozenset[str]
@@ -219,18 +224,15 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
                          f"order; it skipped {missing}" if missing else "it ran them out of order")
     output_index, output_length = _hidden_output(calls, block_names)
     hidden_out = [output_item(call["output"], output_index) for call in calls]
-    for index in range(1, len(calls)):
-        if calls[index]["hidden"] is not hidden_out[index - 1]:
-            raise ValueError(f"pipeline parallel cuts between blocks, but between {block_names[index - 1]!r} and "
-                             f"{block_names[index]!r} the network changes the hidden states: a stage boundary there "
-                             "would skip that code. Move it into a block, or train this model without pp")
+    changed = frozenset(i for i in range(1, len(calls)) if calls[i]["hidden"] is not hidden_out[i - 1])
     logits, _, _ = first_tensor(output)
     if logits is None:
         raise ValueError("pipeline parallel: the network's forward returned no tensor")
     first_input, last_output = calls[0]["hidden"], hidden_out[-1]
     # Graph nodes no code outside the blocks may reach except where it feeds the first block: the hidden
     # states between blocks and at the first block's input.
-    inner = {t.grad_fn for t in [first_input, *hidden_out[:-1]] if t.grad_fn is not None}
+    inner = {t.grad_fn for t in [first_input, *hidden_out[:-1], *(calls[i]["hidden"] for i in changed)]
+             if t.grad_fn is not None}
 
     prelude, _ = _walk([first_input], set())
     postlude, after = _walk([logits], {last_output.grad_fn})
@@ -256,7 +258,7 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
     def names(ids: set[int]) -> frozenset[str]:
         return frozenset(n for i in ids for n in names_by_id.get(i, ()))
 
-    return NetworkTrace(block_call=Call(calls[0]["argument"], output_index, output_length),
+    return NetworkTrace(block_call=Call(calls[0]["argument"], output_index, output_length), changed=changed,
                         prelude=names(prelude), postlude=names(postlude), shared=names(shared),
                         outside={name: _stand_in(first_calls.get(name)) if name in first_calls else StandIn("unused")
                                  for name in outside_modules},
