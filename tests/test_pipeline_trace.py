@@ -101,3 +101,22 @@ def test_the_trace_runs_on_the_meta_device() -> None:
     trace = trace_network(module.model, plan.block_names(module), torch.zeros(1, 8, dtype=torch.long, device="meta"),
                           root=module)
     assert "model.transformer.wpe.weight" in trace.prelude
+
+
+class _Temperature(nn.Module):
+    """A model whose forward scales the network's logits: the stages, which run the network, would skip it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Network("plain")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens) / 2.0
+
+
+def test_work_the_model_adds_after_the_network_is_refused() -> None:
+    module = _Temperature()
+    with pytest.raises(ValueError, match=r"the stages run _Network and hand its output to loss_fn, but "
+                                         r"_Temperature.forward returns something else"):
+        trace_network(module.model, ["model.blocks.0", "model.blocks.1"], torch.zeros(1, 4, dtype=torch.long),
+                      root=module)

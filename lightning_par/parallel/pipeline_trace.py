@@ -155,11 +155,14 @@ def _stand_in(shapes: tuple | None) -> StandIn:
 
 def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
                   root: nn.Module | None = None) -> NetworkTrace:
-    """Trace ``network(inputs)`` once and classify what runs outside the blocks (see the module docstring).
+    """Trace ``root(inputs)`` once and classify what the network runs outside its blocks (see the module
+    docstring).
 
-    ``block_names`` are full names from ``root`` (the model holding ``network``; by default ``network``).
-    Parameters are made trainable for the trace and restored after, so frozen ones are placed too. Raises
-    ``ValueError`` naming what a pipeline cannot reproduce.
+    ``root`` is the model (the LightningModule; by default ``network``), whose forward must return the output
+    of ``network``, the module a pipeline stage runs: code that the model's forward adds after the network
+    (a temperature on the logits) would be skipped by the stages, and is refused. ``block_names`` are full
+    names from ``root``. Parameters are made trainable for the trace and restored after, so frozen ones are
+    placed too. Raises ``ValueError`` naming what a pipeline cannot reproduce.
     """
     root = root if root is not None else network
     names_by_id: dict[int, list[str]] = {}
@@ -209,14 +212,22 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
     frozen = [p for p in root.parameters() if not p.requires_grad]
     for parameter in frozen:
         parameter.requires_grad_(True)
+    networks: list[Any] = []
+    handles.append(network.register_forward_hook(lambda m, a, o: networks.append(o)))
     try:
         with torch.enable_grad():
-            output = network(inputs)
+            returned = root(inputs)
     finally:
         for handle in handles:
             handle.remove()
         for parameter in frozen:
             parameter.requires_grad_(False)
+    output = networks[-1] if networks else returned
+    if first_tensor(returned)[0] is not first_tensor(output)[0]:
+        raise ValueError(f"pipeline parallel: the stages run {type(network).__name__} and hand its output to loss_fn, "
+                         f"but {type(root).__name__}.forward returns something else (it computes more after the "
+                         "network, or calls it more than once): the stages would skip that code. Return the network's "
+                         "output from forward and move the rest into loss_fn")
 
     missing = [block_names[i] for i, call in enumerate(calls) if "output" not in call]
     if missing or blocks_started != sorted(blocks_started):

@@ -324,15 +324,16 @@ class MeshStrategy(ParallelStrategy):
         if config.tp > 1 and plan is not None and sample is None:
             raise ValueError(f"tp={config.tp}: the tensor-parallel plan is checked on one sample of the "
                              "data before training, and none could be taken: define split_batch(batch) -> (inputs, "
-                             "targets) on the LightningModule, or batches of token tensors or of dicts with "
-                             "'input_ids' (see docs/models.md)")
+                             "targets) on the LightningModule, or use batches of token tensors, of (inputs, ...) "
+                             "tuples or of dicts with 'input_ids' (see docs/models.md)")
         return parallelize(module, self.mesh, config, plan, training=training, device=self.root_device,
                            device_ids=device_ids, sample_batch=sample, log=rank_zero_info)
 
     def _sample_batch(self) -> tuple[Tensor, Tensor | None] | None:
         """The first batch of the data this run reads, as the model contract's (inputs, targets): through
-        ``split_batch`` when the module defines it, else a batch of token ids or a dict's ``input_ids`` as the
-        inputs. None without data. Techniques that check, trace or time the model at set-up run it on this."""
+        ``split_batch`` when the module defines it, else a batch of token ids, a dict's ``input_ids`` or a tuple's
+        first tensor as the inputs. None without data. Techniques that check, trace or time the model at set-up
+        run it on this."""
         module = self.lightning_module
         loader = _data_of_this_run(module.trainer)
         if loader is None:
@@ -347,6 +348,8 @@ class MeshStrategy(ParallelStrategy):
             return batch, None
         if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), Tensor):
             return batch["input_ids"], None
+        if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], Tensor):  # (inputs, targets, ...)
+            return batch[0], None
         return None
 
     @override
