@@ -1,8 +1,11 @@
 """parallelize(): the one place that fixes the order in which techniques are applied.
 
-The order matters and is the same as torchtitan's:
+The order matters and is the same as torchtitan's, after a check of the plan:
 
-1. pipeline split        -- a stage must exist before its layers are sharded;
+0. the plan, checked     -- a tensor-parallel plan runs on a small replica, whole and split, and what it
+                            cannot compute alike is refused or, for a derived plan, gathered (plan_check);
+1. pipeline split        -- a stage must exist before its layers are sharded; what runs outside the blocks is
+                            placed from a traced forward (pipeline_trace);
 2. tensor / sequence parallel -- swaps parameters for DTensors sharded over ``tp``;
 3. context parallel      -- wraps attention to exchange sequence chunks over ``cp``;
 4. expert parallel       -- places experts over ``dp_shard x cp`` and routes tokens with all-to-all;
