@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import shutil
 import tempfile
 from concurrent.futures import Future
@@ -200,13 +201,16 @@ def load_checkpoint(
     """Load weights into ``module`` and states into ``optimizers`` in place; return the other entries.
 
     Works with both formats, whatever layout ``module`` has now: DCP reshards tensors saved under
-    another layout, and a full checkpoint is re-sharded by ``set_model_state_dict``.
+    another layout, and a full checkpoint is re-sharded by ``set_model_state_dict``. The non-tensor entries
+    are unpickled with ``weights_only=True`` unless ``weights_only=False`` says the file is trusted
+    (:func:`read_metadata`).
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     aliases = tied_aliases(module)
     if is_sharded_checkpoint(path):
+        metadata = read_metadata(path / META_FILE, weights_only)  # before any tensor is loaded
         model_state = {MODEL_KEY: model_state_dict(module, full=False, aliases=False)}
         dcp.load(model_state, checkpoint_id=path)
         set_model_state_dict(module, with_aliases(model_state[MODEL_KEY], aliases),
@@ -222,11 +226,11 @@ def load_checkpoint(
             loaded["param_groups"] = [{**_hyper_parameters(saved), "params": params}
                                       for saved, params in zip(loaded["param_groups"], own_params)]
             _load_optimizer_state(module, optimizer, loaded, full=False)
-        return torch.load(path / META_FILE, map_location="cpu", weights_only=_weights_only(weights_only))
+        return metadata
     if path.is_dir():
         raise ValueError(f"{str(path)!r} is a directory but not a sharded checkpoint (no {_DCP_METADATA} inside)")
 
-    checkpoint = torch.load(path, map_location="cpu", weights_only=_weights_only(weights_only))
+    checkpoint = read_metadata(path, weights_only)
     full = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(module, with_aliases(checkpoint.pop(MODEL_KEY), aliases), options=full)
     saved_optimizers = checkpoint.pop(OPTIMIZERS_KEY, [])
@@ -238,12 +242,14 @@ def load_checkpoint(
     return checkpoint
 
 
-def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike) -> dict[str, torch.Tensor]:
+def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike, *,
+                        weights_only: bool | None = None) -> dict[str, torch.Tensor]:
     """Write the model weights of a checkpoint (either format) as one plain ``{name: tensor}`` file.
 
     Runs in a single process, no process group needed, whatever layout wrote the checkpoint. The result
     loads anywhere with ``model.load_state_dict(torch.load(output, weights_only=True))`` - no
-    lightning_par, no Lightning, no pickled code.
+    lightning_par, no Lightning, no pickled code. The checkpoint's metadata is read as :func:`read_metadata`
+    reads it (``weights_only=False`` for a trusted file holding other Python objects).
     """
     checkpoint, output = Path(checkpoint), Path(output)
     if is_sharded_checkpoint(checkpoint):
@@ -251,10 +257,9 @@ def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike
             whole = Path(tmp) / "whole.pt"
             dcp_to_torch_save(checkpoint, whole)
             weights = torch.load(whole, map_location="cpu", weights_only=True)[MODEL_KEY]
-        aliases = torch.load(checkpoint / META_FILE, map_location="cpu", weights_only=False).get(TIED_KEY, {})
+        aliases = read_metadata(checkpoint / META_FILE, weights_only).get(TIED_KEY, {})
     elif checkpoint.is_file():
-        # The user's own full checkpoint: Lightning's metadata in it needs the full unpickler.
-        saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        saved = read_metadata(checkpoint, weights_only)
         weights, aliases = saved[MODEL_KEY], saved.get(TIED_KEY, {})
     else:
         raise FileNotFoundError(f"{str(checkpoint)!r} is neither a sharded checkpoint directory nor a checkpoint file")
@@ -272,8 +277,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lightning-par-export", description=export_consolidated.__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="a sharded checkpoint directory or a full checkpoint file")
     parser.add_argument("output", help="where to write the consolidated {name: tensor} file")
+    parser.add_argument("--trust-pickled-code", action="store_true",
+                        help="unpickle Python objects in the checkpoint's metadata (only for a file whose source you "
+                             "trust: unpickling can run code)")
     args = parser.parse_args(argv)
-    weights = export_consolidated(args.checkpoint, args.output)
+    trusted = False if args.trust_pickled_code else None
+    weights = export_consolidated(args.checkpoint, args.output, weights_only=trusted)
     count = sum(t.numel() for t in weights.values())
     print(f"wrote {len(weights)} tensors ({count:,} parameters) to {args.output}")
 
@@ -283,10 +292,37 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
     _remove(Path(path))
 
 
-def _weights_only(weights_only: bool | None) -> bool:
-    # Lightning's metadata (hyper-parameters, loop state) holds plain Python objects that the restricted
-    # unpickler refuses unless the caller says otherwise; the default follows Lightning's own loader.
-    return False if weights_only is None else weights_only
+def _numpy_globals() -> list[Any]:
+    """The NumPy types a checkpoint's RNG states pickle (``np.random.get_state()``: an array and its dtype)."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core  # NumPy 2 / 1
+    return [np.ndarray, np.dtype, core.multiarray._reconstruct, core.multiarray.scalar,
+            *{type(np.dtype(t)) for t in (np.uint32, np.int32, np.int64, np.float32, np.float64, np.bool_)}]
+
+
+def read_metadata(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+    """A checkpoint file (a full checkpoint, or a sharded one's ``meta.pt``) unpickled.
+
+    By default with ``weights_only=True`` (PyTorch's default since 2.6, and Lightning's): tensors, containers,
+    builtins and the NumPy RNG state load; any other Python object, which could run code as it is unpickled,
+    is refused with a message that says so. ``weights_only=False`` (a strategy's ``checkpoint_weights_only=False``,
+    ``lightning-par-export --trust-pickled-code``) loads a file whose source you trust.
+    """
+    if weights_only is False:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = "a Python object"
+        if "Unsupported global: GLOBAL " in str(error):
+            found = str(error).split("Unsupported global: GLOBAL ")[-1].split(" ")[0]
+        raise ValueError(
+            f"checkpoint {str(path)!r} holds {found}, which unpickling would have to construct and which can run "
+            "code: it was not loaded. If you trust the file's source, load it with weights_only=False (the "
+            "strategy's checkpoint_weights_only=False; lightning-par-export --trust-pickled-code)"
+        ) from None
 
 
 # Beside the checkpoints, under a name no checkpoint scanner matches: ModelCheckpoint looks for ``last*.ckpt``
@@ -339,6 +375,7 @@ __all__ = [
     "is_sharded_checkpoint",
     "remove_checkpoint",
     "export_consolidated",
+    "read_metadata",
 ]
 
 

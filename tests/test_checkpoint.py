@@ -199,3 +199,57 @@ def test_half_written_checkpoints_are_invisible_to_lightnings_resume(tmp_path: P
     assert newest_hpc == 1
     trainer = lightning.Trainer(default_root_dir=tmp_path, logger=False)
     assert ModelCheckpoint(dirpath=tmp_path)._find_last_checkpoints(trainer) == {str(tmp_path / "last.ckpt")}
+
+
+class Payload:
+    """Pickled into a checkpoint's metadata: unpickling it writes a file (any code could run instead)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.write_text, (Path(self.marker), "the payload ran")
+
+
+def _resume_from(rank: int, world_size: int, paths: list[str], weights_only: bool) -> list[str]:
+    from lightning_par import DataParallelStrategy
+
+    outcomes = []
+    for path in paths:
+        trainer = lightning.Trainer(accelerator="cpu", devices=world_size, max_epochs=3, logger=False,
+                                    strategy=DataParallelStrategy(checkpoint_weights_only=weights_only),
+                                    enable_checkpointing=False, enable_progress_bar=False,
+                                    enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+        try:
+            trainer.fit(make_module(), datamodule=make_datamodule(), ckpt_path=path)
+            outcomes.append("loaded")
+        except ValueError as error:
+            outcomes.append(str(error))
+    return outcomes
+
+
+def test_a_checkpoint_carrying_pickled_code_is_refused(tmp_path: Path) -> None:
+    """A full checkpoint and a sharded one's meta.pt carry an object whose unpickling writes a file: loading
+    refuses both (weights_only=True, as PyTorch and Lightning do by default), the file is never written, and
+    the message says how to trust a file; the strategy's checkpoint_weights_only=False is that explicit opt-in
+    (Lightning 2.6 does not forward trainer.fit(weights_only=...) to strategies that restore after set-up)."""
+    run_distributed(_fit, 2, str(tmp_path / "full"), False, 0, None)
+    run_distributed(_fit, 2, str(tmp_path / "sharded"), True, 0, None)
+    marker = tmp_path / "payload-ran"
+    full = tmp_path / "full" / "last.ckpt"
+    checkpoint = torch.load(full, weights_only=False)
+    checkpoint["hyper_parameters"]["innocent"] = Payload(str(marker))
+    torch.save(checkpoint, full)
+    meta = tmp_path / "sharded" / "last.ckpt" / "meta.pt"
+    metadata = torch.load(meta, weights_only=False)
+    metadata["hyper_parameters"]["innocent"] = Payload(str(marker))
+    torch.save(metadata, meta)
+
+    for outcomes in run_distributed(_resume_from, 2, [str(full), str(meta.parent)], True):
+        for outcome, path in zip(outcomes, (full, meta)):
+            assert outcome.startswith(f"checkpoint {str(path)!r} holds "), outcome
+            assert "it was not loaded" in outcome and "weights_only=False" in outcome, outcome
+    assert not marker.exists()
+
+    assert run_distributed(_resume_from, 2, [str(full)], False)[0] == ["loaded"]  # trusted: it runs
+    assert marker.read_text() == "the payload ran"

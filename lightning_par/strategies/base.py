@@ -121,6 +121,10 @@ class MeshStrategy(ParallelStrategy):
             of one full file gathered on rank 0. With Lightning's ``AsyncCheckpointIO`` plugin
             (``Trainer(plugins=[AsyncCheckpointIO()])``) they are written in the background while training
             goes on (``torch.distributed.checkpoint.async_save``).
+        checkpoint_weights_only: load checkpoints with ``torch.load(weights_only=True)``: tensors, containers,
+            builtins and NumPy RNG states only, nothing whose unpickling could run code. ``False`` trusts the
+            checkpoint's source (``trainer.fit(..., weights_only=False)`` does not reach strategies that restore
+            after set-up in Lightning 2.6, so the opt-in is here).
         process_group_backend: ``"nccl"`` / ``"gloo"``; by default from the device type.
         timeout: how long a collective may wait before the process group raises; also the bound within which
             every rank exits after one rank dies or hangs (see ``lightning_par/fault.py``).
@@ -141,6 +145,7 @@ class MeshStrategy(ParallelStrategy):
         *,
         plan: ModelPlan | dict[str, Any] | None = None,
         save_distributed_checkpoint: bool = True,
+        checkpoint_weights_only: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         accelerator: Accelerator | None = None,
@@ -162,6 +167,7 @@ class MeshStrategy(ParallelStrategy):
         check_available(self.parallel_config)
         self._plan = ModelPlan.from_dict(plan) if isinstance(plan, dict) else plan
         self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._checkpoint_weights_only = checkpoint_weights_only
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._mesh: ParallelMesh | None = None
@@ -615,7 +621,7 @@ class MeshStrategy(ParallelStrategy):
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         checkpoint = ckpt.load_checkpoint(
             path, self.lightning_module, optimizers, strict=self.lightning_module.strict_loading,
-            weights_only=weights_only,
+            weights_only=self._checkpoint_weights_only if weights_only is None else weights_only,
         )
         checkpoint.pop(ckpt.TIED_KEY, None)  # load_checkpoint restored the ties already
         self._rng_states_to_restore = rng_states_of_rank(checkpoint.pop(RNG_STATES_KEY, None), self.global_rank,
