@@ -123,7 +123,7 @@ class ParallelConfig:
         if not auto and product != world_size:
             raise ValueError(
                 f"{_product_text(fixed)} = {product} does not equal the world size {world_size}: "
-                f"the mesh sizes must multiply to the number of processes; {_suggest(fixed, world_size)}"
+                f"the mesh sizes must multiply to the number of processes; {_suggest(fixed, world_size, exact=True)}"
             )
         if auto and world_size % product != 0:
             raise ValueError(
@@ -265,14 +265,16 @@ def _product_text(sizes: dict[str, int]) -> str:
     return " x ".join(f"{name}={size}" for name, size in shown.items())
 
 
-def _suggest(fixed: dict[str, int], world_size: int) -> str:
-    """Name the values of the largest model-parallel size that would fit, e.g. 'try tp=2 or tp=4'."""
+def _suggest(fixed: dict[str, int], world_size: int, *, exact: bool = False) -> str:
+    """Name the values of the largest model-parallel size that would fit with every other size as given, e.g.
+    'try tp=2 or tp=4'. ``exact``: no size is 'auto', so the product must equal the world size, not divide it."""
     model_dims = [name for name in ("tp", "cp", "pp") if fixed.get(name, 1) > 1]
     if not model_dims:
         return f"sizes whose product divides {world_size}: {divisors(world_size)}"
     name = max(model_dims, key=lambda n: fixed[n])
-    others = math.prod(v for k, v in fixed.items() if k != name and k in ("tp", "cp", "pp"))
-    fits = [d for d in divisors(world_size) if d > 1 and world_size % (d * others) == 0 and d != fixed[name]]
+    others = math.prod(v for k, v in fixed.items() if k != name)
+    fits = [d for d in divisors(world_size) if d > 1 and d != fixed[name]
+            and (d * others == world_size if exact else world_size % (d * others) == 0)]
     if not fits:
         return f"no {name} fits with the other sizes; world size {world_size} has divisors {divisors(world_size)}"
     return "try " + " or ".join(f"{name}={d}" for d in fits)

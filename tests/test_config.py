@@ -14,6 +14,9 @@ from lightning_par.mesh import MESH_DIM_NAMES
     [
         (ParallelConfig(tp=3, pp=2), 8, r"pp=2 x tp=3 = 6 does not divide the world size 8; try tp=2 or tp=4"),
         (ParallelConfig(dp_shard=2, tp=2), 8, r"dp_shard=2 x tp=2 = 4 does not equal the world size 8"),
+        # dp2 fixed: a hint must make the product the world size (6: tp=3), and on 3 processes nothing with dp2 does
+        (ParallelConfig(dp_shard=2, tp=2), 6, r"= 4 does not equal the world size 6: .*; try tp=3$"),
+        (ParallelConfig(dp_shard=2, tp=2), 3, r"= 4 does not equal the world size 3: .*no tp fits with the other sizes"),
         (ParallelConfig(dp_shard=1, dp_replicate=3), 2, r"dp_replicate=3 = 3 does not equal the world size 2"),
         (ParallelConfig(tp=0), 2, r"tp must be a positive integer, got 0"),
         (ParallelConfig(pp=-2), 2, r"pp must be a positive integer, got -2"),
