@@ -21,13 +21,14 @@ import shutil
 import tempfile
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
+from lightning_par import checkpoint_validation as check
 from lightning_par.parallel.ties import tied_aliases
 
 MODEL_KEY = "state_dict"  # Lightning's own key for the model weights
@@ -146,45 +148,85 @@ def save_checkpoint(
     if asynchronous and not sharded:
         raise ValueError("asynchronous checkpoints are written by torch.distributed.checkpoint: "
                          "they need the sharded format (save_distributed_checkpoint=True)")
+    checkpoint = {**checkpoint, check.FORMAT_KEY: check.FORMAT}
     final = Path(path)
     staging = _staging_path(final)
     rank = _rank()
-    if rank == 0:
-        staging.parent.mkdir(parents=True, exist_ok=True)
-        _remove(staging)  # left behind by an earlier crash: never complete, never loaded
-    _barrier()
+    tensors = {}
     if sharded:
-        checkpoint = dict(checkpoint)
         tensors = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
         for index, state in enumerate(checkpoint.pop(OPTIMIZERS_KEY, [])):
             tensors[f"optimizer_{index}"] = state
-        if rank == 0:
-            staging.mkdir(exist_ok=True)
+
+    def prepare() -> None:
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        _remove(staging)  # left behind by an earlier crash: never complete, never loaded
+        if sharded:
+            staging.mkdir()
             torch.save(checkpoint, staging / META_FILE)
-        if asynchronous:
+        else:
+            torch.save(checkpoint, staging)
+
+    try:
+        _on_rank_zero(prepare)
+        if sharded and asynchronous:
             written = dcp.async_save(tensors, checkpoint_id=staging, process_group=process_group)
-            return _then_move_into_place(written, staging, final) if rank == 0 else written
-        dcp.save(tensors, checkpoint_id=staging)
-    elif rank == 0:
-        torch.save(checkpoint, staging)
-    _barrier()
-    if rank == 0:
-        _move_into_place(staging, final)
-    _barrier()
+            return _then_move_into_place(written, staging, final, move=rank == 0)
+        if sharded:
+            dcp.save(tensors, checkpoint_id=staging)
+        _on_rank_zero(lambda: _move_into_place(staging, final))
+    except (Exception, CheckpointException) as error:
+        raise CheckpointSaveError(_save_failed(final, error)) from error
     return None
 
 
-def _then_move_into_place(written: Future, staging: Path, final: Path) -> Future:
+class CheckpointSaveError(RuntimeError):
+    """A save that failed on some rank (disk full, permissions): raised on every rank, the message names the rank
+    and the cause; nothing was put in the checkpoint's place."""
+
+
+def _save_failed(final: Path, error: BaseException) -> str:
+    cause = str(error) if isinstance(error, _RankZeroFailed) else check.one_line(error)
+    return (f"saving checkpoint {str(final)!r} failed: {cause}. Nothing was put in its place: the checkpoints saved "
+            f"before it are intact (its partial files are in {str(final.parent / STAGING_DIR)!r}, removed by the "
+            "next save)")
+
+
+class _RankZeroFailed(RuntimeError):
+    pass
+
+
+def _on_rank_zero(action: Callable[[], None]) -> None:
+    """Run ``action`` on rank 0; every rank raises if it failed (in place of a barrier, so no rank waits for a
+    rank 0 that gave up). Collective."""
+    failure = None
+    if _rank() == 0:
+        try:
+            action()
+        except Exception as error:  # noqa: BLE001 - every rank raises it below
+            failure = f"rank 0: {check.one_line(error)}"
+    if dist.is_available() and dist.is_initialized():
+        box = [failure]
+        dist.broadcast_object_list(box, src=0)
+        failure = box[0]
+    if failure:
+        raise _RankZeroFailed(failure)
+
+
+def _then_move_into_place(written: Future, staging: Path, final: Path, *, move: bool) -> Future:
     # DCP's future completes on rank 0 after every rank has written and rank 0 has added the metadata.
     in_place: Future = Future()
 
     def finish(done: Future) -> None:
         try:
             done.result()
-            _move_into_place(staging, final)
+            if move:
+                _move_into_place(staging, final)
             in_place.set_result(final)
         except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
-            in_place.set_exception(error)
+            failed = CheckpointSaveError(_save_failed(final, error))
+            failed.__cause__ = error
+            in_place.set_exception(failed)
 
     written.add_done_callback(finish)
     return in_place
@@ -206,40 +248,73 @@ def load_checkpoint(
     (:func:`read_metadata`).
     """
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     aliases = tied_aliases(module)
-    if is_sharded_checkpoint(path):
-        metadata = read_metadata(path / META_FILE, weights_only)  # before any tensor is loaded
-        model_state = {MODEL_KEY: model_state_dict(module, full=False, aliases=False)}
-        dcp.load(model_state, checkpoint_id=path)
-        set_model_state_dict(module, with_aliases(model_state[MODEL_KEY], aliases),
-                             options=StateDictOptions(strict=strict))
-        for index, optimizer in enumerate(optimizers):
-            key = f"optimizer_{index}"
-            template = optimizer_state_dict(module, optimizer, full=False)
-            own_params = [group["params"] for group in template["param_groups"]]
-            dcp.load(optim_state := {key: template}, checkpoint_id=path)
-            # DCP keeps one rank's copy of non-tensor entries such as param_groups, and the ranks of a
-            # pipeline hold different parameters: take the saved hyper-parameters, keep this rank's names.
-            loaded = optim_state[key]
-            loaded["param_groups"] = [{**_hyper_parameters(saved), "params": params}
-                                      for saved, params in zip(loaded["param_groups"], own_params)]
-            _load_optimizer_state(module, optimizer, loaded, full=False)
-        return metadata
-    if path.is_dir():
-        raise ValueError(f"{str(path)!r} is a directory but not a sharded checkpoint (no {_DCP_METADATA} inside)")
-
-    checkpoint = read_metadata(path, weights_only)
-    full = StateDictOptions(full_state_dict=True, strict=strict)
-    set_model_state_dict(module, with_aliases(checkpoint.pop(MODEL_KEY), aliases), options=full)
-    saved_optimizers = checkpoint.pop(OPTIMIZERS_KEY, [])
-    if optimizers and len(saved_optimizers) != len(optimizers):
-        raise ValueError(f"checkpoint {str(path)!r} has {len(saved_optimizers)} optimizer states, "
-                         f"the model configured {len(optimizers)} optimizers")
-    for optimizer, state in zip(optimizers, saved_optimizers):
-        _load_optimizer_state(module, optimizer, state, full=True)
+    # Every rank checks what it can before any tensor is read, and all raise the first problem found.
+    expected = check.expected_shapes(model_state_dict(module, full=False, aliases=False))
+    problem, checkpoint, metadata = _check_before_loading(path, expected, len(optimizers), strict, weights_only)
+    check.agree(problem)
+    checkpoint.pop(check.FORMAT_KEY, None)
+    try:
+        if metadata is not None:
+            _load_sharded(path, module, optimizers, aliases, strict)
+        else:
+            full = StateDictOptions(full_state_dict=True, strict=strict)
+            set_model_state_dict(module, with_aliases(checkpoint.pop(MODEL_KEY), aliases), options=full)
+            for optimizer, state in zip(optimizers, checkpoint.pop(OPTIMIZERS_KEY, [])):
+                _load_optimizer_state(module, optimizer, state, full=True)
+    except (Exception, CheckpointException) as error:
+        raise check.CheckpointError(f"loading checkpoint {str(path)!r} failed: {check.one_line(error)}") from error
+    checkpoint.pop(OPTIMIZERS_KEY, None)
     return checkpoint
+
+
+def _check_before_loading(path: Path, expected: dict[str, tuple[int, ...]], optimizers: int, strict: bool,
+                          weights_only: bool | None) -> tuple[str | None, dict[str, Any], Any]:
+    """(the problem found or None, the checkpoint's non-tensor entries, DCP's index for a sharded one)."""
+    if not path.exists():
+        return f"checkpoint {str(path)!r} does not exist", {}, None
+    try:
+        if path.is_dir():
+            problem, metadata = check.sharded_problem(path, meta_file=META_FILE)
+            if problem:
+                return problem, {}, None
+            checkpoint = read_metadata(path / META_FILE, weights_only)
+            saved, saved_optimizers = check.saved_shapes(metadata), check.saved_optimizers(metadata)
+        else:
+            problem, metadata = check.file_problem(path), None
+            if problem:
+                return problem, {}, None
+            checkpoint = read_metadata(path, weights_only)
+            if not isinstance(checkpoint, dict) or MODEL_KEY not in checkpoint:
+                keys = list(checkpoint)[:5] if isinstance(checkpoint, dict) else type(checkpoint).__name__
+                return (f"{str(path)!r} is not a Lightning checkpoint: it has no {MODEL_KEY!r} entry (it holds "
+                        f"{keys}); a plain state dict loads with model.load_state_dict(torch.load(...)) before "
+                        "fit"), {}, None
+            saved = {name: tuple(t.shape) if isinstance(t, Tensor) else None for name, t in checkpoint[MODEL_KEY].items()}
+            saved_optimizers = len(checkpoint.get(OPTIMIZERS_KEY, []))
+    except check.CheckpointError as error:
+        return str(error), {}, None
+    problem = (check.format_problem(path, checkpoint) or check.model_problem(path, saved, expected, strict=strict)
+               or check.optimizer_problem(path, saved_optimizers, optimizers))
+    return problem, checkpoint, metadata
+
+
+def _load_sharded(path: Path, module: nn.Module, optimizers: list[Optimizer], aliases: dict[str, str],
+                  strict: bool) -> None:
+    model_state = {MODEL_KEY: model_state_dict(module, full=False, aliases=False)}
+    dcp.load(model_state, checkpoint_id=path)
+    set_model_state_dict(module, with_aliases(model_state[MODEL_KEY], aliases), options=StateDictOptions(strict=strict))
+    for index, optimizer in enumerate(optimizers):
+        key = f"optimizer_{index}"
+        template = optimizer_state_dict(module, optimizer, full=False)
+        own_params = [group["params"] for group in template["param_groups"]]
+        dcp.load(optim_state := {key: template}, checkpoint_id=path)
+        # DCP keeps one rank's copy of non-tensor entries such as param_groups, and the ranks of a
+        # pipeline hold different parameters: take the saved hyper-parameters, keep this rank's names.
+        loaded = optim_state[key]
+        loaded["param_groups"] = [{**_hyper_parameters(saved), "params": params}
+                                  for saved, params in zip(loaded["param_groups"], own_params)]
+        _load_optimizer_state(module, optimizer, loaded, full=False)
 
 
 def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike, *,
@@ -252,17 +327,17 @@ def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike
     reads it (``weights_only=False`` for a trusted file holding other Python objects).
     """
     checkpoint, output = Path(checkpoint), Path(output)
-    if is_sharded_checkpoint(checkpoint):
+    problem, saved, metadata = _check_before_loading(checkpoint, {}, 0, False, weights_only)
+    if problem:  # raised here only: this runs in one process, maybe one rank of a larger run
+        raise check.CheckpointError(problem)
+    if metadata is not None:
         with tempfile.TemporaryDirectory() as tmp:
             whole = Path(tmp) / "whole.pt"
             dcp_to_torch_save(checkpoint, whole)
             weights = torch.load(whole, map_location="cpu", weights_only=True)[MODEL_KEY]
-        aliases = read_metadata(checkpoint / META_FILE, weights_only).get(TIED_KEY, {})
-    elif checkpoint.is_file():
-        saved = read_metadata(checkpoint, weights_only)
-        weights, aliases = saved[MODEL_KEY], saved.get(TIED_KEY, {})
     else:
-        raise FileNotFoundError(f"{str(checkpoint)!r} is neither a sharded checkpoint directory nor a checkpoint file")
+        weights = saved[MODEL_KEY]
+    aliases = saved.get(TIED_KEY, {})
     # A tied parameter under each of its names, one tensor: written once, loads into the model strictly.
     weights = with_aliases({name: tensor.contiguous() for name, tensor in weights.items()}, aliases)
     staging = _staging_path(output)
@@ -309,20 +384,26 @@ def read_metadata(path: str | os.PathLike, weights_only: bool | None = None) -> 
     is refused with a message that says so. ``weights_only=False`` (a strategy's ``checkpoint_weights_only=False``,
     ``lightning-par-export --trust-pickled-code``) loads a file whose source you trust.
     """
-    if weights_only is False:
-        return torch.load(path, map_location="cpu", weights_only=False)
     try:
+        if weights_only is False:
+            return torch.load(path, map_location="cpu", weights_only=False)
         with torch.serialization.safe_globals(_numpy_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
+        if "Weights only load failed" not in str(error):
+            raise check.CheckpointError(f"checkpoint {str(path)!r} is corrupt: {check.one_line(error)}; load an "
+                                        "earlier checkpoint") from None
         found = "a Python object"
         if "Unsupported global: GLOBAL " in str(error):
             found = str(error).split("Unsupported global: GLOBAL ")[-1].split(" ")[0]
-        raise ValueError(
+        raise check.CheckpointError(
             f"checkpoint {str(path)!r} holds {found}, which unpickling would have to construct and which can run "
             "code: it was not loaded. If you trust the file's source, load it with weights_only=False (the "
             "strategy's checkpoint_weights_only=False; lightning-par-export --trust-pickled-code)"
         ) from None
+    except (RuntimeError, EOFError, OSError) as error:  # torch's zip reader: a member cut short or damaged
+        raise check.CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupt: {check.one_line(error)}; "
+                                    "load an earlier checkpoint") from None
 
 
 # Beside the checkpoints, under a name no checkpoint scanner matches: ModelCheckpoint looks for ``last*.ckpt``
@@ -360,11 +441,6 @@ def _remove(path: Path) -> None:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 __all__ = [

@@ -9,6 +9,7 @@ the reference Llama model and the standard-library corpus.
 
 from __future__ import annotations
 
+import difflib
 import sys
 from typing import Any
 
@@ -41,8 +42,28 @@ class ParallelCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        strategy = config["trainer"].get("strategy")
+        if isinstance(strategy, str):
+            check_strategy_name(strategy)
         if config["trainer"].get("enable_progress_bar") is not False:
             self.trainer_defaults["callbacks"] = [ParallelProgressBar()]
+
+
+def check_strategy_name(name: str) -> None:
+    """Raise ``ValueError`` for a strategy name neither lightning-par nor Lightning registered, naming the closest
+    registered names (Lightning's own message lists only its own)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_par.strategies import STRATEGIES
+
+    if name in StrategyRegistry or name == "auto":
+        return
+    ours = sorted({key for key, entry in StrategyRegistry.items() if entry["strategy"] in STRATEGIES})
+    close = difflib.get_close_matches(name, ours, n=3, cutoff=0.6) + difflib.get_close_matches(
+        name, [key for key in StrategyRegistry if key not in ours], n=1, cutoff=0.6)
+    hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+    raise ValueError(f"trainer.strategy={name!r} is not a strategy name: {hint}lightning-par's strategies are "
+                     f"{', '.join(ours)} (and any of Lightning's, e.g. ddp, fsdp)")
 
 
 def main(args: Any = None) -> None:

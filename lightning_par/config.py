@@ -241,7 +241,7 @@ def _check_size(name: str, value: object, *, allow_auto: bool) -> None:
         return
     if value == "auto":
         raise ValueError(
-            f"{name}='auto' is not supported: only {' and '.join(AUTO_SIZES)} can be 'auto' "
+            f"{name}='auto' is not supported: only the data-parallel sizes can be 'auto' "
             f"(give {name} as a positive integer, or use the auto_parallel strategy to plan it)"
         )
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

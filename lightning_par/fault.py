@@ -10,9 +10,12 @@ adds what is missing, in the spirit of torchelastic's health checks and NCCL's w
 - a diagnosis when a rank fails: ranks whose heartbeat stopped are dead; live ranks behind the others
   are stuck; the collective that failed (operation, process group, sequence number) comes from
   PyTorch's flight recorder; a rank that raised an error of its own publishes it for the others;
-- a bounded exit: once any rank has reported a failure, or the store (on rank 0 or the launcher's
-  agent) has stopped answering, every other rank leaves within ``timeout`` with that message, even if
-  it is blocked in a collective that would never return.
+- a bounded exit: once any rank has reported a failure, every other rank leaves within ``exit_grace``
+  (three heartbeat intervals: 6 s by default) with that message, even if it is blocked in a collective that
+  would never return; when the store (on rank 0 or the launcher's agent) stops answering, within ``timeout / 2``.
+  A failing rank itself exits within ``timeout`` of its failure. A rank that started the others (Lightning's
+  subprocess launcher) waits for them and kills what is left (:func:`stop_processes`), so the launching
+  command returns only after every rank is gone.
 
 Pure PyTorch: no lightning import.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -31,7 +35,7 @@ import torch.distributed as dist
 
 from lightning_par.parallel.comm import flight_recorder_trace
 
-__all__ = ["FaultMonitor", "FLIGHT_RECORDER_ENTRIES", "failed_collective"]
+__all__ = ["FaultMonitor", "FLIGHT_RECORDER_ENTRIES", "failed_collective", "heartbeat_interval", "stop_processes"]
 
 # Collectives the flight recorder keeps (PyTorch reads TORCH_FR_BUFFER_SIZE when a process group starts).
 FLIGHT_RECORDER_ENTRIES = 2000
@@ -50,18 +54,22 @@ class FaultMonitor:
         store: the default process group's store (every rank can reach it).
         rank, world_size: this rank and the world's size.
         timeout: seconds after a failure within which every rank has exited (the process group's timeout).
-        interval: seconds between heartbeats; by default a tenth of ``timeout``, between 0.2 and 5.
+        interval: seconds between heartbeats; by default a tenth of ``timeout``, between 0.2 and 2.
+        exit_grace: how long a rank waits, once a peer has reported a failure, for its own collective to fail and
+            report (which gives the user its side of the diagnosis) before it leaves anyway; three intervals by
+            default.
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout: float,
-                 interval: float | None = None) -> None:
+                 interval: float | None = None, exit_grace: float | None = None) -> None:
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
-        self.interval = interval if interval is not None else min(5.0, max(0.2, timeout / 10))
+        self.interval = interval if interval is not None else heartbeat_interval(timeout)
+        self.exit_grace = exit_grace if exit_grace is not None else 3 * self.interval
         # Own connection with a short timeout: the process group's store waits as long as a collective may.
         client = store.clone()
         client.set_timeout(timedelta(seconds=max(1.0, 2 * self.interval)))
         self._store = dist.PrefixStore(f"{_KEY_PREFIX}/{next(_RUNS)}", client)
-        self.phase = "starting"
+        self.phase = "set-up"
         self.progress = 0  # phases entered: the same sequence on every rank
         self.last_checkpoint: str | None = None
         self._published_at = 0.0
@@ -81,11 +89,12 @@ class FaultMonitor:
             self._thread.join(timeout=2 * self.interval + 1)
 
     def enter(self, phase: str) -> None:
-        """Record that this rank starts ``phase`` (called from the training loop; at most two store writes per
-        interval, so that a rank that dies between heartbeats is reported where it was)."""
+        """Record that this rank starts ``phase`` (called from the training loop). Published at once when the phase
+        changes (one store write a step), else at most twice an interval, so that a rank that dies or is stopped
+        between heartbeats is reported where it was."""
         self.progress += 1
-        self.phase = phase
-        if time.monotonic() - self._published_at > self.interval / 2:
+        changed, self.phase = phase != self.phase, phase
+        if changed or time.monotonic() - self._published_at > self.interval / 2:
             try:
                 self._publish()
             except Exception:  # noqa: BLE001 - the heartbeat thread deals with a lost store
@@ -180,7 +189,7 @@ class FaultMonitor:
                 continue
             # A peer failed. This rank's own collective usually fails soon after and reports; if it does not
             # (it waits on ranks that are fine, or computes), leave after a grace period.
-            if peer_failures and not self._failing and now - peer_failure_since > self.timeout / 2:
+            if peer_failures and not self._failing and now - peer_failure_since > self.exit_grace:
                 self._exit(f"{peer_failures}; rank {self.rank} stopped waiting in {self.phase}")
 
     def _reported_failures(self) -> str:
@@ -197,6 +206,27 @@ class FaultMonitor:
         os._exit(1)  # the main thread may be blocked in a collective that never returns
 
 
+def heartbeat_interval(timeout: float) -> float:
+    """Seconds between heartbeats for a process group of ``timeout`` seconds: a tenth of it, between 0.2 and 2."""
+    return min(2.0, max(0.2, timeout / 10))
+
+
+def stop_processes(processes: list[subprocess.Popen], *, grace: float) -> None:
+    """Give ``processes`` (ranks this process launched) ``grace`` seconds to exit on their own, then kill the rest
+    and reap them all. SIGKILL, since a rank blocked in a collective or stopped (SIGSTOP) acts on nothing else."""
+    deadline = time.monotonic() + grace
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+    for process in processes:
+        process.wait()
+
+
 def is_communication_error(exception: BaseException) -> bool:
     """Whether ``exception`` (or one it was raised from) says a collective failed or a peer went away."""
     seen: set[int] = set()
@@ -210,7 +240,8 @@ def is_communication_error(exception: BaseException) -> bool:
             return True
         pending += [error.__cause__, error.__context__]
         # DCP gathers every rank's exception of a failed save or load into one CheckpointException.
-        pending += [e for e in getattr(error, "failures", {}).values() if isinstance(e, BaseException)]
+        failures = getattr(error, "failures", {}).values()  # {rank: (exception, traceback)}
+        pending += [f[0] if isinstance(f, tuple) else f for f in failures]
     return False
 
 

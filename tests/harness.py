@@ -1,8 +1,11 @@
 """Multi-process test harness: N CPU ranks with gloo on a free port.
 
-``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh interpreters (spawn), sets the
-environment a launcher would (MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK), calls
-``fn(rank, world_size, *args)`` in each and returns the per-rank results in rank order. A rank's
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh processes, sets the environment a
+launcher would (MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK), calls ``fn(rank, world_size,
+*args)`` in each and returns the per-rank results in rank order. The processes fork from a server that has
+imported torch, Lightning and lightning_par once (multiprocessing's forkserver with preloaded modules): importing
+them takes about 5 s of CPU per process, which on 2 cores was most of the suite's time. Nothing else is shared:
+no process group, no state of a run. A rank's
 exception fails the test with every failing rank's traceback; a rank that does not finish within
 ``timeout`` seconds fails it too (all ranks are killed), so a hang costs one test, not the CI run.
 
@@ -37,6 +40,18 @@ def _serialize(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+# Imported once in the server the ranks fork from (what every rank needs, and what takes long to import).
+PRELOADED = ["torch", "torch.distributed.checkpoint", "torch.distributed.pipelining", "torch.distributed.tensor",
+             "lightning", "lightning.pytorch", "lightning_par", "lightning_par.strategies", "lightning_par.callbacks",
+             "lightning_par.models", "lightning_par.data", "parity"]
+
+
+def _context() -> Any:
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)  # read when the server starts: at the first launch
+    return context
+
+
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any,
                args: tuple, kwargs: dict) -> None:
     os.environ.update(
@@ -47,6 +62,11 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, re
         LOCAL_RANK=str(rank),
         NODE_RANK="0",
     )
+    # Lightning reads the rank from the environment when it is imported; the server imported it with none.
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
+
+    rank_zero_only.rank = utilities_rank_zero_only.rank = rank
     torch.set_num_threads(1)  # N ranks share 2 cores: oversubscription would only slow every rank
     try:
         value = fn(rank, world_size, *args, **kwargs)
@@ -58,7 +78,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, re
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
                     **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, results, args, kwargs), daemon=True)

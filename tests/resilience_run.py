@@ -1,19 +1,28 @@
 """One rank of a short data-parallel run, launched as its own process by test_resilience.py.
 
 The environment says who this process is, as a launcher would set it: ``RANK``/``WORLD_SIZE``/``MASTER_*``
-(srun-like independent processes) or ``SLURM_*``. The run trains the tiny Llama for two epochs of four
-steps with a checkpoint every three steps, and can tell rank 1 to fail in a given way:
+(srun-like independent processes or torchrun) or ``SLURM_*``; with none of them and ``--devices N``, Lightning's
+subprocess launcher starts the other ranks. The run trains the tiny Llama for two epochs of four steps with a
+checkpoint every three steps (``--async-save``: written in the background), and can tell rank 1 to fail in a
+given way:
 
 - ``--kill-in-save STEP``: this rank SIGKILLs itself half-way through writing the checkpoint of ``STEP``;
 - ``--hang-at STEP``: this rank stops in the training step ``STEP`` (alive, never reaching a collective);
-- ``--signal-at STEP``: this rank sends itself SIGUSR1 (SLURM's requeue warning) in step ``STEP``.
+- ``--signal-at STEP``: this rank sends itself SIGUSR1 (SLURM's requeue warning) in step ``STEP``;
+- ``--stop-in-backward STEP``: this rank SIGSTOPs itself inside the backward of ``STEP``, while DDP's gradient
+  all-reduce runs;
+- ``--disk-full STEP``: writing this rank's part of the checkpoint of ``STEP`` fails with ENOSPC;
+- ``--loader-fails-at STEP``: this rank's dataset raises when the batches after ``STEP`` are read;
+- ``--fail-setup-rank R``: rank ``R`` (any rank) raises during set-up, after the process group is up.
 
-It writes ``rank<N>.pt`` into ``--out`` (losses, one RNG draw per step, final weights, last step).
+Every rank writes its process id to ``pid<N>`` in ``--out`` at start, the time of an injected fault to ``fault``,
+and ``rank<N>.pt`` at the end (losses, one RNG draw per step, final weights, last step).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import sys
@@ -24,6 +33,7 @@ from pathlib import Path
 import lightning
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity import RecordLoss  # noqa: E402
@@ -33,11 +43,19 @@ from lightning_par.data import TokenDataModule  # noqa: E402
 from lightning_par.models import LlamaLM  # noqa: E402
 
 
+OUT = "."  # --out
+
+
 class Misbehave(lightning.Callback):
     """Records one draw from the global RNG per step, and fails as the command line asks."""
 
     def __init__(self, args: argparse.Namespace, rank: int) -> None:
         self.args, self.rank, self.draws = args, rank, []
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        if self.rank == self.args.fail_setup_rank:
+            _note_fault()
+            raise RuntimeError(f"injected: rank {self.rank} fails during set-up")
 
     def on_train_start(self, trainer, pl_module) -> None:
         if trainer.global_step == 0:
@@ -51,6 +69,12 @@ class Misbehave(lightning.Callback):
             time.sleep(3600)
         if step == self.args.signal_at:
             os.kill(os.getpid(), signal.SIGUSR1)
+        if step == self.args.stop_in_backward:
+            next(pl_module.parameters()).register_hook(lambda grad: _note_fault() or os.kill(os.getpid(), signal.SIGSTOP))
+        if step == self.args.disk_full:
+            _disk_full()
+        if step == self.args.loader_fails_at:
+            _loader_fails(trainer.train_dataloader.dataset)
         # Under torchrun, only the first attempt fails: the restarted one must get through.
         if step == self.args.kill_in_save and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             _die_while_writing()
@@ -65,9 +89,34 @@ def _die_while_writing() -> None:
 
     def write_half_and_die(self, plan, planner):
         (Path(self.path) / "__half_written.distcp").write_bytes(b"\0" * 100)
+        _note_fault()
         os.kill(os.getpid(), signal.SIGKILL)
 
     FileSystemWriter.write_data = write_half_and_die
+
+
+def _note_fault() -> None:
+    """Record when the fault happens (the tests report how long after it every rank had gone)."""
+    Path(OUT, "fault").write_text(str(time.time()))
+
+
+def _disk_full() -> None:
+    """From now on, writing this rank's part of a sharded checkpoint fails as a full disk makes it fail."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    def no_space(self, plan, planner):
+        _note_fault()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+
+    FileSystemWriter.write_data = no_space
+
+
+def _loader_fails(dataset) -> None:
+    def broken(self, index):
+        _note_fault()
+        raise RuntimeError(f"injected: sample {index} cannot be read")
+
+    type(dataset).__getitem__ = broken
 
 
 def main() -> None:
@@ -80,14 +129,25 @@ def main() -> None:
     parser.add_argument("--kill-in-save", type=int, default=-1)
     parser.add_argument("--hang-at", type=int, default=-1)
     parser.add_argument("--signal-at", type=int, default=-1)
+    parser.add_argument("--stop-in-backward", type=int, default=-1)
+    parser.add_argument("--disk-full", type=int, default=-1)
+    parser.add_argument("--loader-fails-at", type=int, default=-1)
+    parser.add_argument("--fail-setup-rank", type=int, default=-1)
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--devices", type=int, default=None)
     args = parser.parse_args()
+    global OUT
+    OUT = args.out
 
     torch.manual_seed(args.seed)
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", 0))))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.out, f"pid{rank}").write_text(str(os.getpid()))
+    devices = args.devices or int(os.environ.get("SLURM_NTASKS_PER_NODE", os.environ.get("WORLD_SIZE", 1)))
     recorder, misbehave = RecordLoss(), Misbehave(args, rank)
     checkpoints = ModelCheckpoint(dirpath=args.dir, every_n_train_steps=3, save_top_k=-1, save_last=True)
     trainer = lightning.Trainer(
-        accelerator="cpu", devices=int(os.environ.get("SLURM_NTASKS_PER_NODE", os.environ.get("WORLD_SIZE", 1))),
+        accelerator="cpu", devices=devices, plugins=[AsyncCheckpointIO()] if args.async_save else None,
         strategy=DataParallelStrategy(timeout=timedelta(seconds=args.timeout)), max_epochs=2,
         callbacks=[recorder, misbehave, checkpoints], logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=args.dir,
@@ -99,7 +159,6 @@ def main() -> None:
                            num_val_samples=8)
     trainer.fit(module, datamodule=data, ckpt_path=args.ckpt_path)
     state = trainer.strategy.consolidated_state_dict()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
     torch.save({"losses": recorder.losses, "draws": misbehave.draws, "state": state, "step": trainer.global_step},
                Path(args.out, f"rank{rank}.pt"))
 

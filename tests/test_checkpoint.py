@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import shutil
 from pathlib import Path
 
 import lightning
@@ -211,36 +213,54 @@ class Payload:
         return Path.write_text, (Path(self.marker), "the payload ran")
 
 
-def _resume_from(rank: int, world_size: int, paths: list[str], weights_only: bool) -> list[str]:
+def _resume_from(rank: int, world_size: int, paths: list[str], weights_only: bool,
+                 models: list[dict] | None = None) -> list[str]:
+    """Try ``fit(ckpt_path=path)`` for each path in one set of ranks (a model of ``models[i]`` hyper-parameters
+    for path i); return what each did: "loaded" or the error's message."""
     from lightning_par import DataParallelStrategy
 
     outcomes = []
-    for path in paths:
+    for path, changes in zip(paths, models or [{}] * len(paths)):
         trainer = lightning.Trainer(accelerator="cpu", devices=world_size, max_epochs=3, logger=False,
                                     strategy=DataParallelStrategy(checkpoint_weights_only=weights_only),
                                     enable_checkpointing=False, enable_progress_bar=False,
                                     enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
         try:
-            trainer.fit(make_module(), datamodule=make_datamodule(), ckpt_path=path)
+            trainer.fit(make_module(**changes), datamodule=make_datamodule(), ckpt_path=path)
             outcomes.append("loaded")
         except ValueError as error:
             outcomes.append(str(error))
     return outcomes
 
 
-def test_a_checkpoint_carrying_pickled_code_is_refused(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A full (``full/last.ckpt``) and a sharded (``sharded/last.ckpt``) checkpoint of two epochs on 2 ranks."""
+    base = tmp_path_factory.mktemp("saved")
+    run_distributed(_fit, 2, str(base / "full"), False, 0, None)
+    run_distributed(_fit, 2, str(base / "sharded"), True, 0, None)
+    return base
+
+
+def _copy(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """This test's own copies of the full and the sharded checkpoint."""
+    full, sharded = tmp_path / "full.ckpt", tmp_path / "sharded.ckpt"
+    shutil.copy(saved / "full" / "last.ckpt", full)
+    shutil.copytree(saved / "sharded" / "last.ckpt", sharded)
+    return full, sharded
+
+
+def test_a_checkpoint_carrying_pickled_code_is_refused(saved: Path, tmp_path: Path) -> None:
     """A full checkpoint and a sharded one's meta.pt carry an object whose unpickling writes a file: loading
     refuses both (weights_only=True, as PyTorch and Lightning do by default), the file is never written, and
     the message says how to trust a file; the strategy's checkpoint_weights_only=False is that explicit opt-in
     (Lightning 2.6 does not forward trainer.fit(weights_only=...) to strategies that restore after set-up)."""
-    run_distributed(_fit, 2, str(tmp_path / "full"), False, 0, None)
-    run_distributed(_fit, 2, str(tmp_path / "sharded"), True, 0, None)
+    full, sharded = _copy(saved, tmp_path)
     marker = tmp_path / "payload-ran"
-    full = tmp_path / "full" / "last.ckpt"
     checkpoint = torch.load(full, weights_only=False)
     checkpoint["hyper_parameters"]["innocent"] = Payload(str(marker))
     torch.save(checkpoint, full)
-    meta = tmp_path / "sharded" / "last.ckpt" / "meta.pt"
+    meta = sharded / "meta.pt"
     metadata = torch.load(meta, weights_only=False)
     metadata["hyper_parameters"]["innocent"] = Payload(str(marker))
     torch.save(metadata, meta)
@@ -253,3 +273,56 @@ def test_a_checkpoint_carrying_pickled_code_is_refused(tmp_path: Path) -> None:
 
     assert run_distributed(_resume_from, 2, [str(full)], False)[0] == ["loaded"]  # trusted: it runs
     assert marker.read_text() == "the payload ran"
+
+
+def bad_checkpoints(full: Path, sharded: Path) -> list[tuple[Path, dict, str]]:
+    """(path, model hyper-parameters, what the message must say) for checkpoints that cannot be loaded, made
+    from a good full and a good sharded checkpoint."""
+    cases = []
+
+    def case(name: str, expected: str, model: dict | None = None, *, from_: Path | None = None) -> Path:
+        path = full.parent / name
+        if from_ is not None:
+            (shutil.copytree if from_.is_dir() else shutil.copy)(from_, path)
+        cases.append((path, model or {}, expected.format(path=repr(str(path)))))
+        return path
+
+    case("garbage.ckpt", "{path} is not a checkpoint: it is neither a directory written by "
+         "torch.distributed.checkpoint nor a file written by torch.save (it starts with b'garbage\\n'").write_bytes(
+        b"garbage\n")
+    whole = full.read_bytes()
+    case("truncated.ckpt", "checkpoint {path} is truncated or corrupt: the archive's index at its end is "
+         "missing").write_bytes(whole[: len(whole) // 2])
+    os.remove(case("no-meta.ckpt", "sharded checkpoint {path} has no meta.pt", from_=sharded) / "meta.pt")
+    shard = max(case("short-shard.ckpt", "sharded checkpoint {path}: the shard '__", from_=sharded).glob("*.distcp"),
+                key=lambda f: f.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:100])
+    os.remove(next(case("lost-shard.ckpt", "sharded checkpoint {path} is missing the shard '__",
+                        from_=sharded).glob("*.distcp")))
+    for source in (full, sharded):
+        case(f"other-model-{source.stem}.ckpt", "checkpoint {path} was written by another model: model.embed_tokens.weight "
+             "is (64, 32) there and (64, 48) here", {"dim": 48}, from_=source)
+    newer = torch.load(full, weights_only=False)
+    newer["lightning_par_checkpoint_format"] = 99
+    torch.save(newer, case("newer.ckpt", "checkpoint {path} was written by a newer lightning-par (checkpoint format "
+                           "99; this version reads format 1"))
+    del newer["optimizer_states"], newer["lightning_par_checkpoint_format"]
+    torch.save(newer, case("weights-only.ckpt", "checkpoint {path} holds the model but no optimizer state"))
+    torch.save(newer["state_dict"], case("state-dict.pt", "{path} is not a Lightning checkpoint: it has no "
+                                         "'state_dict' entry"))
+    case("missing.ckpt", "checkpoint {path} does not exist")
+    return cases
+
+
+def test_checkpoints_that_cannot_load_say_why_on_every_rank(saved: Path, tmp_path: Path) -> None:
+    """Each broken checkpoint is refused before any tensor is loaded, with one line naming the path, the cause and
+    the fix, the same on both ranks; then the good checkpoints still load in the same processes."""
+    full, sharded = _copy(saved, tmp_path)
+    cases = bad_checkpoints(full, sharded)
+    paths = [str(path) for path, _, _ in cases] + [str(full), str(sharded)]
+    models = [model for _, model, _ in cases] + [{}, {}]
+    ranks = run_distributed(_resume_from, 2, paths, True, models)
+    assert ranks[0] == ranks[1]
+    for outcome, (path, _, expected) in zip(ranks[0], cases):
+        assert expected in outcome, (path.name, outcome)
+    assert ranks[0][-2:] == ["loaded", "loaded"]

@@ -87,6 +87,16 @@ def test_console_script_is_installed() -> None:
     assert "fit" in result.stdout and "validate" in result.stdout
 
 
+def test_a_misspelled_strategy_gets_the_closest_names() -> None:
+    """Checked when the command has read the config, before anything is built (Lightning's own message lists only
+    its own names)."""
+    from lightning_par.cli import main
+
+    with pytest.raises(ValueError, match=r"trainer.strategy='hybird3d' is not a strategy name: did you mean "
+                                         r"'hybrid3d'\? lightning-par's strategies are auto_parallel, data_parallel"):
+        main(["fit", "--config", str(REPO / "configs" / "data_parallel.yaml"), "--trainer.strategy", "hybird3d"])
+
+
 def test_two_node_torchrun_rendezvous(tmp_path: Path) -> None:
     """Two torchrun agents (two "nodes", one process each) meet through c10d rendezvous on localhost, as on
     two machines; Lightning's TorchElasticEnvironment is used as it is."""

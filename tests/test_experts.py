@@ -216,4 +216,4 @@ def test_experts_that_do_not_split_fail_on_every_rank() -> None:
 
     assert_fails_on_every_rank(functools.partial(SGDLlamaLM, **{**MODEL, "moe_experts": 3, "moe_top_k": 1}),
                                make_datamodule, functools.partial(make_expert_strategy, expert_parallel_size=2),
-                               world_size=2, message="ep=2 does not divide the 3 experts of an MoE layer")
+                               world_size=2, message="expert_parallel_size=2 does not divide the 3 experts of an MoE layer")

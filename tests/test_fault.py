@@ -27,8 +27,8 @@ def _monitors(store: dist.Store, run: int, monkeypatch: pytest.MonkeyPatch, inte
     monitors = []
     for rank in range(2):
         monkeypatch.setattr(fault, "_RUNS", itertools.repeat(run))
-        # A long timeout: no monitor gives up on its own (and ends this process) while the test runs.
-        monitors.append(FaultMonitor(store, rank, 2, timeout=100.0, interval=interval))
+        # A long timeout and grace: no monitor gives up on its own (and ends this process) while the test runs.
+        monitors.append(FaultMonitor(store, rank, 2, timeout=100.0, interval=interval, exit_grace=100.0))
     for monitor in monitors:
         monitor.start()
     return monitors

@@ -49,11 +49,11 @@ def test_hybrid_layout_matches_single_process(world_size: int, dp: int, kwargs: 
     ("kwargs", "message"),
     [
         (dict(data_parallel_size=4, replicate_size=3), r"replicate_size=3 does not divide data_parallel_size=4"),
-        (dict(pipeline_parallel_size=2, save_distributed_checkpoint=False), r"pp=2: each rank saves its own stages"),
-        (dict(pipeline_parallel_size=2, context_parallel_size=2), r"pp=2 with cp=2: pipeline parallel composes with"),
-        (dict(tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True), r"ep=2 with sequence_parallel"),
-        (dict(tensor_parallel_size=2, zero_stage=2), r"zero_stage=2 with tp=2: ZeRO-1/2 shard the states of plain"),
-        (dict(tensor_parallel_size=0), r"tp must be a positive integer, got 0"),
+        (dict(pipeline_parallel_size=2, save_distributed_checkpoint=False), r"pipeline_parallel_size=2: each rank saves its own stages"),
+        (dict(pipeline_parallel_size=2, context_parallel_size=2), r"pipeline_parallel_size=2 with context_parallel_size=2: pipeline parallel"),
+        (dict(tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True), r"expert_parallel_size=2 with sequence_parallel"),
+        (dict(tensor_parallel_size=2, zero_stage=2), r"zero_stage=2 with tensor_parallel_size=2: ZeRO-1/2 shard"),
+        (dict(tensor_parallel_size=0), r"tensor_parallel_size must be a positive integer, got 0"),
     ],
 )
 def test_layouts_it_cannot_compose_are_refused_at_construction(kwargs: dict, message: str) -> None:
@@ -95,7 +95,7 @@ def test_context_parallel_refuses_mixture_of_experts_layers() -> None:
 def test_sizes_that_do_not_fill_the_world_fail_on_every_rank() -> None:
     assert_fails_on_every_rank(make_module, make_datamodule,
                                functools.partial(make_strategy, tensor_parallel_size=2, pipeline_parallel_size=2),
-                               world_size=2, message="pp=2 x tp=2 = 4 does not divide the world size 2")
+                               world_size=2, message="pipeline_parallel_size=2 x tensor_parallel_size=2 = 4 does not divide the world size 2")
 
 
 def _planned_runs(rank: int, world_size: int) -> list[dict]:

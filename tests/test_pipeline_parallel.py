@@ -318,9 +318,9 @@ def test_validation_and_predict_run_forward_only_and_match(schedule: str) -> Non
 @pytest.mark.parametrize(
     ("kwargs", "batch_size", "message"),
     [
-        (dict(schedule="1f1b", microbatches=1), 4, "schedule '1f1b' needs at least pp=2 micro-batches"),
+        (dict(schedule="1f1b", microbatches=1), 4, "schedule '1f1b' needs at least pipeline_parallel_size=2 micro-batches"),
         (dict(schedule="gpipe", microbatches=3), 4, "a batch of 4 samples does not split into microbatches=3"),
-        (dict(schedule="zbv", microbatches=2, plan=None), 4, "4 pipeline stages (pp=2 x 2 per rank for 'zbv') need "
+        (dict(schedule="zbv", microbatches=2, plan=None), 4, "4 pipeline stages (pipeline_parallel_size=2 x 2 per rank for 'zbv') need "
                                                              "at least 4 blocks, the model has 2"),
     ],
     ids=["too-few-microbatches", "batch", "blocks"],

@@ -11,50 +11,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from harness import free_port
+from rank_processes import SCRIPT, WORLD_SIZE, launch, outcome
 
 from lightning_par.checkpoint import STAGING_DIR, is_sharded_checkpoint
-
-SCRIPT = Path(__file__).with_name("resilience_run.py")
-WORLD_SIZE = 2
-
-
-def launch(directory: Path, out: Path, *args: str, slurm: bool = False, wait: float = 150.0,
-           extra_env: dict[str, str] | None = None) -> list[dict]:
-    """Start one process per rank; return each rank's exit code, stderr and seconds to exit."""
-    port = str(free_port())
-    procs = []
-    start = time.monotonic()
-    for rank in range(WORLD_SIZE):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-        if slurm:  # what srun sets for task `rank` of a one-node, two-task job
-            env.update(SLURM_NTASKS=str(WORLD_SIZE), SLURM_NTASKS_PER_NODE=str(WORLD_SIZE), SLURM_PROCID=str(rank),
-                       SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_JOB_NAME="train",
-                       SLURM_NODELIST="localhost")
-        else:
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), NODE_RANK="0")
-        env.update(extra_env or {})
-        command = [sys.executable, str(SCRIPT), "--dir", str(directory), "--out", str(out), *args]
-        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    for rank, proc in enumerate(procs):
-        try:
-            _, stderr = proc.communicate(timeout=max(1.0, wait - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            raise AssertionError(f"rank {rank} did not exit within {wait:.0f} s") from None
-        results.append({"code": proc.returncode, "stderr": stderr, "seconds": time.monotonic() - start})
-    return results
-
-
-def outcome(out: Path, rank: int = 0) -> dict:
-    return torch.load(out / f"rank{rank}.pt", weights_only=False)
 
 
 @pytest.fixture(scope="module")

@@ -103,9 +103,9 @@ def test_context_parallel_matches_single_process(world_size: int, kwargs: dict, 
     ("strategy_kwargs", "model_kwargs", "seq_len", "message"),
     [
         (dict(context_parallel_size=4, method="ring"), {}, 12,
-         "sequence length 12 is not divisible by 8 (2 x cp"),
+         "sequence length 12 is not divisible by 8 (2 x context_parallel_size"),
         (dict(context_parallel_size=4, method="ulysses"), dict(n_heads=2, n_kv_heads=2), 16,
-         "context parallel 'ulysses' splits attention heads over cp=4 ranks, but the layer has 2 query heads"),
+         "context parallel 'ulysses' splits attention heads over context_parallel_size=4 ranks, but the layer has 2 query heads"),
     ],
     ids=["sequence", "heads"],
 )

@@ -45,9 +45,9 @@ def test_tensor_parallel_matches_single_process(world_size: int, kwargs: dict, a
     ("model", "seq_len", "kwargs", "message"),
     [
         (dict(n_heads=2, n_kv_heads=2), 16, dict(tensor_parallel_size=4),
-         "tp=4 does not divide the 2 heads of 'model.layers.0.attention.q_proj'"),
+         "tensor_parallel_size=4 does not divide the 2 heads of 'model.layers.0.attention.q_proj'"),
         ({}, 14, dict(tensor_parallel_size=4, sequence_parallel=True),
-         "sequence parallel splits the sequence over tp=4 ranks, but a batch has 14 tokens"),
+         "sequence_parallel=True splits the sequence over tensor_parallel_size=4 ranks, but a sequence of 14 tokens"),
     ],
     ids=["heads", "sequence"],
 )

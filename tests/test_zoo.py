@@ -7,7 +7,6 @@ layout, not one per cell.
 
 from __future__ import annotations
 
-import functools
 import traceback
 
 import pytest

@@ -35,14 +35,32 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel import data, zero
 from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas, unwrap
 from lightning_par.parallel.experts import apply_expert_parallel
-from lightning_par.parallel.pipeline import build_stages, split_pipeline
+from lightning_par.parallel.pipeline import build_stages, check_microbatches, split_pipeline
 from lightning_par.parallel.plan import ModelPlan
 from lightning_par.parallel.plan_check import check_plan
 from lightning_par.parallel.recompute import apply_activation_checkpointing
-from lightning_par.parallel.sequence import apply_context_parallel
+from lightning_par.parallel.sequence import apply_context_parallel, check_sequence_length
 from lightning_par.parallel.tensor import apply_tensor_parallel, split_summary
 from lightning_par.parallel.ties import StageTies, clean_name
 from lightning_par.parallel.zero import fully_shard_model, is_zero_module, materialize_meta_parameters, shard_optimizer
+
+
+def check_batch_fits(config: ParallelConfig, *, batch_size: int | None, seq_len: int | None) -> None:
+    """Raise ``ValueError`` naming the values when batches of ``batch_size`` samples of ``seq_len`` tokens cannot
+    be cut as the layout needs: into the pipeline's micro-batches, or along the sequence over the context-parallel
+    (and, with sequence parallel, the tensor-parallel) ranks. Checked at set-up on the first batch, so that a
+    mismatch fails before the first step; ``None`` skips a check."""
+    if config.pp > 1:
+        check_microbatches(config.pp_microbatches, config.pp_schedule, config.pp, batch_size)
+    if seq_len is None:
+        return
+    if config.cp > 1:
+        check_sequence_length(seq_len, config.cp, config.cp_method)
+    local = seq_len // config.cp
+    if config.sequence_parallel and config.tp > 1 and local % config.tp:
+        held = f"the {local} tokens each cp rank holds" if config.cp > 1 else f"a sequence of {seq_len} tokens"
+        raise ValueError(f"sequence_parallel=True splits the sequence over tp={config.tp} ranks, but {held} cannot "
+                         f"be split into {config.tp}; use a sequence length divisible by {config.tp * config.cp}")
 
 
 def check_available(config: ParallelConfig) -> None:
@@ -232,4 +250,4 @@ def gradient_norm_groups(mesh: ParallelMesh, config: ParallelConfig) -> dict[str
 
 
 __all__ = ["applied_layout", "parallelize", "pipeline_stages", "stage_ties", "parallelize_optimizer",
-           "no_gradient_sync", "gradient_norm_groups", "check_available", "reduces_gradients_after_backward"]
+           "no_gradient_sync", "gradient_norm_groups", "check_available", "check_batch_fits", "reduces_gradients_after_backward"]

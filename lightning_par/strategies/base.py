@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 from collections.abc import Generator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
@@ -53,12 +54,13 @@ from typing_extensions import override
 
 from lightning_par import checkpoint as ckpt
 from lightning_par.config import ParallelConfig
-from lightning_par.fault import FLIGHT_RECORDER_ENTRIES, FaultMonitor
+from lightning_par.fault import FLIGHT_RECORDER_ENTRIES, FaultMonitor, heartbeat_interval, stop_processes
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.clip import clip_grad_norm_, gradient_norm
 from lightning_par.parallel.compose import (
     applied_layout,
     check_available,
+    check_batch_fits,
     gradient_norm_groups,
     no_gradient_sync,
     parallelize,
@@ -79,6 +81,12 @@ from lightning_par.strategies.resilience import (
     share_rng_states,
     slurm_requeue_environment,
 )
+
+# The arguments every strategy that has them spells alike (ParallelConfig field -> argument).
+SIZE_ARGUMENTS = {"dp": "data_parallel_size", "tp": "tensor_parallel_size", "pp": "pipeline_parallel_size",
+                  "cp": "context_parallel_size", "ep": "expert_parallel_size"}
+DDP_ARGUMENTS = {"ddp_bucket_cap_mb": "bucket_cap_mb", "ddp_static_graph": "static_graph",
+                 "ddp_find_unused_parameters": "find_unused_parameters"}
 
 # Set when a run raised: the exit handler then leaves the process group alone instead of waiting for peers.
 _RUN_FAILED = False
@@ -103,6 +111,25 @@ def _destroy_process_group_at_exit() -> None:
     except Exception:  # noqa: BLE001 - exiting anyway; a failed clean-up must not mask the run's result
         pass
 
+
+_STOPPING_LAUNCHED_RANKS = False  # the exit handler below is registered
+
+
+def _stop_launched_ranks_at_failed_exit(processes: list[Any], grace: float) -> None:
+    """When this process, which started the other ranks (Lightning's subprocess launcher), exits after a failed run:
+    wait up to ``grace`` for them to leave and kill what is left, so that the launching command returns only once
+    no rank of the run is running. (Lightning reaps them only when a child fails.) At exit rather than at teardown,
+    so that a script that catches the error and goes on keeps its ranks."""
+    global _STOPPING_LAUNCHED_RANKS
+    if _STOPPING_LAUNCHED_RANKS:
+        return
+    _STOPPING_LAUNCHED_RANKS = True
+
+    def stop() -> None:
+        if _RUN_FAILED:
+            stop_processes(processes, grace=grace)
+
+    atexit.register(stop)
 
 # Metrics logged with sync_dist are averaged over the ranks that saw different data. Ranks in the same
 # tensor/pipeline group hold the same value, so including them would only cost bandwidth.
@@ -132,6 +159,9 @@ class MeshStrategy(ParallelStrategy):
 
     strategy_name = "mesh"
     strategy_description = "lightning_par strategy"
+    #: ParallelConfig field -> the argument of this strategy that sets it, so that errors speak the user's terms
+    #: (none here: a MeshStrategy is given the ParallelConfig itself).
+    argument_names: dict[str, str] = {}
 
     @classmethod
     @override
@@ -163,8 +193,9 @@ class MeshStrategy(ParallelStrategy):
         )
         self.parallel_config = parallel_config if parallel_config is not None else ParallelConfig()
         # Refuse what cannot work before any process group exists, so every rank fails alike.
-        self.parallel_config.check()
-        check_available(self.parallel_config)
+        with self.in_argument_names():
+            self.parallel_config.check()
+            check_available(self.parallel_config)
         self._plan = ModelPlan.from_dict(plan) if isinstance(plan, dict) else plan
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._checkpoint_weights_only = checkpoint_weights_only
@@ -180,6 +211,23 @@ class MeshStrategy(ParallelStrategy):
         self._failed_with: BaseException | None = None  # the exception this run raised, until teardown
         self._applied_in_configure_model: bool | None = None  # DTensors or FSDP2 before the strategy's set-up
         self._average_gradients = False  # reduce gradients over dp after backward (a self-parallelized module)
+
+    @contextmanager
+    def in_argument_names(self) -> Generator[None, None, None]:
+        """Re-raise a ``ValueError`` about the layout in the names of this strategy's arguments
+        (``data_parallel_size=-1``, not the mesh dimension ``dp_replicate=-1`` it became). A run's errors are
+        renamed in :meth:`on_exception`; this is for what is checked before the run (the constructor)."""
+        try:
+            yield
+        except ValueError as error:
+            self._rename_arguments(error)
+            raise
+
+    def _rename_arguments(self, error: BaseException) -> None:
+        names = self.argument_names
+        if names and isinstance(error, ValueError) and error.args and isinstance(error.args[0], str):
+            pattern = r"\b(" + "|".join(sorted(map(re.escape, names), key=len, reverse=True)) + r")\b"
+            error.args = (re.sub(pattern, lambda match: names[match.group(1)], error.args[0]), *error.args[1:])
 
     # --------------------------------------------------------------------------- topology
     @property
@@ -251,6 +299,10 @@ class MeshStrategy(ParallelStrategy):
         # The flight recorder names the collective that failed (read when the process group starts).
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
         timeout = self._timeout or default_pg_timeout
+        if isinstance(self._launcher, _SubprocessScriptLauncher) and self._launcher.procs:
+            # Once a failure is reported the others leave within their monitors' grace (3 heartbeats), a heartbeat
+            # later at most; what is left then is killed.
+            _stop_launched_ranks_at_failed_exit(self._launcher.procs, 5 * heartbeat_interval(timeout.total_seconds()))
         if not torch.distributed.is_initialized():
             if not init_process_group_under_torchelastic(self.cluster_environment, self._process_group_backend,
                                                          timeout, device_id):
@@ -287,6 +339,10 @@ class MeshStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and not any(p.requires_grad for p in self.model.parameters()):
+            raise ValueError(f"{type(self.lightning_module).__name__} has no trainable parameters (it has none, or "
+                             "every one has requires_grad=False): there is nothing to train. Unfreeze some, or add "
+                             "them in configure_model()")
         if fitting and self.parallel_config.ddp_static_graph and trainer.accumulate_grad_batches > 1:
             rank_zero_warn(
                 "static_graph=True with accumulate_grad_batches > 1: gradients are all-reduced on every "
@@ -325,8 +381,14 @@ class MeshStrategy(ParallelStrategy):
         device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
         plan = self.resolve_plan(module)
         config = self.parallel_config
-        # Checking a tensor-parallel plan and cutting pipeline stages run the model on a sample of the data.
-        sample = self._sample_batch() if config.tp > 1 or config.pp > 1 else None
+        # Checking a tensor-parallel plan and cutting pipeline stages run the model on a sample of the data; with
+        # it, what the layout needs of every batch is checked before the first step.
+        sample = self._sample_batch() if config.tp > 1 or config.pp > 1 or config.cp > 1 else None
+        if sample is not None:
+            inputs = sample[0]
+            batch_size = getattr(_data_of_this_run(self.lightning_module.trainer), "batch_size", None)
+            check_batch_fits(config, batch_size=batch_size if isinstance(batch_size, int) else inputs.shape[0],
+                             seq_len=inputs.shape[1] if inputs.dim() == 2 else None)
         if config.tp > 1 and plan is not None and sample is None:
             raise ValueError(f"tp={config.tp}: the tensor-parallel plan is checked on one sample of the "
                              "data before training, and none could be taken: define split_batch(batch) -> (inputs, "
@@ -497,6 +559,7 @@ class MeshStrategy(ParallelStrategy):
         global _RUN_FAILED
         _RUN_FAILED = True  # peers may be gone or stuck: do not wait for them at exit
         self._failed_with = exception
+        self._rename_arguments(exception)  # in the names of this strategy's arguments, not the mesh's
         if self._fault_monitor is not None:
             # Name the rank and the collective; from here this rank exits within the timeout.
             exception.add_note(self._fault_monitor.report(exception))
@@ -586,7 +649,7 @@ class MeshStrategy(ParallelStrategy):
         checkpoint[RNG_STATES_KEY] = gather_rng_states(self.root_device)
         checkpoint[ckpt.TIED_KEY] = tied_aliases(self.lightning_module)
         if self._saves_asynchronously and self._checkpoint_group is None:
-            self._checkpoint_group = torch.distributed.new_group(backend="gloo")
+            self._checkpoint_group = torch.distributed.new_group(backend="gloo", group_desc="asynchronous checkpoints")
         self._pending_save = ckpt.save_checkpoint(
             checkpoint, path, sharded=self._save_distributed_checkpoint, asynchronous=self._saves_asynchronously,
             process_group=self._checkpoint_group,
@@ -595,6 +658,9 @@ class MeshStrategy(ParallelStrategy):
             self._note_complete(path)
         else:
             self._pending_save.add_done_callback(lambda done: done.exception() or self._note_complete(path))
+        # What runs next (the loop reading the next batch) is no longer the save.
+        trainer = self.lightning_module._trainer
+        self._enter(f"training after step {trainer.global_step}" if trainer is not None else f"after saving {path}")
 
     @property
     def _saves_asynchronously(self) -> bool:

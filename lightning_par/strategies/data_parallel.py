@@ -8,7 +8,7 @@ from typing import Any, Literal, Union
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_par.config import ParallelConfig
-from lightning_par.strategies.base import MeshStrategy
+from lightning_par.strategies.base import DDP_ARGUMENTS, SIZE_ARGUMENTS, MeshStrategy
 
 
 class DataParallelStrategy(MeshStrategy):
@@ -32,6 +32,7 @@ class DataParallelStrategy(MeshStrategy):
 
     strategy_name = "data_parallel"
     strategy_description = "DDP over lightning_par's data-parallel mesh"
+    argument_names = {**SIZE_ARGUMENTS, **DDP_ARGUMENTS, "dp_replicate": "data_parallel_size"}
 
     def __init__(
         self,

@@ -8,7 +8,7 @@ from typing import Any, Literal, Union
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_par.config import ParallelConfig
-from lightning_par.strategies.base import MeshStrategy
+from lightning_par.strategies.base import SIZE_ARGUMENTS, MeshStrategy
 
 
 class ExpertParallelStrategy(MeshStrategy):
@@ -31,6 +31,7 @@ class ExpertParallelStrategy(MeshStrategy):
     """
 
     strategy_name = "expert_parallel"
+    argument_names = {**SIZE_ARGUMENTS, "dp_shard": "data_parallel_size"}
     strategy_description = "MoE experts split over ranks"
 
     def __init__(

@@ -11,11 +11,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_par.config import ParallelConfig, Size, shard_size
+from lightning_par.strategies.base import DDP_ARGUMENTS, SIZE_ARGUMENTS
 from lightning_par.strategies.staged import StagedStrategy
 
 # Strategy argument -> ParallelConfig field, for the sizes the planner may choose.
 PLANNED_SIZES = {"tensor_parallel_size": "tp", "pipeline_parallel_size": "pp", "context_parallel_size": "cp",
                  "expert_parallel_size": "ep", "zero_stage": "zero_stage"}
+
+# ParallelConfig field -> hybrid3d argument, beyond the sizes and DDP's knobs.
+HYBRID_ARGUMENTS = {"cp_method": "context_parallel_method", "pp_schedule": "pipeline_schedule",
+                    "pp_microbatches": "microbatches", "pp_virtual_stages": "virtual_stages",
+                    "pp_balance": "pipeline_balance"}
 
 
 class Hybrid3DStrategy(StagedStrategy):
@@ -101,6 +107,8 @@ class Hybrid3DStrategy(StagedStrategy):
         # Sizes for the planner: what it may choose is "auto"; a checkable placeholder until it has chosen.
         self._planned = {PLANNED_SIZES[name] for name, value in requested.items() if value == "auto"}
         chosen = {PLANNED_SIZES[name]: (1 if value == "auto" else value) for name, value in requested.items()}
+        self.argument_names = {**SIZE_ARGUMENTS, **DDP_ARGUMENTS, **HYBRID_ARGUMENTS, "dp_replicate": "replicate_size",
+                               **({"dp_shard": "data_parallel_size"} if replicate_size == 1 else {})}
         config = ParallelConfig(
             dp_replicate=replicate_size, dp_shard=shard_size(data_parallel_size, replicate_size), **chosen,
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, cp_method=context_parallel_method,
@@ -111,6 +119,10 @@ class Hybrid3DStrategy(StagedStrategy):
             ddp_bucket_cap_mb=bucket_cap_mb, ddp_static_graph=static_graph,
             ddp_find_unused_parameters=find_unused_parameters, gradient_compression=gradient_compression,
         )
+        if device is not None:
+            from lightning_par.planner import ClusterSpec
+
+            ClusterSpec.from_preset(device)  # an unknown preset fails here, not when the processes have started
         self._device_preset = device
         super().__init__(config, plan=plan, save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout, **kwargs)

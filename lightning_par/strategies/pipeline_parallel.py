@@ -8,6 +8,7 @@ from typing import Any, Literal
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_par.config import ParallelConfig
+from lightning_par.strategies.base import SIZE_ARGUMENTS
 from lightning_par.strategies.staged import StagedStrategy
 
 
@@ -37,6 +38,8 @@ class PipelineParallelStrategy(StagedStrategy):
     """
 
     strategy_name = "pipeline_parallel"
+    argument_names = {**SIZE_ARGUMENTS, "pp_schedule": "schedule", "pp_microbatches": "microbatches",
+                      "pp_virtual_stages": "virtual_stages", "pp_balance": "balance"}
     strategy_description = "pipeline parallel (GPipe, 1F1B, interleaved, ZB-V)"
 
     def __init__(

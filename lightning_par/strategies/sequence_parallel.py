@@ -8,7 +8,7 @@ from typing import Any, Literal, Union
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_par.config import ParallelConfig
-from lightning_par.strategies.base import MeshStrategy
+from lightning_par.strategies.base import SIZE_ARGUMENTS, MeshStrategy
 
 
 class SequenceParallelStrategy(MeshStrategy):
@@ -33,6 +33,7 @@ class SequenceParallelStrategy(MeshStrategy):
     """
 
     strategy_name = "sequence_parallel"
+    argument_names = {**SIZE_ARGUMENTS, "dp_shard": "data_parallel_size", "cp_method": "method"}
     strategy_description = "context parallel: Ulysses or ring attention"
 
     def __init__(

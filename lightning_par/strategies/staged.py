@@ -42,9 +42,10 @@ class StagedStrategy(MeshStrategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.parallel_config.pp > 1 and not self._save_distributed_checkpoint:
-            raise ValueError(f"pp={self.parallel_config.pp}: each rank saves its own stages, so checkpoints are "
-                             "sharded; save_distributed_checkpoint=False is not supported - export a single file "
-                             "with lightning-par-export instead")
+            with self.in_argument_names():
+                raise ValueError(f"pp={self.parallel_config.pp}: each rank saves its own stages, so checkpoints are "
+                                 "sharded; save_distributed_checkpoint=False is not supported - export a single file "
+                                 "with lightning-par-export instead")
         self._schedule: Any = None
         self._forward_schedule: Any = None  # predict: no targets, no loss
         self._accumulate = 1

@@ -8,7 +8,7 @@ from typing import Any, Literal, Union
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_par.config import ParallelConfig
-from lightning_par.strategies.base import MeshStrategy
+from lightning_par.strategies.base import SIZE_ARGUMENTS, MeshStrategy
 
 
 class TensorParallelStrategy(MeshStrategy):
@@ -37,6 +37,7 @@ class TensorParallelStrategy(MeshStrategy):
     """
 
     strategy_name = "tensor_parallel"
+    argument_names = {**SIZE_ARGUMENTS, "dp_shard": "data_parallel_size"}
     strategy_description = "Megatron-style tensor parallel on DTensor"
 
     def __init__(

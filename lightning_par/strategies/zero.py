@@ -9,7 +9,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from typing_extensions import override
 
 from lightning_par.config import ParallelConfig, shard_size
-from lightning_par.strategies.base import MeshStrategy
+from lightning_par.strategies.base import SIZE_ARGUMENTS, MeshStrategy
 
 
 class ZeroStrategy(MeshStrategy):
@@ -53,6 +53,8 @@ class ZeroStrategy(MeshStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
+        self.argument_names = {**SIZE_ARGUMENTS, "zero_stage": "stage", "dp_replicate": "replicate_size",
+                               **({"dp_shard": "data_parallel_size"} if replicate_size == 1 else {})}
         config = ParallelConfig(dp_replicate=replicate_size, dp_shard=shard_size(data_parallel_size, replicate_size),
                                 zero_stage=stage, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
                                 reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
