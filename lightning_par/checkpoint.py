@@ -258,8 +258,13 @@ def load_checkpoint(
         if metadata is not None:
             _load_sharded(path, module, optimizers, aliases, strict)
         else:
+            # A rank of a pipeline holds some of the model: the weights of the other ranks' stages are theirs to
+            # load (names no rank holds stay, for a strict load to refuse).
+            weights = with_aliases(checkpoint.pop(MODEL_KEY), aliases)
+            own = model_state_dict(module, full=False)
+            weights = {name: tensor for name, tensor in weights.items() if name in own or name not in expected}
             full = StateDictOptions(full_state_dict=True, strict=strict)
-            set_model_state_dict(module, with_aliases(checkpoint.pop(MODEL_KEY), aliases), options=full)
+            set_model_state_dict(module, weights, options=full)
             for optimizer, state in zip(optimizers, checkpoint.pop(OPTIMIZERS_KEY, [])):
                 _load_optimizer_state(module, optimizer, state, full=True)
     except (Exception, CheckpointException) as error:

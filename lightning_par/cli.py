@@ -3,8 +3,8 @@
     lightning-par fit --config configs/data_parallel.yaml
     lightning-par validate --config configs/data_parallel.yaml --ckpt_path lightning_logs/.../last.ckpt
 
-Any LightningModule / LightningDataModule can be named with ``class_path`` in the YAML; the defaults are
-the reference Llama model and the standard-library corpus.
+Any LightningModule / LightningDataModule can be named with ``class_path`` in the YAML (the shipped configs name
+the reference Llama model and the standard-library corpus).
 """
 
 from __future__ import annotations
@@ -17,25 +17,17 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_par  # noqa: F401 - importing registers the strategy names with Lightning
 from lightning_par.callbacks import ParallelMonitor, ParallelProgressBar
-from lightning_par.data.datamodule import TokenDataModule
-from lightning_par.models.lightning_module import LlamaLM
 
 
 class ParallelCLI(LightningCLI):
-    """LightningCLI whose model and data default to the reference Llama model on the stdlib corpus, with
+    """LightningCLI for any LightningModule and LightningDataModule (``class_path``), with
     :class:`~lightning_par.callbacks.ParallelMonitor` on (the ``monitor:`` section switches its parts) and
     the layout in the progress bar."""
 
     def __init__(self, args: Any = None, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        super().__init__(
-            LlamaLM,
-            TokenDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            args=args,
-            **kwargs,
-        )
+        # No model or data class: LightningCLI then takes any subclass of LightningModule / LightningDataModule.
+        super().__init__(None, None, args=args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ParallelMonitor, "monitor")

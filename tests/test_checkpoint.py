@@ -163,13 +163,16 @@ def test_export_consolidated_loads_in_plain_pytorch(tmp_path: Path, strategy: st
 
 
 # zero3 -> tensor_parallel and pp4 -> pp2, with the optimizer state, are in test_checkpoint_reshard.py.
-@pytest.mark.parametrize(("saved_under", "loaded_under"), [("tensor_parallel", "data_parallel"),
-                                                          ("sequence_parallel", "tensor_parallel")])
-def test_model_parallel_checkpoints_reshard(tmp_path: Path, saved_under: str, loaded_under: str) -> None:
-    """DTensor shards of a tensor-parallel run load into whole tensors, and back, and a context-parallel run's
-    into tensor-parallel shards (weights compared after
-    consolidation; a different data-parallel size reads other batches, so no loss curve is compared)."""
-    saved = run_distributed(_fit, 2, str(tmp_path / "a"), (saved_under, True), 0, None, 1)[0]
+@pytest.mark.parametrize(("saved_under", "loaded_under"), [(("tensor_parallel", True), "data_parallel"),
+                                                          (("sequence_parallel", True), "tensor_parallel"),
+                                                          (("data_parallel", False), "pipeline_parallel")],
+                         ids=["tp-dp", "cp-tp", "full-pp"])
+def test_model_parallel_checkpoints_reshard(tmp_path: Path, saved_under: tuple, loaded_under: str) -> None:
+    """DTensor shards of a tensor-parallel run load into whole tensors, and back, a context-parallel run's into
+    tensor-parallel shards, and a full file into pipeline stages, each rank taking its stages' weights (weights
+    compared after consolidation; a different data-parallel size reads other batches, so no loss curve is
+    compared)."""
+    saved = run_distributed(_fit, 2, str(tmp_path / "a"), saved_under, 0, None, 1)[0]
     loaded = run_distributed(_fit, 2, str(tmp_path / "b"), (loaded_under, True), 1,
                              str(tmp_path / "a" / "last.ckpt"), 1)[0]
     assert loaded["losses"] == []  # restored at the end of epoch 0: nothing left to train

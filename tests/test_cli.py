@@ -81,6 +81,25 @@ def _assert_monitoring(name: str, events: EventAccumulator) -> None:
         assert all(0.0 <= fraction <= 1.0 for fraction in values("pipeline/bubble_fraction_max"))
 
 
+def test_a_users_own_module_trains_from_yaml(tmp_path: Path) -> None:
+    """Any LightningModule, not only the reference model: a plain torch transformer of the user's, named by its
+    class path, trains under a shipped config with the monitor on."""
+    command = [
+        sys.executable, "-m", "lightning_par.cli", "fit", "--config", str(REPO / "configs" / "data_parallel.yaml"),
+        "--model", "cli_callbacks.TinyCausalTransformer", "--trainer.max_steps=4", "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
+        "--data.init_args.max_bytes=100000",
+    ]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO / "tests")}
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    (run_dir,) = (tmp_path / "lightning_logs" / "data_parallel").iterdir()
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    assert len(events.Scalars("train_loss")) == 4
+    assert {"perf/tokens_per_sec", "memory/peak_gib_max", "train/grad_norm"} <= set(events.Tags()["scalars"])
+
+
 def test_console_script_is_installed() -> None:
     result = subprocess.run(["lightning-par", "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
