@@ -322,16 +322,11 @@ def _load_sharded(path: Path, module: nn.Module, optimizers: list[Optimizer], al
         _load_optimizer_state(module, optimizer, loaded, full=False)
 
 
-def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike, *,
-                        weights_only: bool | None = None) -> dict[str, torch.Tensor]:
-    """Write the model weights of a checkpoint (either format) as one plain ``{name: tensor}`` file.
-
-    Runs in a single process, no process group needed, whatever layout wrote the checkpoint. The result
-    loads anywhere with ``model.load_state_dict(torch.load(output, weights_only=True))`` - no
-    lightning_par, no Lightning, no pickled code. The checkpoint's metadata is read as :func:`read_metadata`
-    reads it (``weights_only=False`` for a trusted file holding other Python objects).
-    """
-    checkpoint, output = Path(checkpoint), Path(output)
+def consolidated_weights(checkpoint: str | os.PathLike, *,
+                         weights_only: bool | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(whole weights by name, the checkpoint's other entries) of a checkpoint of either format, in one process.
+    A tied parameter appears under each of its names as one tensor."""
+    checkpoint = Path(checkpoint)
     problem, saved, metadata = _check_before_loading(checkpoint, {}, 0, False, weights_only)
     if problem:  # raised here only: this runs in one process, maybe one rank of a larger run
         raise check.CheckpointError(problem)
@@ -341,10 +336,22 @@ def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike
             dcp_to_torch_save(checkpoint, whole)
             weights = torch.load(whole, map_location="cpu", weights_only=True)[MODEL_KEY]
     else:
-        weights = saved[MODEL_KEY]
-    aliases = saved.get(TIED_KEY, {})
-    # A tied parameter under each of its names, one tensor: written once, loads into the model strictly.
-    weights = with_aliases({name: tensor.contiguous() for name, tensor in weights.items()}, aliases)
+        weights = saved.pop(MODEL_KEY)
+    saved.pop(OPTIMIZERS_KEY, None)
+    return with_aliases({name: tensor.contiguous() for name, tensor in weights.items()}, saved.get(TIED_KEY, {})), saved
+
+
+def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike, *,
+                        weights_only: bool | None = None) -> dict[str, torch.Tensor]:
+    """Write the model weights of a checkpoint (either format) as one plain ``{name: tensor}`` file.
+
+    Runs in a single process, no process group needed, whatever layout wrote the checkpoint. The result
+    loads anywhere with ``model.load_state_dict(torch.load(output, weights_only=True))`` - no
+    lightning_par, no Lightning, no pickled code. The checkpoint's metadata is read as :func:`read_metadata`
+    reads it (``weights_only=False`` for a trusted file holding other Python objects).
+    """
+    output = Path(output)
+    weights, _ = consolidated_weights(checkpoint, weights_only=weights_only)
     staging = _staging_path(output)
     staging.parent.mkdir(parents=True, exist_ok=True)
     torch.save(weights, staging)
@@ -353,15 +360,25 @@ def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``lightning-par-export CHECKPOINT OUTPUT``: see :func:`export_consolidated`."""
+    """``lightning-par-export CHECKPOINT OUTPUT [--format hf]``: see :func:`export_consolidated` and
+    :func:`lightning_par.huggingface.export_huggingface`."""
     parser = argparse.ArgumentParser(prog="lightning-par-export", description=export_consolidated.__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="a sharded checkpoint directory or a full checkpoint file")
-    parser.add_argument("output", help="where to write the consolidated {name: tensor} file")
+    parser.add_argument("output", help="where to write: the {name: tensor} file (pt), or the model directory (hf)")
+    parser.add_argument("--format", choices=("pt", "hf"), default="pt",
+                        help="pt: one torch.save file of whole tensors; hf: a Hugging Face model directory "
+                             "(config.json and safetensors) of an HFCausalLM checkpoint, for from_pretrained")
     parser.add_argument("--trust-pickled-code", action="store_true",
                         help="unpickle Python objects in the checkpoint's metadata (only for a file whose source you "
                              "trust: unpickling can run code)")
     args = parser.parse_args(argv)
     trusted = False if args.trust_pickled_code else None
+    if args.format == "hf":
+        from lightning_par.huggingface import export_huggingface
+
+        export_huggingface(args.checkpoint, args.output, weights_only=trusted)
+        print(f"wrote a Hugging Face model directory to {args.output}")
+        return
     weights = export_consolidated(args.checkpoint, args.output, weights_only=trusted)
     count = sum(t.numel() for t in weights.values())
     print(f"wrote {len(weights)} tensors ({count:,} parameters) to {args.output}")

@@ -84,10 +84,11 @@ def sharded_problem(path: Path, *, meta_file: str) -> tuple[str | None, Metadata
     return None, metadata
 
 
-def saved_shapes(metadata: Metadata) -> dict[str, tuple[int, ...] | None]:
-    """{parameter name: global shape} of the model weights in a sharded checkpoint (None for non-tensors)."""
-    return {key[len(_MODEL_PREFIX):]: (tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None)
-            for key, entry in metadata.state_dict_metadata.items() if key.startswith(_MODEL_PREFIX)}
+def saved_shapes(metadata: Metadata, prefix: str = _MODEL_PREFIX) -> dict[str, tuple[int, ...] | None]:
+    """{parameter name: global shape} of the model weights in a DCP index, the names under ``prefix`` (a
+    sharded checkpoint's ``state_dict.``; none in a Hugging Face directory); None for non-tensors."""
+    return {key[len(prefix):]: (tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None)
+            for key, entry in metadata.state_dict_metadata.items() if key.startswith(prefix)}
 
 
 def saved_optimizers(metadata: Metadata) -> int:
@@ -97,10 +98,11 @@ def saved_optimizers(metadata: Metadata) -> int:
 
 
 def model_problem(path: Path, saved: dict[str, tuple[int, ...] | None], expected: dict[str, tuple[int, ...]],
-                  *, strict: bool) -> str | None:
-    """Why weights of ``saved`` shapes do not load into a model of ``expected`` shapes (by name), or None."""
+                  *, strict: bool, what: str = "checkpoint") -> str | None:
+    """Why weights of ``saved`` shapes do not load into a model of ``expected`` shapes (by name), or None.
+    ``what`` the weights are (a checkpoint, a model directory), for the message."""
     if expected and not saved:
-        return (f"checkpoint {str(path)!r} holds no model weights under 'state_dict': it was not written by "
+        return (f"{what} {str(path)!r} holds no model weights under 'state_dict': it was not written by "
                 "Lightning or lightning-par (or only holds other state)")
     differ = [f"{name} is {tuple(saved[name])} there and {shape} here" for name, shape in expected.items()
               if saved.get(name) is not None and tuple(saved[name]) != shape]
@@ -116,7 +118,7 @@ def model_problem(path: Path, saved: dict[str, tuple[int, ...] | None], expected
             parts.append(f"it has {len(extra)} names this model lacks ({', '.join(extra[:_SHOWN])}"
                          f"{', ...' if len(extra) > _SHOWN else ''})")
     more = f" and {len(differ) - _SHOWN} more shapes differ" if len(differ) > _SHOWN else ""
-    return (f"checkpoint {str(path)!r} was written by another model: {'; '.join(parts)}{more}. Build the model with "
+    return (f"{what} {str(path)!r} was written by another model: {'; '.join(parts)}{more}. Build the model with "
             "the hyper-parameters it was trained with" + ("" if not missing else
                                                           ", or load with strict_loading=False to skip missing names"))
 

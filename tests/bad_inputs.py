@@ -80,9 +80,18 @@ def _module(**changes: Any) -> torch.nn.Module:
     return LlamaLM(**{"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 16, **changes})
 
 
+HF_MODEL = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
 def good_checkpoints(directory: Path) -> None:
-    """``good.ckpt`` (one file) and ``good-sharded.ckpt`` (a directory) of :func:`_module` and its AdamW state, in
-    ``directory``: the bad checkpoints below are made from them."""
+    """``good.ckpt`` (one file) and ``good-sharded.ckpt`` (a directory) of :func:`_module` and its AdamW state, and
+    ``hf-model`` (a tiny Hugging Face model directory), in ``directory``: the bad inputs below are made from them."""
+    import transformers
+
+    arguments = dict(HF_MODEL)
+    config = transformers.AutoConfig.for_model(arguments.pop("model_type"), **arguments)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory / "hf-model")
     module = _module()
     optimizer = torch.optim.AdamW(module.parameters())
     module(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
@@ -168,6 +177,33 @@ def _call(target: str, *args: Any, **kwargs: Any) -> Callable[[], Any]:
         return function(*args, **kwargs)
 
     return make
+
+
+def _hf_model(name: str, prepare: Callable[[Path], Any] | None = None) -> Callable[[], Any]:
+    """HFCausalLM(pretrained=name), after ``prepare(path)`` made the directory."""
+
+    def make() -> Any:
+        from lightning_par.models import HFCausalLM
+
+        if prepare is not None:
+            prepare(Path(name))
+        return HFCausalLM(pretrained=name)
+
+    return make
+
+
+def _load_into_other_shape() -> None:
+    from lightning_par.huggingface import load_huggingface_weights
+    from lightning_par.models import HFCausalLM
+
+    module = HFCausalLM(config={**HF_MODEL, "hidden_size": 48})
+    module.configure_model()
+    load_huggingface_weights(module.model, "hf-model")
+
+
+def _config_only(path: Path) -> None:
+    path.mkdir()
+    shutil.copy(Path("hf-model") / "config.json", path / "config.json")
 
 
 BAD_INPUTS: list[BadInput] = [
@@ -332,6 +368,19 @@ BAD_INPUTS: list[BadInput] = [
              _checkpoint("weights.ckpt", _rewritten(lambda checkpoint: checkpoint.pop("optimizer_states") and None))),
     BadInput("a plain state dict (`torch.save(model.state_dict())`)", "'plain.pt' is not a Lightning checkpoint: it has "
              "no 'state_dict' entry", _checkpoint("plain.pt", _rewritten(lambda checkpoint: checkpoint["state_dict"]))),
+    # ------------------------------------------------------------------ Hugging Face models
+    BadInput("`HFCausalLM(pretrained='nowhere')`", "pretrained='nowhere' is not a directory: give a local model "
+             "directory as save_pretrained writes it", _hf_model("nowhere")),
+    BadInput("`HFCausalLM(pretrained=...)`, a directory without `config.json`", "pretrained='empty' has no "
+             "config.json", _hf_model("empty", lambda path: path.mkdir())),
+    BadInput("`HFCausalLM(pretrained=...)`, a directory without safetensors", "pretrained='config-only' holds no "
+             ".safetensors weights (it holds ['config.json'])", _hf_model("config-only", _config_only)),
+    BadInput("`HFCausalLM()`", "HFCausalLM needs exactly one of pretrained (a local model directory) and config",
+             _call("lightning_par.models:HFCausalLM")),
+    BadInput("`HFCausalLM(config={'vocab_size': 64})`", "config={'vocab_size': 64} needs model_type",
+             _call("lightning_par.models:HFCausalLM", config={"vocab_size": 64})),
+    BadInput("a Hugging Face model directory of another shape", "model directory 'hf-model' was written by another "
+             "model: model.embed_tokens.weight is (64, 32) there and (64, 48) here", _load_into_other_shape),
     BadInput("a checkpoint carrying pickled code", "checkpoint 'payload.ckpt' holds getattr, which unpickling would "
              "have to construct and which can run code: it was not loaded",
              _checkpoint("payload.ckpt", _rewritten(_set("hyper_parameters", {"innocent": Payload()})))),

@@ -15,6 +15,8 @@ PURE_MODULES = [
     "lightning_par.parallel",
     "lightning_par.parallel.comm",
     "lightning_par.checkpoint",
+    "lightning_par.checkpoint_validation",
+    "lightning_par.huggingface",
     "lightning_par.fault",
     "lightning_par.planner",
     "lightning_par.planner.cli",

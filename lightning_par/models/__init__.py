@@ -21,11 +21,13 @@ from lightning_par.models.llama import (
 )
 
 if TYPE_CHECKING:
+    from lightning_par.models.hf import HFCausalLM
     from lightning_par.models.lightning_module import LlamaLM
 
 __all__ = [
     "Attention",
     "FeedForward",
+    "HFCausalLM",
     "LlamaConfig",
     "LlamaLM",
     "RMSNorm",
@@ -42,4 +44,8 @@ def __getattr__(name: str) -> Any:
         from lightning_par.models.lightning_module import LlamaLM
 
         return LlamaLM
+    if name == "HFCausalLM":
+        from lightning_par.models.hf import HFCausalLM
+
+        return HFCausalLM
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

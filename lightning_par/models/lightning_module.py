@@ -38,7 +38,71 @@ class WarmupCosine:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-class LlamaLM(pl.LightningModule):
+def adamw_warmup_cosine(module: pl.LightningModule) -> dict[str, Any]:
+    """AdamW (Loshchilov & Hutter 2019) with warmup + cosine decay, stepped every optimizer step, from the module's
+    ``learning_rate``, ``weight_decay``, ``betas``, ``warmup_steps``, ``min_lr_ratio`` and ``max_steps``
+    hyper-parameters (``max_steps=None``: the trainer's estimate).
+
+    Weight decay applies to matrices (linear and embedding weights) only; norm gains are left undecayed, as in
+    GPT-2/nanoGPT and Llama.
+    """
+    hparams = module.hparams
+    params = [p for p in module.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": hparams.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    # fused=False keeps the portable implementation whatever device or DTensor a strategy leaves the parameters on.
+    optimizer = torch.optim.AdamW(groups, lr=hparams.learning_rate, betas=tuple(hparams.betas), fused=False)
+    schedule = WarmupCosine(hparams.warmup_steps, _total_steps(module), hparams.min_lr_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _total_steps(module: pl.LightningModule) -> int | None:
+    if module.hparams.max_steps is not None:
+        return module.hparams.max_steps
+    # `module.trainer` raises when detached; the private attribute lets the module be used on its own.
+    if module._trainer is None:
+        return None
+    estimated = module._trainer.estimated_stepping_batches
+    # Infinite training reports inf (or -1 for an iterable dataset without max_steps).
+    return int(estimated) if math.isfinite(estimated) and estimated > 0 else None
+
+
+class NextTokenLM(pl.LightningModule):
+    """Next-token training shared by the project's models. A subclass gives the model contract (``split_batch``,
+    ``forward``, ``loss_fn``) and the optimizer's hyper-parameters; this logs ``train_loss`` / ``val_loss`` /
+    ``test_loss`` (averaged over ranks) and configures AdamW with warmup and cosine decay."""
+
+    def _shared_step(self, batch: Any) -> Tensor:
+        inputs, targets = self.split_batch(batch)
+        return self.loss_fn(self(inputs), targets)
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._shared_step(batch)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._shared_step(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    @override
+    def test_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._shared_step(batch)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    @override
+    def configure_optimizers(self) -> Any:
+        return adamw_warmup_cosine(self)
+
+
+class LlamaLM(NextTokenLM):
     """Next-token language modelling with :class:`~lightning_par.models.llama.Transformer`.
 
     Model contract (pipeline and tensor-parallel strategies rely on these three methods rather than on
@@ -118,14 +182,9 @@ class LlamaLM(pl.LightningModule):
         the weighted load-balancing and z-losses of the mixture-of-experts blocks of the same forward."""
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1)) + self.model.auxiliary_loss()
 
-    def _shared_step(self, batch: Tensor) -> Tensor:
-        inputs, targets = self.split_batch(batch)
-        return self.loss_fn(self(inputs), targets)
-
     @override
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        loss = self._shared_step(batch)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        loss = super().training_step(batch, batch_idx)
         self._log_routing()
         return loss
 
@@ -141,51 +200,6 @@ class LlamaLM(pl.LightningModule):
         load = sum(s.tokens_per_expert for s in stats).float()
         for expert, share in enumerate((load / load.sum()).tolist()):
             self.log(f"moe/load_expert_{expert}", share, sync_dist=True)
-
-    @override
-    def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        loss = self._shared_step(batch)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
-
-    @override
-    def test_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        loss = self._shared_step(batch)
-        self.log("test_loss", loss, sync_dist=True)
-        return loss
-
-    def _total_steps(self) -> int | None:
-        if self.hparams.max_steps is not None:
-            return self.hparams.max_steps
-        # `self.trainer` raises when detached; the private attribute lets the module be used on its own.
-        if self._trainer is None:
-            return None
-        estimated = self._trainer.estimated_stepping_batches
-        # Infinite training reports inf (or -1 for an iterable dataset without max_steps).
-        return int(estimated) if math.isfinite(estimated) and estimated > 0 else None
-
-    @override
-    def configure_optimizers(self) -> Any:
-        """AdamW (Loshchilov & Hutter 2019) with warmup + cosine decay, stepped every optimizer step.
-
-        Weight decay applies to matrices (linear and embedding weights) only; norm gains are left
-        undecayed, as in GPT-2/nanoGPT and Llama.
-        """
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [
-            {"params": decay, "weight_decay": self.hparams.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        # fused=False keeps the portable implementation whatever device or DTensor a strategy leaves
-        # the parameters on.
-        optimizer = torch.optim.AdamW(
-            groups, lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas), fused=False
-        )
-        schedule = WarmupCosine(self.hparams.warmup_steps, self._total_steps(), self.hparams.min_lr_ratio)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token of the model (PaLM appendix B); used by the MFU callback."""

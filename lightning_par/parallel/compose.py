@@ -166,13 +166,13 @@ def parallelize(
     if applied is not None and applied != layout:
         raise ValueError(f"this module was parallelized for {applied[1].describe()} already and cannot be "
                          f"re-laid out as {config.describe()}; build a new module (or load a checkpoint into one)")
+    stages = None
     if applied is None:
         if config.tp > 1 and plan is not None and sample_batch is not None:  # 0: the plan, checked
             plan, notes = check_plan(model, mesh, plan, sample_batch[0], sequence_parallel=config.sequence_parallel,
                                      loss_parallel=config.loss_parallel, apply=apply_tensor_parallel)
             if log is not None:
                 log(f"tensor-parallel plan ({plan.source}) checked on a sample: " + ("; ".join(notes) or "as planned"))
-        stages = None
         if config.pp > 1:  # 1
             stages = split_pipeline(model, mesh, plan, schedule=config.pp_schedule,
                                     virtual_stages=config.pp_virtual_stages, balance_by=config.pp_balance,
@@ -192,13 +192,15 @@ def parallelize(
         if stages is not None:  # 1, completed: each stage's view of the blocks as they now are
             setattr(model, _STAGES_ATTRIBUTE, build_stages(model, stages, mesh, device,
                                                           sequence_parallel=config.sequence_parallel))
-            by_name = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
-            setattr(model, _TIES_ATTRIBUTE, StageTies({by_name[n]: ranks for n, ranks in stages.shared.items()
-                                                       if n in by_name and by_name[n].requires_grad}, mesh))
         setattr(model, _LAYOUT_ATTRIBUTE, layout)
     materialize_meta_parameters(model, device)
-    if applied is None and stage_ties(model) is not None:
-        stage_ties(model).make_equal()  # copies of one tensor on several stages start equal
+    if stages is not None:
+        # After allocation: a model built on the meta device gets new parameter objects there.
+        by_name = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+        ties = StageTies({by_name[n]: ranks for n, ranks in stages.shared.items()
+                          if n in by_name and by_name[n].requires_grad}, mesh)
+        setattr(model, _TIES_ATTRIBUTE, ties)
+        ties.make_equal()  # copies of one tensor on several stages start equal
     if config.zero_stage == 3:
         return model
     if not training or config.zero_stage == 2 or reduces_gradients_after_backward(config):

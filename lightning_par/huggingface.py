@@ -1,0 +1,108 @@
+"""Hugging Face model directories in and out: pretrained safetensors read into any layout, checkpoints written back
+as a directory ``from_pretrained`` reads.
+
+In: :func:`load_huggingface_weights` reads through ``torch.distributed.checkpoint``'s ``HuggingFaceStorageReader``,
+so each rank reads only the slices of the safetensors its shards and stages hold. Out:
+:func:`export_huggingface` consolidates a checkpoint of any layout (one process, as ``lightning-par-export``) and
+writes ``config.json`` and safetensors (sharded with an index above ``max_shard_size``) with transformers' own
+``save_pretrained``, plus the tokenizer files of the directory the model was fine-tuned from. No parser of ours.
+
+transformers is imported only here, and only when called (the ``hf`` extra). No lightning import.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from lightning_par import checkpoint_validation as check
+from lightning_par.checkpoint import _move_into_place, _staging_path, consolidated_weights, with_aliases
+from lightning_par.parallel.ties import tied_aliases
+from lightning_par.parallel.zero import materialize_meta_parameters
+
+__all__ = ["load_huggingface_weights", "export_huggingface", "model_config", "TOKENIZER_FILES"]
+
+# What a tokenizer saved with save_pretrained leaves in the model directory (those present are copied on export).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json")
+_MODULE_PREFIX = "model."  # HFCausalLM keeps the Hugging Face model as ``self.model``
+
+
+def load_huggingface_weights(module: nn.Module, directory: str | os.PathLike, *,
+                             device: torch.device | str = "cpu") -> None:
+    """Read a Hugging Face model directory's safetensors (one file, or sharded with an index) into ``module`` as
+    this rank holds it: its tensor-parallel and FSDP shards, its pipeline stages. Each rank reads only the slices
+    it needs; parameters still on the meta device are allocated on ``device`` first. Names and shapes are checked
+    before anything is read, with the same message on every rank. Collective when a process group is up."""
+    directory = Path(directory)
+    materialize_meta_parameters(module, torch.device(device))
+    aliases = tied_aliases(module)  # safetensors stores a tied head once, under the embedding's name
+    state = {name: value for name, value in get_model_state_dict(module).items() if name not in aliases}
+    expected = check.expected_shapes(state)
+    try:
+        saved = check.saved_shapes(HuggingFaceStorageReader(str(directory)).read_metadata(), prefix="")
+        problem = check.model_problem(directory, saved, expected, strict=True, what="model directory")
+    except Exception as error:  # noqa: BLE001 - a directory the reader cannot index is the problem to report
+        problem = f"model directory {str(directory)!r} cannot be read: {check.one_line(error)}"
+    check.agree(problem)
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)))
+    set_model_state_dict(module, with_aliases(state, aliases))
+
+
+def model_config(hyper_parameters: dict[str, Any]) -> Any:
+    """The transformers config of an HFCausalLM from its hyper-parameters: the pretrained directory's
+    ``config.json``, or the ``config`` arguments."""
+    from transformers import AutoConfig
+
+    pretrained, arguments = hyper_parameters.get("pretrained"), hyper_parameters.get("config")
+    if pretrained is not None and (Path(pretrained) / "config.json").is_file():
+        return AutoConfig.from_pretrained(pretrained)
+    if arguments is not None:
+        arguments = dict(arguments)
+        return AutoConfig.for_model(arguments.pop("model_type"), **arguments)
+    raise ValueError("the checkpoint does not say which Hugging Face model it holds: its hyper-parameters have "
+                     f"neither config nor a pretrained directory that still exists (pretrained={pretrained!r}); "
+                     "export checkpoints of lightning_par.models.HFCausalLM")
+
+
+def export_huggingface(checkpoint: str | os.PathLike, output: str | os.PathLike, *, weights_only: bool | None = None,
+                       max_shard_size: str | int = "5GB") -> Path:
+    """Write an HFCausalLM checkpoint of any layout (sharded or full) as a Hugging Face model directory: the model's
+    ``config.json``, its weights as safetensors (sharded with ``model.safetensors.index.json`` above
+    ``max_shard_size``), and the tokenizer files of the pretrained directory when it has them.
+    ``AutoModelForCausalLM.from_pretrained(output)`` then gives the trained model. Atomic: the directory is
+    written beside ``output`` and renamed into place when complete. One process; returns ``output``."""
+    from transformers import AutoModelForCausalLM
+
+    output = Path(output)
+    weights, saved = consolidated_weights(checkpoint, weights_only=weights_only)
+    config = model_config(saved.get("hyper_parameters", {}))
+    prefixed = all(name.startswith(_MODULE_PREFIX) for name in weights)
+    weights = {name[len(_MODULE_PREFIX):] if prefixed else name: tensor for name, tensor in weights.items()}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    problem = check.model_problem(Path(checkpoint), {n: tuple(t.shape) for n, t in weights.items()}, expected,
+                                  strict=True)
+    if problem:
+        raise check.CheckpointError(problem)
+    model.load_state_dict({name: weights[name] for name in expected}, assign=True)
+    model.tie_weights()
+    staging = _staging_path(output)
+    if staging.exists():
+        shutil.rmtree(staging)
+    model.save_pretrained(staging, max_shard_size=max_shard_size)
+    pretrained = saved.get("hyper_parameters", {}).get("pretrained")
+    for name in TOKENIZER_FILES if pretrained else ():
+        if (Path(pretrained) / name).is_file():
+            shutil.copy(Path(pretrained) / name, staging / name)
+    _move_into_place(staging, output)
+    return output

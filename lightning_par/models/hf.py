@@ -1,0 +1,158 @@
+"""HFCausalLM: any Hugging Face ``AutoModelForCausalLM`` as a LightningModule, built on the meta device and filled
+from a local pretrained directory only once its layout is applied.
+
+No rank ever holds the whole pretrained model: ``configure_model`` builds it on the meta device, the strategy
+splits and shards it (allocating each rank's part), and then ``torch.distributed.checkpoint`` reads the
+safetensors through ``HuggingFaceStorageReader``, each rank only the slices its shards need. Tied weights (a
+head tied to the embedding, which safetensors stores once) stay one tensor.
+
+Model contract (as :class:`~lightning_par.models.LlamaLM`): ``split_batch``, ``forward(input_ids) -> logits``,
+``loss_fn``. Batches are token tensors (B, T + 1) or Hugging Face-style dicts with ``input_ids`` and optional
+``labels`` (-100 where no loss is taken) and ``attention_mask`` (0 marks padding, which takes no loss).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_par.models.lightning_module import NextTokenLM
+
+IGNORE_INDEX = -100  # Hugging Face's label for positions that take no loss
+
+
+class HFCausalLM(NextTokenLM):
+    """Next-token training of a Hugging Face causal LM, from a local pretrained directory or from a config.
+
+    Args:
+        pretrained: a local directory with ``config.json`` and the weights as safetensors (one file, or sharded
+            with ``model.safetensors.index.json``), as ``save_pretrained`` writes it. Nothing is downloaded.
+        config: instead of ``pretrained``, the model's configuration as keyword arguments of
+            ``AutoConfig.for_model`` (``model_type`` first), with random initial weights.
+        learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio, max_steps: AdamW with warmup and cosine
+            decay, as ``LlamaLM``.
+    """
+
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        config: dict[str, Any] | None = None,
+        learning_rate: float = 3e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.1,
+        max_steps: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if (pretrained is None) == (config is None):
+            raise ValueError("HFCausalLM needs exactly one of pretrained (a local model directory) and config (the "
+                             f"arguments of AutoConfig.for_model); got pretrained={pretrained!r}, config={config!r}")
+        self.model_config = _pretrained_config(Path(pretrained)) if pretrained is not None else _config(config)
+        self.model: torch.nn.Module | None = None
+        self._pretrained_loaded = False
+
+    @override
+    def configure_model(self) -> None:
+        """Build the model on the meta device: the strategy allocates each rank's part once the layout is applied."""
+        if self.model is not None:
+            return
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            self.model = AutoModelForCausalLM.from_config(self.model_config, attn_implementation="sdpa")
+
+    def split_batch(self, batch: Tensor | Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """A batch -> inputs (B, T) and next-token targets (B, T), -100 where no loss is taken."""
+        if isinstance(batch, Tensor) and batch.dim() == 2:
+            return batch[:, :-1], batch[:, 1:]
+        if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), Tensor):
+            ids = batch["input_ids"]
+            targets = batch.get("labels", ids)[:, 1:]
+            mask = batch.get("attention_mask")
+            if mask is not None:
+                targets = targets.masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
+            return ids[:, :-1], targets
+        raise TypeError("HFCausalLM expects token ids (B, T + 1) or a dict with 'input_ids', got "
+                        f"{type(batch).__name__}")
+
+    @override
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.model(input_ids=input_ids).logits
+
+    def loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean cross-entropy over the positions that take a loss, on fp32 logits."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE_INDEX)
+
+    # ---------------------------------------------------------------------------- pretrained weights
+    @override
+    def on_fit_start(self) -> None:
+        self.load_pretrained()
+
+    @override
+    def on_validation_start(self) -> None:
+        self.load_pretrained()
+
+    @override
+    def on_test_start(self) -> None:
+        self.load_pretrained()
+
+    @override
+    def on_predict_start(self) -> None:
+        self.load_pretrained()
+
+    def load_pretrained(self) -> None:
+        """Read the pretrained weights into the model as this rank holds it (its shards, its pipeline stages).
+        Collective under a process group. Runs once, after the strategy has applied the layout; not when the run
+        resumes from a checkpoint (``ckpt_path``), whose weights Lightning loads instead."""
+        if self._pretrained_loaded or self.hparams.pretrained is None:
+            return
+        self._pretrained_loaded = True
+        trainer = self._trainer
+        if trainer is not None and trainer.ckpt_path is not None:
+            return
+        from lightning_par.huggingface import load_huggingface_weights
+
+        load_huggingface_weights(self.model, Path(self.hparams.pretrained), device=self.device)
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (PaLM appendix B): 6 per parameter outside the embedding, plus attention's
+        12 x layers x hidden size x sequence length."""
+        config = self.model_config
+        embedding = config.vocab_size * config.hidden_size
+        parameters = sum(p.numel() for p in self.model.parameters()) if self.model is not None else 0
+        seq_len = seq_len or getattr(config, "max_position_embeddings", 0)
+        return 6 * (parameters - embedding) + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def _pretrained_config(directory: Path) -> Any:
+    from transformers import AutoConfig
+
+    if not directory.is_dir():
+        raise ValueError(f"pretrained={str(directory)!r} is not a directory: give a local model directory as "
+                         "save_pretrained writes it (config.json and safetensors); nothing is downloaded")
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"pretrained={str(directory)!r} has no config.json: it is not a model directory written by "
+                         "save_pretrained")
+    if not any(directory.glob("*.safetensors")):
+        found = sorted(p.name for p in directory.iterdir())[:6]
+        raise ValueError(f"pretrained={str(directory)!r} holds no .safetensors weights (it holds {found}); save the "
+                         "model with save_pretrained(safe_serialization=True)")
+    return AutoConfig.from_pretrained(directory)
+
+
+def _config(arguments: dict[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    arguments = dict(arguments)
+    model_type = arguments.pop("model_type", None)
+    if model_type is None:
+        raise ValueError(f"config={arguments!r} needs model_type (e.g. 'llama', 'qwen2', 'gpt2')")
+    return AutoConfig.for_model(model_type, **arguments)

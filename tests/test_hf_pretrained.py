@@ -1,0 +1,127 @@
+"""A local pretrained Hugging Face directory loads into every layout, each rank reading only its part, with the
+weights ``from_pretrained`` gives (tiny models made here with ``save_pretrained``; nothing is downloaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from harness import run_distributed
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = {
+    # Llama with its head tied to the embedding (safetensors stores the tensor once).
+    "llama-tied": dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # Qwen2: biases on the query/key/value projections, an untied head.
+    "qwen2": dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+}
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    directories = {}
+    for name, arguments in FAMILIES.items():
+        arguments = dict(arguments)
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(arguments.pop("model_type"), **arguments)
+        directory = tmp_path_factory.mktemp(name)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+        directories[name] = directory
+    return directories
+
+
+def _strategy(layout: str):
+    from lightning_par import Hybrid3DStrategy, PipelineParallelStrategy, TensorParallelStrategy, ZeroStrategy
+
+    return {"zero3": lambda: ZeroStrategy(stage=3),
+            "tp2": lambda: TensorParallelStrategy(tensor_parallel_size=2),
+            "pp2": lambda: PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2),
+            "dp2xtp2": lambda: Hybrid3DStrategy(data_parallel_size=2, tensor_parallel_size=2)}[layout]()
+
+
+def _load(rank: int, world_size: int, directories: list[str], layout: str) -> list[dict]:
+    """Validate each pretrained model under ``layout`` (loading its weights), then train two steps; return the
+    whole weights (rank 0) and the losses."""
+    import lightning
+
+    from lightning_par.data import TokenDataModule
+    from lightning_par.models import HFCausalLM
+
+    results = []
+    for directory in directories:
+        module = HFCausalLM(pretrained=directory, learning_rate=1e-3)
+        data = TokenDataModule(source="synthetic", vocab_size=64, seq_len=16, batch_size=4, num_samples=32,
+                               num_val_samples=8)
+        trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=_strategy(layout), max_steps=2,
+                                    limit_val_batches=1, logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+        validated = trainer.validate(module, datamodule=data, verbose=False)[0]["val_loss"]
+        weights = {name: tensor.clone() for name, tensor in trainer.strategy.consolidated_state_dict().items()}
+        trainer.fit(module, datamodule=data)
+        results.append({"weights": weights, "val_loss": validated,
+                        "train_loss": float(trainer.callback_metrics["train_loss"])})
+    return results
+
+
+@pytest.mark.parametrize("layout", ["zero3", "tp2", "pp2", "dp2xtp2"])
+def test_pretrained_weights_load_into_every_layout(pretrained: dict[str, Path], layout: str) -> None:
+    """The weights every rank loaded, gathered, equal from_pretrained's, tied head included; the validation loss
+    equals the unsplit model's, and fine-tuning runs."""
+    world_size = 4 if layout == "dp2xtp2" else 2
+    ranks = run_distributed(_load, world_size, [str(d) for d in pretrained.values()], layout)
+    for name, result in zip(pretrained, ranks[0]):
+        reference = transformers.AutoModelForCausalLM.from_pretrained(pretrained[name])
+        gathered = {key.removeprefix("model."): tensor for key, tensor in result["weights"].items()}
+        assert set(gathered) == set(reference.state_dict()), name
+        for key, tensor in reference.state_dict().items():
+            assert torch.equal(gathered[key], tensor), (name, key)
+        assert torch.isfinite(torch.tensor(result["train_loss"])), name
+
+
+def _fine_tune(rank: int, world_size: int, directory: str, layout: str, checkpoints: str) -> dict:
+    """Two steps of fine-tuning under ``layout``, saving a sharded checkpoint; return the trained weights."""
+    import lightning
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_par.data import TokenDataModule
+    from lightning_par.models import HFCausalLM
+
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=_strategy(layout), max_steps=2,
+                                limit_val_batches=0, logger=False, enable_progress_bar=False,
+                                enable_model_summary=False, num_sanity_val_steps=0,
+                                callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last=True)])
+    data = TokenDataModule(source="synthetic", vocab_size=64, seq_len=16, batch_size=4, num_samples=32)
+    trainer.fit(HFCausalLM(pretrained=directory, learning_rate=1e-2), datamodule=data)
+    return {name: tensor.clone() for name, tensor in trainer.strategy.consolidated_state_dict().items()}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "zero3"])
+def test_export_round_trips_through_from_pretrained(pretrained: dict[str, Path], tmp_path: Path,
+                                                    layout: str) -> None:
+    """A sharded checkpoint of a fine-tune under ``layout`` -> ``lightning-par-export --format hf`` -> a directory
+    ``from_pretrained`` loads, with the trained weights (tied head included) and the trained model's logits."""
+    import subprocess
+    import sys
+
+    source = pretrained["llama-tied"]
+    trained = run_distributed(_fine_tune, 2, str(source), layout, str(tmp_path / "ckpt"))[0]
+    exported = tmp_path / "exported"
+    command = [sys.executable, "-m", "lightning_par.checkpoint", str(tmp_path / "ckpt" / "last.ckpt"), str(exported),
+               "--format", "hf"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    reference = transformers.AutoModelForCausalLM.from_pretrained(source)
+    reference.load_state_dict({name.removeprefix("model."): tensor for name, tensor in trained.items()})
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    assert not torch.equal(reference.model.embed_tokens.weight,
+                           transformers.AutoModelForCausalLM.from_pretrained(source).model.embed_tokens.weight)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, reference(tokens).logits, rtol=0, atol=1e-5)
