@@ -15,11 +15,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 REPO = Path(__file__).resolve().parents[1]
 
 
-# Every shipped config trains here except: zero1 and zero2, which differ from zero3.yaml only in the stage
-# (tests/test_docs.py parses them as documented, test_zero.py trains both stages); hybrid3d, which
-# tests/test_slurm.py trains as a two-node SLURM job and checks the same way.
-CONFIGS = sorted(path.stem for path in (REPO / "configs").glob("*.yaml")
-                 if path.stem not in ("zero1", "zero2", "hybrid3d"))
+# Every shipped config trains here, as it is (tests/test_slurm.py also trains hybrid3d as a two-node SLURM job).
+CONFIGS = sorted(path.stem for path in (REPO / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
