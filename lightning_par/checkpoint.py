@@ -49,7 +49,6 @@ MODEL_KEY = "state_dict"  # Lightning's own key for the model weights
 TIED_KEY = "lightning_par_tied_parameters"
 OPTIMIZERS_KEY = "optimizer_states"  # Lightning's own key: a list, one entry per optimizer
 META_FILE = "meta.pt"
-_DCP_METADATA = ".metadata"
 
 
 def model_state_dict(module: nn.Module, *, full: bool, aliases: bool = True) -> dict[str, Any]:
@@ -123,7 +122,7 @@ def _load_optimizer_state(module: nn.Module, optimizer: Optimizer, state: dict[s
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     path = Path(path)
-    return path.is_dir() and (path / _DCP_METADATA).is_file()
+    return path.is_dir() and (path / check.DCP_INDEX).is_file()
 
 
 def save_checkpoint(
@@ -249,20 +248,22 @@ def load_checkpoint(
     """
     path = Path(path)
     aliases = tied_aliases(module)
+    # This rank's part of the model: the shapes to check, the names it loads, DCP's template.
+    local = model_state_dict(module, full=False, aliases=False)
     # Every rank checks what it can before any tensor is read, and all raise the first problem found.
-    expected = check.expected_shapes(model_state_dict(module, full=False, aliases=False))
+    expected = check.expected_shapes(local)
     problem, checkpoint, metadata = _check_before_loading(path, expected, len(optimizers), strict, weights_only)
     check.agree(problem)
     checkpoint.pop(check.FORMAT_KEY, None)
     try:
         if metadata is not None:
-            _load_sharded(path, module, optimizers, aliases, strict)
+            _load_sharded(path, module, local, optimizers, aliases, strict)
         else:
             # A rank of a pipeline holds some of the model: the weights of the other ranks' stages are theirs to
             # load (names no rank holds stay, for a strict load to refuse).
             weights = with_aliases(checkpoint.pop(MODEL_KEY), aliases)
-            own = model_state_dict(module, full=False)
-            weights = {name: tensor for name, tensor in weights.items() if name in own or name not in expected}
+            weights = {name: tensor for name, tensor in weights.items()
+                       if name in local or name in aliases or name not in expected}
             full = StateDictOptions(full_state_dict=True, strict=strict)
             set_model_state_dict(module, weights, options=full)
             for optimizer, state in zip(optimizers, checkpoint.pop(OPTIMIZERS_KEY, [])):
@@ -304,9 +305,9 @@ def _check_before_loading(path: Path, expected: dict[str, tuple[int, ...]], opti
     return problem, checkpoint, metadata
 
 
-def _load_sharded(path: Path, module: nn.Module, optimizers: list[Optimizer], aliases: dict[str, str],
-                  strict: bool) -> None:
-    model_state = {MODEL_KEY: model_state_dict(module, full=False, aliases=False)}
+def _load_sharded(path: Path, module: nn.Module, local: dict[str, Any], optimizers: list[Optimizer],
+                  aliases: dict[str, str], strict: bool) -> None:
+    model_state = {MODEL_KEY: local}  # this rank's tensors, filled by DCP
     dcp.load(model_state, checkpoint_id=path)
     set_model_state_dict(module, with_aliases(model_state[MODEL_KEY], aliases), options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):

@@ -30,6 +30,7 @@ __all__ = ["CheckpointError", "FORMAT", "FORMAT_KEY", "agree", "file_problem", "
 FORMAT = 1
 FORMAT_KEY = "lightning_par_checkpoint_format"
 _MODEL_PREFIX = "state_dict."
+DCP_INDEX = ".metadata"  # what torch.distributed.checkpoint writes last, naming every file and tensor
 _SHOWN = 3  # mismatching names shown in a message
 
 
@@ -56,7 +57,7 @@ def file_problem(path: Path) -> str | None:
 
 def sharded_problem(path: Path, *, meta_file: str) -> tuple[str | None, Metadata | None]:
     """Why the directory ``path`` is not a complete sharded checkpoint (None if it is), and its DCP index."""
-    if not (path / ".metadata").is_file():
+    if not (path / DCP_INDEX).is_file():
         found = sorted(p.name for p in path.iterdir())[:5]
         return (f"{str(path)!r} is a directory but not a sharded checkpoint: it has no .metadata (the index "
                 "torch.distributed.checkpoint writes last) and holds " + (", ".join(found) if found else "nothing")

@@ -28,7 +28,8 @@ from lightning_par.checkpoint import _move_into_place, _staging_path, consolidat
 from lightning_par.parallel.ties import tied_aliases
 from lightning_par.parallel.zero import materialize_meta_parameters
 
-__all__ = ["load_huggingface_weights", "export_huggingface", "model_config", "TOKENIZER_FILES"]
+__all__ = ["load_huggingface_weights", "export_huggingface", "model_config", "config_from_arguments",
+           "TOKENIZER_FILES"]
 
 # What a tokenizer saved with save_pretrained leaves in the model directory (those present are copied on export).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -57,6 +58,17 @@ def load_huggingface_weights(module: nn.Module, directory: str | os.PathLike, *,
     set_model_state_dict(module, with_aliases(state, aliases))
 
 
+def config_from_arguments(arguments: dict[str, Any]) -> Any:
+    """A transformers config from ``AutoConfig.for_model``'s arguments, ``model_type`` among them."""
+    from transformers import AutoConfig
+
+    arguments = dict(arguments)
+    model_type = arguments.pop("model_type", None)
+    if model_type is None:
+        raise ValueError(f"config={arguments!r} needs model_type (e.g. 'llama', 'qwen2', 'gpt2')")
+    return AutoConfig.for_model(model_type, **arguments)
+
+
 def model_config(hyper_parameters: dict[str, Any]) -> Any:
     """The transformers config of an HFCausalLM from its hyper-parameters: the pretrained directory's
     ``config.json``, or the ``config`` arguments."""
@@ -66,8 +78,7 @@ def model_config(hyper_parameters: dict[str, Any]) -> Any:
     if pretrained is not None and (Path(pretrained) / "config.json").is_file():
         return AutoConfig.from_pretrained(pretrained)
     if arguments is not None:
-        arguments = dict(arguments)
-        return AutoConfig.for_model(arguments.pop("model_type"), **arguments)
+        return config_from_arguments(arguments)
     raise ValueError("the checkpoint does not say which Hugging Face model it holds: its hyper-parameters have "
                      f"neither config nor a pretrained directory that still exists (pretrained={pretrained!r}); "
                      "export checkpoints of lightning_par.models.HFCausalLM")

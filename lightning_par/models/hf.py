@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_par.huggingface import config_from_arguments, load_huggingface_weights
 from lightning_par.models.lightning_module import NextTokenLM
 
 IGNORE_INDEX = -100  # Hugging Face's label for positions that take no loss
@@ -55,7 +56,8 @@ class HFCausalLM(NextTokenLM):
         if (pretrained is None) == (config is None):
             raise ValueError("HFCausalLM needs exactly one of pretrained (a local model directory) and config (the "
                              f"arguments of AutoConfig.for_model); got pretrained={pretrained!r}, config={config!r}")
-        self.model_config = _pretrained_config(Path(pretrained)) if pretrained is not None else _config(config)
+        self.model_config = (_pretrained_config(Path(pretrained)) if pretrained is not None
+                             else config_from_arguments(config))
         self.model: torch.nn.Module | None = None
         self._pretrained_loaded = False
 
@@ -118,8 +120,6 @@ class HFCausalLM(NextTokenLM):
         trainer = self._trainer
         if trainer is not None and trainer.ckpt_path is not None:
             return
-        from lightning_par.huggingface import load_huggingface_weights
-
         load_huggingface_weights(self.model, Path(self.hparams.pretrained), device=self.device)
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
@@ -146,13 +146,3 @@ def _pretrained_config(directory: Path) -> Any:
         raise ValueError(f"pretrained={str(directory)!r} holds no .safetensors weights (it holds {found}); save the "
                          "model with save_pretrained(safe_serialization=True)")
     return AutoConfig.from_pretrained(directory)
-
-
-def _config(arguments: dict[str, Any]) -> Any:
-    from transformers import AutoConfig
-
-    arguments = dict(arguments)
-    model_type = arguments.pop("model_type", None)
-    if model_type is None:
-        raise ValueError(f"config={arguments!r} needs model_type (e.g. 'llama', 'qwen2', 'gpt2')")
-    return AutoConfig.for_model(model_type, **arguments)
