@@ -125,3 +125,17 @@ def test_export_round_trips_through_from_pretrained(pretrained: dict[str, Path],
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens).logits, reference(tokens).logits, rtol=0, atol=1e-5)
+
+
+def test_flops_per_token_counts_the_whole_model_on_every_stage() -> None:
+    """The MFU monitor's FLOPs come from the whole model, also on a pipeline rank that holds only some blocks."""
+    from lightning_par.models import HFCausalLM
+
+    module = HFCausalLM(config=FAMILIES["qwen2"])
+    module.configure_model()
+    whole = module.flops_per_token(16)
+    config = module.model_config
+    parameters = sum(p.numel() for p in module.model.parameters())
+    assert whole == 6 * (parameters - config.vocab_size * config.hidden_size) + 12 * 2 * 32 * 16
+    del module.model.model.layers[1]  # what a first pipeline stage of two keeps
+    assert module.flops_per_token(16) == whole

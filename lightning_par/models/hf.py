@@ -59,6 +59,7 @@ class HFCausalLM(NextTokenLM):
         self.model_config = (_pretrained_config(Path(pretrained)) if pretrained is not None
                              else config_from_arguments(config))
         self.model: torch.nn.Module | None = None
+        self._parameter_count = 0  # the whole model's, counted when it is built (a pipeline stage holds only a part)
         self._pretrained_loaded = False
 
     @override
@@ -70,6 +71,7 @@ class HFCausalLM(NextTokenLM):
 
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(self.model_config, attn_implementation="sdpa")
+        self._parameter_count = sum(p.numel() for p in self.model.parameters())
 
     def split_batch(self, batch: Tensor | Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         """A batch -> inputs (B, T) and next-token targets (B, T), -100 where no loss is taken."""
@@ -127,9 +129,8 @@ class HFCausalLM(NextTokenLM):
         12 x layers x hidden size x sequence length."""
         config = self.model_config
         embedding = config.vocab_size * config.hidden_size
-        parameters = sum(p.numel() for p in self.model.parameters()) if self.model is not None else 0
         seq_len = seq_len or getattr(config, "max_position_embeddings", 0)
-        return 6 * (parameters - embedding) + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+        return 6 * (self._parameter_count - embedding) + 12 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
 def _pretrained_config(directory: Path) -> Any:
