@@ -139,3 +139,19 @@ def test_flops_per_token_counts_the_whole_model_on_every_stage() -> None:
     assert whole == 6 * (parameters - config.vocab_size * config.hidden_size) + 12 * 2 * 32 * 16
     del module.model.model.layers[1]  # what a first pipeline stage of two keeps
     assert module.flops_per_token(16) == whole
+
+
+def test_dict_batches_take_labels_and_right_padding_and_refuse_left_padding() -> None:
+    """Padding takes no loss; padding the model would attend to (before real tokens) is refused, not trained on."""
+    from lightning_par.models import HFCausalLM
+
+    module = HFCausalLM(config=FAMILIES["qwen2"])
+    ids = torch.arange(10).reshape(2, 5)
+    right = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    inputs, targets = module.split_batch({"input_ids": ids, "attention_mask": right})
+    assert torch.equal(inputs, ids[:, :-1])
+    assert targets.tolist() == [[1, 2, 3, 4], [6, 7, -100, -100]]
+    labels = ids.masked_fill(ids == 3, -100)
+    assert module.split_batch({"input_ids": ids, "labels": labels})[1].tolist() == [[1, 2, -100, 4], [6, 7, 8, 9]]
+    with pytest.raises(ValueError, match="padding only at the end of a sequence"):
+        module.split_batch({"input_ids": ids, "attention_mask": torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])})

@@ -82,6 +82,12 @@ class HFCausalLM(NextTokenLM):
             targets = batch.get("labels", ids)[:, 1:]
             mask = batch.get("attention_mask")
             if mask is not None:
+                # The model runs on input_ids alone (the pipeline contract), causally: padding after the last real
+                # token is never attended to, but padding before or between real tokens would be.
+                if bool((mask[:, 1:] > mask[:, :-1]).any()):
+                    raise ValueError("HFCausalLM takes attention_mask padding only at the end of a sequence (right "
+                                     "padding); this batch has padding before real tokens: pad on the right "
+                                     "(tokenizer.padding_side = 'right') or pack the sequences")
                 targets = targets.masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
             return ids[:, :-1], targets
         raise TypeError("HFCausalLM expects token ids (B, T + 1) or a dict with 'input_ids', got "
