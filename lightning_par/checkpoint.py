@@ -167,13 +167,13 @@ def save_checkpoint(
             torch.save(checkpoint, staging)
 
     try:
-        _on_rank_zero(prepare)
+        on_rank_zero(prepare)
         if sharded and asynchronous:
             written = dcp.async_save(tensors, checkpoint_id=staging, process_group=process_group)
             return _then_move_into_place(written, staging, final, move=rank == 0)
         if sharded:
             dcp.save(tensors, checkpoint_id=staging)
-        _on_rank_zero(lambda: _move_into_place(staging, final))
+        on_rank_zero(lambda: _move_into_place(staging, final))
     except (Exception, CheckpointException) as error:
         raise CheckpointSaveError(_save_failed(final, error)) from error
     return None
@@ -185,17 +185,17 @@ class CheckpointSaveError(RuntimeError):
 
 
 def _save_failed(final: Path, error: BaseException) -> str:
-    cause = str(error) if isinstance(error, _RankZeroFailed) else check.one_line(error)
+    cause = str(error) if isinstance(error, RankZeroFailed) else check.one_line(error)
     return (f"saving checkpoint {str(final)!r} failed: {cause}. Nothing was put in its place: the checkpoints saved "
             f"before it are intact (its partial files are in {str(final.parent / STAGING_DIR)!r}, removed by the "
             "next save)")
 
 
-class _RankZeroFailed(RuntimeError):
-    pass
+class RankZeroFailed(RuntimeError):
+    """What rank 0 raised in :func:`on_rank_zero`, raised on every rank (its message starts with "rank 0: ")."""
 
 
-def _on_rank_zero(action: Callable[[], None]) -> None:
+def on_rank_zero(action: Callable[[], None]) -> None:
     """Run ``action`` on rank 0; every rank raises if it failed (in place of a barrier, so no rank waits for a
     rank 0 that gave up). Collective."""
     failure = None
@@ -209,7 +209,7 @@ def _on_rank_zero(action: Callable[[], None]) -> None:
         dist.broadcast_object_list(box, src=0)
         failure = box[0]
     if failure:
-        raise _RankZeroFailed(failure)
+        raise RankZeroFailed(failure)
 
 
 def _then_move_into_place(written: Future, staging: Path, final: Path, *, move: bool) -> Future:
@@ -467,6 +467,8 @@ def _rank() -> int:
 
 
 __all__ = [
+    "RankZeroFailed",
+    "on_rank_zero",
     "model_state_dict",
     "optimizer_state_dict",
     "save_checkpoint",

@@ -28,7 +28,7 @@ from lightning_par.checkpoint import _move_into_place, _staging_path, consolidat
 from lightning_par.parallel.ties import tied_aliases
 from lightning_par.parallel.zero import materialize_meta_parameters
 
-__all__ = ["load_huggingface_weights", "export_huggingface", "model_config", "config_from_arguments",
+__all__ = ["load_huggingface_weights", "export_huggingface", "save_huggingface", "model_config", "config_from_arguments",
            "TOKENIZER_FILES"]
 
 # What a tokenizer saved with save_pretrained leaves in the model directory (those present are copied on export).
@@ -86,22 +86,32 @@ def model_config(hyper_parameters: dict[str, Any]) -> Any:
 
 def export_huggingface(checkpoint: str | os.PathLike, output: str | os.PathLike, *, weights_only: bool | None = None,
                        max_shard_size: str | int = "5GB") -> Path:
-    """Write an HFCausalLM checkpoint of any layout (sharded or full) as a Hugging Face model directory: the model's
-    ``config.json``, its weights as safetensors (sharded with ``model.safetensors.index.json`` above
-    ``max_shard_size``), and the tokenizer files of the pretrained directory when it has them.
-    ``AutoModelForCausalLM.from_pretrained(output)`` then gives the trained model. Atomic: the directory is
-    written beside ``output`` and renamed into place when complete. One process; returns ``output``."""
+    """Write an HFCausalLM checkpoint of any layout (sharded or full) as a Hugging Face model directory (see
+    :func:`save_huggingface`). One process; returns ``output``."""
+    weights, saved = consolidated_weights(checkpoint, weights_only=weights_only)
+    hyper_parameters = saved.get("hyper_parameters", {})
+    return save_huggingface(weights, model_config(hyper_parameters), output, source=checkpoint,
+                            tokenizer_from=hyper_parameters.get("pretrained"), max_shard_size=max_shard_size)
+
+
+def save_huggingface(weights: dict[str, torch.Tensor], config: Any, output: str | os.PathLike, *,
+                     source: str | os.PathLike | None = None, tokenizer_from: str | os.PathLike | None = None,
+                     max_shard_size: str | int = "5GB") -> Path:
+    """Write whole ``weights`` (an HFCausalLM's, ``model.``-prefixed, or the bare model's) of the model ``config``
+    describes as a Hugging Face model directory: ``config.json``, the weights as safetensors (sharded with
+    ``model.safetensors.index.json`` above ``max_shard_size``) and the tokenizer files found in ``tokenizer_from``.
+    ``AutoModelForCausalLM.from_pretrained(output)`` then gives that model. Atomic: the directory is written beside
+    ``output`` and renamed into place when complete. Names and shapes are checked first (``source``, the checkpoint
+    the weights came from, names them in the message)."""
     from transformers import AutoModelForCausalLM
 
     output = Path(output)
-    weights, saved = consolidated_weights(checkpoint, weights_only=weights_only)
-    config = model_config(saved.get("hyper_parameters", {}))
     prefixed = all(name.startswith(_MODULE_PREFIX) for name in weights)
     weights = {name[len(_MODULE_PREFIX):] if prefixed else name: tensor for name, tensor in weights.items()}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    problem = check.model_problem(Path(checkpoint), {n: tuple(t.shape) for n, t in weights.items()}, expected,
+    problem = check.model_problem(Path(source or output), {n: tuple(t.shape) for n, t in weights.items()}, expected,
                                   strict=True)
     if problem:
         raise check.CheckpointError(problem)
@@ -111,9 +121,8 @@ def export_huggingface(checkpoint: str | os.PathLike, output: str | os.PathLike,
     if staging.exists():
         shutil.rmtree(staging)
     model.save_pretrained(staging, max_shard_size=max_shard_size)
-    pretrained = saved.get("hyper_parameters", {}).get("pretrained")
-    for name in TOKENIZER_FILES if pretrained else ():
-        if (Path(pretrained) / name).is_file():
-            shutil.copy(Path(pretrained) / name, staging / name)
+    for name in TOKENIZER_FILES if tokenizer_from else ():
+        if (Path(tokenizer_from) / name).is_file():
+            shutil.copy(Path(tokenizer_from) / name, staging / name)
     _move_into_place(staging, output)
     return output

@@ -8,30 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run_distributed
+from hf_directories import FAMILIES, make_model_directory
 
 transformers = pytest.importorskip("transformers")
-
-FAMILIES = {
-    # Llama with its head tied to the embedding (safetensors stores the tensor once).
-    "llama-tied": dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-    # Qwen2: biases on the query/key/value projections, an untied head.
-    "qwen2": dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
-}
 
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    directories = {}
-    for name, arguments in FAMILIES.items():
-        arguments = dict(arguments)
-        torch.manual_seed(0)
-        config = transformers.AutoConfig.for_model(arguments.pop("model_type"), **arguments)
-        directory = tmp_path_factory.mktemp(name)
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-        directories[name] = directory
-    return directories
+    return {name: make_model_directory(tmp_path_factory.mktemp(name), name) for name in FAMILIES}
 
 
 def _strategy(layout: str):

@@ -273,19 +273,28 @@ def test_profile_balancing_beats_parameter_counts_on_uneven_blocks() -> None:
     assert ratio < 0.9
 
 
+def _half_size_validation_batches(datamodule):
+    """``datamodule`` with validation batches half the training batch: the micro-batch shape changes between
+    evaluation and training, and PyTorch's stages size their buffers at a schedule's first step."""
+    datamodule.val_dataloader = lambda: torch.utils.data.DataLoader(datamodule.val_dataset,
+                                                                    batch_size=datamodule.batch_size // 2)
+    return datamodule
+
+
 def _validate_after_training(rank: int, world_size: int, schedule: str) -> dict:
     import lightning
 
     torch.manual_seed(1234)
     module = make_module()
-    # A sanity validation before training too: evaluating must leave the schedule able to train.
+    # A sanity validation before training too, on smaller batches: evaluating must leave the schedule able to
+    # train, and training must leave it able to evaluate.
     trainer = lightning.Trainer(accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False,
                                 strategy=make_strategy(pipeline_parallel_size=world_size, microbatches=2,
                                                        schedule=schedule),
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                num_sanity_val_steps=1)
+                                num_sanity_val_steps=1, val_check_interval=2)
     datamodule = make_datamodule(batch_size=4)
-    trainer.fit(module, datamodule=datamodule)
+    trainer.fit(module, datamodule=_half_size_validation_batches(datamodule))
     validated = trainer.validate(module, datamodule=datamodule, verbose=False)[0]["val_loss"]
     torch.manual_seed(5)
     tokens = torch.utils.data.DataLoader(torch.randint(0, 64, (4, 16)), batch_size=4)

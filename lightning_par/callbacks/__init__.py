@@ -7,13 +7,15 @@
 - :class:`GradientNormMonitor`: the global gradient norm;
 - :class:`LayoutSummary`: which rank holds which mesh coordinates;
 - :class:`ParallelMonitor`: all of the above, each switchable (on by default in the ``lightning-par`` command);
-- :class:`ParallelProgressBar`: the layout and throughput in the progress bar.
+- :class:`ParallelProgressBar`: the layout and throughput in the progress bar;
+- :class:`HuggingFaceExport`: the trained model saved as a Hugging Face directory when training ends.
 
 Expert load and dropped tokens are logged by the mixture-of-experts model itself (``moe/*``).
 """
 
 from lightning_par.callbacks.communication import CommunicationMonitor
 from lightning_par.callbacks.gradient_norm import GradientNormMonitor
+from lightning_par.callbacks.hf_export import HuggingFaceExport
 from lightning_par.callbacks.layout import LayoutSummary
 from lightning_par.callbacks.memory import MemoryMonitor
 from lightning_par.callbacks.monitor import ParallelMonitor
@@ -24,6 +26,7 @@ from lightning_par.callbacks.throughput import ThroughputMonitor
 __all__ = [
     "CommunicationMonitor",
     "GradientNormMonitor",
+    "HuggingFaceExport",
     "LayoutSummary",
     "MemoryMonitor",
     "ParallelMonitor",

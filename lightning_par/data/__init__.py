@@ -1,7 +1,8 @@
 """Datasets and a LightningDataModule for next-token training that need no download.
 
 ``corpus`` is pure PyTorch (the stdlib byte corpus, window and synthetic datasets);
-``resumable`` a DataLoader that resumes mid-epoch; ``datamodule`` adds the Lightning side, with exact sharding across data-parallel ranks.
+``resumable`` a DataLoader that resumes mid-epoch; ``datamodule`` adds the Lightning side, with exact sharding across data-parallel ranks;
+``text`` and ``text_datamodule`` read local text for fine-tuning, tokenized with a model directory's tokenizer.
 ``TokenDataModule`` is imported lazily (PEP 562) so that the datasets work without Lightning.
 """
 
@@ -14,8 +15,9 @@ from lightning_par.data.resumable import ResumableDataLoader
 
 if TYPE_CHECKING:
     from lightning_par.data.datamodule import TokenDataModule
+    from lightning_par.data.text_datamodule import TextDataModule
 
-__all__ = ["TokenDataModule", "ResumableDataLoader", "TokenWindowDataset", "SyntheticTokenDataset", "load_stdlib_tokens"]
+__all__ = ["TokenDataModule", "TextDataModule", "ResumableDataLoader", "TokenWindowDataset", "SyntheticTokenDataset", "load_stdlib_tokens"]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +25,8 @@ def __getattr__(name: str) -> Any:
         from lightning_par.data.datamodule import TokenDataModule
 
         return TokenDataModule
+    if name == "TextDataModule":
+        from lightning_par.data.text_datamodule import TextDataModule
+
+        return TextDataModule
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""``TokenDataModule``: next-token batches from the stdlib corpus or synthetic sequences.
+"""``TokenDataModule``: next-token batches from the stdlib corpus or synthetic sequences, on ``WindowDataModule``,
+which ``TextDataModule`` (local text files) shares.
 
 Batches are plain ``LongTensor`` of shape ``(B, seq_len + 1)``; the model takes ``[:, :-1]`` as
 inputs and ``[:, 1:]`` as targets.
@@ -24,7 +25,7 @@ from typing_extensions import override
 from lightning_par.data.corpus import SyntheticTokenDataset, TokenWindowDataset, load_stdlib_tokens
 from lightning_par.data.resumable import ResumableDataLoader
 
-__all__ = ["TokenDataModule"]
+__all__ = ["TokenDataModule", "WindowDataModule"]
 
 _SOURCES = ("stdlib", "synthetic")
 # Byte tokens take every value in [0, 256).
@@ -34,64 +35,17 @@ _BYTE_VOCAB = 256
 _VAL_SEED_OFFSET = 2**31
 
 
-class TokenDataModule(pl.LightningDataModule):
-    """Token batches for language-model training, with no download.
+class WindowDataModule(pl.LightningDataModule):
+    """Next-token windows ``(B, seq_len + 1)`` of a token stream per split, trimmed for the data-parallel size and
+    served by the resumable loader. Subclasses build each split's dataset in ``_build(split)``, ``split`` being
+    ``"train"`` or ``"val"``."""
 
-    Args:
-        source: ``"stdlib"`` (the Python standard library sources as bytes, vocab 256) or
-            ``"synthetic"`` (arithmetic progressions, see ``SyntheticTokenDataset``).
-        seq_len: tokens per sample fed to the model; each sample holds ``seq_len + 1`` tokens.
-        batch_size: samples per batch on each data-parallel rank.
-        max_bytes: stdlib only: bytes of corpus to load, both splits together.
-        val_fraction: stdlib only: share of documents (and bytes) held out for validation.
-        vocab_size: token range; must be 256 for ``"stdlib"`` (byte tokens).
-        num_samples: synthetic only: training samples.
-        num_val_samples: synthetic only: validation samples.
-        seed: synthetic only: seed of the sample generator.
-        num_workers: DataLoader worker processes (0 loads in the main process).
-        shuffle: shuffle the training set (Lightning's DistributedSampler shuffles when sharding).
-    """
-
-    def __init__(
-        self,
-        source: str = "stdlib",
-        seq_len: int = 128,
-        batch_size: int = 8,
-        max_bytes: int = 8_000_000,
-        val_fraction: float = 0.05,
-        vocab_size: int = 256,
-        num_samples: int = 4096,
-        num_val_samples: int = 256,
-        seed: int = 0,
-        num_workers: int = 0,
-        shuffle: bool = True,
-    ) -> None:
+    def __init__(self, seq_len: int, batch_size: int, num_workers: int, shuffle: bool) -> None:
         super().__init__()
-        _validate_args(
-            source=source,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            max_bytes=max_bytes,
-            val_fraction=val_fraction,
-            vocab_size=vocab_size,
-            num_samples=num_samples,
-            num_val_samples=num_val_samples,
-            seed=seed,
-            num_workers=num_workers,
-        )
-        self.save_hyperparameters()
-        self.source = source
         self.seq_len = seq_len
         self.batch_size = batch_size
-        self.max_bytes = max_bytes
-        self.val_fraction = val_fraction
-        self.vocab_size = vocab_size
-        self.num_samples = num_samples
-        self.num_val_samples = num_val_samples
-        self.seed = seed
         self.num_workers = num_workers
         self.shuffle = shuffle
-
         # Full datasets, built once and reused across setup() calls (fit, then validate/test).
         self._full: Dict[str, Dataset] = {}
         # Trimmed views handed to the loaders; rebuilt by every setup() for the current trainer.
@@ -100,6 +54,9 @@ class TokenDataModule(pl.LightningDataModule):
         # Trailing samples left out of each split by the last setup(), for logs and tests.
         self.dropped_samples: Dict[str, int] = {}
         self._reported: set = set()
+
+    def _build(self, split: str) -> Dataset:
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ sharding
     def data_parallel_world(self) -> Tuple[int, int]:
@@ -121,27 +78,11 @@ class TokenDataModule(pl.LightningDataModule):
         if key not in self._reported:
             self._reported.add(key)
             rank_zero_info(
-                f"TokenDataModule: dropped the last {n - keep} of {n} {split} samples so that "
+                f"{type(self).__name__}: dropped the last {n - keep} of {n} {split} samples so that "
                 f"{num_replicas} data-parallel ranks get {keep // num_replicas} each "
                 "(DistributedSampler would otherwise repeat samples to even them out)."
             )
         return Subset(dataset, range(keep))
-
-    # ------------------------------------------------------------------ datasets
-    def _build(self, split: str) -> Dataset:
-        if split not in self._full:
-            if self.source == "stdlib":
-                tokens = load_stdlib_tokens(split, max_bytes=self.max_bytes, val_fraction=self.val_fraction)
-                self._full[split] = TokenWindowDataset(tokens, self.seq_len)
-            else:
-                train = split == "train"
-                self._full[split] = SyntheticTokenDataset(
-                    num_samples=self.num_samples if train else self.num_val_samples,
-                    seq_len=self.seq_len,
-                    vocab_size=self.vocab_size,
-                    seed=self.seed if train else self.seed + _VAL_SEED_OFFSET,
-                )
-        return self._full[split]
 
     @override
     def setup(self, stage: Optional[str] = None) -> None:
@@ -184,6 +125,76 @@ class TokenDataModule(pl.LightningDataModule):
         if self.val_dataset is None:
             self.setup("test")
         return self._loader(self.val_dataset, shuffle=False)
+
+
+class TokenDataModule(WindowDataModule):
+    """Token batches for language-model training, with no download.
+
+    Args:
+        source: ``"stdlib"`` (the Python standard library sources as bytes, vocab 256) or
+            ``"synthetic"`` (arithmetic progressions, see ``SyntheticTokenDataset``).
+        seq_len: tokens per sample fed to the model; each sample holds ``seq_len + 1`` tokens.
+        batch_size: samples per batch on each data-parallel rank.
+        max_bytes: stdlib only: bytes of corpus to load, both splits together.
+        val_fraction: stdlib only: share of documents (and bytes) held out for validation.
+        vocab_size: token range; must be 256 for ``"stdlib"`` (byte tokens).
+        num_samples: synthetic only: training samples.
+        num_val_samples: synthetic only: validation samples.
+        seed: synthetic only: seed of the sample generator.
+        num_workers: DataLoader worker processes (0 loads in the main process).
+        shuffle: shuffle the training set (Lightning's DistributedSampler shuffles when sharding).
+    """
+
+    def __init__(
+        self,
+        source: str = "stdlib",
+        seq_len: int = 128,
+        batch_size: int = 8,
+        max_bytes: int = 8_000_000,
+        val_fraction: float = 0.05,
+        vocab_size: int = 256,
+        num_samples: int = 4096,
+        num_val_samples: int = 256,
+        seed: int = 0,
+        num_workers: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        _validate_args(
+            source=source,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            max_bytes=max_bytes,
+            val_fraction=val_fraction,
+            vocab_size=vocab_size,
+            num_samples=num_samples,
+            num_val_samples=num_val_samples,
+            seed=seed,
+            num_workers=num_workers,
+        )
+        super().__init__(seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, shuffle=shuffle)
+        self.save_hyperparameters()
+        self.source = source
+        self.max_bytes = max_bytes
+        self.val_fraction = val_fraction
+        self.vocab_size = vocab_size
+        self.num_samples = num_samples
+        self.num_val_samples = num_val_samples
+        self.seed = seed
+
+    def _build(self, split: str) -> Dataset:
+        if split not in self._full:
+            if self.source == "stdlib":
+                tokens = load_stdlib_tokens(split, max_bytes=self.max_bytes, val_fraction=self.val_fraction)
+                self._full[split] = TokenWindowDataset(tokens, self.seq_len)
+            else:
+                train = split == "train"
+                self._full[split] = SyntheticTokenDataset(
+                    num_samples=self.num_samples if train else self.num_val_samples,
+                    seq_len=self.seq_len,
+                    vocab_size=self.vocab_size,
+                    seed=self.seed if train else self.seed + _VAL_SEED_OFFSET,
+                )
+        return self._full[split]
 
 
 def _validate_args(

@@ -137,7 +137,13 @@ class StageTies:
             for parameter in parameters:
                 if parameter.grad is None:
                     parameter.grad = torch.zeros_like(parameter)
-                grads.append(_local(parameter.grad))
+                grad = parameter.grad
+                if isinstance(grad, DTensor) and grad.placements != parameter.placements:
+                    # DTensor's backward can leave a gradient in another layout than its parameter (a vocabulary-
+                    # parallel embedding's comes back Replicate, while the head's copy is Shard(0)): the copies
+                    # add up shard by shard only in their parameter's layout.
+                    parameter.grad = grad = grad.redistribute(parameter.device_mesh, parameter.placements)
+                grads.append(_local(grad))
             flat = torch._utils._flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=group)
             for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):

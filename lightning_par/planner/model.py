@@ -1,6 +1,7 @@
 """ModelSpec: the shape of a decoder-only transformer, as the planner needs it.
 
-Only sizes: no weights, no torch. Parameter counts follow the reference model
+Only sizes, no weights (a Hugging Face config is checked against its model built on the meta device). Parameter
+counts follow the reference model
 (``lightning_par.models.llama``: RMSNorm, q/k/v/o projections with grouped-query attention, SwiGLU
 gate/up/down, optional mixture-of-experts feed-forwards with a linear router) and Hugging Face's Llama /
 Mistral / Mixtral, which have the same matrices. Training FLOPs per token use the convention of
@@ -20,7 +21,9 @@ from typing import Any
 @dataclass(frozen=True)
 class ModelSpec:
     """Sizes of a Llama-style decoder. ``moe_layers`` counts the blocks whose feed-forward is a mixture of
-    ``moe_experts`` experts (each a SwiGLU of ``expert_ffn_hidden``, default ``ffn_hidden``)."""
+    ``moe_experts`` experts (each a SwiGLU of ``expert_ffn_hidden``, default ``ffn_hidden``). ``ffn_matrices`` is
+    3 for a gated feed-forward (SwiGLU, GeGLU: gate, up, down), 2 for a plain one (GPT-2's up and down).
+    ``attention_head_dim`` is the width of a head where it is not ``hidden / heads`` (Gemma's)."""
 
     vocab_size: int
     hidden: int
@@ -33,6 +36,8 @@ class ModelSpec:
     moe_top_k: int = 2
     moe_layers: int = 0
     expert_ffn_hidden: int | None = None
+    ffn_matrices: int = 3
+    attention_head_dim: int | None = None
     name: str = "model"
 
     def __post_init__(self) -> None:
@@ -40,9 +45,11 @@ class ModelSpec:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelSpec.{field} must be a positive integer, got {value!r}")
-        if self.hidden % self.heads or self.heads % self.kv_heads:
+        if (self.attention_head_dim is None and self.hidden % self.heads) or self.heads % self.kv_heads:
             raise ValueError(f"ModelSpec: hidden={self.hidden} must divide into heads={self.heads}, and heads into "
                              f"kv_heads={self.kv_heads}")
+        if self.ffn_matrices not in (2, 3):
+            raise ValueError(f"ModelSpec.ffn_matrices={self.ffn_matrices!r} must be 3 (gated) or 2 (plain)")
         if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
             raise ValueError(f"ModelSpec.moe_top_k={self.moe_top_k} must be between 1 and moe_experts={self.moe_experts}")
         if not 0 <= self.moe_layers <= self.layers or (self.moe_layers and not self.moe_experts):
@@ -52,7 +59,7 @@ class ModelSpec:
     # ------------------------------------------------------------------------------ derived sizes
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.attention_head_dim or self.hidden // self.heads
 
     @property
     def kv_dim(self) -> int:
@@ -77,18 +84,19 @@ class ModelSpec:
     # ------------------------------------------------------------------------------ parameter counts
     @property
     def attention_params(self) -> int:
-        """q and o are ``hidden x hidden``; k and v ``hidden x kv_dim`` (GQA, Ainslie et al. 2023)."""
-        return 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_dim
+        """q and o are ``hidden x heads·head_dim`` (``hidden x hidden`` but for Gemma's wider heads); k and v
+        ``hidden x kv_dim`` (GQA, Ainslie et al. 2023)."""
+        return 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_dim
 
     @property
     def mlp_params(self) -> int:
-        """A dense SwiGLU feed-forward (Shazeer 2020): gate, up and down."""
-        return 3 * self.hidden * self.ffn_hidden
+        """A dense feed-forward: gate, up and down for SwiGLU (Shazeer 2020), up and down for a plain one."""
+        return self.ffn_matrices * self.hidden * self.ffn_hidden
 
     @property
     def expert_params(self) -> int:
         """The experts of one MoE block (``moe_experts`` SwiGLUs), without the router."""
-        return self.moe_experts * 3 * self.hidden * self.expert_hidden
+        return self.moe_experts * self.ffn_matrices * self.hidden * self.expert_hidden
 
     @property
     def router_params(self) -> int:
@@ -134,7 +142,7 @@ class ModelSpec:
     def active_matmul_params(self) -> int:
         """Matmul weights one token goes through: every attention, the dense or top-k expert feed-forwards
         with their routers, and the head (counted even when tied); no embedding lookup, no norms."""
-        moe_ffn = self.moe_top_k * 3 * self.hidden * self.expert_hidden + self.router_params
+        moe_ffn = self.moe_top_k * self.ffn_matrices * self.hidden * self.expert_hidden + self.router_params
         ffns = sum(moe_ffn if self.moe_layer(i) else self.mlp_params for i in range(self.layers))
         return self.layers * self.attention_params + ffns + self.hidden * self.vocab_size
 
@@ -144,7 +152,8 @@ class ModelSpec:
 
     def block_flops_per_token(self, moe: bool, seq_len: int) -> int:
         """Training FLOPs per token of a dense (or ``moe``) block: its matmuls and its attention."""
-        ffn = self.moe_top_k * 3 * self.hidden * self.expert_hidden + self.router_params if moe else self.mlp_params
+        ffn = (self.moe_top_k * self.ffn_matrices * self.hidden * self.expert_hidden + self.router_params if moe
+               else self.mlp_params)
         return 6 * (self.attention_params + ffn) + 12 * self.hidden * seq_len
 
     @property
@@ -177,18 +186,38 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: Any, name: str | None = None) -> ModelSpec:
-        """From a Hugging Face ``PretrainedConfig`` of the Llama family (Llama, Mistral, Mixtral, Qwen2)."""
+        """From a Hugging Face ``PretrainedConfig`` (or anything with its attribute names).
+
+        A real ``PretrainedConfig`` is checked against the model it describes, built on the meta device: the
+        planner's count of its parameters must be within 2 % of the model's (with a gated or a plain feed-forward,
+        whichever fits), or the architecture is refused, with both counts, rather than planned for as something
+        else (a model with parts ModelSpec does not describe)."""
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
         top_k = getattr(config, "num_experts_per_tok", None) or 2
         expert_ffn = getattr(config, "moe_intermediate_size", None)
-        return cls(vocab_size=config.vocab_size, hidden=config.hidden_size, layers=config.num_hidden_layers,
-                   heads=heads, kv_heads=kv_heads, ffn_hidden=config.intermediate_size,
+        ffn = (getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+               or 4 * config.hidden_size)  # GPT-2's default
+        head_dim = getattr(config, "head_dim", None)
+        spec = cls(vocab_size=config.vocab_size, hidden=config.hidden_size, layers=config.num_hidden_layers,
+                   heads=heads, kv_heads=kv_heads, ffn_hidden=ffn,
                    tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)), moe_experts=int(experts),
                    moe_top_k=int(top_k) if experts else 2, moe_layers=config.num_hidden_layers if experts else 0,
                    expert_ffn_hidden=expert_ffn if experts else None,
+                   attention_head_dim=head_dim if head_dim and head_dim * heads != config.hidden_size else None,
                    name=name or getattr(config, "model_type", None) or "hf-model")
+        actual = _hf_parameter_count(config)
+        if actual is None:
+            return spec
+        closest = min((dataclasses.replace(spec, ffn_matrices=m) for m in (3, 2)),
+                      key=lambda candidate: abs(candidate.total_params - actual))
+        if abs(closest.total_params - actual) > _HF_COUNT_TOLERANCE * actual:
+            raise ValueError(f"the planner cannot describe {spec.name!r}: its model has {actual:,} parameters, the "
+                             f"planner's Llama-style layout of its config {closest.total_params:,} (parts it does not "
+                             "model, such as learned positions or shared experts); give every size instead of "
+                             "'auto', or a ModelSpec to the planner")
+        return closest
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> ModelSpec:
@@ -202,10 +231,11 @@ class ModelSpec:
 
     @classmethod
     def from_module(cls, module: Any) -> ModelSpec:
-        """From a module carrying its configuration as ``.config``, on itself or on its ``.model``
-        (``LlamaLM``, ``Transformer``, a Hugging Face ``...ForCausalLM`` or a LightningModule wrapping one)."""
+        """From a module carrying its configuration as ``.config`` or ``.model_config``, on itself or on its
+        ``.model`` (``LlamaLM``, ``Transformer``, a Hugging Face ``...ForCausalLM``, ``HFCausalLM``, which knows its
+        configuration before it builds its model, or a LightningModule wrapping one)."""
         for owner in (module, getattr(module, "model", None)):
-            config = getattr(owner, "config", None)
+            config = getattr(owner, "config", None) or getattr(owner, "model_config", None)
             if config is None:
                 continue
             try:
@@ -215,6 +245,26 @@ class ModelSpec:
         raise ValueError(f"cannot read the architecture of {type(module).__name__}: the planner looks for a "
                          "LlamaConfig-like or Hugging Face-like `.config` on the module or on its `.model`; give "
                          "ModelSpec(...) explicitly instead")
+
+
+_HF_COUNT_TOLERANCE = 0.02
+
+
+def _hf_parameter_count(config: Any) -> int | None:
+    """Parameters of the model a transformers ``PretrainedConfig`` describes (built on the meta device), or None
+    for another kind of configuration."""
+    if not callable(getattr(config, "to_json_string", None)):
+        return None
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as error:  # noqa: BLE001 - transformers raises many kinds for a config it cannot build
+        raise ValueError(f"transformers cannot build the {getattr(config, 'model_type', '?')!r} model of this "
+                         f"config: {type(error).__name__}: {error}") from error
+    return sum(parameter.numel() for parameter in model.parameters())
 
 
 MODEL_PRESETS: dict[str, ModelSpec] = {

@@ -7,7 +7,7 @@ backward of all micro-batches inside ``training_step`` (DESIGN.md, Lightning int
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,10 @@ class StagedStrategy(MeshStrategy):
                                  "with lightning-par-export instead")
         self._schedule: Any = None
         self._forward_schedule: Any = None  # predict: no targets, no loss
+        self._make_schedule: dict[str, Callable[[], Any]] = {}
+        # The micro-batch shape each schedule was first stepped with, and the one the stages last ran.
+        self._schedule_shape: dict[str, tuple[int, ...]] = {}
+        self._stage_shape: tuple[int, ...] | None = None
         self._accumulate = 1
         self._pending_grads: list[tuple[Tensor, Tensor]] = []
         self._holds_first = self._holds_last = False
@@ -81,12 +85,11 @@ class StagedStrategy(MeshStrategy):
             return module.loss_fn(logits, targets) / (micro * accumulate)
 
         stages = pipeline_stages(module)
-        self._schedule = build_schedule(stages, config.pp_schedule, micro, loss_fn)
+        self._make_schedule = {"train": lambda: build_schedule(stages, config.pp_schedule, micro, loss_fn),
+                               "eval": lambda: build_schedule(stages, config.pp_schedule, micro, None)}
+        self._schedule_shape, self._stage_shape = {}, None
         self._bubble = BubbleMeter(stages, self.root_device)
         self.pipeline_sends = PipelineSends(stages)
-        # torch 2.13's ZB-V runs backward actions when asked to evaluate: forward_through_stages stands in for it.
-        self._forward_schedule = (None if config.pp_schedule == "zbv"
-                                  else build_schedule(stages, config.pp_schedule, micro, None))
         # Fixed for the run: whether this rank feeds the inputs or computes the loss, and which rank does.
         self._holds_first = any(stage.is_first for stage in stages)
         self._holds_last = any(stage.is_last for stage in stages)
@@ -111,13 +114,34 @@ class StagedStrategy(MeshStrategy):
         check_microbatches(config.pp_microbatches, config.pp_schedule, config.pp, inputs.shape[0])
         return (inputs,) if self._holds_first else ()
 
+    def _ready_schedule(self, kind: str, inputs: Tensor) -> Any:
+        """The ``"train"`` or ``"eval"`` schedule, prepared for this batch's micro-batch shape.
+
+        PyTorch's pipeline stages size their receive buffers when a schedule first steps, for that step's
+        micro-batch shape, and keep them: a batch of another shape (validation batches of another size, the short
+        last batch of an epoch) would be received into buffers of the old one, silently, or hang. A schedule is
+        therefore built anew, and so prepares the stages again, whenever the shape differs from the one the stages
+        last ran. Every rank of a pipeline reads the same batch, so they all rebuild together.
+        """
+        shape = (-(-inputs.shape[0] // self.parallel_config.pp_microbatches), *inputs.shape[1:])
+        if self._schedule_shape.get(kind) != shape or self._stage_shape != shape:
+            schedule = self._make_schedule[kind]()
+            if kind == "train":
+                self._schedule = schedule
+            else:
+                self._forward_schedule = schedule
+            self._schedule_shape[kind] = shape
+        self._stage_shape = shape
+        return self._schedule if kind == "train" else self._forward_schedule
+
     def _forward(self, inputs: Tensor) -> Tensor | None:
         """The last stage's output of a forward-only pass (on its rank; None elsewhere)."""
         config = self.parallel_config
-        if self._forward_schedule is None:
+        if config.pp_schedule == "zbv":
+            # torch 2.13's ZB-V runs backward actions when asked to evaluate: forward_through_stages stands in.
             return forward_through_stages(pipeline_stages(self.lightning_module), inputs, self.mesh,
                                           config.pp_schedule, config.pp_virtual_stages)
-        return self._forward_schedule.eval(*self._stage_inputs(inputs), tokens=inputs)
+        return self._ready_schedule("eval", inputs).eval(*self._stage_inputs(inputs), tokens=inputs)
 
     def _run(self, batch: Any, *, train: bool) -> Tensor:
         inputs, targets = self.lightning_module.split_batch(batch)
@@ -127,7 +151,8 @@ class StagedStrategy(MeshStrategy):
         loss = torch.zeros((), device=inputs.device)
         if train:
             self._bubble.start()
-            self._schedule.step(*args, target=target, losses=losses, return_outputs=False, tokens=inputs)
+            self._ready_schedule("train", inputs).step(*args, target=target, losses=losses, return_outputs=False,
+                                                       tokens=inputs)
             self.bubble_fraction = self._bubble.stop()
             if self._holds_last:  # each micro-batch loss was divided by micro x accumulate: report the batch's mean
                 loss = torch.stack(losses).sum().detach() * self._accumulate

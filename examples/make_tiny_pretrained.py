@@ -1,0 +1,95 @@
+"""Make a tiny pretrained-model directory to try the fine-tuning config on, with no download.
+
+    python examples/make_tiny_pretrained.py tiny-pretrained
+    lightning-par fit --config configs/finetune_hf.yaml
+
+writes ``tiny-pretrained/model`` (a small randomly initialised Llama saved with ``save_pretrained``, and a BPE
+tokenizer trained by ``tokenizers`` on a few proverbs) and ``tiny-pretrained/train.jsonl`` (records with a ``text``
+field), which is where ``configs/finetune_hf.yaml`` looks. With a real model, change the config's two paths instead.
+The tests make their model directories with these functions too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 64
+
+FAMILIES = {
+    # Llama with its head tied to the embedding (safetensors stores the tensor once).
+    "llama-tied": dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # Qwen2: biases on the query/key/value projections, an untied head.
+    "qwen2": dict(model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+}
+
+LINES = [
+    "the quick brown fox jumps over the lazy dog",
+    "a stitch in time saves nine",
+    "all that glitters is not gold",
+    "the early bird catches the worm",
+    "actions speak louder than words",
+    "better late than never, but never late is better",
+    "every cloud has a silver lining",
+    "fortune favours the bold and the brave",
+]
+
+
+def save_tokenizer(directory: Path, vocab_size: int = VOCAB) -> None:
+    """A BPE tokenizer of at most ``vocab_size`` tokens, with ``<s>``/``</s>``, trained on :data:`LINES` and saved
+    as ``save_pretrained`` saves it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>", "<pad>"])
+    tokenizer.train_from_iterator(LINES, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>")
+    fast.save_pretrained(directory)
+
+
+def make_model_directory(directory: Path, family: str = "llama-tied", *, tokenizer: bool = True,
+                         seed: int = 0) -> Path:
+    """``directory`` holding a randomly initialised ``family`` model (see :data:`FAMILIES`) and, by default, its
+    tokenizer."""
+    import transformers
+
+    arguments = dict(FAMILIES[family])
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.for_model(arguments.pop("model_type"), **arguments)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    if tokenizer:
+        save_tokenizer(directory)
+    return directory
+
+
+def write_corpus(directory: Path, repeats: int = 6) -> dict[str, Path]:
+    """``proverbs.txt`` (one proverb per paragraph) and ``proverbs.jsonl`` (records ``{"id", "text"}``): the
+    proverbs ``repeats`` times."""
+    directory.mkdir(parents=True, exist_ok=True)
+    text = directory / "proverbs.txt"
+    text.write_text("\n\n".join(LINES * repeats) + "\n")
+    records = directory / "proverbs.jsonl"
+    records.write_text("".join(json.dumps({"id": i, "text": line}) + "\n" for i, line in enumerate(LINES * repeats)))
+    return {"text": text, "jsonl": records}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("output", type=Path, nargs="?", default=Path("tiny-pretrained"))
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="llama-tied")
+    args = parser.parse_args()
+    make_model_directory(args.output / "model", args.family)
+    write_corpus(args.output, repeats=40)["jsonl"].rename(args.output / "train.jsonl")
+    print(f"wrote {args.output / 'model'} and {args.output / 'train.jsonl'}")
+
+
+if __name__ == "__main__":
+    main()

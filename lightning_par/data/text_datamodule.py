@@ -1,0 +1,130 @@
+"""``TextDataModule``: fine-tuning batches from local text, JSON lines or a ``save_to_disk`` dataset, tokenized with
+the tokenizer of a model directory and packed with EOS between documents (see ``data/text.py``).
+
+Every rank reads and tokenizes the same files, so every rank holds the same token stream and raises the same error
+for a bad input before any collective. Windows, trimming to the data-parallel size and the resumable loader are
+``WindowDataModule``'s, as for ``TokenDataModule``: a fine-tune resumes at the exact batch it stopped at.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch.utils.data import Dataset
+from typing_extensions import override
+
+from lightning_par.data.corpus import TokenWindowDataset
+from lightning_par.data.datamodule import WindowDataModule
+from lightning_par.data.text import SAMPLE_BY, check_sources, load_documents, load_tokenizer, pack_documents
+
+__all__ = ["TextDataModule"]
+
+# Paths as YAML gives them: one, or a list.
+Sources = Union[str, list[str]]
+
+
+class TextDataModule(WindowDataModule):
+    """Packed next-token windows of local documents, for fine-tuning a pretrained model.
+
+    Args:
+        train_files: a ``.txt``/``.json``/``.jsonl`` file, a list of files of one kind, or a directory written by
+            ``datasets``' ``save_to_disk`` (its ``train`` split when it holds several).
+        val_files: the same for validation (a ``save_to_disk`` directory gives its ``validation`` split). Without
+            it, the last ``val_fraction`` of the packed training tokens are held out.
+        tokenizer: the directory holding the tokenizer (``save_pretrained``). Default: the model's, the
+            ``pretrained`` directory of the LightningModule being trained (``HFCausalLM``'s).
+        text_field: the JSON field (or dataset column) holding the text.
+        sample_by: what one document of a text file is: the whole ``"document"``, each blank-line separated
+            ``"paragraph"``, or each ``"line"``. Each document ends with the tokenizer's EOS token.
+        seq_len: tokens per sample fed to the model; each sample holds ``seq_len + 1`` tokens.
+        batch_size: samples per batch on each data-parallel rank.
+        val_fraction: share of the training tokens held out when ``val_files`` is not given.
+        num_workers: DataLoader worker processes (0 loads in the main process).
+        shuffle: shuffle the training windows.
+    """
+
+    def __init__(
+        self,
+        train_files: Sources,
+        val_files: Optional[Sources] = None,
+        tokenizer: Optional[str] = None,
+        text_field: str = "text",
+        sample_by: str = "document",
+        seq_len: int = 128,
+        batch_size: int = 8,
+        val_fraction: float = 0.05,
+        num_workers: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction={val_fraction!r} must be in [0, 1)")
+        if num_workers < 0:
+            raise ValueError(f"num_workers={num_workers!r} must be >= 0")
+        if sample_by not in SAMPLE_BY:
+            raise ValueError(f"sample_by={sample_by!r} is not one of {list(SAMPLE_BY)}")
+        super().__init__(seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, shuffle=shuffle)
+        self.save_hyperparameters()
+        self.train_paths = check_sources("train_files", train_files)
+        self.val_paths = None if val_files is None else check_sources("val_files", val_files)
+        self.tokenizer = None if tokenizer is None else load_tokenizer(tokenizer)
+        self.text_field = text_field
+        self.sample_by = sample_by
+        self.val_fraction = val_fraction
+
+    def _module(self) -> Any:
+        return getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+
+    def _model_tokenizer(self) -> Any:
+        """The tokenizer of the pretrained directory of the module being trained."""
+        module = self._module()
+        pretrained = getattr(module, "hparams", {}).get("pretrained") if module is not None else None
+        if pretrained is None:
+            raise ValueError(f"TextDataModule needs tokenizer= (a directory with a saved tokenizer): "
+                             f"{type(module).__name__ if module is not None else 'no model'} has no pretrained "
+                             "directory to take it from")
+        return load_tokenizer(pretrained)
+
+    def _tokens(self, paths: list[Path], split: str, name: str) -> torch.Tensor:
+        documents = load_documents(paths, text_field=self.text_field, sample_by=self.sample_by, split=split,
+                                   name=name)
+        return pack_documents(documents, self.tokenizer)
+
+    def _split_tokens(self) -> dict[str, torch.Tensor]:
+        train = self._tokens(self.train_paths, "train", "train_files")
+        if self.val_paths is not None:
+            return {"train": train, "val": self._tokens(self.val_paths, "validation", "val_files")}
+        held_out = round(train.numel() * self.val_fraction)
+        if self.val_fraction and held_out < self.seq_len + 1:
+            raise ValueError(f"val_fraction={self.val_fraction} holds out {held_out} of the {train.numel()} training "
+                             f"tokens, fewer than one sample of seq_len + 1 = {self.seq_len + 1}: give val_files, a "
+                             "larger val_fraction or more text")
+        return {"train": train[:train.numel() - held_out], "val": train[train.numel() - held_out:]}
+
+    @override
+    def _build(self, split: str) -> Dataset:
+        if not self._full:
+            if self.tokenizer is None:
+                self.tokenizer = self._model_tokenizer()
+            tokens = self._split_tokens()
+            for name, stream in tokens.items():
+                self._full[name] = TokenWindowDataset(stream, self.seq_len)
+            if len(self._full["train"]) == 0:
+                raise ValueError(f"train_files {[str(p) for p in self.train_paths]} give {tokens['train'].numel()} "
+                                 f"training tokens, fewer than one sample of seq_len + 1 = {self.seq_len + 1}: "
+                                 "give more text or a smaller seq_len")
+            self._check_vocabulary(max(int(t.max()) for t in tokens.values() if t.numel()))
+        return self._full[split]
+
+    def _check_vocabulary(self, largest_id: int) -> None:
+        """Refuse token ids the model's embedding has no row for (each rank would fail alone, mid-step)."""
+        module = self._module()
+        config = getattr(module, "model_config", None) or getattr(module, "config", None)
+        model_vocab = getattr(config, "vocab_size", None)
+        if isinstance(model_vocab, int) and largest_id >= model_vocab:
+            raise ValueError(f"the tokenizer {self.tokenizer.name_or_path!r} gives token id {largest_id}, but the model's "
+                             f"vocab_size is {model_vocab}: use the tokenizer saved with the model")

@@ -1,0 +1,13 @@
+"""Tiny Hugging Face model directories and corpora for the tests: ``examples/make_tiny_pretrained.py``'s, which
+the fine-tuning docs use too (``save_pretrained``; nothing is downloaded)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from make_tiny_pretrained import FAMILIES, LINES, VOCAB, make_model_directory, write_corpus  # noqa: E402
+
+__all__ = ["FAMILIES", "LINES", "VOCAB", "make_model_directory", "write_corpus"]
