@@ -81,11 +81,15 @@ def write_corpus(directory: Path, repeats: int = 6) -> dict[str, Path]:
     return {"text": text, "jsonl": records}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output", type=Path, nargs="?", default=Path("tiny-pretrained"))
     parser.add_argument("--family", choices=sorted(FAMILIES), default="llama-tied")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     make_model_directory(args.output / "model", args.family)
     write_corpus(args.output, repeats=40)["jsonl"].rename(args.output / "train.jsonl")
     print(f"wrote {args.output / 'model'} and {args.output / 'train.jsonl'}")

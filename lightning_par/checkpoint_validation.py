@@ -92,6 +92,22 @@ def saved_shapes(metadata: Metadata, prefix: str = _MODEL_PREFIX) -> dict[str, t
             for key, entry in metadata.state_dict_metadata.items() if key.startswith(prefix)}
 
 
+def dtype_problem(path: Path, metadata: Metadata, state: dict[str, Any], *, prefix: str = _MODEL_PREFIX,
+                  what: str = "checkpoint") -> str | None:
+    """Why tensors saved in ``metadata`` cannot be copied into this rank's floating-point ``state`` by value: saved
+    as integers or booleans (quantized weights), they would be converted silently into meaningless numbers."""
+    for name, value in state.items():
+        entry = metadata.state_dict_metadata.get(prefix + name)
+        if not isinstance(value, torch.Tensor) or not isinstance(entry, TensorStorageMetadata):
+            continue
+        saved = entry.properties.dtype
+        if value.is_floating_point() and not (saved.is_floating_point or saved.is_complex):
+            return (f"{what} {str(path)!r} stores {name} as {saved}, and the model's parameter is {value.dtype}: "
+                    "quantized or integer weights would be converted into meaningless values; give a directory of "
+                    "floating-point weights (dequantize it first)")
+    return None
+
+
 def saved_optimizers(metadata: Metadata) -> int:
     """How many optimizers' states a sharded checkpoint holds (``optimizer_0``, ``optimizer_1``, ...)."""
     indices = {key.split(".", 1)[0] for key in metadata.state_dict_metadata if key.startswith("optimizer_")}

@@ -41,16 +41,20 @@ def load_huggingface_weights(module: nn.Module, directory: str | os.PathLike, *,
                              device: torch.device | str = "cpu") -> None:
     """Read a Hugging Face model directory's safetensors (one file, or sharded with an index) into ``module`` as
     this rank holds it: its tensor-parallel and FSDP shards, its pipeline stages. Each rank reads only the slices
-    it needs; parameters still on the meta device are allocated on ``device`` first. Names and shapes are checked
-    before anything is read, with the same message on every rank. Collective when a process group is up."""
+    it needs; parameters still on the meta device are allocated on ``device`` first. Names, shapes and dtypes are
+    checked before anything is read, with the same message on every rank: floating-point weights of another
+    precision (bf16 safetensors into fp32 parameters) are converted, integer ones refused. Collective when a process
+    group is up."""
     directory = Path(directory)
     materialize_meta_parameters(module, torch.device(device))
     aliases = tied_aliases(module)  # safetensors stores a tied head once, under the embedding's name
     state = {name: value for name, value in get_model_state_dict(module).items() if name not in aliases}
     expected = check.expected_shapes(state)
     try:
-        saved = check.saved_shapes(HuggingFaceStorageReader(str(directory)).read_metadata(), prefix="")
-        problem = check.model_problem(directory, saved, expected, strict=True, what="model directory")
+        metadata = HuggingFaceStorageReader(str(directory)).read_metadata()
+        saved = check.saved_shapes(metadata, prefix="")
+        problem = (check.model_problem(directory, saved, expected, strict=True, what="model directory")
+                   or check.dtype_problem(directory, metadata, state, prefix="", what="model directory"))
     except Exception as error:  # noqa: BLE001 - a directory the reader cannot index is the problem to report
         problem = f"model directory {str(directory)!r} cannot be read: {check.one_line(error)}"
     check.agree(problem)

@@ -88,10 +88,13 @@ def good_checkpoints(directory: Path) -> None:
     """``good.ckpt`` (one file) and ``good-sharded.ckpt`` (a directory) of :func:`_module` and its AdamW state, and
     ``hf-model`` (a tiny Hugging Face model directory), in ``directory``: the bad inputs below are made from them."""
     import transformers
+    from hf_directories import save_tokenizer
 
     arguments = dict(HF_MODEL)
     config = transformers.AutoConfig.for_model(arguments.pop("model_type"), **arguments)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory / "hf-model")
+    save_tokenizer(directory / "hf-model")
+    (directory / "notes.jsonl").write_text('{"title": "a", "body": "the quick brown fox"}\n')
     module = _module()
     optimizer = torch.optim.AdamW(module.parameters())
     module(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
@@ -199,6 +202,50 @@ def _load_into_other_shape() -> None:
     module = HFCausalLM(config={**HF_MODEL, "hidden_size": 48})
     module.configure_model()
     load_huggingface_weights(module.model, "hf-model")
+
+
+def _load_hf_model(prepare: Callable[[Path], Any]) -> Callable[[], Any]:
+    """Read the tiny model directory, as ``prepare(path)`` changed a copy of it, into the model."""
+
+    def make() -> Any:
+        from lightning_par.huggingface import load_huggingface_weights
+        from lightning_par.models import HFCausalLM
+
+        shutil.copytree("hf-model", "changed")
+        prepare(Path("changed"))
+        module = HFCausalLM(pretrained="changed")
+        module.configure_model()
+        load_huggingface_weights(module.model, "changed")
+
+    return make
+
+
+def _truncate_weights(path: Path) -> None:
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+
+
+def _weights_as_integers(path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"].to(torch.int8)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _text_data(prepare: Callable[[], Any] | None = None, **kwargs: Any) -> Callable[[], Any]:
+    """TextDataModule(**kwargs) built and set up (the tokenizer of the tiny model directory unless given), after
+    ``prepare()``."""
+
+    def make() -> Any:
+        from lightning_par.data import TextDataModule
+
+        if prepare is not None:
+            prepare()
+        data = TextDataModule(**{"tokenizer": "hf-model", **kwargs})
+        data.setup("fit")
+
+    return make
 
 
 def _config_only(path: Path) -> None:
@@ -381,6 +428,20 @@ BAD_INPUTS: list[BadInput] = [
              _call("lightning_par.models:HFCausalLM", config={"vocab_size": 64})),
     BadInput("a Hugging Face model directory of another shape", "model directory 'hf-model' was written by another "
              "model: model.embed_tokens.weight is (64, 32) there and (64, 48) here", _load_into_other_shape),
+    BadInput("a Hugging Face model directory with a truncated `model.safetensors`", "model directory 'changed' cannot "
+             "be read: SafetensorError: Error while deserializing header", _load_hf_model(_truncate_weights)),
+    BadInput("a Hugging Face model directory of integer (quantized) weights", "model directory 'changed' stores "
+             "model.norm.weight as torch.int8, and the model's parameter is torch.float32",
+             _load_hf_model(_weights_as_integers)),
+    # ------------------------------------------------------------------ fine-tuning data
+    BadInput("`TextDataModule(train_files='missing.jsonl')`", "train_files: 'missing.jsonl' does not exist",
+             _text_data(train_files="missing.jsonl")),
+    BadInput("`TextDataModule(train_files=...)`, an empty file", "train_files: 'empty.txt' is empty",
+             _text_data(train_files="empty.txt", prepare=lambda: Path("empty.txt").write_text(""))),
+    BadInput("`TextDataModule(text_field='text')` on records without it", "text_field='text' is not a field of "
+             "train_files ['notes.jsonl']: its fields are ['title', 'body']", _text_data(train_files="notes.jsonl")),
+    BadInput("`TextDataModule(tokenizer=...)`, a directory without a tokenizer", "tokenizer='.' holds no tokenizer",
+             _text_data(train_files="notes.jsonl", text_field="body", tokenizer=".")),
     BadInput("a checkpoint carrying pickled code", "checkpoint 'payload.ckpt' holds getattr, which unpickling would "
              "have to construct and which can run code: it was not loaded",
              _checkpoint("payload.ckpt", _rewritten(_set("hyper_parameters", {"innocent": Payload()})))),

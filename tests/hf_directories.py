@@ -8,6 +8,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from make_tiny_pretrained import FAMILIES, LINES, VOCAB, make_model_directory, write_corpus  # noqa: E402
+from make_tiny_pretrained import (  # noqa: E402
+    FAMILIES,
+    LINES,
+    VOCAB,
+    make_model_directory,
+    save_tokenizer,
+    write_corpus,
+)
 
-__all__ = ["FAMILIES", "LINES", "VOCAB", "make_model_directory", "write_corpus"]
+__all__ = ["FAMILIES", "LINES", "VOCAB", "make_model_directory", "save_tokenizer", "write_corpus"]

@@ -138,3 +138,36 @@ def test_finetune_config_runs_as_documented(tmp_path: Path) -> None:
     assert {"train_loss", "val_loss", "perf/mfu", "memory/peak_gib_max", "train/grad_norm"} <= scalars, scalars
     assert len(events.Scalars("train_loss")) == 4
     assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "finetuned") is not None
+
+
+def _auto_parallel(rank: int, world_size: int, directory: str, corpus: str) -> dict:
+    import lightning
+
+    from lightning_par import AutoParallelStrategy
+
+    strategy = AutoParallelStrategy()
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2,
+                                limit_val_batches=0, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(_module(directory, max_steps=2), datamodule=_data(directory, corpus, batch_size=4))
+    return {"chosen": strategy.parallel_config, "loss": float(trainer.callback_metrics["train_loss"])}
+
+
+def test_auto_parallel_plans_a_pretrained_model_from_its_config(workspace: dict[str, Path]) -> None:
+    """The planner reads the ModelSpec from the model directory's config.json before the model is built, and the
+    layout it ranks first is the one that trains."""
+    from lightning_par.models import HFCausalLM
+    from lightning_par.planner import ClusterSpec, ModelSpec
+    from lightning_par.planner.runtime import plan_for_run
+
+    directory = str(workspace["qwen2"])
+    results = run_distributed(_auto_parallel, 2, directory, str(workspace["corpus"]))
+    spec = ModelSpec.from_module(HFCausalLM(pretrained=directory))
+    whole = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    assert spec.total_params == pytest.approx(sum(p.numel() for p in whole.parameters()), rel=0.01)  # q/k/v biases
+    expected = plan_for_run(spec, ClusterSpec.from_preset("cpu", devices_per_node=2), batch_size_per_rank=4,
+                            seq_len=16)[0].config
+    chosen = results[0]["chosen"]
+    assert (chosen.dp, chosen.tp, chosen.pp, chosen.zero_stage) == (expected.dp, expected.tp, expected.pp,
+                                                                     expected.zero_stage)
+    assert results[0]["loss"] == results[1]["loss"] and 0 < results[0]["loss"] < 10

@@ -139,3 +139,93 @@ def test_dict_batches_take_labels_and_right_padding_and_refuse_left_padding() ->
     assert module.split_batch({"input_ids": ids, "labels": labels})[1].tolist() == [[1, 2, -100, 4], [6, 7, 8, 9]]
     with pytest.raises(ValueError, match="padding only at the end of a sequence"):
         module.split_batch({"input_ids": ids, "attention_mask": torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])})
+
+
+# ~150 MB of fp32 weights in many tensors of at most 4 MB: a rank holding the whole model is plain to see.
+LARGE = dict(model_type="llama", vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+             num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
+MIB = 2**20
+
+
+def _memory_status(field: str) -> int:
+    """A ``/proc/self/status`` figure in bytes (RssAnon: memory the process allocated, resident now)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _load_peak(rank: int, world_size: int, directory: str, layout: str) -> dict:
+    """How far this rank's allocated memory rises above where it stood while the pretrained weights are read into
+    the shards the layout allocated, and its share of the parameters. Allocated = anonymous resident memory,
+    sampled by a thread: the safetensors are memory-mapped, and their pages are the kernel's page cache, shared
+    by the ranks, not memory a rank holds."""
+    import threading
+
+    import lightning
+    from torch.distributed.tensor import DTensor
+
+    from lightning_par.data import TokenDataModule
+    from lightning_par.models import HFCausalLM
+
+    class LoadMemory(lightning.Callback):
+        def on_validation_start(self, trainer, pl_module):  # before HFCausalLM's own hook, which loads
+            self.start, self.peak, self.loading = _memory_status("RssAnon"), 0, True
+
+            def sample() -> None:
+                while self.loading:
+                    self.peak = max(self.peak, _memory_status("RssAnon"))
+
+            self.sampler = threading.Thread(target=sample, daemon=True)
+            self.sampler.start()
+
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            if batch_idx == 0:
+                self.loading = False
+                self.sampler.join()
+                self.share = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                                 for p in pl_module.parameters())
+
+    memory = LoadMemory()
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=_strategy(layout), logger=False,
+                                limit_val_batches=1, enable_progress_bar=False, enable_model_summary=False,
+                                callbacks=[memory])
+    trainer.validate(HFCausalLM(pretrained=directory),
+                     datamodule=TokenDataModule(source="synthetic", vocab_size=LARGE["vocab_size"], seq_len=8,
+                                                batch_size=2, num_samples=8, num_val_samples=8), verbose=False)
+    return {"rise": memory.peak - memory.start, "share": memory.share}
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="measures memory through Linux's /proc")
+@pytest.mark.parametrize("layout", ["tp2", "zero3", "pp2"])
+def test_loading_reads_into_the_shards_without_holding_the_model(tmp_path: Path, layout: str) -> None:
+    """Measured: each rank holds about half of the weights (allocated on the meta device's plan when the layout is
+    applied), and reading the safetensors into them raises its allocated memory by at most one tensor (the slice
+    DCP reads through) plus 16 MiB, where a rank that read the whole model would add all 144 MiB."""
+    arguments = dict(LARGE)
+    config = transformers.AutoConfig.for_model(arguments.pop("model_type"), **arguments)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(tmp_path)
+    del model
+    for rank, result in enumerate(run_distributed(_load_peak, 2, str(tmp_path), layout)):
+        print(f"{layout} rank {rank}: holds {result['share'] / MIB:.0f} of {whole / MIB:.0f} MiB; loading raised its "
+              f"allocated memory by {result['rise'] / MIB:.1f} MiB (largest tensor {largest / MIB:.0f} MiB)")
+        assert 0.4 * whole < result["share"] < 0.6 * whole
+        assert result["rise"] <= largest + 16 * MIB
+
+
+def test_weights_of_another_float_precision_are_converted(tmp_path: Path) -> None:
+    """bf16 safetensors into fp32 parameters: converted as from_pretrained(dtype=float32) converts them."""
+    from lightning_par.models import HFCausalLM
+
+    source = make_model_directory(tmp_path / "fp32", "qwen2", tokenizer=False)
+    transformers.AutoModelForCausalLM.from_pretrained(source).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    module = HFCausalLM(pretrained=str(tmp_path / "bf16"))
+    module.configure_model()
+    module.load_pretrained()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
+    for name, tensor in reference.state_dict().items():
+        assert module.model.state_dict()[name].dtype == torch.float32
+        assert torch.equal(module.model.state_dict()[name], tensor), name

@@ -393,3 +393,37 @@ def test_plan_command_keeps_the_yaml_sizes_and_lightning_par_dispatches_it(capsy
     rows = [line.split()[1] for line in out.splitlines() if line[:2].strip().isdigit()]
     assert rows and all(layout.startswith("tp2") for layout in rows), out
     assert "LlamaLM(dim=128, n_layers=4)" in out and "32-true" in out
+
+
+@pytest.mark.parametrize(("model_type", "extra", "ffn_matrices", "head_dim"), [
+    ("llama", dict(tie_word_embeddings=True), 3, 16),
+    ("qwen2", {}, 3, 16),
+    ("gemma", dict(head_dim=32), 3, 32),  # heads wider than hidden / heads
+    ("phi", {}, 2, 16),  # a plain GELU feed-forward: up and down
+])
+def test_model_spec_of_a_hugging_face_config_counts_its_model(model_type: str, extra: dict, ffn_matrices: int,
+                                                              head_dim: int) -> None:
+    """A real transformers config: the spec's parameter count is the model's (built on the meta device)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               **extra)
+    spec = ModelSpec.from_hf_config(config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    actual = sum(p.numel() for p in model.parameters())
+    assert (spec.ffn_matrices, spec.head_dim) == (ffn_matrices, head_dim)
+    assert spec.total_params == pytest.approx(actual, rel=0.02)
+
+
+def test_a_hugging_face_model_the_planner_cannot_describe_is_refused() -> None:
+    """Qwen2-MoE's shared experts are not in ModelSpec: refused with both counts, not planned as something else."""
+    transformers = pytest.importorskip("transformers")
+
+    config = transformers.AutoConfig.for_model("qwen2_moe", vocab_size=512, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match=r"cannot describe 'qwen2_moe': its model has [\d,]+ parameters, the "
+                                         r"planner's Llama-style layout of its config [\d,]+"):
+        ModelSpec.from_hf_config(config)

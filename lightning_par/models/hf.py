@@ -69,8 +69,11 @@ class HFCausalLM(NextTokenLM):
             return
         from transformers import AutoModelForCausalLM
 
+        # Parameters in the default dtype, which Lightning's precision sets ("bf16-true": bfloat16), not in the dtype
+        # the checkpoint was stored in: bf16 safetensors fine-tuned under "32-true" or "bf16-mixed" train in fp32.
         with torch.device("meta"):
-            self.model = AutoModelForCausalLM.from_config(self.model_config, attn_implementation="sdpa")
+            self.model = AutoModelForCausalLM.from_config(self.model_config, attn_implementation="sdpa",
+                                                          dtype=torch.get_default_dtype())
         self._parameter_count = sum(p.numel() for p in self.model.parameters())
 
     def split_batch(self, batch: Tensor | Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
