@@ -156,10 +156,11 @@ def _memory_status(field: str) -> int:
 
 
 def _load_peak(rank: int, world_size: int, directory: str, layout: str) -> dict:
-    """How far this rank's allocated memory rises above where it stood while the pretrained weights are read into
-    the shards the layout allocated, and its share of the parameters. Allocated = anonymous resident memory,
-    sampled by a thread: the safetensors are memory-mapped, and their pages are the kernel's page cache, shared
-    by the ranks, not memory a rank holds."""
+    """How far this rank's allocated memory rises while the pretrained weights are read into the shards the layout
+    allocated (``load``), and from set-up to the first batch (``set_up``: the layout applied, the tensor-parallel
+    plan checked, the shards allocated, the weights read), and its share of the parameters. Allocated = anonymous
+    resident memory, sampled by a thread: the safetensors are memory-mapped, and their pages are the kernel's page
+    cache, shared by the ranks, not memory a rank holds."""
     import threading
 
     import lightning
@@ -169,19 +170,28 @@ def _load_peak(rank: int, world_size: int, directory: str, layout: str) -> dict:
     from lightning_par.models import HFCausalLM
 
     class LoadMemory(lightning.Callback):
-        def on_validation_start(self, trainer, pl_module):  # before HFCausalLM's own hook, which loads
-            self.start, self.peak, self.loading = _memory_status("RssAnon"), 0, True
+        """Samples allocated memory from set-up (the model still on the meta device) to the first batch, the
+        peak of each phase apart: "set-up" until the load starts, then "load"."""
+
+        def setup(self, trainer, pl_module, stage):
+            self.start = {"set-up": _memory_status("RssAnon")}
+            self.peaks, self.phase, self.sampling = {}, "set-up", True
 
             def sample() -> None:
-                while self.loading:
-                    self.peak = max(self.peak, _memory_status("RssAnon"))
+                while self.sampling:
+                    phase = self.phase  # read first: a sample taken as the phase changes counts for the earlier one
+                    self.peaks[phase] = max(self.peaks.get(phase, 0), _memory_status("RssAnon"))
 
             self.sampler = threading.Thread(target=sample, daemon=True)
             self.sampler.start()
 
+        def on_validation_start(self, trainer, pl_module):  # before HFCausalLM's own hook, which loads
+            self.start["load"] = _memory_status("RssAnon")
+            self.phase = "load"
+
         def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
             if batch_idx == 0:
-                self.loading = False
+                self.sampling = False
                 self.sampler.join()
                 self.share = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
                                  for p in pl_module.parameters())
@@ -193,27 +203,35 @@ def _load_peak(rank: int, world_size: int, directory: str, layout: str) -> dict:
     trainer.validate(HFCausalLM(pretrained=directory),
                      datamodule=TokenDataModule(source="synthetic", vocab_size=LARGE["vocab_size"], seq_len=8,
                                                 batch_size=2, num_samples=8, num_val_samples=8), verbose=False)
-    return {"rise": memory.peak - memory.start, "share": memory.share}
+    peaks, start = memory.peaks, memory.start
+    return {"load": peaks.get("load", start["load"]) - start["load"], "share": memory.share,
+            "set_up": max(peaks.values()) - start["set-up"]}
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="measures memory through Linux's /proc")
 @pytest.mark.parametrize("layout", ["tp2", "zero3", "pp2"])
 def test_loading_reads_into_the_shards_without_holding_the_model(tmp_path: Path, layout: str) -> None:
-    """Measured: each rank holds about half of the weights (allocated on the meta device's plan when the layout is
-    applied), and reading the safetensors into them raises its allocated memory by at most one tensor (the slice
-    DCP reads through) plus 16 MiB, where a rank that read the whole model would add all 144 MiB."""
+    """Measured: each rank holds about half of the weights (allocated when the layout is applied), reading the
+    safetensors into them raises its allocated memory by at most one tensor (the slice DCP reads through) plus
+    16 MiB, where a rank that read the whole model would add all 144 MiB, and from set-up to the first batch it
+    grows by at most its share, one tensor and 48 MiB of everything else set-up allocates; under tensor parallel,
+    plus the plan check's replica: one block in float64, its gradients and their copy (its embedding and head
+    are cut to a few rows)."""
     arguments = dict(LARGE)
     config = transformers.AutoConfig.for_model(arguments.pop("model_type"), **arguments)
     model = transformers.AutoModelForCausalLM.from_config(config)
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     largest = max(p.numel() * p.element_size() for p in model.parameters())
+    replica = 3 * 8 * sum(p.numel() for p in model.model.layers[0].parameters()) if layout == "tp2" else 0
     model.save_pretrained(tmp_path)
     del model
     for rank, result in enumerate(run_distributed(_load_peak, 2, str(tmp_path), layout)):
         print(f"{layout} rank {rank}: holds {result['share'] / MIB:.0f} of {whole / MIB:.0f} MiB; loading raised its "
-              f"allocated memory by {result['rise'] / MIB:.1f} MiB (largest tensor {largest / MIB:.0f} MiB)")
+              f"allocated memory by {result['load'] / MIB:.1f} MiB, set-up and loading by {result['set_up'] / MIB:.0f} "
+              f"MiB (largest tensor {largest / MIB:.0f} MiB)")
         assert 0.4 * whole < result["share"] < 0.6 * whole
-        assert result["rise"] <= largest + 16 * MIB
+        assert result["load"] <= largest + 16 * MIB
+        assert result["set_up"] <= result["share"] + largest + replica + 48 * MIB
 
 
 def test_weights_of_another_float_precision_are_converted(tmp_path: Path) -> None:

@@ -209,3 +209,28 @@ def test_hugging_face_plans_are_translated(config: dict, expected: dict) -> None
     if config["model_type"] == "gpt_neox":
         assert (plan.blocks, plan.final_norm) == ("model.gpt_neox.layers", "model.gpt_neox.final_layer_norm")
     assert huggingface_plan(_Network()) is None  # not a Hugging Face model
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_the_plan_checks_replica_cuts_the_vocabulary(model_type: str) -> None:
+    """The plan check's replica keeps a few rows per rank of a large embedding and linear head (tied ones stay
+    tied; the remainder modulo tp is kept), and the cut model runs; a head of another kind is left whole."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_par.parallel.replica import Vocabulary, small_replica
+
+    arguments = {"llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               tie_word_embeddings=True),
+                 "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=32)}[model_type]
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=1001, **arguments)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    plan = derive_plan(model)
+    vocabulary = Vocabulary.to_cut(model, plan.embedding, plan.head, rows=16 * 2 + 1001 % 2)
+    replica = small_replica(model, plan.blocks, torch.device("cpu"), torch.float64, vocabulary=vocabulary)
+    embedding = replica.get_submodule(plan.embedding)
+    assert embedding.weight.shape == (33, 32) and model.get_submodule(plan.embedding).weight.shape == (1001, 32)
+    assert replica.get_submodule(plan.head).weight is embedding.weight
+    assert replica(torch.arange(8).reshape(1, 8)).logits.shape == (1, 8, 33)
+    assert Vocabulary.to_cut(model, plan.embedding, plan.head, rows=2000) is None  # no larger than the model's
+    assert Vocabulary.to_cut(model, plan.blocks, None, rows=8) is None  # not an embedding
+    model.lm_head = transformers.pytorch_utils.Conv1D(1001, 32)
+    assert Vocabulary.to_cut(model, plan.embedding, plan.head, rows=33) is None

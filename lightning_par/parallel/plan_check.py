@@ -7,7 +7,8 @@ whole projection width (OLMo 2) cannot run on one rank's slice; a per-head norm 
 but receives each rank's share of the gradient only. Names cannot tell these apart. So the plan is run:
 
 - a small copy of the model is made (``lightning_par.parallel.replica``: no weights are copied, one block of
-  each kind, random values that every rank draws alike);
+  each kind, the embedding and head cut to a few rows per rank where the model allows, random values that
+  every rank draws alike);
 - it runs forward and backward on one sample of the data, whole, then split with the plan (in evaluation
   mode: dropout draws differ between the two);
 - outputs of every split region and the logits, and every parameter's gradient, must agree (float64, where
@@ -37,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.pipeline_trace import first_tensor
 from lightning_par.parallel.plan import SPLIT_STYLES, ModelPlan, is_projection, network_prefix
-from lightning_par.parallel.replica import small_replica
+from lightning_par.parallel.replica import Vocabulary, small_replica
 from lightning_par.parallel.ties import clean_name
 
 # A faithful split differs from the whole model by rounding only: ~1e-15 in float64, ~1e-7 where a model
@@ -72,10 +73,13 @@ def check_plan(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, inputs: T
     """
     notes: list[str] = []
     candidate = plan
-    dtype = _dtype_that_runs(module, plan, inputs[:1], torch.device(mesh.device_type))
+    device = torch.device(mesh.device_type)
+    vocabulary = _vocabulary_to_cut(module, plan, inputs[:1], mesh.size("tp"), device)
+    sample = inputs[:1] if vocabulary is None else inputs[:1] % vocabulary.rows
+    dtype = _dtype_that_runs(module, plan, sample, device, vocabulary)
     for _ in range(4 * max(1, len(_regions(module, plan))) + 4):
-        outcome = _run(module, mesh, candidate, inputs[:1], dtype=dtype, sequence_parallel=sequence_parallel,
-                       loss_parallel=loss_parallel, apply=apply)
+        outcome = _run(module, mesh, candidate, sample, dtype=dtype, sequence_parallel=sequence_parallel,
+                       loss_parallel=loss_parallel, apply=apply, vocabulary=vocabulary)
         if outcome.ok:
             break
         if outcome.partial:
@@ -162,11 +166,38 @@ def _network(replica: nn.Module, plan: ModelPlan) -> nn.Module:
     return replica.get_submodule(prefix.rstrip(".")) if prefix else replica
 
 
-def _dtype_that_runs(module: nn.Module, plan: ModelPlan, inputs: Tensor, device: torch.device) -> torch.dtype:
+# Rows per tensor-parallel rank of the replica's embedding and head: enough for every split to hold several.
+_VOCABULARY_ROWS_PER_RANK = 16
+
+
+def _vocabulary_to_cut(module: nn.Module, plan: ModelPlan, inputs: Tensor, tp: int,
+                       device: torch.device) -> Vocabulary | None:
+    """The replica's embedding and head cut to a few rows per rank, with the model's remainder modulo ``tp`` (a
+    vocabulary that does not divide among the ranks still does not), where the model runs so cut: one that
+    reads its vocabulary size elsewhere (a reshape by ``config.vocab_size``) keeps the whole vocabulary."""
+    if inputs.is_floating_point() or plan.embedding is None:
+        return None
+    table = module.get_submodule(plan.embedding)
+    if not isinstance(table, nn.Embedding):
+        return None
+    rows = _VOCABULARY_ROWS_PER_RANK * tp + table.num_embeddings % tp
+    vocabulary = Vocabulary.to_cut(module, plan.embedding, plan.head, rows)
+    if vocabulary is None:
+        return None
+    try:
+        replica = small_replica(module, plan.blocks, device, torch.float32, vocabulary=vocabulary)
+        logits, _, _ = first_tensor(_network(replica, plan)(inputs.to(device) % rows))
+    except Exception:  # noqa: BLE001 - whatever the cut model raises, the whole one is checked instead
+        return None
+    return vocabulary if logits.shape[-1] == rows or plan.head is None else None
+
+
+def _dtype_that_runs(module: nn.Module, plan: ModelPlan, inputs: Tensor, device: torch.device,
+                     vocabulary: Vocabulary | None) -> torch.dtype:
     """float64 where the whole model runs in it, else float32 (some kernels, such as grouped expert matmuls,
     have no float64 version). Local, without collectives, so every rank finds the same."""
     try:
-        replica = small_replica(module, plan.blocks, device, torch.float64)
+        replica = small_replica(module, plan.blocks, device, torch.float64, vocabulary=vocabulary)
         _network(replica, plan)(_as(inputs, device, torch.float64))
         return torch.float64
     except RuntimeError:
@@ -179,9 +210,10 @@ def _as(inputs: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
 
 
 def _run(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, inputs: Tensor, *, dtype: torch.dtype,
-         sequence_parallel: bool, loss_parallel: bool, apply: Callable[..., nn.Module]) -> _Outcome:
+         sequence_parallel: bool, loss_parallel: bool, apply: Callable[..., nn.Module],
+         vocabulary: Vocabulary | None) -> _Outcome:
     device = torch.device(mesh.device_type)
-    replica = small_replica(module, plan.blocks, device, dtype)
+    replica = small_replica(module, plan.blocks, device, dtype, vocabulary=vocabulary)
     network = _network(replica, plan)
     regions = _regions(replica, plan)
     inputs = _as(inputs, device, dtype)

@@ -7,12 +7,16 @@ the model with every parameter swapped for a meta tensor (so nothing is copied),
 hold one block of each structure (a dense and an MoE block, say), allocates it, and fills every parameter with
 random values drawn from its name: every rank builds the same replica. It runs without the hooks users put on
 the model, in evaluation mode (no dropout draws), and is never trained.
+
+The vocabulary can be cut too (``vocabulary``): an embedding and a linear head of 128 K rows would make even one
+block's replica gigabytes in float64, on every rank, at set-up; a few rows per rank split them the same way.
 """
 
 from __future__ import annotations
 
 import copy
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,9 +28,10 @@ from lightning_par.parallel.zero import materialize_meta_parameters
 
 
 def small_replica(module: nn.Module, blocks: str, device: torch.device, dtype: torch.dtype, *,
-                  min_blocks: int = 1) -> nn.Module:
+                  min_blocks: int = 1, vocabulary: Vocabulary | None = None) -> nn.Module:
     """``module`` rebuilt on ``device`` in ``dtype`` with the blocks under ``blocks`` (a dotted name) shortened to
-    one of each kind, at least ``min_blocks`` of them, and random weights every rank draws alike."""
+    one of each kind, at least ``min_blocks`` of them, and random weights every rank draws alike; with
+    ``vocabulary``, its embedding and head cut to ``vocabulary.rows`` rows (token ids must then be below it)."""
     memo: dict[int, Any] = {}
     for sub in module.modules():
         for value in vars(sub).values():
@@ -39,6 +44,8 @@ def small_replica(module: nn.Module, blocks: str, device: torch.device, dtype: t
     replica.eval()
     _drop_hooks(replica)
     _keep_one_block_of_each_kind(replica, blocks, min_blocks)
+    if vocabulary is not None:
+        vocabulary.cut(replica)
     if any(b.is_meta for b in replica.buffers()):
         # Built on the meta device: buffers (rotary tables, masks) are computed as training will compute them.
         materialize_meta_parameters(replica, device)
@@ -58,6 +65,51 @@ def small_replica(module: nn.Module, blocks: str, device: torch.device, dtype: t
             parameter.copy_(values.to(parameter.device))
             parameter.requires_grad_(True)
     return replica
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """The embedding (an ``nn.Embedding``) and the head (an ``nn.Linear`` with a row per token, or None) to cut to
+    ``rows`` rows in a replica."""
+
+    embedding: str
+    head: str | None
+    rows: int
+
+    @classmethod
+    def to_cut(cls, module: nn.Module, embedding: str | None, head: str | None, rows: int) -> Vocabulary | None:
+        """What to cut in ``module`` to ``rows`` rows, or None where its embedding or head is of another kind (a
+        ``Conv1D`` head, say) or no larger."""
+        if embedding is None:
+            return None
+        table = module.get_submodule(embedding)
+        if not isinstance(table, nn.Embedding) or table.num_embeddings <= rows:
+            return None
+        if head is not None:
+            projection = module.get_submodule(head)
+            if not isinstance(projection, nn.Linear) or projection.out_features != table.num_embeddings:
+                return None
+        return cls(embedding, head, rows)
+
+    def cut(self, replica: nn.Module) -> None:
+        """Swap the (meta) embedding and head parameters of ``replica`` for ones of ``rows`` rows, tie kept."""
+        table = replica.get_submodule(self.embedding)
+        old = table.weight
+        table.weight = nn.Parameter(torch.empty(self.rows, table.embedding_dim, dtype=old.dtype, device="meta"))
+        table.num_embeddings = self.rows
+        if table.padding_idx is not None and table.padding_idx >= self.rows:
+            table.padding_idx = None
+        if self.head is None:
+            return
+        projection = replica.get_submodule(self.head)
+        if projection.weight is old:
+            projection.weight = table.weight
+        else:
+            projection.weight = nn.Parameter(torch.empty(self.rows, projection.in_features,
+                                                         dtype=projection.weight.dtype, device="meta"))
+        if projection.bias is not None:
+            projection.bias = nn.Parameter(torch.empty(self.rows, dtype=projection.bias.dtype, device="meta"))
+        projection.out_features = self.rows
 
 
 def _drop_hooks(replica: nn.Module) -> None:
@@ -105,4 +157,4 @@ def _keep_one_block_of_each_kind(replica: nn.Module, blocks: str, min_blocks: in
         del container._modules[key]
 
 
-__all__ = ["small_replica"]
+__all__ = ["Vocabulary", "small_replica"]
