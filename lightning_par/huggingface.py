@@ -28,8 +28,8 @@ from lightning_par.checkpoint import _move_into_place, _staging_path, consolidat
 from lightning_par.parallel.ties import tied_aliases
 from lightning_par.parallel.zero import materialize_meta_parameters
 
-__all__ = ["load_huggingface_weights", "export_huggingface", "save_huggingface", "model_config", "config_from_arguments",
-           "TOKENIZER_FILES"]
+__all__ = ["load_huggingface_weights", "export_huggingface", "save_huggingface", "model_config",
+           "config_from_arguments", "TOKENIZER_FILES"]
 
 # What a tokenizer saved with save_pretrained leaves in the model directory (those present are copied on export).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

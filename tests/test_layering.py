@@ -23,6 +23,7 @@ PURE_MODULES = [
     "lightning_par.models.llama",
     "lightning_par.data.corpus",
     "lightning_par.data.resumable",
+    "lightning_par.data.text",
 ]
 
 

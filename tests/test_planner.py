@@ -427,3 +427,13 @@ def test_a_hugging_face_model_the_planner_cannot_describe_is_refused() -> None:
     with pytest.raises(ValueError, match=r"cannot describe 'qwen2_moe': its model has [\d,]+ parameters, the "
                                          r"planner's Llama-style layout of its config [\d,]+"):
         ModelSpec.from_hf_config(config)
+
+
+def test_a_refused_hugging_face_model_keeps_its_reason_through_from_module() -> None:
+    pytest.importorskip("transformers")
+    from lightning_par.models import HFCausalLM
+
+    module = HFCausalLM(config=dict(model_type="qwen2_moe", vocab_size=512, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="cannot describe 'HFCausalLM': its model has"):
+        ModelSpec.from_module(module)

@@ -78,8 +78,10 @@ def _write(path: Path, text: str) -> str:
 
 
 BAD_INPUTS = {
-    "missing file": (lambda d: dict(train_files=str(d / "nowhere.jsonl")), "train_files: '.*nowhere.jsonl' does not exist"),
-    "empty file": (lambda d: dict(train_files=_write(d / "empty.jsonl", "\n")), "train_files: .*empty.jsonl' is empty"),
+    "missing file": (lambda d: dict(train_files=str(d / "nowhere.jsonl")),
+                     "train_files: '.*nowhere.jsonl' does not exist"),
+    "empty file": (lambda d: dict(train_files=_write(d / "empty.jsonl", "\n")),
+                   "train_files: .*empty.jsonl' is empty"),
     "field not in the records": (lambda d: dict(train_files=_write(d / "r.jsonl", json.dumps({"body": "x"}) + "\n")),
                                  r"text_field='text' is not a field of train_files .* its fields are \['body'\]"),
     "records without text": (lambda d: dict(train_files=_write(d / "n.jsonl", json.dumps({"text": ""}) + "\n")),

@@ -1,9 +1,9 @@
-"""Datasets and a LightningDataModule for next-token training that need no download.
+"""Datasets and LightningDataModules for next-token training that need no download.
 
-``corpus`` is pure PyTorch (the stdlib byte corpus, window and synthetic datasets);
-``resumable`` a DataLoader that resumes mid-epoch; ``datamodule`` adds the Lightning side, with exact sharding across data-parallel ranks;
+``corpus`` is pure PyTorch (the stdlib byte corpus, window and synthetic datasets); ``resumable`` a DataLoader
+that resumes mid-epoch; ``datamodule`` adds the Lightning side, with exact sharding across data-parallel ranks;
 ``text`` and ``text_datamodule`` read local text for fine-tuning, tokenized with a model directory's tokenizer.
-``TokenDataModule`` is imported lazily (PEP 562) so that the datasets work without Lightning.
+The datamodules are imported lazily (PEP 562) so that the datasets work without Lightning.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from lightning_par.data.datamodule import TokenDataModule
     from lightning_par.data.text_datamodule import TextDataModule
 
-__all__ = ["TokenDataModule", "TextDataModule", "ResumableDataLoader", "TokenWindowDataset", "SyntheticTokenDataset", "load_stdlib_tokens"]
+__all__ = ["TokenDataModule", "TextDataModule", "ResumableDataLoader", "TokenWindowDataset", "SyntheticTokenDataset",
+           "load_stdlib_tokens"]
 
 
 def __getattr__(name: str) -> Any:

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["TEXT_SUFFIXES", "JSON_SUFFIXES", "SAMPLE_BY", "check_sources", "load_documents", "load_tokenizer", "pack_documents"]
+__all__ = ["TEXT_SUFFIXES", "JSON_SUFFIXES", "SAMPLE_BY", "check_sources", "load_documents", "load_tokenizer",
+           "pack_documents"]
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSON_SUFFIXES = (".json", ".jsonl")
@@ -48,12 +49,21 @@ def check_sources(name: str, sources: str | os.PathLike | Sequence[str | os.Path
         if path.suffix not in TEXT_SUFFIXES + JSON_SUFFIXES:
             raise ValueError(f"{name}: {str(path)!r} is neither text ({', '.join(TEXT_SUFFIXES)}) nor JSON lines "
                              f"({', '.join(JSON_SUFFIXES)})")
-        if not path.read_bytes().strip():  # datasets' json builder raises a bare StopIteration on an empty file
+        if not _has_text(path):  # datasets' json builder raises a bare StopIteration on an empty file
             raise ValueError(f"{name}: {str(path)!r} is empty")
     kinds = {"dir" if p.is_dir() else p.suffix in JSON_SUFFIXES for p in paths}
     if len(kinds) > 1:
         raise ValueError(f"{name} mixes text and JSON files ({[str(p) for p in paths]}): give one kind per list")
     return paths
+
+
+def _has_text(path: Path, chunk: int = 1 << 20) -> bool:
+    """Whether ``path`` holds anything but whitespace (read only as far as the first character that is not)."""
+    with path.open("rb") as file:
+        while block := file.read(chunk):
+            if block.strip():
+                return True
+    return False
 
 
 def load_documents(paths: list[Path], *, text_field: str = "text", sample_by: str = "document",

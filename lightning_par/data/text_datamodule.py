@@ -126,5 +126,5 @@ class TextDataModule(WindowDataModule):
         config = getattr(module, "model_config", None) or getattr(module, "config", None)
         model_vocab = getattr(config, "vocab_size", None)
         if isinstance(model_vocab, int) and largest_id >= model_vocab:
-            raise ValueError(f"the tokenizer {self.tokenizer.name_or_path!r} gives token id {largest_id}, but the model's "
-                             f"vocab_size is {model_vocab}: use the tokenizer saved with the model")
+            raise ValueError(f"the tokenizer {self.tokenizer.name_or_path!r} gives token id {largest_id}, but the "
+                             f"model's vocab_size is {model_vocab}: use the tokenizer saved with the model")

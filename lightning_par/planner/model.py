@@ -18,6 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 
+class UnknownConfig(ValueError):
+    """A configuration object of neither known kind (LlamaConfig-like, Hugging Face-like)."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Sizes of a Llama-style decoder. ``moe_layers`` counts the blocks whose feed-forward is a mixture of
@@ -226,7 +230,7 @@ class ModelSpec:
             return cls.from_llama_config(config, name=name or "llama")
         if hasattr(config, "num_hidden_layers") and hasattr(config, "hidden_size"):
             return cls.from_hf_config(config, name=name)
-        raise ValueError(f"{type(config).__name__} is neither a LlamaConfig-like (dim, n_layers, ...) nor a Hugging "
+        raise UnknownConfig(f"{type(config).__name__} is neither a LlamaConfig-like (dim, n_layers, ...) nor a Hugging "
                          "Face-like (hidden_size, num_hidden_layers, ...) configuration")
 
     @classmethod
@@ -240,7 +244,7 @@ class ModelSpec:
                 continue
             try:
                 return cls.from_config(config, name=type(owner).__name__)
-            except ValueError:
+            except UnknownConfig:  # a configuration read and refused raises its own reason
                 continue
         raise ValueError(f"cannot read the architecture of {type(module).__name__}: the planner looks for a "
                          "LlamaConfig-like or Hugging Face-like `.config` on the module or on its `.model`; give "
