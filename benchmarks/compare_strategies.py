@@ -1,7 +1,7 @@
 """lightning_par strategies side by side with Lightning's own DDPStrategy: same model, data, machine, run.
 
     python benchmarks/compare_strategies.py [--strategies lightning_ddp data_parallel zero1 zero2 zero3
-                                                          tensor_parallel sequence_parallel pipeline_parallel
+                                                          tensor_parallel context_parallel pipeline_parallel
                                                           hybrid3d]
                                             [--devices 2] [--steps 60] [--rounds 2] [--dim 128 --layers 4]
                                             [--hybrid-tp 2 --hybrid-pp 2 --microbatches 4]
@@ -9,7 +9,7 @@
 Each strategy trains the reference Llama model for ``--steps`` optimizer steps on ``--devices`` CPU
 processes (gloo); the first ``--warmup`` steps are not timed. Rounds alternate the order (A B C, C B A,
 ...) so that drift on a shared machine hits all alike. ``--batch-size`` is per data-parallel rank, so the
-model-parallel strategies (tensor_parallel: tp=2; sequence_parallel: cp=2, Ulysses) train on fewer samples
+model-parallel strategies (tensor_parallel: tp=2; context_parallel: cp=2, Ulysses) train on fewer samples
 per step than data parallelism on the same processes (pipeline_parallel: one stage per process;
 hybrid3d: tp x pp from ``--hybrid-tp/--hybrid-pp``, sequence parallel on, the rest data parallel). With ``--moe-experts`` every block is a mixture of
 experts (top 2); ``expert_parallel`` then splits the experts over all processes, and ``data_parallel``
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-STRATEGIES = ("lightning_ddp", "data_parallel", "zero1", "zero2", "zero3", "tensor_parallel", "sequence_parallel",
+STRATEGIES = ("lightning_ddp", "data_parallel", "zero1", "zero2", "zero3", "tensor_parallel", "context_parallel",
               "expert_parallel", "pipeline_parallel", "hybrid3d")
 
 

@@ -24,6 +24,7 @@ _LAZY = {
     "DataParallelStrategy": "lightning_par.strategies",
     "ZeroStrategy": "lightning_par.strategies",
     "TensorParallelStrategy": "lightning_par.strategies",
+    "ContextParallelStrategy": "lightning_par.strategies",
     "SequenceParallelStrategy": "lightning_par.strategies",
     "PipelineParallelStrategy": "lightning_par.strategies",
     "ExpertParallelStrategy": "lightning_par.strategies",

@@ -108,6 +108,54 @@ class ParallelConfig:
             _check_size(name, getattr(self, name), allow_auto=name in AUTO_SIZES)
         self._check_knobs()
 
+    def check_composable(self) -> None:
+        """Raise ``ValueError`` when this layout combines techniques this version cannot compose. The strategies
+        call it at construction, ``parallelize`` before applying anything, the planner to drop candidates.
+
+        Every combination not refused here has a parity test against one process (docs/hybrid3d.md lists them).
+        """
+        stage = self.zero_stage
+        if stage in (1, 2):
+            # ZeroRedundancyOptimizer and the stage-2 hooks own whole plain tensors of one replicated module.
+            others = {name: getattr(self, name) for name in ("tp", "pp", "cp", "ep") if getattr(self, name) > 1}
+            if others:
+                raise ValueError(f"zero_stage={stage} with {_sizes(others)}: ZeRO-1/2 shard the states of plain, "
+                                 "replicated parameters; use zero_stage=0 (gradients all-reduced) or zero_stage=3 "
+                                 "(FSDP2, with tensor or context parallel)")
+        if self.pp > 1:
+            others = {name: getattr(self, name) for name in ("cp", "ep") if getattr(self, name) > 1}
+            if others:
+                raise ValueError(f"pp={self.pp} with {_sizes(others)}: pipeline parallel composes with data and "
+                                 "tensor parallel in this version; use context or expert parallel without pp")
+            if stage == 3:
+                raise ValueError(f"pp={self.pp} with zero_stage=3: each rank already holds only its stages' "
+                                 "parameters; use zero_stage=0 (gradients are all-reduced once per step over dp)")
+            if self.loss_parallel:
+                raise ValueError(f"pp={self.pp} with loss_parallel=True: the last stage gathers the logits; set "
+                                 "loss_parallel=False")
+        if self.ep > 1:
+            if stage != 0:
+                raise ValueError(f"ep={self.ep} with zero_stage={stage}: expert weights are split over the ep "
+                                 "ranks and the rest is replicated; use zero_stage=0")
+            if self.cp > 1:
+                raise ValueError(f"ep={self.ep} with cp={self.cp}: the router's capacity and load-balancing loss "
+                                 "are per sequence, and context parallel splits sequences; use ep with data (and "
+                                 "tensor) parallel")
+            if self.sequence_parallel and self.tp > 1:
+                raise ValueError(f"ep={self.ep} with sequence_parallel=True: the experts route whole sequences; "
+                                 "set sequence_parallel=False (tensor parallel still splits attention)")
+        if self.cp > 1 and self.tp > 1 and self.sequence_parallel:
+            raise ValueError(f"cp={self.cp} with sequence_parallel=True: context parallel already splits the "
+                             "sequence between the blocks; set sequence_parallel=False (tensor parallel still splits "
+                             "the layers)")
+
+    @property
+    def reduces_gradients_after_backward(self) -> bool:
+        """Whether the data-parallel gradient average is ``reduce_gradients`` after the last backward of a step,
+        instead of DDP's hooks: under pipeline parallel (a schedule calls stage views, never the module DDP wraps)
+        and for tensor-parallel DTensors without ZeRO-3 (DDP all-reduces plain tensors only)."""
+        return self.zero_stage == 0 and (self.pp > 1 or self.tp > 1)
+
     def validate(self, world_size: int) -> ParallelConfig:
         """Check the layout against ``world_size`` processes and return it with ``"auto"`` resolved.
 
@@ -278,3 +326,7 @@ def _suggest(fixed: dict[str, int], world_size: int, *, exact: bool = False) -> 
     if not fits:
         return f"no {name} fits with the other sizes; world size {world_size} has divisors {divisors(world_size)}"
     return "try " + " or ".join(f"{name}={d}" for d in fits)
+
+
+def _sizes(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{name}={size}" for name, size in sizes.items())

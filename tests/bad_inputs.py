@@ -292,11 +292,12 @@ BAD_INPUTS: list[BadInput] = [
              _strategy("TensorParallelStrategy", tensor_parallel_size="auto")),
     BadInput("`TensorParallelStrategy(loss_parallel='yes')`", "loss_parallel must be true or false, got 'yes'",
              _strategy("TensorParallelStrategy", loss_parallel="yes")),
-    BadInput("`SequenceParallelStrategy(method='zigzag')`", "method='zigzag' is not one of ('ulysses', 'ring')",
-             _strategy("SequenceParallelStrategy", method="zigzag")),
-    BadInput("`SequenceParallelStrategy(context_parallel_size=0)`",
+    BadInput("`ContextParallelStrategy(context_parallel_method='zigzag')`",
+             "context_parallel_method='zigzag' is not one of ('ulysses', 'ring')",
+             _strategy("ContextParallelStrategy", context_parallel_method="zigzag")),
+    BadInput("`ContextParallelStrategy(context_parallel_size=0)`",
              "context_parallel_size must be a positive integer, got 0",
-             _strategy("SequenceParallelStrategy", context_parallel_size=0)),
+             _strategy("ContextParallelStrategy", context_parallel_size=0)),
     BadInput("`PipelineParallelStrategy(schedule='dualpipe')`",
              "schedule='dualpipe' is not one of ('gpipe', '1f1b', 'interleaved_1f1b', 'zbv')",
              _strategy("PipelineParallelStrategy", schedule="dualpipe")),
@@ -352,10 +353,13 @@ BAD_INPUTS: list[BadInput] = [
              "schedule '1f1b' needs at least pipeline_parallel_size=4 micro-batches to fill the pipeline, got "
              "microbatches=2", _at_set_up("PipelineParallelStrategy", pipeline_parallel_size=4, microbatches=2,
                                           batch_size=8, seq_len=16)),
-    BadInput("`SequenceParallelStrategy(context_parallel_size=2, method='ring')`, sequences of 30 tokens",
+    BadInput("`ContextParallelStrategy(context_parallel_size=2, context_parallel_method='ring')`, sequences of 30 "
+             "tokens",
              "sequence length 30 is not divisible by 4 (2 x context_parallel_size: causal load balancing gives each rank 2 of 4 "
-             "chunks), which context_parallel_size=2 with method='ring' needs; nearest lengths that fit: [28, 32]",
-             _at_set_up("SequenceParallelStrategy", context_parallel_size=2, method="ring", batch_size=2, seq_len=30)),
+             "chunks), which context_parallel_size=2 with context_parallel_method='ring' needs; nearest lengths that "
+             "fit: [28, 32]",
+             _at_set_up("ContextParallelStrategy", context_parallel_size=2, context_parallel_method="ring",
+                        batch_size=2, seq_len=30)),
     BadInput("`TensorParallelStrategy(tensor_parallel_size=2, sequence_parallel=True)`, sequences of 15 tokens",
              "sequence_parallel=True splits the sequence over tensor_parallel_size=2 ranks, but a sequence of 15 "
              "tokens cannot be split into 2", _at_set_up("TensorParallelStrategy", tensor_parallel_size=2,

@@ -30,7 +30,7 @@ def make_strategy(name: str = "data_parallel", sharded: bool = True):
         DataParallelStrategy,
         Hybrid3DStrategy,
         PipelineParallelStrategy,
-        SequenceParallelStrategy,
+        ContextParallelStrategy,
         TensorParallelStrategy,
         ZeroStrategy,
     )
@@ -44,8 +44,9 @@ def make_strategy(name: str = "data_parallel", sharded: bool = True):
     if name == "hybrid3d":  # dp2 x tp2 x pp2 on 8 ranks
         return Hybrid3DStrategy(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2,
                                 sequence_parallel=True, microbatches=2)
-    if name == "sequence_parallel":
-        return SequenceParallelStrategy(context_parallel_size=2, method="ring", save_distributed_checkpoint=sharded)
+    if name == "context_parallel":
+        return ContextParallelStrategy(context_parallel_size=2, context_parallel_method="ring",
+                                       save_distributed_checkpoint=sharded)
     return ZeroStrategy(stage=int(name[-1]), save_distributed_checkpoint=sharded)
 
 
@@ -164,7 +165,7 @@ def test_export_consolidated_loads_in_plain_pytorch(tmp_path: Path, strategy: st
 
 # zero3 -> tensor_parallel and pp4 -> pp2, with the optimizer state, are in test_checkpoint_reshard.py.
 @pytest.mark.parametrize(("saved_under", "loaded_under"), [(("tensor_parallel", True), "data_parallel"),
-                                                          (("sequence_parallel", True), "tensor_parallel"),
+                                                          (("context_parallel", True), "tensor_parallel"),
                                                           (("data_parallel", False), "pipeline_parallel")],
                          ids=["tp-dp", "cp-tp", "full-pp"])
 def test_model_parallel_checkpoints_reshard(tmp_path: Path, saved_under: tuple, loaded_under: str) -> None:

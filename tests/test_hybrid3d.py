@@ -37,7 +37,7 @@ def make_strategy(**kwargs):
          "tp2xep2-dp2-acc2", "cp2xtp2-ring-zero3-clip"],
 )
 # ZeRO-3 x tp2 with sequence parallel is test_tensor_parallel.py's dp2xtp2-sp-acc2-clip (the same layout), dp2 x cp2
-# test_sequence_parallel.py's, ep2 inside dp4 test_experts.py's.
+# test_context_parallel.py's, ep2 inside dp4 test_experts.py's.
 def test_hybrid_layout_matches_single_process(world_size: int, dp: int, kwargs: dict, accumulate: int, clip,
                                               moe: bool) -> None:
     assert_layout_matches(make_moe_module if moe else make_module, make_datamodule,

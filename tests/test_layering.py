@@ -46,3 +46,14 @@ def test_strategy_names_resolve_whatever_the_import_order() -> None:
              "logger=False); print(type(t.strategy).__name__, 'data_parallel' in StrategyRegistry)")
     assert _run(f"import lightning_par; {check}").endswith("DataParallelStrategy True")
     assert _run(f"import lightning; import lightning_par; {check}").endswith("DataParallelStrategy True")
+
+
+def test_the_planner_needs_nothing_of_the_techniques() -> None:
+    """The planner reasons on sizes: it takes the layout rules from ParallelConfig and imports nothing of
+    lightning_par.parallel (planning a search, composability included, loads no technique)."""
+    code = ("import sys; import lightning_par.planner as planner; from lightning_par.planner.cli import main; "
+            "from lightning_par.planner.runtime import plan_for_run; "
+            "plan_for_run(planner.ModelSpec.preset('llama3-8b'), planner.ClusterSpec.from_preset('h100-80gb', "
+            "devices_per_node=8), batch_size_per_rank=1, seq_len=4096); "
+            "print(sorted(m for m in sys.modules if m.startswith('lightning_par.parallel')))")
+    assert _run(code) == "[]"

@@ -1,7 +1,6 @@
 """Pure PyTorch parallel techniques over (module, mesh). This package never imports lightning."""
 
 from lightning_par.parallel.compose import (
-    check_available,
     gradient_norm_groups,
     no_gradient_sync,
     parallelize,
@@ -23,7 +22,6 @@ __all__ = [
     "parallelize_optimizer",
     "no_gradient_sync",
     "gradient_norm_groups",
-    "check_available",
     "apply_data_parallel",
     "apply_tensor_parallel",
     "vocab_parallel_loss",

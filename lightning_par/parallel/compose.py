@@ -17,7 +17,8 @@ The order matters and is the same as torchtitan's, after a check of the plan:
                             DDP cannot wrap the step (pipeline stages; tensor-parallel DTensors without
                             ZeRO-3) the strategy calls reduce_gradients after the last backward instead.
 
-A combination this version does not compose is refused (check_available) before any collective runs.
+A combination this version does not compose is refused (``ParallelConfig.check_composable``) before any
+collective runs.
 """
 
 from __future__ import annotations
@@ -61,57 +62,6 @@ def check_batch_fits(config: ParallelConfig, *, batch_size: int | None, seq_len:
         held = f"the {local} tokens each cp rank holds" if config.cp > 1 else f"a sequence of {seq_len} tokens"
         raise ValueError(f"sequence_parallel=True splits the sequence over tp={config.tp} ranks, but {held} cannot "
                          f"be split into {config.tp}; use a sequence length divisible by {config.tp * config.cp}")
-
-
-def check_available(config: ParallelConfig) -> None:
-    """Raise ``ValueError`` when ``config`` combines techniques this version cannot compose.
-
-    Every combination not refused here has a parity test against one process (docs/hybrid3d.md lists them).
-    """
-    stage = config.zero_stage
-    if stage in (1, 2):
-        # ZeroRedundancyOptimizer and the stage-2 hooks own whole plain tensors of one replicated module.
-        others = {name: getattr(config, name) for name in ("tp", "pp", "cp", "ep") if getattr(config, name) > 1}
-        if others:
-            raise ValueError(f"zero_stage={stage} with {_sizes(others)}: ZeRO-1/2 shard the states of plain, "
-                             "replicated parameters; use zero_stage=0 (gradients all-reduced) or zero_stage=3 "
-                             "(FSDP2, with tensor or context parallel)")
-    if config.pp > 1:
-        others = {name: getattr(config, name) for name in ("cp", "ep") if getattr(config, name) > 1}
-        if others:
-            raise ValueError(f"pp={config.pp} with {_sizes(others)}: pipeline parallel composes with data and tensor "
-                             "parallel in this version; use context or expert parallel without pp")
-        if stage == 3:
-            raise ValueError(f"pp={config.pp} with zero_stage=3: each rank already holds only its stages' "
-                             "parameters; use zero_stage=0 (gradients are all-reduced once per step over dp)")
-        if config.loss_parallel:
-            raise ValueError(f"pp={config.pp} with loss_parallel=True: the last stage gathers the logits; set "
-                             "loss_parallel=False")
-    if config.ep > 1:
-        if stage != 0:
-            raise ValueError(f"ep={config.ep} with zero_stage={stage}: expert weights are split over the ep ranks "
-                             "and the rest is replicated; use zero_stage=0")
-        if config.cp > 1:
-            raise ValueError(f"ep={config.ep} with cp={config.cp}: the router's capacity and load-balancing loss are "
-                             "per sequence, and context parallel splits sequences; use ep with data (and tensor) "
-                             "parallel")
-        if config.sequence_parallel and config.tp > 1:
-            raise ValueError(f"ep={config.ep} with sequence_parallel=True: the experts route whole sequences; set "
-                             "sequence_parallel=False (tensor parallel still splits attention)")
-    if config.cp > 1 and config.tp > 1 and config.sequence_parallel:
-        raise ValueError(f"cp={config.cp} with sequence_parallel=True: context parallel already splits the sequence "
-                         "between the blocks; set sequence_parallel=False (tensor parallel still splits the layers)")
-
-
-def reduces_gradients_after_backward(config: ParallelConfig) -> bool:
-    """Whether the data-parallel gradient average is :func:`reduce_gradients` after the last backward of a
-    step, instead of DDP's hooks: under pipeline parallel (a schedule calls stage views, never the module
-    DDP wraps) and for tensor-parallel DTensors without ZeRO-3 (DDP all-reduces plain tensors only)."""
-    return config.zero_stage == 0 and (config.pp > 1 or config.tp > 1)
-
-
-def _sizes(sizes: dict[str, int]) -> str:
-    return ", ".join(f"{name}={size}" for name, size in sizes.items())
 
 
 _LAYOUT_ATTRIBUTE = "_lightning_par_layout"
@@ -158,7 +108,7 @@ def parallelize(
     and what the check changed.
     """
     device = device if device is not None else torch.device(mesh.device_type)
-    check_available(config)
+    config.check_composable()
     # Steps 1-6 change the module in place, once: fit and then validate/test/predict on the same module
     # (the usual Lightning sequence) reuses them and only re-wraps for data parallelism.
     layout = (mesh.sizes(), config)
@@ -203,9 +153,9 @@ def parallelize(
         ties.make_equal()  # copies of one tensor on several stages start equal
     if config.zero_stage == 3:
         return model
-    if not training or config.zero_stage == 2 or reduces_gradients_after_backward(config):
+    if not training or config.zero_stage == 2 or config.reduces_gradients_after_backward:
         # Stage 2 reduces gradients with hooks installed by parallelize_optimizer(), the others listed in
-        # reduces_gradients_after_backward() with reduce_gradients(), not with DDP.
+        # ParallelConfig.reduces_gradients_after_backward with reduce_gradients(), not with DDP.
         broadcast_replicas(model, mesh)
         return model
     return apply_data_parallel(
@@ -252,4 +202,4 @@ def gradient_norm_groups(mesh: ParallelMesh, config: ParallelConfig) -> dict[str
 
 
 __all__ = ["applied_layout", "parallelize", "pipeline_stages", "stage_ties", "parallelize_optimizer",
-           "no_gradient_sync", "gradient_norm_groups", "check_available", "check_batch_fits", "reduces_gradients_after_backward"]
+           "no_gradient_sync", "gradient_norm_groups", "check_batch_fits"]

@@ -74,7 +74,7 @@ def check_sequence_length(seq_len: int, cp: int, method: Method) -> None:
         why = "" if method == "ulysses" else f" (2 x cp: causal load balancing gives each rank 2 of {divisor} chunks)"
         fits = [seq_len - seq_len % divisor, seq_len + divisor - seq_len % divisor]
         raise ValueError(f"sequence length {seq_len} is not divisible by {divisor}{why}, which cp={cp} with "
-                         f"method={method!r} needs; nearest lengths that fit: {[n for n in fits if n > 0]}")
+                         f"cp_method={method!r} needs; nearest lengths that fit: {[n for n in fits if n > 0]}")
 
 
 def causal_score_blocks(rank: int, cp: int, method: Method) -> int:
@@ -112,7 +112,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup,
     H, Hkv = q.shape[1], k.shape[1]
     if H % cp != 0:
         raise ValueError(f"context parallel 'ulysses' splits attention heads over cp={cp} ranks, but the layer "
-                         f"has {H} query heads; use a cp that divides {H}, or method='ring'")
+                         f"has {H} query heads; use a cp that divides {H}, or cp_method='ring'")
     if Hkv % cp != 0:  # too few kv heads to split: give every query head its own copy first
         k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
     q, k, v = (_sequence_to_heads(t, group, cp) for t in (q, k, v))

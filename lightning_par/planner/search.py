@@ -168,11 +168,8 @@ def _check_fixed_sizes(fixed: dict[str, Any], world: int) -> None:
 
 
 def _default_composable(config: ParallelConfig) -> bool:
-    # compose.py imports torch, so import it only when a search runs.
-    from lightning_par.parallel.compose import check_available
-
     try:
-        check_available(config)
+        config.check_composable()
     except ValueError:
         return False
     return True
@@ -299,7 +296,7 @@ def plan_layouts(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
 
     ``fixed`` keeps sizes or knobs the user chose (``{"tp": 2}``, ``{"tensor_parallel_size": 8, "zero_stage":
     3}``; ``"auto"`` leaves one to the search). ``composable`` says whether this version of lightning_par can
-    apply a layout (default: ``lightning_par.parallel.compose.check_available`` does not raise); pass
+    apply a layout (default: ``ParallelConfig.check_composable`` does not raise); pass
     ``lambda config: True`` to rank every layout the cost model understands. ``include_unfit`` appends the
     layouts that do not fit, smallest memory first. Raises ``ValueError`` when no layout is possible or none
     fits, naming the memory the smallest one needs and what would help.
@@ -324,7 +321,7 @@ def _nothing_possible(model: ModelSpec, cluster: ClusterSpec, training: Training
     world = cluster.world_size
     if found:
         return (f"none of the {found} layouts of {model.name} over {world} devices is composable in this version of "
-                f"lightning_par (fixed: {fixed or {}}); see lightning_par.parallel.compose.check_available")
+                f"lightning_par (fixed: {fixed or {}}); see ParallelConfig.check_composable")
     return (f"no layout splits {model.name} (heads={model.heads}, kv_heads={model.kv_heads}, layers={model.layers}) "
             f"over {world} devices for a global batch of {training.global_batch_size} sequences of {training.seq_len} "
             f"tokens in micro-batches of {training.micro_batch_size} (fixed: {fixed or {}}): the data-parallel size "

@@ -221,7 +221,7 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
         # DDP overlaps its bucketed all-reduce with backward; pipeline stages and tensor-parallel DTensors are
         # reduced in one flat all-reduce after the last backward instead (lightning_par.parallel.data.
         # reduce_gradients, as Megatron-LM does under pipeline parallelism): nothing left to hide it behind.
-        after_backward = stage == 0 and (pp > 1 or tp > 1)
+        after_backward = config.reduces_gradients_after_backward
         add(_all_reduce(dense * gbytes, dp * cp), span["dp_cp"], None if after_backward else backward_mb)
         if stage == 1:
             add(_gather(params * pbytes, shard), span["dp_shard_cp"], None)  # ZeroRedundancyOptimizer broadcast

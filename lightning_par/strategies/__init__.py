@@ -1,16 +1,17 @@
 """Lightning strategies: thin shells over lightning_par.parallel."""
 
 from lightning_par.strategies.base import MeshStrategy
+from lightning_par.strategies.context_parallel import ContextParallelStrategy, SequenceParallelStrategy
 from lightning_par.strategies.data_parallel import DataParallelStrategy
 from lightning_par.strategies.expert_parallel import ExpertParallelStrategy
 from lightning_par.strategies.hybrid3d import AutoParallelStrategy, Hybrid3DStrategy
 from lightning_par.strategies.pipeline_parallel import PipelineParallelStrategy
-from lightning_par.strategies.sequence_parallel import SequenceParallelStrategy
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_par.strategies.zero import ZeroStrategy
 
-STRATEGIES = (DataParallelStrategy, ZeroStrategy, TensorParallelStrategy, SequenceParallelStrategy,
-              PipelineParallelStrategy, ExpertParallelStrategy, Hybrid3DStrategy, AutoParallelStrategy)
+STRATEGIES = (DataParallelStrategy, ZeroStrategy, TensorParallelStrategy, ContextParallelStrategy,
+              PipelineParallelStrategy, ExpertParallelStrategy, Hybrid3DStrategy, AutoParallelStrategy,
+              SequenceParallelStrategy)
 
 
 def register_strategies() -> None:
@@ -24,6 +25,6 @@ def register_strategies() -> None:
 register_strategies()
 
 __all__ = ["MeshStrategy", "DataParallelStrategy", "ZeroStrategy", "TensorParallelStrategy",
-           "SequenceParallelStrategy", "PipelineParallelStrategy", "ExpertParallelStrategy", "Hybrid3DStrategy",
+           "ContextParallelStrategy", "SequenceParallelStrategy", "PipelineParallelStrategy", "ExpertParallelStrategy", "Hybrid3DStrategy",
            "AutoParallelStrategy", "register_strategies",
            "STRATEGIES"]

@@ -59,13 +59,11 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.clip import clip_grad_norm_, gradient_norm
 from lightning_par.parallel.compose import (
     applied_layout,
-    check_available,
     check_batch_fits,
     gradient_norm_groups,
     no_gradient_sync,
     parallelize,
     parallelize_optimizer,
-    reduces_gradients_after_backward,
     stage_ties,
 )
 from lightning_par.parallel.data import broadcast_replicas, reduce_gradients, unwrap
@@ -195,7 +193,7 @@ class MeshStrategy(ParallelStrategy):
         # Refuse what cannot work before any process group exists, so every rank fails alike.
         with self.in_argument_names():
             self.parallel_config.check()
-            check_available(self.parallel_config)
+            self.parallel_config.check_composable()
         self._plan = ModelPlan.from_dict(plan) if isinstance(plan, dict) else plan
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._checkpoint_weights_only = checkpoint_weights_only
@@ -547,7 +545,7 @@ class MeshStrategy(ParallelStrategy):
             return
         # Layouts DDP cannot wrap average their gradients here, after the last backward of a step.
         reduce = (self._average_gradients if self._applied_in_configure_model
-                  else reduces_gradients_after_backward(self.parallel_config))
+                  else self.parallel_config.reduces_gradients_after_backward)
         if reduce:
             reduce_gradients(self.lightning_module, self.mesh)
         ties = stage_ties(self.lightning_module)

@@ -15,9 +15,9 @@ PARITY_RTOL = 1e-5
 
 
 def make_strategy(**kwargs):
-    from lightning_par import SequenceParallelStrategy
+    from lightning_par import ContextParallelStrategy
 
-    return SequenceParallelStrategy(**kwargs)
+    return ContextParallelStrategy(**kwargs)
 
 
 def test_ring_layout_gives_every_rank_the_same_causal_work() -> None:
@@ -83,12 +83,12 @@ def test_attention_over_slices_equals_attention_over_the_whole(method, world_siz
 @pytest.mark.parametrize(
     ("world_size", "kwargs", "accumulate", "clip"),
     [
-        (2, dict(context_parallel_size=2, method="ulysses"), 1, None),
-        (2, dict(context_parallel_size=2, method="ring"), 1, None),
-        (4, dict(context_parallel_size=4, method="ulysses"), 1, 0.05),
-        (4, dict(context_parallel_size=4, method="ring"), 1, 0.05),
-        (4, dict(context_parallel_size=2, method="ring"), 2, None),  # dp2 x cp2 (DDP), accumulation
-        (4, dict(context_parallel_size=2, method="ulysses", zero_stage=3), 1, 0.05),  # FSDP2 over dp x cp
+        (2, dict(context_parallel_size=2, context_parallel_method="ulysses"), 1, None),
+        (2, dict(context_parallel_size=2, context_parallel_method="ring"), 1, None),
+        (4, dict(context_parallel_size=4, context_parallel_method="ulysses"), 1, 0.05),
+        (4, dict(context_parallel_size=4, context_parallel_method="ring"), 1, 0.05),
+        (4, dict(context_parallel_size=2, context_parallel_method="ring"), 2, None),  # dp2 x cp2 (DDP), accumulation
+        (4, dict(context_parallel_size=2, context_parallel_method="ulysses", zero_stage=3), 1, 0.05),  # FSDP2 over dp x cp
     ],
     ids=["cp2-ulysses", "cp2-ring", "cp4-ulysses-clip", "cp4-ring-clip", "dp2xcp2-ring-acc2", "dp2xcp2-ulysses-zero3"],
 )
@@ -102,9 +102,9 @@ def test_context_parallel_matches_single_process(world_size: int, kwargs: dict, 
 @pytest.mark.parametrize(
     ("strategy_kwargs", "model_kwargs", "seq_len", "message"),
     [
-        (dict(context_parallel_size=4, method="ring"), {}, 12,
+        (dict(context_parallel_size=4, context_parallel_method="ring"), {}, 12,
          "sequence length 12 is not divisible by 8 (2 x context_parallel_size"),
-        (dict(context_parallel_size=4, method="ulysses"), dict(n_heads=2, n_kv_heads=2), 16,
+        (dict(context_parallel_size=4, context_parallel_method="ulysses"), dict(n_heads=2, n_kv_heads=2), 16,
          "context parallel 'ulysses' splits attention heads over context_parallel_size=4 ranks, but the layer has 2 query heads"),
     ],
     ids=["sequence", "heads"],
@@ -130,7 +130,7 @@ def _lengths_seen(rank: int, world_size: int, method: str) -> dict:
     module.model.layers["0"].attention.q_proj.register_forward_hook(record("q_proj"))
     module.model.norm.register_forward_hook(record("final_norm"))
     trainer = lightning.Trainer(accelerator="cpu", devices=world_size, max_steps=1, logger=False,
-                                strategy=make_strategy(context_parallel_size=world_size, method=method),
+                                strategy=make_strategy(context_parallel_size=world_size, context_parallel_method=method),
                                 enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     trainer.fit(module, datamodule=make_datamodule())
     # The same module again: its blocks were set up once and are not split a second time.
@@ -145,3 +145,28 @@ def test_blocks_run_on_a_slice_of_the_sequence(method: str) -> None:
 
     for seen in run_distributed(_lengths_seen, 2, method):
         assert seen == {"q_proj": {8}, "final_norm": {16}}
+
+
+def test_context_parallel_resolves_and_its_former_name_warns() -> None:
+    """``context_parallel`` is the strategy's name; ``sequence_parallel`` (its former name, easily taken for
+    Megatron's tensor-parallel option) still resolves for one release, with a warning that says what it is."""
+    import warnings
+
+    import lightning
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_par  # noqa: F401 - registers the names
+
+    assert StrategyRegistry["context_parallel"]["strategy"] is lightning_par.ContextParallelStrategy
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy="context_parallel", logger=False)
+    assert type(trainer.strategy) is lightning_par.ContextParallelStrategy
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)]
+    with pytest.warns(FutureWarning, match="'sequence_parallel' .* is now 'context_parallel' .* Megatron's sequence "
+                                           "parallelism is tensor_parallel's sequence_parallel=True"):
+        old = lightning.Trainer(accelerator="cpu", devices=2, strategy="sequence_parallel", logger=False).strategy
+    assert isinstance(old, lightning_par.ContextParallelStrategy)
+    with pytest.warns(FutureWarning):
+        renamed = lightning_par.SequenceParallelStrategy(context_parallel_size=2, method="ring", zero_stage=3)
+    assert (renamed.parallel_config.cp_method, renamed.parallel_config.zero_stage) == ("ring", 3)

@@ -1,7 +1,13 @@
-"""SequenceParallelStrategy (``sequence_parallel``): context parallel, each sequence split over ranks."""
+"""ContextParallelStrategy (``context_parallel``): each sequence split over ranks.
+
+``sequence_parallel`` / ``SequenceParallelStrategy`` is its former name, kept one release with a warning: Megatron's
+sequence parallelism (Korthikanti et al. 2022) is a tensor-parallel option (``sequence_parallel=True`` of
+``tensor_parallel`` and ``hybrid3d``), which the old name was easily taken for.
+"""
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 from typing import Any, Literal, Union
 
@@ -11,17 +17,17 @@ from lightning_par.config import ParallelConfig
 from lightning_par.strategies.base import SIZE_ARGUMENTS, MeshStrategy
 
 
-class SequenceParallelStrategy(MeshStrategy):
+class ContextParallelStrategy(MeshStrategy):
     """Context parallelism: every sequence is split over ``context_parallel_size`` ranks.
 
     The blocks run on ``T / context_parallel_size`` tokens per rank; attention reaches the other ranks'
-    tokens by the chosen ``method`` (see ``lightning_par.parallel.sequence``). The remaining ranks
+    tokens by the chosen ``context_parallel_method`` (see ``lightning_par.parallel.sequence``). The remaining ranks
     (``world_size / context_parallel_size``) are data parallel; gradients are averaged over data and
     context ranks together, by DDP (``zero_stage=0``) or FSDP2 (``zero_stage=3``).
 
     Args:
         context_parallel_size: ranks that share one sequence.
-        method: ``ulysses`` (all-to-all of heads and sequence; heads must divide by
+        context_parallel_method: ``ulysses`` (all-to-all of heads and sequence; heads must divide by
             ``context_parallel_size``) or ``ring`` (key/value blocks passed round the ranks, causal load
             balancing; the sequence length must divide by ``2 x context_parallel_size``).
         data_parallel_size: ``"auto"``: every remaining rank.
@@ -32,14 +38,14 @@ class SequenceParallelStrategy(MeshStrategy):
         save_distributed_checkpoint: sharded DCP directory (default) or one full file from rank 0.
     """
 
-    strategy_name = "sequence_parallel"
-    argument_names = {**SIZE_ARGUMENTS, "dp_shard": "data_parallel_size", "cp_method": "method"}
+    strategy_name = "context_parallel"
+    argument_names = {**SIZE_ARGUMENTS, "dp_shard": "data_parallel_size", "cp_method": "context_parallel_method"}
     strategy_description = "context parallel: Ulysses or ring attention"
 
     def __init__(
         self,
         context_parallel_size: int = 2,
-        method: Literal["ulysses", "ring"] = "ulysses",
+        context_parallel_method: Literal["ulysses", "ring"] = "ulysses",
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
         zero_stage: Literal[0, 3] = 0,
         activation_checkpointing: Literal["none", "full", "selective"] = "none",
@@ -50,8 +56,26 @@ class SequenceParallelStrategy(MeshStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
-        config = ParallelConfig(cp=context_parallel_size, cp_method=method, dp_shard=data_parallel_size,
-                                zero_stage=zero_stage, activation_checkpointing=activation_checkpointing,
+        config = ParallelConfig(cp=context_parallel_size, cp_method=context_parallel_method,
+                                dp_shard=data_parallel_size, zero_stage=zero_stage, activation_checkpointing=activation_checkpointing,
                                 activation_checkpointing_every=activation_checkpointing_every)
         super().__init__(config, plan=plan, save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout, **kwargs)
+
+
+class SequenceParallelStrategy(ContextParallelStrategy):
+    """Deprecated: the former name of :class:`ContextParallelStrategy` (``method`` is its
+    ``context_parallel_method``). Warns when constructed."""
+
+    strategy_name = "sequence_parallel"
+    argument_names = {**ContextParallelStrategy.argument_names, "cp_method": "method"}
+    strategy_description = "deprecated name of context_parallel"
+
+    def __init__(self, context_parallel_size: int = 2, method: Literal["ulysses", "ring"] = "ulysses",
+                 **kwargs: Any) -> None:
+        warnings.warn("strategy 'sequence_parallel' (SequenceParallelStrategy) is now 'context_parallel' "
+                      "(ContextParallelStrategy, with context_parallel_method= for method=): it splits each sequence "
+                      "over ranks, which is context parallelism. Megatron's sequence parallelism is "
+                      "tensor_parallel's sequence_parallel=True. The old name goes in the next release.",
+                      FutureWarning, stacklevel=2)
+        super().__init__(context_parallel_size, context_parallel_method=method, **kwargs)
