@@ -70,17 +70,17 @@ def _fit(rank: int, world_size: int, directory: str, strategy: str | tuple, seed
             "step": trainer.global_step}
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["full", "sharded-async"])
-def test_resume_continues_exactly(tmp_path: Path, sharded: bool) -> None:
-    """The full format, and the sharded one written in the background (AsyncCheckpointIO) while training goes
-    on: the checkpoint holds the state of its step, not of later ones. (The synchronous sharded case is
-    test_resilience's kill-and-resume test.)"""
+@pytest.mark.parametrize(("sharded", "asynchronous"), [(False, False), (True, False), (True, True)],
+                         ids=["full", "sharded", "sharded-async"])
+def test_resume_continues_exactly(tmp_path: Path, sharded: bool, asynchronous: bool) -> None:
+    """The full format, the sharded one, and the sharded one written in the background (AsyncCheckpointIO) while
+    training goes on: the checkpoint holds the state of its step, not of later ones."""
     first = tmp_path / "first"
     (first / STAGING_DIR).mkdir(parents=True)
     # Debris of a save that crashed half-way: never loaded, cleaned up by the next save of that name.
     (first / STAGING_DIR / "last.ckpt").write_bytes(b"truncated")
 
-    uninterrupted = run_distributed(_fit, 2, str(first), sharded, 0, None, asynchronous=sharded)[0]
+    uninterrupted = run_distributed(_fit, 2, str(first), sharded, 0, None, asynchronous=asynchronous)[0]
     epoch0 = first / "epoch=0-step=4.ckpt"
     assert is_sharded_checkpoint(epoch0) if sharded else epoch0.is_file()
     assert sorted(p.name for p in first.iterdir()) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
@@ -120,9 +120,10 @@ def test_full_checkpoint_holds_whole_tensors_by_name(tmp_path: Path) -> None:
     assert "model.layers.0.attention.q_proj.weight" in optimizer_state["state"]
 
 
-# Sharded ZeRO checkpoints are resumed by the cross-layout tests below; the full format gathers sharded
-# optimizer states into whole ones, which this resumes bitwise.
-@pytest.mark.parametrize(("strategy", "sharded"), [("zero3", False)])
+# Each ZeRO stage in one of the formats (the others by the cross-layout tests below): ZeroRedundancyOptimizer's
+# partitions, stage 2's owned gradients and FSDP2's shards resume bitwise; the full format gathers sharded
+# optimizer states into whole ones.
+@pytest.mark.parametrize(("strategy", "sharded"), [("zero1", False), ("zero2", True), ("zero3", False)])
 def test_zero_resume_continues_exactly(tmp_path: Path, strategy: str, sharded: bool) -> None:
     uninterrupted = run_distributed(_fit, 2, str(tmp_path / "a"), (strategy, sharded), 0, None)[0]
     epoch0 = tmp_path / "a" / "epoch=0-step=4.ckpt"
@@ -133,7 +134,8 @@ def test_zero_resume_continues_exactly(tmp_path: Path, strategy: str, sharded: b
 
 
 @pytest.mark.parametrize(("saved_under", "resumed_under"),
-                         [("data_parallel", "zero3"), ("zero1", "zero2"), ("zero2", "data_parallel")])
+                         [("data_parallel", "zero3"), ("zero1", "zero2"), ("zero2", "data_parallel"),
+                          ("zero3", "zero1")])
 def test_sharded_checkpoint_resumes_under_another_layout(tmp_path: Path, saved_under: str, resumed_under: str) -> None:
     """Weights and optimizer states reshard on load: the continued run matches the uninterrupted one."""
     uninterrupted = run_distributed(_fit, 2, str(tmp_path / "a"), (saved_under, True), 0, None)[0]
@@ -166,11 +168,13 @@ def test_export_consolidated_loads_in_plain_pytorch(tmp_path: Path, strategy: st
 # zero3 -> tensor_parallel and pp4 -> pp2, with the optimizer state, are in test_checkpoint_reshard.py.
 @pytest.mark.parametrize(("saved_under", "loaded_under"), [(("tensor_parallel", True), "data_parallel"),
                                                           (("context_parallel", True), "tensor_parallel"),
-                                                          (("data_parallel", False), "pipeline_parallel")],
-                         ids=["tp-dp", "cp-tp", "full-pp"])
+                                                          (("data_parallel", False), "pipeline_parallel"),
+                                                          (("pipeline_parallel", True), "data_parallel")],
+                         ids=["tp-dp", "cp-tp", "full-pp", "pp-dp"])
 def test_model_parallel_checkpoints_reshard(tmp_path: Path, saved_under: tuple, loaded_under: str) -> None:
     """DTensor shards of a tensor-parallel run load into whole tensors, and back, a context-parallel run's into
-    tensor-parallel shards, and a full file into pipeline stages, each rank taking its stages' weights (weights
+    tensor-parallel shards, a full file into pipeline stages, each rank taking its stages' weights, and pipeline
+    stages into one whole model (weights
     compared after consolidation; a different data-parallel size reads other batches, so no loss curve is
     compared)."""
     saved = run_distributed(_fit, 2, str(tmp_path / "a"), saved_under, 0, None, 1)[0]
