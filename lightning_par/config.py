@@ -13,23 +13,32 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, Union, get_args
 
 from lightning_par.mesh import MESH_DIM_NAMES, ParallelMesh, build_device_mesh
+from lightning_par.stages import Schedule
 
 Size = Union[int, Literal["auto"]]
+# Each knob's values, declared once: the strategies' signatures (which LightningCLI reads) use these aliases, and
+# the checks below their values.
+Recompute = Literal["none", "full", "selective"]
+ContextParallelMethod = Literal["ulysses", "ring"]
+PipelineSchedule = Schedule
+PipelineBalance = Literal["parameters", "profile"]
+GradientCompression = Literal["none", "bf16", "fp16"]
+Dtype = Literal["fp32", "bf16", "fp16"]
 
 # Only the data-parallel sizes can absorb "whatever is left" without a planner; the model-parallel
 # sizes change memory and speed too much to be guessed (the planner of the auto_parallel strategy
 # chooses them from a cost model instead).
 AUTO_SIZES = ("dp_replicate", "dp_shard")
-GRADIENT_COMPRESSIONS = ("none", "bf16", "fp16")
+GRADIENT_COMPRESSIONS = get_args(GradientCompression)
 ZERO_STAGES = (0, 1, 2, 3)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-RECOMPUTE_MODES = ("none", "full", "selective")
-CP_METHODS = ("ulysses", "ring")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
-PP_BALANCE = ("parameters", "profile")
+RECOMPUTE_MODES = get_args(Recompute)
+CP_METHODS = get_args(ContextParallelMethod)
+PP_SCHEDULES = get_args(PipelineSchedule)
+PP_BALANCE = get_args(PipelineBalance)
 
 
 @dataclass(frozen=True)
@@ -64,22 +73,22 @@ class ParallelConfig:
     ep: int = 1
     sequence_parallel: bool = False
     loss_parallel: bool = False
-    cp_method: Literal["ulysses", "ring"] = "ulysses"
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"] = "1f1b"
+    cp_method: ContextParallelMethod = "ulysses"
+    pp_schedule: PipelineSchedule = "1f1b"
     pp_microbatches: int = 4
     pp_virtual_stages: int = 2
-    pp_balance: Literal["parameters", "profile"] = "parameters"
+    pp_balance: PipelineBalance = "parameters"
     zero_stage: int = 0
     reshard_after_forward: bool = True
-    param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    reduce_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None
+    param_dtype: Dtype = "fp32"
+    reduce_dtype: Optional[Dtype] = None
     cpu_offload: bool = False
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    activation_checkpointing: Recompute = "none"
     activation_checkpointing_every: int = 1
     ddp_bucket_cap_mb: float = 25.0
     ddp_static_graph: bool = False
     ddp_find_unused_parameters: bool = False
-    gradient_compression: Literal["none", "bf16", "fp16"] = "none"
+    gradient_compression: GradientCompression = "none"
 
     # ----------------------------------------------------------------------------------- sizes
     def mesh_shape(self) -> tuple[int, ...]:

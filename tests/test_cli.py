@@ -139,3 +139,36 @@ def test_two_node_torchrun_rendezvous(tmp_path: Path) -> None:
     for rank, record in enumerate(records):
         assert record == {"environment": "TorchElasticEnvironment", "world_size": 2, "global_rank": rank,
                           "node_rank": rank, "mesh": {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}}
+
+
+@pytest.mark.parametrize("name", sorted(path.stem for path in (REPO / "configs").glob("*.yaml")))
+def test_print_config_shows_every_strategy_argument(name: str) -> None:
+    """LightningCLI sees each strategy's whole signature: ``--print_config`` of a shipped config lists every
+    argument of its strategy (the knobs' values come from config.py's aliases)."""
+    import contextlib
+    import importlib
+    import inspect
+    import io
+
+    import yaml
+
+    from lightning_par.cli import ParallelCLI
+
+    with contextlib.redirect_stdout(io.StringIO()) as printed, pytest.raises(SystemExit):
+        ParallelCLI(args=["fit", "--config", str(REPO / "configs" / f"{name}.yaml"), "--print_config"])
+    strategy = yaml.safe_load(printed.getvalue())["trainer"]["strategy"]
+    module, _, cls = strategy["class_path"].rpartition(".")
+    signature = inspect.signature(getattr(importlib.import_module(module), cls).__init__)
+    expected = {p for p, parameter in signature.parameters.items()
+                if p != "self" and parameter.kind is not inspect.Parameter.VAR_KEYWORD}
+    assert expected <= set(strategy["init_args"]), expected - set(strategy["init_args"])
+
+
+def test_a_knob_value_outside_its_alias_is_refused_by_the_parser(capsys) -> None:
+    from lightning_par.cli import ParallelCLI
+
+    with pytest.raises(SystemExit) as exit_:
+        ParallelCLI(args=["fit", "--config", str(REPO / "configs" / "hybrid3d.yaml"), "--print_config",
+                          "--trainer.strategy.init_args.activation_checkpointing=sometimes"])
+    assert exit_.value.code not in (0, None)
+    assert "sometimes" in capsys.readouterr().err

@@ -13,7 +13,7 @@ from typing import Any, Literal, Union
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_par.config import ParallelConfig
+from lightning_par.config import ContextParallelMethod, ParallelConfig, Recompute
 from lightning_par.strategies.base import SIZE_ARGUMENTS, MeshStrategy
 
 
@@ -45,10 +45,10 @@ class ContextParallelStrategy(MeshStrategy):
     def __init__(
         self,
         context_parallel_size: int = 2,
-        context_parallel_method: Literal["ulysses", "ring"] = "ulysses",
+        context_parallel_method: ContextParallelMethod = "ulysses",
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
         zero_stage: Literal[0, 3] = 0,
-        activation_checkpointing: Literal["none", "full", "selective"] = "none",
+        activation_checkpointing: Recompute = "none",
         activation_checkpointing_every: int = 1,
         plan: dict[str, Any] | None = None,
         save_distributed_checkpoint: bool = True,
@@ -71,7 +71,7 @@ class SequenceParallelStrategy(ContextParallelStrategy):
     argument_names = {**ContextParallelStrategy.argument_names, "cp_method": "method"}
     strategy_description = "deprecated name of context_parallel"
 
-    def __init__(self, context_parallel_size: int = 2, method: Literal["ulysses", "ring"] = "ulysses",
+    def __init__(self, context_parallel_size: int = 2, method: ContextParallelMethod = "ulysses",
                  **kwargs: Any) -> None:
         warnings.warn("strategy 'sequence_parallel' (SequenceParallelStrategy) is now 'context_parallel' "
                       "(ContextParallelStrategy, with context_parallel_method= for method=): it splits each sequence "

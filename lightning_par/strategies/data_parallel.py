@@ -7,7 +7,7 @@ from typing import Any, Literal, Union
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_par.config import ParallelConfig
+from lightning_par.config import GradientCompression, ParallelConfig, Recompute
 from lightning_par.strategies.base import DDP_ARGUMENTS, SIZE_ARGUMENTS, MeshStrategy
 
 
@@ -40,8 +40,8 @@ class DataParallelStrategy(MeshStrategy):
         bucket_cap_mb: float = 25.0,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
-        gradient_compression: Literal["none", "bf16", "fp16"] = "none",
-        activation_checkpointing: Literal["none", "full", "selective"] = "none",
+        gradient_compression: GradientCompression = "none",
+        activation_checkpointing: Recompute = "none",
         activation_checkpointing_every: int = 1,
         plan: dict[str, Any] | None = None,
         save_distributed_checkpoint: bool = True,

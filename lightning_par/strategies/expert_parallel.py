@@ -7,7 +7,7 @@ from typing import Any, Literal, Union
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_par.config import ParallelConfig
+from lightning_par.config import ParallelConfig, Recompute
 from lightning_par.strategies.base import SIZE_ARGUMENTS, MeshStrategy
 
 
@@ -38,7 +38,7 @@ class ExpertParallelStrategy(MeshStrategy):
         self,
         expert_parallel_size: int = 2,
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
-        activation_checkpointing: Literal["none", "full", "selective"] = "none",
+        activation_checkpointing: Recompute = "none",
         activation_checkpointing_every: int = 1,
         plan: dict[str, Any] | None = None,
         save_distributed_checkpoint: bool = True,

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_par.config import ParallelConfig, Size, shard_size
+from lightning_par.config import (
+    ContextParallelMethod,
+    Dtype,
+    GradientCompression,
+    ParallelConfig,
+    PipelineBalance,
+    PipelineSchedule,
+    Recompute,
+    Size,
+    shard_size,
+)
 from lightning_par.strategies.base import DDP_ARGUMENTS, SIZE_ARGUMENTS
 from lightning_par.strategies.staged import StagedStrategy
 
@@ -79,21 +89,21 @@ class Hybrid3DStrategy(StagedStrategy):
         replicate_size: int = 1,
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
-        context_parallel_method: Literal["ulysses", "ring"] = "ulysses",
-        pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"] = "1f1b",
+        context_parallel_method: ContextParallelMethod = "ulysses",
+        pipeline_schedule: PipelineSchedule = "1f1b",
         microbatches: int = 4,
         virtual_stages: int = 2,
-        pipeline_balance: Literal["parameters", "profile"] = "parameters",
-        activation_checkpointing: Literal["none", "full", "selective"] = "none",
+        pipeline_balance: PipelineBalance = "parameters",
+        activation_checkpointing: Recompute = "none",
         activation_checkpointing_every: int = 1,
         reshard_after_forward: bool = True,
-        param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
-        reduce_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None,
+        param_dtype: Dtype = "fp32",
+        reduce_dtype: Optional[Dtype] = None,
         cpu_offload: bool = False,
         bucket_cap_mb: float = 25.0,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
-        gradient_compression: Literal["none", "bf16", "fp16"] = "none",
+        gradient_compression: GradientCompression = "none",
         device: Optional[str] = None,
         plan: dict[str, Any] | None = None,
         save_distributed_checkpoint: bool = True,

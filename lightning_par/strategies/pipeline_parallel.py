@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_par.config import ParallelConfig
+from lightning_par.config import ParallelConfig, PipelineBalance, PipelineSchedule, Recompute
 from lightning_par.strategies.base import SIZE_ARGUMENTS
 from lightning_par.strategies.staged import StagedStrategy
 
@@ -45,11 +45,11 @@ class PipelineParallelStrategy(StagedStrategy):
     def __init__(
         self,
         pipeline_parallel_size: int = 2,
-        schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"] = "1f1b",
+        schedule: PipelineSchedule = "1f1b",
         microbatches: int = 4,
         virtual_stages: int = 2,
-        balance: Literal["parameters", "profile"] = "parameters",
-        activation_checkpointing: Literal["none", "full", "selective"] = "none",
+        balance: PipelineBalance = "parameters",
+        activation_checkpointing: Recompute = "none",
         activation_checkpointing_every: int = 1,
         plan: dict[str, Any] | None = None,
         save_distributed_checkpoint: bool = True,

@@ -7,7 +7,7 @@ from typing import Any, Literal, Union
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_par.config import ParallelConfig
+from lightning_par.config import ParallelConfig, Recompute
 from lightning_par.strategies.base import SIZE_ARGUMENTS, MeshStrategy
 
 
@@ -46,7 +46,7 @@ class TensorParallelStrategy(MeshStrategy):
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
-        activation_checkpointing: Literal["none", "full", "selective"] = "none",
+        activation_checkpointing: Recompute = "none",
         activation_checkpointing_every: int = 1,
         plan: dict[str, Any] | None = None,
         save_distributed_checkpoint: bool = True,

@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional, Union
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from typing_extensions import override
 
-from lightning_par.config import ParallelConfig, shard_size
+from lightning_par.config import Dtype, ParallelConfig, Recompute, shard_size
 from lightning_par.strategies.base import SIZE_ARGUMENTS, MeshStrategy
 
 
@@ -42,10 +42,10 @@ class ZeroStrategy(MeshStrategy):
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
         replicate_size: int = 1,
         reshard_after_forward: bool = True,
-        param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
-        reduce_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None,
+        param_dtype: Dtype = "fp32",
+        reduce_dtype: Optional[Dtype] = None,
         cpu_offload: bool = False,
-        activation_checkpointing: Literal["none", "full", "selective"] = "none",
+        activation_checkpointing: Recompute = "none",
         activation_checkpointing_every: int = 1,
         plan: dict[str, Any] | None = None,
         save_distributed_checkpoint: bool = True,
