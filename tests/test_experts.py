@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lightning_par.parallel.experts import MoEFeedForward
+from lightning_par.models.moe import MoEFeedForward
 
 
 def _layer(**kwargs) -> MoEFeedForward:

@@ -19,6 +19,7 @@ from lightning_par.models.llama import (
     llama_flops_per_token,
     rope_tables,
 )
+from lightning_par.models.moe import GroupedExperts, MoEFeedForward, RoutingStats
 
 if TYPE_CHECKING:
     from lightning_par.models.hf import HFCausalLM
@@ -27,10 +28,13 @@ if TYPE_CHECKING:
 __all__ = [
     "Attention",
     "FeedForward",
+    "GroupedExperts",
     "HFCausalLM",
     "LlamaConfig",
     "LlamaLM",
+    "MoEFeedForward",
     "RMSNorm",
+    "RoutingStats",
     "Transformer",
     "TransformerBlock",
     "apply_rotary",

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_par.parallel.experts import MoEFeedForward, RoutingStats, check_moe
+from lightning_par.models.moe import MoEFeedForward, RoutingStats, check_moe
 
 
 @dataclass

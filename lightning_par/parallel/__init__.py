@@ -7,7 +7,7 @@ from lightning_par.parallel.compose import (
     parallelize_optimizer,
 )
 from lightning_par.parallel.data import apply_data_parallel
-from lightning_par.parallel.experts import MoEFeedForward
+from lightning_par.parallel.experts import apply_expert_parallel
 from lightning_par.parallel.pipeline import split_pipeline
 from lightning_par.parallel.pipeline_trace import trace_network
 from lightning_par.parallel.plan import ModelPlan, derive_plan, huggingface_plan
@@ -26,8 +26,8 @@ __all__ = [
     "apply_tensor_parallel",
     "vocab_parallel_loss",
     "apply_context_parallel",
+    "apply_expert_parallel",
     "split_pipeline",
-    "MoEFeedForward",
     "fully_shard_model",
     "shard_optimizer",
     "clip_grad_norm_",

@@ -1,35 +1,18 @@
-"""Mixture-of-experts feed-forward: a router sends each token to ``top_k`` of ``n_experts`` SwiGLU experts.
+"""Expert parallelism (GShard, Lepikhin et al. 2021): the experts of every mixture-of-experts layer split over
+``ep`` ranks, and each token sent to the rank of its expert and back (:func:`dispatch_and_combine`).
 
-Routing follows the sparsely-gated MoE (Shazeer et al. 2017) as used in GShard (Lepikhin et al. 2021),
-Switch Transformer (Fedus et al. 2022) and Mixtral (Jiang et al. 2024): a linear router scores the
-experts, a softmax (in fp32) turns scores into probabilities, each token goes to its ``top_k`` experts
-and their outputs are summed with the (renormalised, for ``top_k > 1``) probabilities as weights.
-
-Capacity (GShard, Switch): with ``capacity_factor`` set, each expert takes at most
-``ceil(capacity_factor * T * top_k / n_experts)`` assignments from each sequence of ``T`` tokens; later
-ones are dropped (the token's residual connection carries it on). Assignments are served in priority
-order — every token's first choice before any second choice, then by position — as in GShard.
-``capacity_factor=None`` is dropless: every assignment is computed. Capacity is counted per sequence
-(GShard's groups), so which tokens are dropped does not depend on how the batch is spread over ranks.
-
-Auxiliary losses, added to the training loss by the model with their weights:
-
-- load balancing (Switch, eq. 4): ``n_experts * sum_e f_e * P_e`` per sequence, averaged over sequences,
-  where ``f_e`` is the fraction of the sequence's assignments routed to expert ``e`` and ``P_e`` its mean
-  router probability; 1 when the load is uniform;
-- router z-loss (Zoph et al. 2022, "ST-MoE"): the mean of ``logsumexp(router logits)^2``, which keeps the
-  router's logits small and its softmax stable.
+Two kinds of MoE layer are split: those that route their own tokens once they are given an expert group (an
+``expert_group`` attribute, ``n_experts`` and stacked ``experts``: ``lightning_par.models.moe.MoEFeedForward``),
+and the modules a model plan marks ``experts`` that hold their experts as stacked 3-D weights (Hugging Face's
+Mixtral, Qwen-MoE, OLMoE), whose forward is wrapped. The layer itself (router, capacity, auxiliary losses) is a
+model's part and lives in ``lightning_par.models.moe``.
 """
-
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -37,116 +20,6 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from lightning_par.config import divisors
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.plan import ModelPlan
-
-
-@dataclass
-class RoutingStats:
-    """What the last forward did, for monitoring: assignments per expert and the fraction dropped."""
-
-    tokens_per_expert: Tensor  # (n_experts,) assignments routed to each expert, before dropping
-    dropped_fraction: Tensor  # () fraction of assignments over capacity
-    aux_loss: Tensor  # () load-balancing loss (unweighted)
-    z_loss: Tensor  # () router z-loss (unweighted)
-
-
-class GroupedExperts(nn.Module):
-    """``n_experts`` SwiGLU feed-forwards stored as stacked weights, so expert parallel can shard dim 0."""
-
-    def __init__(self, n_experts: int, dim: int, hidden_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Parameter(torch.empty(n_experts, dim, hidden_size))
-        self.up_proj = nn.Parameter(torch.empty(n_experts, dim, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_size, dim))
-
-    def init_weights(self, init_std: float, out_std: float) -> None:
-        nn.init.normal_(self.gate_proj, mean=0.0, std=init_std)
-        nn.init.normal_(self.up_proj, mean=0.0, std=init_std)
-        nn.init.normal_(self.down_proj, mean=0.0, std=out_std)
-
-    def forward(self, tokens: Tensor, expert: int) -> Tensor:
-        """The ``expert``-th (local) expert on ``tokens`` (n, dim) -> (n, dim)."""
-        gate, up, down = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
-        hidden = F.silu(tokens @ gate[expert]) * (tokens @ up[expert])
-        return hidden @ down[expert]
-
-
-def _local(weight: Tensor) -> Tensor:
-    # Under expert parallel the stacked weights are DTensors split by expert: this rank computes its own.
-    return weight.to_local() if isinstance(weight, DTensor) else weight
-
-
-class MoEFeedForward(nn.Module):
-    """Top-k routed mixture of SwiGLU experts in place of a block's feed-forward: (B, T, C) -> (B, T, C).
-
-    After each forward, :attr:`stats` holds the routing statistics and the unweighted auxiliary losses;
-    the model adds ``aux_loss_weight * aux_loss + z_loss_weight * z_loss`` to its loss.
-    """
-
-    def __init__(self, dim: int, hidden_size: int, n_experts: int, top_k: int = 2,
-                 capacity_factor: float | None = None) -> None:
-        super().__init__()
-        check_moe(n_experts, top_k, capacity_factor)
-        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
-        self.router = nn.Linear(dim, n_experts, bias=False)
-        self.experts = GroupedExperts(n_experts, dim, hidden_size)
-        self.stats: RoutingStats | None = None
-        self.expert_group: dist.ProcessGroup | None = None  # set by apply_expert_parallel
-
-    def init_weights(self, init_std: float, out_std: float) -> None:
-        nn.init.normal_(self.router.weight, mean=0.0, std=init_std)
-        self.experts.init_weights(init_std, out_std)
-
-    def forward(self, x: Tensor) -> Tensor:
-        B, T, C = x.shape
-        logits = self.router(x).float()  # (B, T, E): fp32 so the softmax and the z-loss stay exact
-        probs = logits.softmax(-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # (B, T, k)
-        if self.top_k > 1:
-            weights = weights / weights.sum(-1, keepdim=True)
-        keep = self._within_capacity(chosen)  # (B, T, k)
-        self.stats = self._statistics(logits, probs, chosen, keep)
-
-        tokens = x.reshape(B * T, C)
-        flat_expert, flat_keep = chosen.reshape(-1), keep.reshape(-1)  # (B*T*k,)
-        flat_token = torch.arange(B * T, device=x.device).repeat_interleave(self.top_k)
-        flat_weight = weights.reshape(-1)
-        out = torch.zeros_like(tokens, dtype=torch.float32)
-        if self.expert_group is not None:  # expert parallel: the experts live on other ranks too
-            index = flat_token[flat_keep]
-            per_rank = _local(self.experts.gate_proj).shape[0]
-            y = dispatch_and_combine(tokens[index], flat_expert[flat_keep], self.experts, per_rank, self.expert_group)
-            out.index_add_(0, index, y.float() * flat_weight[flat_keep, None])
-            return out.to(x.dtype).view(B, T, C)
-        for expert in range(self.n_experts):
-            mask = (flat_expert == expert) & flat_keep
-            index = flat_token[mask]
-            if index.numel() == 0:
-                continue
-            y = self.experts(tokens[index], expert)  # (n_e, C)
-            out.index_add_(0, index, y.float() * flat_weight[mask, None])
-        return out.to(x.dtype).view(B, T, C)
-
-    def _within_capacity(self, chosen: Tensor) -> Tensor:
-        """(B, T, k) booleans: the assignment fits its expert's capacity in its sequence."""
-        if self.capacity_factor is None:
-            return torch.ones_like(chosen, dtype=torch.bool)
-        B, T, k = chosen.shape
-        capacity = math.ceil(self.capacity_factor * T * k / self.n_experts)
-        # Priority order inside a sequence: all first choices (by position), then all second choices, ...
-        ordered = chosen.transpose(1, 2).reshape(B, k * T)  # (B, k*T)
-        one_hot = F.one_hot(ordered, self.n_experts)  # (B, k*T, E)
-        position = (one_hot.cumsum(1) * one_hot).sum(-1) - 1  # (B, k*T): place in its expert's queue
-        return (position < capacity).view(B, k, T).transpose(1, 2)
-
-    def _statistics(self, logits: Tensor, probs: Tensor, chosen: Tensor, keep: Tensor) -> RoutingStats:
-        B, T, k = chosen.shape
-        counts = F.one_hot(chosen, self.n_experts).sum(2)  # (B, T, E): 1 where the token chose e
-        fraction = counts.float().sum(1) / (T * k)  # (B, E): f_e per sequence
-        mean_prob = probs.mean(1)  # (B, E): P_e per sequence
-        aux = (self.n_experts * (fraction * mean_prob).sum(-1)).mean()
-        z = logits.logsumexp(-1).pow(2).mean()
-        return RoutingStats(tokens_per_expert=counts.sum((0, 1)).detach(),
-                            dropped_fraction=(~keep).float().mean().detach(), aux_loss=aux, z_loss=z)
 
 
 def dispatch_and_combine(tokens: Tensor, experts_of_tokens: Tensor, expert: Callable[[Tensor, int], Tensor],
@@ -183,9 +56,10 @@ def dispatch_and_combine(tokens: Tensor, experts_of_tokens: Tensor, expert: Call
 def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, plan: ModelPlan | None = None) -> nn.Module:
     """Split the experts of every MoE layer in ``module`` over ``ep`` ranks (in place).
 
-    MoE layers are this project's :class:`MoEFeedForward`, and the modules ``plan`` marks ``experts`` that
-    hold their experts as stacked 3-D weights and are called as ``experts(hidden_states, top_k_index,
-    top_k_weights)`` (Hugging Face's Mixtral, Qwen-MoE, OLMoE in transformers 5).
+    MoE layers are those that route their own tokens (:func:`routes_its_tokens`: this project's
+    ``MoEFeedForward``), and the modules ``plan`` marks ``experts`` that hold their experts as stacked 3-D weights
+    and are called as ``experts(hidden_states, top_k_index, top_k_weights)`` (Hugging Face's Mixtral, Qwen-MoE,
+    OLMoE in transformers 5).
 
     Expert parallel borrows its ranks from ``dp_shard x cp`` (DESIGN.md): consecutive groups of ``ep``
     ranks hold one copy of all experts between them, and the groups replicate each other. Expert weights
@@ -193,9 +67,10 @@ def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, plan: 
     gradients, which the all-to-alls already summed over the tokens of the ``ep`` group, are summed over
     the replicas and divided by the number of data-parallel ranks, as DDP's average would.
     """
-    ours = [m for m in module.modules() if isinstance(m, MoEFeedForward)]
+    ours = [m for m in module.modules() if routes_its_tokens(m)]
+    split_by_ours = {id(layer.experts) for layer in ours}
     theirs = [m for name, m in module.named_modules()
-              if plan is not None and plan.style_of(name) == "experts" and not isinstance(m, GroupedExperts)
+              if plan is not None and plan.style_of(name) == "experts" and id(m) not in split_by_ours
               and _stacked_experts(m) is not None]
     if ep == 1 or not (ours or theirs):
         return module
@@ -215,6 +90,18 @@ def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, plan: 
         _split_weights(experts, expert_mesh["ep"], gradient)
         experts.forward = _RoutedExperts(experts, n_experts, expert_mesh["ep"].get_group())
     return module
+
+
+def local_part(weight: Tensor) -> Tensor:
+    """This rank's part of ``weight``: under expert parallel the stacked weights are DTensors split by expert."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def routes_its_tokens(module: nn.Module) -> bool:
+    """Whether ``module`` is an MoE layer that dispatches its tokens itself once given an expert group: it has
+    ``expert_group``, ``n_experts`` and its experts as a module of stacked weights, ``experts``."""
+    return (hasattr(module, "expert_group") and isinstance(getattr(module, "n_experts", None), int)
+            and isinstance(getattr(module, "experts", None), nn.Module))
 
 
 def _stacked_experts(module: nn.Module) -> int | None:
@@ -257,7 +144,7 @@ class _RoutedExperts:
         saved_count = getattr(self.experts, "num_experts", None)
         try:
             for name in names:  # the module's own forward sees this rank's experts as plain tensors
-                self.experts._parameters[name] = _local(saved[name])
+                self.experts._parameters[name] = local_part(saved[name])
             if saved_count is not None:
                 self.experts.num_experts = self.per_rank
             index = torch.full((tokens.shape[0], 1), local, dtype=torch.long, device=tokens.device)
@@ -274,22 +161,11 @@ class _ExpertGradient:
         self.replicas, self.average_over = replicas, average_over
 
     def __call__(self, grad: Tensor) -> Tensor:
-        local = _local(grad).clone()
+        local = local_part(grad).clone()
         if self.replicas is not None:
             dist.all_reduce(local, group=self.replicas)
         local.div_(self.average_over)
         return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
 
 
-def check_moe(n_experts: int, top_k: int, capacity_factor: float | None) -> None:
-    """Raise ``ValueError`` naming the values when the routing cannot work."""
-    if isinstance(n_experts, bool) or not isinstance(n_experts, int) or n_experts < 1:
-        raise ValueError(f"n_experts must be a positive integer, got {n_experts!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
-        raise ValueError(f"top_k={top_k!r} must be between 1 and the number of experts ({n_experts})")
-    if capacity_factor is not None and not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be positive, or None for dropless routing; got {capacity_factor!r}")
-
-
-__all__ = ["GroupedExperts", "MoEFeedForward", "RoutingStats", "apply_expert_parallel", "check_moe",
-           "dispatch_and_combine"]
+__all__ = ["apply_expert_parallel", "dispatch_and_combine", "local_part", "routes_its_tokens"]
