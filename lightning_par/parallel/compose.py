@@ -41,6 +41,7 @@ from lightning_par.parallel.plan import ModelPlan
 from lightning_par.parallel.plan_check import check_plan
 from lightning_par.parallel.recompute import apply_activation_checkpointing
 from lightning_par.parallel.sequence import apply_context_parallel, check_sequence_length
+from lightning_par.parallel.parallelized import parallelized
 from lightning_par.parallel.tensor import apply_tensor_parallel, split_summary
 from lightning_par.parallel.ties import StageTies, clean_name
 from lightning_par.parallel.zero import fully_shard_model, is_zero_module, materialize_meta_parameters, shard_optimizer
@@ -64,24 +65,22 @@ def check_batch_fits(config: ParallelConfig, *, batch_size: int | None, seq_len:
                          f"be split into {config.tp}; use a sequence length divisible by {config.tp * config.cp}")
 
 
-_LAYOUT_ATTRIBUTE = "_lightning_par_layout"
-_STAGES_ATTRIBUTE = "_lightning_par_pipeline_stages"
-_TIES_ATTRIBUTE = "_lightning_par_stage_ties"
-
-
 def pipeline_stages(model: nn.Module) -> list:
     """This rank's pipeline stages of a module :func:`parallelize` split (empty without pipeline parallel)."""
-    return getattr(model, _STAGES_ATTRIBUTE, [])
+    record = parallelized(model)
+    return record.stages if record is not None else []
 
 
 def applied_layout(model: nn.Module) -> tuple | None:
     """(mesh sizes, config) :func:`parallelize` laid ``model`` out for, or None if it has not."""
-    return getattr(model, _LAYOUT_ATTRIBUTE, None)
+    record = parallelized(model)
+    return record.layout if record is not None else None
 
 
 def stage_ties(model: nn.Module) -> StageTies | None:
     """The parameters several pipeline ranks hold (a head tied to the embedding), or None without any."""
-    return getattr(model, _TIES_ATTRIBUTE, None)
+    record = parallelized(model)
+    return record.ties if record is not None else None
 
 
 def parallelize(
@@ -112,7 +111,7 @@ def parallelize(
     # Steps 1-6 change the module in place, once: fit and then validate/test/predict on the same module
     # (the usual Lightning sequence) reuses them and only re-wraps for data parallelism.
     layout = (mesh.sizes(), config)
-    applied = getattr(model, _LAYOUT_ATTRIBUTE, None)
+    applied = applied_layout(model)
     if applied is not None and applied != layout:
         raise ValueError(f"this module was parallelized for {applied[1].describe()} already and cannot be "
                          f"re-laid out as {config.describe()}; build a new module (or load a checkpoint into one)")
@@ -139,17 +138,17 @@ def parallelize(
             fully_shard_model(model, mesh, plan, reshard_after_forward=config.reshard_after_forward,
                               param_dtype=_dtype(config.param_dtype), reduce_dtype=_dtype(config.reduce_dtype),
                               cpu_offload=config.cpu_offload)
+        record = parallelized(model, create=True)
         if stages is not None:  # 1, completed: each stage's view of the blocks as they now are
-            setattr(model, _STAGES_ATTRIBUTE, build_stages(model, stages, mesh, device,
-                                                          sequence_parallel=config.sequence_parallel))
-        setattr(model, _LAYOUT_ATTRIBUTE, layout)
+            record.stages = build_stages(model, stages, mesh, device, sequence_parallel=config.sequence_parallel)
+        record.layout = layout
     materialize_meta_parameters(model, device)
     if stages is not None:
         # After allocation: a model built on the meta device gets new parameter objects there.
         by_name = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
         ties = StageTies({by_name[n]: ranks for n, ranks in stages.shared.items()
                           if n in by_name and by_name[n].requires_grad}, mesh)
-        setattr(model, _TIES_ATTRIBUTE, ties)
+        parallelized(model, create=True).ties = ties
         ties.make_equal()  # copies of one tensor on several stages start equal
     if config.zero_stage == 3:
         return model

@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.plan import ModelPlan
+from lightning_par.parallel.parallelized import parallelized
 from lightning_par.parallel.ties import retie, tied_groups
 
 
@@ -147,7 +148,7 @@ def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh,
     """Stages 1 and 2: the same optimizer, its states partitioned over the sharding ranks.
 
     Returns a ``ZeroRedundancyOptimizer`` built from ``optimizer``'s class, parameter groups and defaults.
-    Stage 2 also installs the :class:`GradientReducer` (kept on the module as ``_zero_gradient_reducer``).
+    Stage 2 also installs the :class:`GradientReducer` (kept in the module's ``Parallelized`` record).
     """
     if stage not in (1, 2):
         return optimizer
@@ -163,17 +164,17 @@ def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh,
     sharded = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=mesh.group("dp_shard"),
                                       **defaults)
     if stage == 2:
-        previous = getattr(module, "_zero_gradient_reducer", None)
-        if previous is not None:
-            previous.remove()
-        module._zero_gradient_reducer = GradientReducer(module, sharded, mesh)
+        record = parallelized(module, create=True)
+        if record.gradient_reducer is not None:
+            record.gradient_reducer.remove()
+        record.gradient_reducer = GradientReducer(module, sharded, mesh)
     return sharded
 
 
 @contextmanager
 def no_gradient_sync(module: nn.Module) -> Iterator[None]:
     """Skip the gradient reduction of ZeRO stages 2 and 3 for backward passes inside the context."""
-    reducer: GradientReducer | None = getattr(module, "_zero_gradient_reducer", None)
+    reducer: GradientReducer | None = _gradient_reducer(module)
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(False)
         try:
@@ -191,7 +192,12 @@ def no_gradient_sync(module: nn.Module) -> Iterator[None]:
 
 
 def is_zero_module(module: nn.Module) -> bool:
-    return isinstance(module, FSDPModule) or hasattr(module, "_zero_gradient_reducer")
+    return isinstance(module, FSDPModule) or _gradient_reducer(module) is not None
+
+
+def _gradient_reducer(module: nn.Module) -> GradientReducer | None:
+    record = parallelized(module)
+    return record.gradient_reducer if record is not None else None
 
 
 __all__ = [
