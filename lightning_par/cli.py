@@ -46,13 +46,15 @@ def check_strategy_name(name: str) -> None:
     registered names (Lightning's own message lists only its own)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_par.strategies import STRATEGIES
+    from lightning_par.strategies import DEPRECATED_STRATEGIES, STRATEGIES
 
     if name in StrategyRegistry or name == "auto":
         return
     ours = sorted({key for key, entry in StrategyRegistry.items() if entry["strategy"] in STRATEGIES})
+    lightnings = [key for key, entry in StrategyRegistry.items()
+                  if entry["strategy"] not in (*STRATEGIES, *DEPRECATED_STRATEGIES)]
     close = difflib.get_close_matches(name, ours, n=3, cutoff=0.6) + difflib.get_close_matches(
-        name, [key for key in StrategyRegistry if key not in ours], n=1, cutoff=0.6)
+        name, lightnings, n=1, cutoff=0.6)
     hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
     raise ValueError(f"trainer.strategy={name!r} is not a strategy name: {hint}lightning-par's strategies are "
                      f"{', '.join(ours)} (and any of Lightning's, e.g. ddp, fsdp)")

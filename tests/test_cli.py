@@ -110,7 +110,7 @@ def test_a_misspelled_strategy_gets_the_closest_names() -> None:
     from lightning_par.cli import main
 
     with pytest.raises(ValueError, match=r"trainer.strategy='hybird3d' is not a strategy name: did you mean "
-                                         r"'hybrid3d'\? lightning-par's strategies are auto_parallel, data_parallel"):
+                                         r"'hybrid3d'\? lightning-par's strategies are auto_parallel, context_parallel, data_parallel"):
         main(["fit", "--config", str(REPO / "configs" / "data_parallel.yaml"), "--trainer.strategy", "hybird3d"])
 
 

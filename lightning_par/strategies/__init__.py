@@ -10,15 +10,16 @@ from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_par.strategies.zero import ZeroStrategy
 
 STRATEGIES = (DataParallelStrategy, ZeroStrategy, TensorParallelStrategy, ContextParallelStrategy,
-              PipelineParallelStrategy, ExpertParallelStrategy, Hybrid3DStrategy, AutoParallelStrategy,
-              SequenceParallelStrategy)
+              PipelineParallelStrategy, ExpertParallelStrategy, Hybrid3DStrategy, AutoParallelStrategy)
+# Former names, still registered (they warn when used) but no longer listed or suggested.
+DEPRECATED_STRATEGIES = (SequenceParallelStrategy,)
 
 
 def register_strategies() -> None:
     """Add every lightning_par strategy name to Lightning's ``StrategyRegistry`` (idempotent)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    for strategy in STRATEGIES:
+    for strategy in (*STRATEGIES, *DEPRECATED_STRATEGIES):
         strategy.register_strategies(StrategyRegistry)
 
 
@@ -27,4 +28,4 @@ register_strategies()
 __all__ = ["MeshStrategy", "DataParallelStrategy", "ZeroStrategy", "TensorParallelStrategy",
            "ContextParallelStrategy", "SequenceParallelStrategy", "PipelineParallelStrategy", "ExpertParallelStrategy", "Hybrid3DStrategy",
            "AutoParallelStrategy", "register_strategies",
-           "STRATEGIES"]
+           "STRATEGIES", "DEPRECATED_STRATEGIES"]

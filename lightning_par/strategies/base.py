@@ -64,9 +64,13 @@ from lightning_par.parallel.compose import (
     no_gradient_sync,
     parallelize,
     parallelize_optimizer,
+    pipeline_stages,
     stage_ties,
 )
+from lightning_par.parallel.comm import PipelineSends
 from lightning_par.parallel.data import broadcast_replicas, reduce_gradients, unwrap
+from lightning_par.parallel.pipeline import check_microbatches
+from lightning_par.parallel.pipeline_runner import PipelineRunner
 from lightning_par.parallel.plan import ModelPlan, derive_plan, huggingface_plan
 from lightning_par.parallel.tensor import vocab_parallel_loss
 from lightning_par.parallel.ties import tied_aliases
@@ -209,6 +213,12 @@ class MeshStrategy(ParallelStrategy):
         self._failed_with: BaseException | None = None  # the exception this run raised, until teardown
         self._applied_in_configure_model: bool | None = None  # DTensors or FSDP2 before the strategy's set-up
         self._average_gradients = False  # reduce gradients over dp after backward (a self-parallelized module)
+        self._pipeline: PipelineRunner | None = None  # pp > 1: runs the stages in every step method
+        if self.parallel_config.pp > 1 and not save_distributed_checkpoint:
+            with self.in_argument_names():
+                raise ValueError(f"pp={self.parallel_config.pp}: each rank saves its own stages, so checkpoints are "
+                                 "sharded; save_distributed_checkpoint=False is not supported - export a single file "
+                                 "with lightning-par-export instead")
 
     @contextmanager
     def in_argument_names(self) -> Generator[None, None, None]:
@@ -337,6 +347,13 @@ class MeshStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        config = self.parallel_config
+        if config.pp > 1:
+            for name in ("split_batch", "loss_fn"):
+                if not callable(getattr(self.lightning_module, name, None)):
+                    raise TypeError(f"pipeline parallel needs the LightningModule to define {name}(); the schedule "
+                                    "runs split_batch -> forward -> loss_fn itself (see docs/pipeline_parallel.md)")
+            check_microbatches(config.pp_microbatches, config.pp_schedule, config.pp)
         if fitting and not any(p.requires_grad for p in self.model.parameters()):
             raise ValueError(f"{type(self.lightning_module).__name__} has no trainable parameters (it has none, or "
                              "every one has requires_grad=False): there is nothing to train. Unfreeze some, or add "
@@ -351,6 +368,10 @@ class MeshStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.model = self._parallelize(self.model, training=fitting)
+        if config.pp > 1:
+            module = self.lightning_module
+            self._pipeline = PipelineRunner(pipeline_stages(module), self.mesh, config, module.loss_fn,
+                                            accumulate=trainer.accumulate_grad_batches, device=self.root_device)
         if fitting:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
@@ -409,7 +430,11 @@ class MeshStrategy(ParallelStrategy):
         batch = self.broadcast(next(iter(loader)))
         split = getattr(module, "split_batch", None)
         if callable(split):
-            return split(batch)
+            inputs, targets = split(batch)
+            if self.parallel_config.pp > 1:  # one micro-batch: what a stage runs at a time
+                size = max(1, inputs.shape[0] // self.parallel_config.pp_microbatches)
+                inputs, targets = inputs[:size], targets[:size]
+            return inputs, targets
         if isinstance(batch, Tensor):
             return batch, None
         if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), Tensor):
@@ -502,31 +527,64 @@ class MeshStrategy(ParallelStrategy):
             _set_rng_states(self._rng_states_to_restore)
             self._rng_states_to_restore = None
 
+    # Under pipeline parallel the runner runs the stages (the model's split_batch -> forward -> loss_fn) and every
+    # rank logs the same loss; training_step, validation_step and test_step of the module are not called.
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            inputs, targets = self.lightning_module.split_batch(args[0])
+            loss = self._pipeline.train_step(inputs, targets, list(self.lightning_module.parameters()))
+            self.lightning_module.log("train_loss", loss, prog_bar=True, sync_dist=True)
+            return loss
         with self._loss_context():
             return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self._enter("validation")
+        if self._pipeline is not None:
+            return self._log_evaluation("val_loss", args[0], prog_bar=True)
         with self._loss_context():
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._log_evaluation("test_loss", args[0], prog_bar=False)
         with self._loss_context():
             return super().test_step(*args, **kwargs)
 
+    def _log_evaluation(self, name: str, batch: Any, *, prog_bar: bool) -> Tensor:
+        assert self._pipeline is not None
+        loss = self._pipeline.evaluate(*self.lightning_module.split_batch(batch))
+        self.lightning_module.log(name, loss, prog_bar=prog_bar, sync_dist=True)
+        return loss
+
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:  # the batch is the model's input; every rank gets the last stage's logits
+            return self._pipeline.predict(args[0])
         # Predictions leave the strategy whole: vocabulary-sharded logits are gathered.
         return apply_to_collection(super().predict_step(*args, **kwargs), DTensor, DTensor.full_tensor)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is not None:  # the schedule ran backward in training_step: hand its gradients back
+            self._pipeline.take_gradients()
+            self.post_backward(closure_loss)  # data-parallel gradient average, on the last micro-batch of a step
+            return closure_loss
         with self._loss_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @property
+    def bubble_fraction(self) -> float | None:
+        """The idle share of this rank's last training step under pipeline parallel (``parallel/bubble.py``)."""
+        return self._pipeline.bubble_fraction if self._pipeline is not None else None
+
+    @property
+    def pipeline_sends(self) -> PipelineSends | None:
+        """Bytes the pipeline stages send, for the communication monitor (None without pipeline parallel)."""
+        return self._pipeline.sends if self._pipeline is not None else None
 
     @contextmanager
     @override

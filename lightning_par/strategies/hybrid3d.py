@@ -21,8 +21,7 @@ from lightning_par.config import (
     Size,
     shard_size,
 )
-from lightning_par.strategies.base import DDP_ARGUMENTS, SIZE_ARGUMENTS
-from lightning_par.strategies.staged import StagedStrategy
+from lightning_par.strategies.base import DDP_ARGUMENTS, SIZE_ARGUMENTS, MeshStrategy
 
 # Strategy argument -> ParallelConfig field, for the sizes the planner may choose.
 PLANNED_SIZES = {"tensor_parallel_size": "tp", "pipeline_parallel_size": "pp", "context_parallel_size": "cp",
@@ -34,7 +33,7 @@ HYBRID_ARGUMENTS = {"cp_method": "context_parallel_method", "pp_schedule": "pipe
                     "pp_balance": "pipeline_balance"}
 
 
-class Hybrid3DStrategy(StagedStrategy):
+class Hybrid3DStrategy(MeshStrategy):
     """Every technique of lightning_par composed on one device mesh ``pp x dp_replicate x dp_shard x cp x tp``.
 
     The techniques are applied in the fixed order of ``lightning_par.parallel.compose`` (pipeline split,

@@ -8,19 +8,21 @@ from typing import Any
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_par.config import ParallelConfig, PipelineBalance, PipelineSchedule, Recompute
-from lightning_par.strategies.base import SIZE_ARGUMENTS
-from lightning_par.strategies.staged import StagedStrategy
+from lightning_par.strategies.base import SIZE_ARGUMENTS, MeshStrategy
 
 
-class PipelineParallelStrategy(StagedStrategy):
+class PipelineParallelStrategy(MeshStrategy):
     """Pipeline parallelism on ``torch.distributed.pipelining``: each rank holds consecutive blocks.
 
     The first stage owns the embedding, the last the final norm, the head and the loss. Each batch is
     split into ``microbatches`` that flow through the stages in the order of ``schedule`` (see
     ``lightning_par.parallel.pipeline``).
 
-    The model contract is :class:`~lightning_par.strategies.staged.StagedStrategy`'s (``split_batch``,
-    ``forward``, ``loss_fn``).
+    The model contract (the schedule runs forward and loss itself, so ``training_step`` and ``validation_step``
+    are not called): ``split_batch(batch) -> (inputs, targets)``, ``forward(inputs) -> logits`` through a network
+    submodule that holds the blocks, embedding and head, and ``loss_fn(logits, targets) -> mean loss``. The
+    strategy logs ``train_loss`` / ``val_loss`` / ``test_loss``, the same value on every rank
+    (``lightning_par.parallel.pipeline_runner``).
 
     Args:
         pipeline_parallel_size: number of ranks the stages are spread over.

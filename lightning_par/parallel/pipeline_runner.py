@@ -1,0 +1,143 @@
+"""PipelineRunner: this rank's pipeline stages driven by a ``torch.distributed.pipelining`` schedule, one batch at a
+time. Pure PyTorch (no lightning): the strategies call it from their step methods, and it can be driven alone.
+
+A training step runs forward, loss and backward of every micro-batch inside the schedule (GPipe, Huang et al.
+2019; 1F1B, Narayanan et al. 2021; ZB-V, Qi et al. 2024). The loss of a micro-batch is divided by the number of
+micro-batches and accumulated batches, so the summed gradients are those of the mean loss. The gradients the
+schedule produced are kept aside (:meth:`take_gradients` hands them back), because a trainer may zero gradients
+between its step and its backward. Evaluation runs the stages forward only; the loss, computed on the last stage,
+is broadcast over the pipeline group so every rank reports the same value. The runner also measures the bubble
+(``parallel/bubble.py``) and counts the bytes the stages send (``parallel/comm.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_par.config import ParallelConfig
+from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.bubble import BubbleMeter
+from lightning_par.parallel.comm import PipelineSends
+from lightning_par.parallel.pipeline import build_schedule, check_microbatches, forward_through_stages, last_stage_rank
+
+__all__ = ["PipelineRunner"]
+
+
+class PipelineRunner:
+    """Runs ``stages`` (this rank's, from ``parallelize``) with ``config``'s schedule and micro-batches.
+
+    ``loss_fn(logits, targets)`` is the model's mean loss; ``accumulate`` the batches accumulated per optimizer
+    step.
+    """
+
+    def __init__(self, stages: list, mesh: ParallelMesh, config: ParallelConfig,
+                 loss_fn: Callable[[Tensor, Tensor], Tensor], *, accumulate: int = 1,
+                 device: torch.device | None = None) -> None:
+        check_microbatches(config.pp_microbatches, config.pp_schedule, config.pp)
+        self.stages, self.mesh, self.config, self.loss_fn, self.accumulate = stages, mesh, config, loss_fn, accumulate
+        micro = config.pp_microbatches
+
+        def scaled_loss(logits: Tensor, targets: Tensor) -> Tensor:
+            # Summed over micro-batches and accumulated batches, the gradients are those of the mean loss.
+            return loss_fn(logits, targets) / (micro * accumulate)
+
+        self._make_schedule = {"train": lambda: build_schedule(stages, config.pp_schedule, micro, scaled_loss),
+                               "eval": lambda: build_schedule(stages, config.pp_schedule, micro, None)}
+        self._schedules: dict[str, Any] = {}
+        # The micro-batch shape each schedule was first stepped with, and the one the stages last ran.
+        self._schedule_shape: dict[str, tuple[int, ...]] = {}
+        self._stage_shape: tuple[int, ...] | None = None
+        self._pending: list[tuple[Tensor, Tensor]] = []
+        self.bubble = BubbleMeter(stages, device or torch.device(mesh.device_type))
+        self.bubble_fraction: float | None = None  # idle share of this rank's last training step
+        self.sends = PipelineSends(stages)
+        # Fixed for the run: whether this rank feeds the inputs or computes the loss, and which rank does.
+        self.holds_first = any(stage.is_first for stage in stages)
+        self.holds_last = any(stage.is_last for stage in stages)
+        last = last_stage_rank(config.pp, config.pp_schedule, config.pp_virtual_stages)
+        self.last_stage_global_rank = dist.get_global_rank(mesh.group("pp"), last)
+
+    # ------------------------------------------------------------------------------------------ steps
+    def train_step(self, inputs: Tensor, targets: Tensor, parameters: list[Tensor]) -> Tensor:
+        """Forward, loss and backward of every micro-batch of the batch; returns the batch's mean loss (every
+        rank). The gradients it produced for ``parameters`` are set aside for :meth:`take_gradients`; the ones
+        they held before are left in place."""
+        earlier = [p.grad for p in parameters]
+        for p in parameters:
+            p.grad = None
+        losses: list[Tensor] = []
+        loss = torch.zeros((), device=inputs.device)
+        self.bubble.start()
+        self._ready("train", inputs).step(*self._stage_inputs(inputs), target=targets if self.holds_last else None,
+                                          losses=losses, return_outputs=False, tokens=inputs)
+        self.bubble_fraction = self.bubble.stop()
+        if self.holds_last:  # each micro-batch loss was divided by micro x accumulate: report the batch's mean
+            loss = torch.stack(losses).sum().detach() * self.accumulate
+        self._pending = [(p, p.grad) for p in parameters if p.grad is not None]
+        for p, grad in zip(parameters, earlier):
+            p.grad = grad
+        return self._broadcast(loss)
+
+    def take_gradients(self) -> None:
+        """Add the gradients of the last :meth:`train_step` to the parameters' (as a backward would)."""
+        for p, grad in self._pending:
+            p.grad = grad if p.grad is None else p.grad + grad
+        self._pending = []
+
+    def evaluate(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """Forward only, then the loss on the whole batch's logits (every rank)."""
+        loss = torch.zeros((), device=inputs.device)
+        with torch.no_grad():
+            logits = self.forward(inputs)
+            if self.holds_last:
+                loss = self.loss_fn(logits, targets).detach()
+        return self._broadcast(loss)
+
+    def predict(self, inputs: Tensor) -> Tensor:
+        """The last stage's logits, handed to every rank."""
+        with torch.no_grad():
+            logits = self.forward(inputs)
+        carrier = [logits]
+        dist.broadcast_object_list(carrier, src=self.last_stage_global_rank, group=self.mesh.group("pp"))
+        return carrier[0]
+
+    def forward(self, inputs: Tensor) -> Tensor | None:
+        """The last stage's output of a forward-only pass (on its rank; None elsewhere)."""
+        config = self.config
+        if config.pp_schedule == "zbv":
+            # torch 2.13's ZB-V runs backward actions when asked to evaluate: forward_through_stages stands in.
+            return forward_through_stages(self.stages, inputs, self.mesh, config.pp_schedule,
+                                          config.pp_virtual_stages)
+        return self._ready("eval", inputs).eval(*self._stage_inputs(inputs), tokens=inputs)
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def _broadcast(self, loss: Tensor) -> Tensor:
+        dist.broadcast(loss, src=self.last_stage_global_rank, group=self.mesh.group("pp"))
+        return loss
+
+    def _stage_inputs(self, inputs: Tensor) -> tuple[Tensor, ...]:
+        """What this rank passes to the schedule: the inputs on the first stage's rank, nothing elsewhere.
+        Every stage also gets them as ``tokens`` (a keyword, split into micro-batches like the inputs)."""
+        config = self.config
+        check_microbatches(config.pp_microbatches, config.pp_schedule, config.pp, inputs.shape[0])
+        return (inputs,) if self.holds_first else ()
+
+    def _ready(self, kind: str, inputs: Tensor) -> Any:
+        """The ``"train"`` or ``"eval"`` schedule, prepared for this batch's micro-batch shape.
+
+        PyTorch's pipeline stages size their receive buffers when a schedule first steps, for that step's
+        micro-batch shape, and keep them: a batch of another shape (validation batches of another size, the short
+        last batch of an epoch) would be received into buffers of the old one, silently, or hang. A schedule is
+        therefore built anew, and so prepares the stages again, whenever the shape differs from the one the stages
+        last ran. Every rank of a pipeline reads the same batch, so they all rebuild together.
+        """
+        shape = (-(-inputs.shape[0] // self.config.pp_microbatches), *inputs.shape[1:])
+        if self._schedule_shape.get(kind) != shape or self._stage_shape != shape:
+            self._schedules[kind] = self._make_schedule[kind]()
+            self._schedule_shape[kind] = shape
+        self._stage_shape = shape
+        return self._schedules[kind]
