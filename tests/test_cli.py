@@ -144,7 +144,8 @@ def test_two_node_torchrun_rendezvous(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", sorted(path.stem for path in (REPO / "configs").glob("*.yaml")))
 def test_print_config_shows_every_strategy_argument(name: str) -> None:
     """LightningCLI sees each strategy's whole signature: ``--print_config`` of a shipped config lists every
-    argument of its strategy (the knobs' values come from config.py's aliases)."""
+    argument of its strategy, the shared ones that reach MeshStrategy through ``**kwargs`` included (the knobs'
+    values come from config.py's aliases)."""
     import contextlib
     import importlib
     import inspect
@@ -156,11 +157,15 @@ def test_print_config_shows_every_strategy_argument(name: str) -> None:
 
     with contextlib.redirect_stdout(io.StringIO()) as printed, pytest.raises(SystemExit):
         ParallelCLI(args=["fit", "--config", str(REPO / "configs" / f"{name}.yaml"), "--print_config"])
+    from lightning_par.strategies import MeshStrategy
+
     strategy = yaml.safe_load(printed.getvalue())["trainer"]["strategy"]
     module, _, cls = strategy["class_path"].rpartition(".")
-    signature = inspect.signature(getattr(importlib.import_module(module), cls).__init__)
-    expected = {p for p, parameter in signature.parameters.items()
-                if p != "self" and parameter.kind is not inspect.Parameter.VAR_KEYWORD}
+    expected = set()  # its own arguments, and the ones every strategy shares, declared once by MeshStrategy
+    for init in (getattr(importlib.import_module(module), cls).__init__, MeshStrategy.__init__):
+        expected |= {p for p, parameter in inspect.signature(init).parameters.items()
+                     if p not in ("self", "parallel_config") and parameter.kind is not inspect.Parameter.VAR_KEYWORD}
+    assert {"plan", "save_distributed_checkpoint", "timeout"} <= expected
     assert expected <= set(strategy["init_args"]), expected - set(strategy["init_args"])
 
 

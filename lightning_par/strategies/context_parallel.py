@@ -8,10 +8,7 @@ sequence parallelism (Korthikanti et al. 2022) is a tensor-parallel option (``se
 from __future__ import annotations
 
 import warnings
-from datetime import timedelta
 from typing import Any, Literal, Union
-
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_par.config import ContextParallelMethod, ParallelConfig, Recompute
 from lightning_par.strategies.base import SIZE_ARGUMENTS, MeshStrategy
@@ -50,17 +47,12 @@ class ContextParallelStrategy(MeshStrategy):
         zero_stage: Literal[0, 3] = 0,
         activation_checkpointing: Recompute = "none",
         activation_checkpointing_every: int = 1,
-        plan: dict[str, Any] | None = None,
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
         config = ParallelConfig(cp=context_parallel_size, cp_method=context_parallel_method,
                                 dp_shard=data_parallel_size, zero_stage=zero_stage, activation_checkpointing=activation_checkpointing,
                                 activation_checkpointing_every=activation_checkpointing_every)
-        super().__init__(config, plan=plan, save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout, **kwargs)
+        super().__init__(config, **kwargs)
 
 
 class SequenceParallelStrategy(ContextParallelStrategy):

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any, Literal, Union
-
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_par.config import GradientCompression, ParallelConfig, Recompute
 from lightning_par.strategies.base import DDP_ARGUMENTS, SIZE_ARGUMENTS, MeshStrategy
@@ -43,10 +40,6 @@ class DataParallelStrategy(MeshStrategy):
         gradient_compression: GradientCompression = "none",
         activation_checkpointing: Recompute = "none",
         activation_checkpointing_every: int = 1,
-        plan: dict[str, Any] | None = None,
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
         config = ParallelConfig(
@@ -59,11 +52,4 @@ class DataParallelStrategy(MeshStrategy):
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_every=activation_checkpointing_every,
         )
-        super().__init__(
-            config,
-            plan=plan,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            **kwargs,
-        )
+        super().__init__(config, **kwargs)

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from datetime import timedelta
 from typing import Any, Optional
 
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
@@ -104,10 +102,6 @@ class Hybrid3DStrategy(MeshStrategy):
         find_unused_parameters: bool = False,
         gradient_compression: GradientCompression = "none",
         device: Optional[str] = None,
-        plan: dict[str, Any] | None = None,
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
         requested = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
@@ -133,8 +127,7 @@ class Hybrid3DStrategy(MeshStrategy):
 
             ClusterSpec.from_preset(device)  # an unknown preset fails here, not when the processes have started
         self._device_preset = device
-        super().__init__(config, plan=plan, save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout, **kwargs)
+        super().__init__(config, **kwargs)
 
     @override
     def _choose_layout(self, config: ParallelConfig) -> ParallelConfig:
@@ -221,15 +214,9 @@ class AutoParallelStrategy(Hybrid3DStrategy):
         context_parallel_size: Size = "auto",
         expert_parallel_size: Size = "auto",
         zero_stage: Size = "auto",
-        plan: dict[str, Any] | None = None,
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          pipeline_parallel_size=pipeline_parallel_size, context_parallel_size=context_parallel_size,
-                         expert_parallel_size=expert_parallel_size, zero_stage=zero_stage, device=device, plan=plan,
-                         save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout, **kwargs)
+                         expert_parallel_size=expert_parallel_size, zero_stage=zero_stage, device=device, **kwargs)
         self._planned |= set(KNOBS)

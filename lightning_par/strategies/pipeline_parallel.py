@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
-
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_par.config import ParallelConfig, PipelineBalance, PipelineSchedule, Recompute
 from lightning_par.strategies.base import SIZE_ARGUMENTS, MeshStrategy
@@ -53,15 +50,10 @@ class PipelineParallelStrategy(MeshStrategy):
         balance: PipelineBalance = "parameters",
         activation_checkpointing: Recompute = "none",
         activation_checkpointing_every: int = 1,
-        plan: dict[str, Any] | None = None,
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
         config = ParallelConfig(pp=pipeline_parallel_size, dp_shard=1, pp_schedule=schedule,
                                 pp_microbatches=microbatches, pp_virtual_stages=virtual_stages, pp_balance=balance,
                                 activation_checkpointing=activation_checkpointing,
                                 activation_checkpointing_every=activation_checkpointing_every)
-        super().__init__(config, plan=plan, save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout, **kwargs)
+        super().__init__(config, **kwargs)

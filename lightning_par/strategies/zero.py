@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from typing_extensions import override
 
 from lightning_par.config import Dtype, ParallelConfig, Recompute, shard_size
@@ -47,10 +45,6 @@ class ZeroStrategy(MeshStrategy):
         cpu_offload: bool = False,
         activation_checkpointing: Recompute = "none",
         activation_checkpointing_every: int = 1,
-        plan: dict[str, Any] | None = None,
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
         self.argument_names = {**SIZE_ARGUMENTS, "zero_stage": "stage", "dp_replicate": "replicate_size",
@@ -60,8 +54,7 @@ class ZeroStrategy(MeshStrategy):
                                 reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
                                 activation_checkpointing=activation_checkpointing,
                                 activation_checkpointing_every=activation_checkpointing_every)
-        super().__init__(config, plan=plan, save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout, **kwargs)
+        super().__init__(config, **kwargs)
 
     @classmethod
     @override
