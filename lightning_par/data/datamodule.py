@@ -25,7 +25,7 @@ from typing_extensions import override
 from lightning_par.data.corpus import SyntheticTokenDataset, TokenWindowDataset, load_stdlib_tokens
 from lightning_par.data.resumable import ResumableDataLoader
 
-__all__ = ["TokenDataModule", "WindowDataModule"]
+__all__ = ["TokenDataModule", "WindowDataModule", "check_window_arguments"]
 
 _SOURCES = ("stdlib", "synthetic")
 # Byte tokens take every value in [0, 256).
@@ -56,7 +56,8 @@ class WindowDataModule(pl.LightningDataModule):
         self._reported: set = set()
 
     def _build(self, split: str) -> Dataset:
-        raise NotImplementedError
+        """The whole dataset of ``split`` (``"train"`` or ``"val"``), built once: each subclass's own."""
+        raise NotImplementedError(f"{type(self).__name__} must define _build(split)")
 
     # ------------------------------------------------------------------ sharding
     def data_parallel_world(self) -> Tuple[int, int]:
@@ -213,17 +214,10 @@ def _validate_args(
     """Raise ``ValueError`` naming the bad value, before any rank builds a loader."""
     if source not in _SOURCES:
         raise ValueError(f"source={source!r} is not one of {list(_SOURCES)}")
-    for name, value in (
-        ("seq_len", seq_len),
-        ("batch_size", batch_size),
-        ("max_bytes", max_bytes),
-        ("num_samples", num_samples),
-        ("num_val_samples", num_val_samples),
-    ):
+    check_window_arguments(seq_len=seq_len, batch_size=batch_size, val_fraction=val_fraction, num_workers=num_workers)
+    for name, value in (("max_bytes", max_bytes), ("num_samples", num_samples), ("num_val_samples", num_val_samples)):
         if value <= 0:
             raise ValueError(f"{name}={value!r} must be positive")
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction={val_fraction!r} must be in [0, 1)")
     if vocab_size < 2:
         raise ValueError(f"vocab_size={vocab_size!r} must be at least 2")
     # Bytes span [0, 256): a larger vocabulary would promise tokens the corpus never has, a smaller
@@ -235,5 +229,16 @@ def _validate_args(
         )
     if not 0 <= seed < 2**31:
         raise ValueError(f"seed={seed!r} must be in [0, 2**31)")
+
+
+def check_window_arguments(*, seq_len: int, batch_size: int, val_fraction: float, num_workers: int) -> None:
+    """Raise ``ValueError`` naming the bad value among the arguments every ``WindowDataModule`` takes."""
+    for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+        if value <= 0:
+            raise ValueError(f"{name}={value!r} must be positive")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction={val_fraction!r} must be in [0, 1)")
     if num_workers < 0:
         raise ValueError(f"num_workers={num_workers!r} must be >= 0")

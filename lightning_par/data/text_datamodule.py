@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 from typing_extensions import override
 
 from lightning_par.data.corpus import TokenWindowDataset
-from lightning_par.data.datamodule import WindowDataModule
+from lightning_par.data.datamodule import WindowDataModule, check_window_arguments
 from lightning_par.data.text import SAMPLE_BY, check_sources, load_documents, load_tokenizer, pack_documents
 
 __all__ = ["TextDataModule"]
@@ -58,13 +58,8 @@ class TextDataModule(WindowDataModule):
         num_workers: int = 0,
         shuffle: bool = True,
     ) -> None:
-        for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction={val_fraction!r} must be in [0, 1)")
-        if num_workers < 0:
-            raise ValueError(f"num_workers={num_workers!r} must be >= 0")
+        check_window_arguments(seq_len=seq_len, batch_size=batch_size, val_fraction=val_fraction,
+                               num_workers=num_workers)
         if sample_by not in SAMPLE_BY:
             raise ValueError(f"sample_by={sample_by!r} is not one of {list(SAMPLE_BY)}")
         super().__init__(seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, shuffle=shuffle)
