@@ -74,9 +74,7 @@ def check_plan(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, inputs: T
     notes: list[str] = []
     candidate = plan
     device = torch.device(mesh.device_type)
-    vocabulary = _vocabulary_to_cut(module, plan, inputs[:1], mesh.size("tp"), device)
-    sample = inputs[:1] if vocabulary is None else inputs[:1] % vocabulary.rows
-    dtype = _dtype_that_runs(module, plan, sample, device, vocabulary)
+    vocabulary, sample, dtype = _replica_settings(module, plan, inputs[:1], mesh.size("tp"), device)
     for _ in range(4 * max(1, len(_regions(module, plan))) + 4):
         outcome = _run(module, mesh, candidate, sample, dtype=dtype, sequence_parallel=sequence_parallel,
                        loss_parallel=loss_parallel, apply=apply, vocabulary=vocabulary)
@@ -170,34 +168,45 @@ def _network(replica: nn.Module, plan: ModelPlan) -> nn.Module:
 _VOCABULARY_ROWS_PER_RANK = 16
 
 
-def _vocabulary_to_cut(module: nn.Module, plan: ModelPlan, inputs: Tensor, tp: int,
-                       device: torch.device) -> Vocabulary | None:
-    """The replica's embedding and head cut to a few rows per rank, with the model's remainder modulo ``tp`` (a
-    vocabulary that does not divide among the ranks still does not), where the model runs so cut: one that
-    reads its vocabulary size elsewhere (a reshape by ``config.vocab_size``) keeps the whole vocabulary."""
+def _replica_settings(module: nn.Module, plan: ModelPlan, inputs: Tensor, tp: int,
+                      device: torch.device) -> tuple[Vocabulary | None, Tensor, torch.dtype]:
+    """How the replica is made, found by running it: its vocabulary cut (or None), the sample it runs on (token ids
+    below the cut) and its dtype. Local, without collectives, so every rank finds the same.
+
+    The embedding and head are cut to a few rows per rank, with the model's remainder modulo ``tp`` (a vocabulary
+    that does not divide among the ranks still does not), where the model runs so cut: one that reads its
+    vocabulary size elsewhere (a reshape by ``config.vocab_size``) keeps the whole vocabulary. The dtype is
+    float64 where the model runs in it, else float32 (some kernels, such as grouped expert matmuls, have none).
+    """
+    vocabulary = _vocabulary_candidate(module, plan, inputs, tp)
+    if vocabulary is not None:
+        sample = inputs % vocabulary.rows
+        for dtype in (torch.float64, torch.float32):
+            try:
+                replica = small_replica(module, plan.blocks, device, dtype, vocabulary=vocabulary)
+                logits, _, _ = first_tensor(_network(replica, plan)(_as(sample, device, dtype)))
+            except Exception:  # noqa: BLE001 - a dtype without kernels, or whatever the cut model raises
+                continue
+            if plan.head is None or logits.shape[-1] == vocabulary.rows:
+                return vocabulary, sample, dtype
+            break
+    return None, inputs, _dtype_that_runs(module, plan, inputs, device)
+
+
+def _vocabulary_candidate(module: nn.Module, plan: ModelPlan, inputs: Tensor, tp: int) -> Vocabulary | None:
     if inputs.is_floating_point() or plan.embedding is None:
         return None
     table = module.get_submodule(plan.embedding)
     if not isinstance(table, nn.Embedding):
         return None
     rows = _VOCABULARY_ROWS_PER_RANK * tp + table.num_embeddings % tp
-    vocabulary = Vocabulary.to_cut(module, plan.embedding, plan.head, rows)
-    if vocabulary is None:
-        return None
-    try:
-        replica = small_replica(module, plan.blocks, device, torch.float32, vocabulary=vocabulary)
-        logits, _, _ = first_tensor(_network(replica, plan)(inputs.to(device) % rows))
-    except Exception:  # noqa: BLE001 - whatever the cut model raises, the whole one is checked instead
-        return None
-    return vocabulary if logits.shape[-1] == rows or plan.head is None else None
+    return Vocabulary.to_cut(module, plan.embedding, plan.head, rows)
 
 
-def _dtype_that_runs(module: nn.Module, plan: ModelPlan, inputs: Tensor, device: torch.device,
-                     vocabulary: Vocabulary | None) -> torch.dtype:
-    """float64 where the whole model runs in it, else float32 (some kernels, such as grouped expert matmuls,
-    have no float64 version). Local, without collectives, so every rank finds the same."""
+def _dtype_that_runs(module: nn.Module, plan: ModelPlan, inputs: Tensor, device: torch.device) -> torch.dtype:
+    """float64 where the whole model runs in it, else float32."""
     try:
-        replica = small_replica(module, plan.blocks, device, torch.float64, vocabulary=vocabulary)
+        replica = small_replica(module, plan.blocks, device, torch.float64)
         _network(replica, plan)(_as(inputs, device, torch.float64))
         return torch.float64
     except RuntimeError:
