@@ -47,10 +47,10 @@ def worker(args: argparse.Namespace) -> None:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.times.append(time.perf_counter() - self._start)
-            self.bubbles.append(trainer.strategy.bubble_fraction)
+            self.bubbles.append(trainer.strategy.parallelized.pipeline.bubble_fraction)
 
         def on_train_end(self, trainer, pl_module):
-            meter = trainer.strategy._bubble
+            meter = trainer.strategy.parallelized.pipeline.bubble
             record = {"times": self.times[args.warmup:], "bubbles": self.bubbles[args.warmup:],
                       "actions": meter.actions, "n_stages": meter.n_stages}
             Path(f"{args.out}.rank{trainer.global_rank}").write_text(json.dumps(record))
@@ -58,7 +58,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = LlamaLM(dim=args.dim, n_layers=args.layers, n_heads=4, n_kv_heads=2, max_seq_len=args.seq_len)
     data = TokenDataModule(source="synthetic", seq_len=args.seq_len, batch_size=args.batch_size, num_samples=4096)
-    strategy = PipelineParallelStrategy(pipeline_parallel_size=args.worker_pp, schedule=args.worker_schedule,
+    strategy = PipelineParallelStrategy(pipeline_parallel_size=args.worker_pp, pipeline_schedule=args.worker_schedule,
                                         microbatches=args.microbatches)
     trainer = lightning.Trainer(accelerator="cpu", devices=args.worker_pp, strategy=strategy, max_steps=args.steps,
                                 callbacks=[StepTimer()], logger=False, enable_checkpointing=False,
@@ -103,7 +103,7 @@ def main() -> None:
             for schedule in args.schedules:
                 out = f"{tmp}/{pp}-{schedule}"
                 subprocess.run([sys.executable, os.path.abspath(__file__), f"--worker-pp={pp}",
-                                f"--worker-schedule={schedule}", f"--out={out}", *shared], check=True,
+                                f"--worker-pipeline_schedule={schedule}", f"--out={out}", *shared], check=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env={**os.environ, "PYTHONWARNINGS": "ignore"})
                 ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(pp)]

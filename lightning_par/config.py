@@ -35,6 +35,17 @@ AUTO_SIZES = ("dp_replicate", "dp_shard")
 GRADIENT_COMPRESSIONS = get_args(GradientCompression)
 ZERO_STAGES = (0, 1, 2, 3)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+#: The argument every strategy (and the planner's ``fixed``) spells each field with, where the two differ: one name
+#: per knob, hybrid3d's. Fields not listed are spelled alike (``zero_stage``, ``sequence_parallel``, ...).
+#: ``dp_shard`` is ``data_parallel_size`` where nothing is replicated; each strategy says so itself.
+STRATEGY_ARGUMENTS = {
+    "dp": "data_parallel_size", "tp": "tensor_parallel_size", "pp": "pipeline_parallel_size",
+    "cp": "context_parallel_size", "ep": "expert_parallel_size", "dp_replicate": "replicate_size",
+    "cp_method": "context_parallel_method", "pp_schedule": "pipeline_schedule", "pp_microbatches": "microbatches",
+    "pp_virtual_stages": "virtual_stages", "pp_balance": "pipeline_balance", "ddp_bucket_cap_mb": "bucket_cap_mb",
+    "ddp_static_graph": "static_graph", "ddp_find_unused_parameters": "find_unused_parameters",
+}
 RECOMPUTE_MODES = get_args(Recompute)
 CP_METHODS = get_args(ContextParallelMethod)
 PP_SCHEDULES = get_args(PipelineSchedule)

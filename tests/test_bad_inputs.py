@@ -56,7 +56,7 @@ def _set_up_checks(rank: int, world_size: int) -> list[str]:
 
     cases = [
         (DataParallelStrategy(), frozen, 16),
-        (PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=3, schedule="gpipe"), None, 16),
+        (PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=3, pipeline_schedule="gpipe"), None, 16),
         (TensorParallelStrategy(tensor_parallel_size=2, sequence_parallel=True), None, 15),
     ]
     messages = []

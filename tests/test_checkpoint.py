@@ -47,7 +47,7 @@ def make_strategy(name: str = "data_parallel", sharded: bool = True):
     if name == "context_parallel":
         return ContextParallelStrategy(context_parallel_size=2, context_parallel_method="ring",
                                        save_distributed_checkpoint=sharded)
-    return ZeroStrategy(stage=int(name[-1]), save_distributed_checkpoint=sharded)
+    return ZeroStrategy(zero_stage=int(name[-1]), save_distributed_checkpoint=sharded)
 
 
 def _fit(rank: int, world_size: int, directory: str, strategy: str | tuple, seed: int, ckpt_path: str | None,

@@ -30,7 +30,7 @@ def _strategy(name: str):
     from lightning_par import PipelineParallelStrategy
 
     if name == "pp4":  # GPipe: 1F1B would need microbatches >= pp
-        return PipelineParallelStrategy(pipeline_parallel_size=4, schedule="gpipe", microbatches=2)
+        return PipelineParallelStrategy(pipeline_parallel_size=4, pipeline_schedule="gpipe", microbatches=2)
     if name == "pp2":
         return PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2)
     return make_strategy(name, True)

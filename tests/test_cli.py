@@ -169,6 +169,30 @@ def test_print_config_shows_every_strategy_argument(name: str) -> None:
     assert expected <= set(strategy["init_args"]), expected - set(strategy["init_args"])
 
 
+def test_fit_help_shows_every_argument_of_every_strategy() -> None:
+    """``lightning-par fit --trainer.strategy.help <class>`` documents each strategy's own arguments and the shared
+    ones it forwards to MeshStrategy, every one with its help text."""
+    import contextlib
+    import inspect
+    import io
+
+    from lightning_par.cli import ParallelCLI
+    from lightning_par.strategies import STRATEGIES, MeshStrategy
+
+    for strategy in STRATEGIES:
+        with contextlib.redirect_stdout(io.StringIO()) as printed, pytest.raises(SystemExit):
+            ParallelCLI(args=["fit", "--trainer.strategy.help", f"{strategy.__module__}.{strategy.__qualname__}"])
+        shown = printed.getvalue()
+        for init in (strategy.__init__, MeshStrategy.__init__):
+            for name, parameter in inspect.signature(init).parameters.items():
+                if name in ("self", "parallel_config") or parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                    continue
+                entry = shown.split(f"  --trainer.strategy.{name} ", 1)
+                assert len(entry) == 2, f"{strategy.__name__}: {name} is not in fit --help"
+                described = entry[1].split("\n  --", 1)[0].split("(type:", 1)[0].split()[1:]  # after the metavar
+                assert described, f"{strategy.__name__}: {name} has no help text"
+
+
 def test_a_knob_value_outside_its_alias_is_refused_by_the_parser(capsys) -> None:
     from lightning_par.cli import ParallelCLI
 

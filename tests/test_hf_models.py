@@ -75,7 +75,7 @@ def make_strategy(name: str, **kwargs):
         (2, "TensorParallelStrategy", dict(tensor_parallel_size=2, sequence_parallel=True, loss_parallel=True)),
         (2, "ContextParallelStrategy", dict(context_parallel_size=2, context_parallel_method="ulysses")),
         (2, "ContextParallelStrategy", dict(context_parallel_size=2, context_parallel_method="ring")),
-        (2, "PipelineParallelStrategy", dict(pipeline_parallel_size=2, schedule="1f1b", microbatches=2)),
+        (2, "PipelineParallelStrategy", dict(pipeline_parallel_size=2, pipeline_schedule="1f1b", microbatches=2)),
     ],
     ids=["tp2", "tp2-sp-loss", "cp2-ulysses", "cp2-ring", "pp2-1f1b"],
 )

@@ -21,7 +21,7 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _strategy(layout: str):
     from lightning_par import Hybrid3DStrategy, PipelineParallelStrategy, TensorParallelStrategy, ZeroStrategy
 
-    return {"zero3": lambda: ZeroStrategy(stage=3),
+    return {"zero3": lambda: ZeroStrategy(zero_stage=3),
             "tp2": lambda: TensorParallelStrategy(tensor_parallel_size=2),
             "pp2": lambda: PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2),
             "dp2xtp2": lambda: Hybrid3DStrategy(data_parallel_size=2, tensor_parallel_size=2)}[layout]()

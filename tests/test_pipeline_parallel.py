@@ -45,14 +45,14 @@ def test_balance_minimises_the_largest_stage() -> None:
 @pytest.mark.parametrize(
     ("world_size", "kwargs", "accumulate", "clip"),
     [
-        (2, dict(schedule="gpipe", microbatches=2), 1, None),
-        (2, dict(schedule="1f1b", microbatches=2), 2, 0.05),
-        (2, dict(schedule="interleaved_1f1b", microbatches=2, activation_checkpointing="full"), 1, None),
-        (2, dict(schedule="zbv", microbatches=2), 1, None),
-        (4, dict(schedule="1f1b", microbatches=4), 1, 0.05),
-        (4, dict(schedule="zbv", microbatches=4), 1, None),
-        (2, dict(schedule="1f1b", microbatches=2, balance="profile"), 1, None),
-        (2, dict(schedule="gpipe", microbatches=4, plan=SPLIT_AFTER_3), 1, None),
+        (2, dict(pipeline_schedule="gpipe", microbatches=2), 1, None),
+        (2, dict(pipeline_schedule="1f1b", microbatches=2), 2, 0.05),
+        (2, dict(pipeline_schedule="interleaved_1f1b", microbatches=2, activation_checkpointing="full"), 1, None),
+        (2, dict(pipeline_schedule="zbv", microbatches=2), 1, None),
+        (4, dict(pipeline_schedule="1f1b", microbatches=4), 1, 0.05),
+        (4, dict(pipeline_schedule="zbv", microbatches=4), 1, None),
+        (2, dict(pipeline_schedule="1f1b", microbatches=2, pipeline_balance="profile"), 1, None),
+        (2, dict(pipeline_schedule="gpipe", microbatches=4, plan=SPLIT_AFTER_3), 1, None),
     ],
     # pp=4 for the schedules whose order depends most on the number of stages (1F1B's warm-up, ZB-V's V);
     # GPipe and interleaved 1F1B at pp=2.
@@ -130,7 +130,7 @@ def _schedule_step(rank: int, world_size: int, schedules: tuple[str, ...], micro
 
     from lightning_par.config import ParallelConfig
     from lightning_par.parallel.bubble import BubbleMeter
-    from lightning_par.parallel.compose import parallelize, pipeline_stages
+    from lightning_par.parallel.compose import parallelize
     from lightning_par.parallel.pipeline import build_schedule
     from lightning_par.parallel.plan import derive_plan
 
@@ -142,9 +142,8 @@ def _schedule_step(rank: int, world_size: int, schedules: tuple[str, ...], micro
         module = SleepModule()
         tokens = torch.randint(0, 16, (microbatches, 5))
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        parallelize(module, mesh, config.validate(world_size), derive_plan(module), training=False,
-                    sample_batch=(inputs, targets))
-        stages = pipeline_stages(module)
+        stages = parallelize(module, mesh, config.validate(world_size), derive_plan(module), training=False,
+                             sample_batch=(inputs, targets)).stages
         runner = build_schedule(stages, schedule, microbatches, module.loss_fn)
         meter = BubbleMeter(stages, torch.device("cpu"))
         meter.start()
@@ -196,7 +195,7 @@ def _peak_saved_activation_bytes(rank: int, world_size: int, schedule: str, micr
     import torch.distributed as dist
 
     from lightning_par.config import ParallelConfig
-    from lightning_par.parallel.compose import parallelize, pipeline_stages
+    from lightning_par.parallel.compose import parallelize
     from lightning_par.parallel.pipeline import build_schedule
     from lightning_par.parallel.plan import derive_plan
 
@@ -206,9 +205,8 @@ def _peak_saved_activation_bytes(rank: int, world_size: int, schedule: str, micr
     torch.manual_seed(0)
     module = make_module()
     inputs, targets = module.split_batch(torch.randint(0, 64, (microbatches, 17)))
-    parallelize(module, mesh, config.validate(world_size), derive_plan(module), training=False,
-                sample_batch=(inputs, targets))
-    stages = pipeline_stages(module)
+    stages = parallelize(module, mesh, config.validate(world_size), derive_plan(module), training=False,
+                         sample_batch=(inputs, targets)).stages
     runner = build_schedule(stages, schedule, microbatches, module.loss_fn)
     live = {"now": 0, "peak": 0}
 
@@ -290,7 +288,7 @@ def _validate_after_training(rank: int, world_size: int, schedule: str) -> dict:
     # train, and training must leave it able to evaluate.
     trainer = lightning.Trainer(accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False,
                                 strategy=make_strategy(pipeline_parallel_size=world_size, microbatches=2,
-                                                       schedule=schedule),
+                                                       pipeline_schedule=schedule),
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                 num_sanity_val_steps=1, val_check_interval=2)
     datamodule = make_datamodule(batch_size=4)
@@ -327,9 +325,9 @@ def test_validation_and_predict_run_forward_only_and_match(schedule: str) -> Non
 @pytest.mark.parametrize(
     ("kwargs", "batch_size", "message"),
     [
-        (dict(schedule="1f1b", microbatches=1), 4, "schedule '1f1b' needs at least pipeline_parallel_size=2 micro-batches"),
-        (dict(schedule="gpipe", microbatches=3), 4, "a batch of 4 samples does not split into microbatches=3"),
-        (dict(schedule="zbv", microbatches=2, plan=None), 4, "4 pipeline stages (pipeline_parallel_size=2 x 2 per rank for 'zbv') need "
+        (dict(pipeline_schedule="1f1b", microbatches=1), 4, "schedule '1f1b' needs at least pipeline_parallel_size=2 micro-batches"),
+        (dict(pipeline_schedule="gpipe", microbatches=3), 4, "a batch of 4 samples does not split into microbatches=3"),
+        (dict(pipeline_schedule="zbv", microbatches=2, plan=None), 4, "4 pipeline stages (pipeline_parallel_size=2 x 2 per rank for 'zbv') need "
                                                              "at least 4 blocks, the model has 2"),
     ],
     ids=["too-few-microbatches", "batch", "blocks"],
@@ -357,5 +355,5 @@ def test_tied_head_under_multi_stage_schedules_matches_single_process(schedule: 
     (one tensor, no copy). 20 steps: a tie that comes apart drifts slowly."""
     tied = functools.partial(SGDLlamaLM, **{**MODEL, "n_layers": 4, "tie_embeddings": True, "max_steps": 20})
     assert_layout_matches(tied, functools.partial(make_datamodule, batch_size=4),
-                          functools.partial(make_strategy, pipeline_parallel_size=2, schedule=schedule, microbatches=2),
+                          functools.partial(make_strategy, pipeline_parallel_size=2, pipeline_schedule=schedule, microbatches=2),
                           world_size=2, dp=1, steps=20, rtol=PARITY_RTOL, label=f"tied head, {schedule}")

@@ -58,8 +58,7 @@ def _measure_layouts(rank: int, world_size: int, layouts: dict[str, dict]) -> di
     from torch.distributed.tensor import DTensor
 
     from lightning_par.models.llama import LlamaConfig, Transformer
-    from lightning_par.parallel.compose import parallelize, parallelize_optimizer
-    from lightning_par.parallel.data import unwrap
+    from lightning_par.parallel.compose import parallelize
     from lightning_par.parallel.plan import derive_plan
     from lightning_par.parallel.tensor import vocab_parallel_loss
 
@@ -77,9 +76,9 @@ def _measure_layouts(rank: int, world_size: int, layouts: dict[str, dict]) -> di
         torch.manual_seed(0)
         model = Transformer(LlamaConfig(**MODEL))
         mesh = config.build_mesh("cpu")
-        module = parallelize(model, mesh, config, derive_plan(model))
-        inner = unwrap(module)
-        optimizer = parallelize_optimizer(torch.optim.AdamW(inner.parameters(), lr=1e-3), module, mesh, config)
+        handle = parallelize(model, mesh, config, derive_plan(model))
+        module, inner = handle.module, handle.inner
+        optimizer = handle.shard_optimizer(torch.optim.AdamW(inner.parameters(), lr=1e-3))
         batch = GLOBAL_BATCH // config.dp
         generator = torch.Generator().manual_seed(rank)
         tokens = torch.randint(0, MODEL["vocab_size"], (batch, SEQ_LEN + 1), generator=generator)

@@ -18,7 +18,7 @@ make_module = functools.partial(SGDLlamaLM, **MODEL)
 def make_strategy(stage: int = 3, **kwargs):
     from lightning_par import DataParallelStrategy, ZeroStrategy
 
-    return ZeroStrategy(stage=stage, **kwargs) if stage else DataParallelStrategy(**kwargs)
+    return ZeroStrategy(zero_stage=stage, **kwargs) if stage else DataParallelStrategy(**kwargs)
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,7 @@ def make_strategy(layout: str, plan: dict | None = None):
         return lightning_par.TensorParallelStrategy(tensor_parallel_size=2, sequence_parallel=True, loss_parallel=True,
                                                     plan=plan)
     if layout == "pp2":
-        return lightning_par.PipelineParallelStrategy(pipeline_parallel_size=2, schedule="1f1b", microbatches=2,
+        return lightning_par.PipelineParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="1f1b", microbatches=2,
                                                       plan=plan)
     if layout == "dp2xtp2":
         return lightning_par.Hybrid3DStrategy(data_parallel_size=2, tensor_parallel_size=2, plan=plan)

@@ -8,6 +8,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.pipeline_runner import PipelineRunner
 
 _GROUP: dist.ProcessGroup | None = None
 _WORLD: object = None  # the default group _GROUP was made in (a new process group needs a new one)
@@ -40,3 +41,8 @@ def gather_floats(value: float) -> list[float]:
 def strategy_mesh(trainer: Any) -> ParallelMesh | None:
     """The run's mesh under a lightning_par strategy (built at set-up), else None."""
     return getattr(trainer.strategy, "_mesh", None)
+
+
+def strategy_pipeline(trainer: Any) -> PipelineRunner | None:
+    """The runner of this rank's pipeline stages under a lightning_par strategy with pp > 1, else None."""
+    return getattr(getattr(trainer.strategy, "_parallelized", None), "pipeline", None)

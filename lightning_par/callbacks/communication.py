@@ -8,7 +8,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_par.callbacks._group import strategy_mesh
+from lightning_par.callbacks._group import strategy_mesh, strategy_pipeline
 from lightning_par.parallel.comm import CommunicationCounter
 
 __all__ = ["CommunicationMonitor"]
@@ -31,7 +31,8 @@ class CommunicationMonitor(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         mesh = strategy_mesh(trainer)
-        sends = getattr(trainer.strategy, "pipeline_sends", None)
+        pipeline = strategy_pipeline(trainer)
+        sends = pipeline.sends if pipeline is not None else None
         self._counter = (CommunicationCounter(mesh, pipeline_sends=sends)
                          if mesh is not None and trainer.world_size > 1 else None)
 

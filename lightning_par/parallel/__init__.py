@@ -1,11 +1,8 @@
 """Pure PyTorch parallel techniques over (module, mesh). This package never imports lightning."""
 
-from lightning_par.parallel.compose import (
-    gradient_norm_groups,
-    no_gradient_sync,
-    parallelize,
-    parallelize_optimizer,
-)
+from lightning_par.parallel.compose import parallelize
+from lightning_par.parallel.parallelized import Parallelized
+from lightning_par.parallel.pipeline_runner import PipelineRunner
 from lightning_par.parallel.data import apply_data_parallel
 from lightning_par.parallel.experts import apply_expert_parallel
 from lightning_par.parallel.pipeline import split_pipeline
@@ -19,9 +16,8 @@ from lightning_par.parallel.zero import fully_shard_model, shard_optimizer
 
 __all__ = [
     "parallelize",
-    "parallelize_optimizer",
-    "no_gradient_sync",
-    "gradient_norm_groups",
+    "Parallelized",
+    "PipelineRunner",
     "apply_data_parallel",
     "apply_tensor_parallel",
     "vocab_parallel_loss",

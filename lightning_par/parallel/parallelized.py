@@ -1,38 +1,145 @@
-"""What :func:`~lightning_par.parallel.compose.parallelize` did to a module, kept beside it, never on it.
+"""Parallelized: what :func:`~lightning_par.parallel.compose.parallelize` returns, and what a training loop asks.
 
-The layout it was split for, this rank's pipeline stages, the parameters several stages hold, and ZeRO-2's
-gradient reducer are looked up by the module (a weak reference: the record goes when the module does), so no
-attribute of lightning_par's is set on a user's module and a ``state_dict`` or ``deepcopy`` of it carries none.
+The handle answers every question the loop has about the layout, so that no caller re-derives them from the
+config: which module to run, the pipeline runner (pp > 1), how to skip gradient communication while gradients
+accumulate, what to do after the last backward of a step (average gradients DDP could not, sum the copies of a
+tensor that several pipeline stages hold), how to shard the optimizer (ZeRO-1/2, Rajbhandari et al. 2020), which
+ranks the gradient norm is summed over, and where the loss must run (on vocabulary-sharded logits). Pure PyTorch:
+Lightning's strategies hold one and so can any training loop.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-from weakref import WeakKeyDictionary
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager
 
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 
-__all__ = ["Parallelized", "parallelized"]
+from lightning_par.config import ParallelConfig
+from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel import data, zero
+from lightning_par.parallel.clip import clip_grad_norm_, gradient_norm
+from lightning_par.parallel.pipeline_runner import PipelineRunner
+from lightning_par.parallel.record import layout_record
+from lightning_par.parallel.tensor import vocab_parallel_loss
+from lightning_par.parallel.ties import StageTies
+
+__all__ = ["Parallelized", "parallelized_by_its_author"]
 
 
-@dataclass
 class Parallelized:
-    """The record of one module: ``layout`` (mesh sizes, config) once parallelized, its ``stages`` (this rank's
-    pipeline stages), ``ties`` (``StageTies``) and ``gradient_reducer`` (ZeRO-2's ``GradientReducer``)."""
+    """``module`` (the module to run: wrapped by DDP or not) laid out over ``mesh`` as ``config`` says.
 
-    layout: tuple | None = None
-    stages: list = field(default_factory=list)
-    ties: Any = None
-    gradient_reducer: Any = None
+    ``reduces_after_backward``: whether :meth:`after_backward` averages the gradients over the data-parallel
+    ranks (the layouts DDP cannot wrap). ``pipeline``: the runner of this rank's stages under pp > 1.
+    """
+
+    def __init__(self, module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *,
+                 reduces_after_backward: bool, pipeline: PipelineRunner | None = None) -> None:
+        if config.pp > 1 and pipeline is None:
+            raise ValueError(f"pp={config.pp}: pipeline parallel runs the stages parallelize() cuts from the model, "
+                             "and this module parallelized itself; let the strategy lay it out (drop parallelize() "
+                             "and the splitting in configure_model()), or use pp=1")
+        self.module, self.mesh, self.config = module, mesh, config
+        self.reduces_after_backward = reduces_after_backward
+        self.pipeline = pipeline
+        self._sync_blocked = False  # inside no_sync()
+
+    @classmethod
+    def as_given(cls, module: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> Parallelized:
+        """A module its author split and sharded (DTensors, FSDP2), trained as it is. Gradients it leaves unreduced
+        (DTensors without FSDP over the data-parallel ranks) are averaged after backward; its replicas are made
+        equal first."""
+        average = mesh.size("dp") > 1 and not any(isinstance(m, FSDPModule) for m in module.modules())
+        if average:
+            data.broadcast_replicas(module, mesh)
+        return cls(module, mesh, config, reduces_after_backward=average)
+
+    @property
+    def inner(self) -> nn.Module:
+        """The module without its data-parallel wrapper."""
+        return data.unwrap(self.module)
+
+    @property
+    def stages(self) -> list:
+        """This rank's pipeline stages (empty without pipeline parallel)."""
+        record = layout_record(self.inner)
+        return record.stages if record is not None else []
+
+    @property
+    def ties(self) -> StageTies | None:
+        """The parameters several pipeline ranks hold (a head tied to the embedding), or None."""
+        record = layout_record(self.inner)
+        return record.ties if record is not None else None
+
+    # ------------------------------------------------------------------------------------- gradients
+    @contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Skip gradient communication for the backward passes inside (all but the last of accumulated batches)."""
+        inner = self.inner
+        skip: AbstractContextManager = (zero.no_gradient_sync(inner) if zero.is_zero_module(inner)
+                                        else data.no_gradient_sync(self.module))
+        self._sync_blocked = True
+        try:
+            with skip:
+                yield
+        finally:
+            self._sync_blocked = False
+
+    def after_backward(self) -> None:
+        """After the last backward of an optimizer step: average what DDP did not (Megatron-LM reduces pipeline
+        gradients once per step, Narayanan et al. 2021), and give every copy of a tied tensor the sum."""
+        if self._sync_blocked:
+            return
+        if self.reduces_after_backward:
+            data.reduce_gradients(self.inner, self.mesh)
+        if self.ties is not None:
+            self.ties.sum_gradients()
+
+    def shard_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """The optimizer to step: sharded over the data-parallel ranks under ZeRO stages 1 and 2. (Under stage 3 it
+        already is: it was built on FSDP2's sharded parameters.)"""
+        return zero.shard_optimizer(optimizer, self.inner, self.mesh, stage=self.config.zero_stage)
+
+    @property
+    def norm_groups(self) -> dict[str, ProcessGroup | None]:
+        """The groups the gradient norm sums squared norms over (:func:`~lightning_par.parallel.clip.gradient_norm`).
+
+        ``partition_group``: under ZeRO-2, the ranks whose plain gradients make up one whole gradient.
+        ``stage_group``: under pipeline parallel, the ranks holding the other stages (every kind of gradient).
+        DTensor gradients (tensor parallel, ZeRO-3, experts) know their own placements.
+        """
+        zero2 = self.config.zero_stage == 2 and self.mesh.size("dp_shard") > 1
+        return {"partition_group": self.mesh.group("dp_shard") if zero2 else None,
+                "stage_group": self.mesh.group("pp") if self.mesh.size("pp") > 1 else None}
+
+    def counted_once(self, parameters: list[Tensor]) -> list[Tensor]:
+        """``parameters`` without the copies of a tensor that another pipeline rank counts in the norm."""
+        ties = self.ties
+        return ties.counted(parameters) if ties is not None else parameters
+
+    def gradient_norm(self, parameters: list[Tensor]) -> float:
+        """The 2-norm of the whole gradient of ``parameters`` (every shard, stage and partition). Collective."""
+        return gradient_norm(self.counted_once(parameters), **self.norm_groups)
+
+    def clip_grad_norm_(self, parameters: list[Tensor], max_norm: float) -> float:
+        """Scale the gradients so that the norm of the whole gradient is at most ``max_norm``; returns the norm
+        before. Collective."""
+        return clip_grad_norm_(parameters, max_norm, counted=self.counted_once(parameters), **self.norm_groups)
+
+    def loss_context(self) -> AbstractContextManager:
+        """Where the loss and its backward run: with loss parallel, on vocabulary-sharded logits."""
+        return vocab_parallel_loss(self.config.loss_parallel and self.mesh.size("tp") > 1)
 
 
-_RECORDS: WeakKeyDictionary[nn.Module, Parallelized] = WeakKeyDictionary()
-
-
-def parallelized(module: nn.Module, *, create: bool = False) -> Parallelized | None:
-    """The record of ``module``; a new empty one with ``create``, else None when there is none."""
-    record = _RECORDS.get(module)
-    if record is None and create:
-        record = _RECORDS[module] = Parallelized()
-    return record
+def parallelized_by_its_author(module: nn.Module) -> bool:
+    """Whether ``module`` holds DTensor parameters or FSDP2 modules that :func:`parallelize` did not put there
+    (Lightning's ``ModelParallelStrategy`` idiom: ``configure_model()`` split and sharded it)."""
+    if layout_record(module) is not None:
+        return False
+    return any(isinstance(p, DTensor) for p in module.parameters()) or any(
+        isinstance(m, FSDPModule) for m in module.modules())

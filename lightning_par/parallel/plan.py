@@ -291,5 +291,14 @@ def _find_blocks(model: nn.Module) -> str | None:
     return best[1] if best else None
 
 
-__all__ = ["HF_STYLES", "ModelPlan", "PLAN_SOURCES", "SPLIT_STYLES", "STYLES", "derive_plan", "huggingface_plan",
+def resolve_plan(given: ModelPlan | None, model: nn.Module) -> ModelPlan | None:
+    """The plan to lay ``model`` out by: ``given`` (checked against the model), else the one a Hugging Face model's
+    config states, else one derived from the model's shape (None if it has no standard shape)."""
+    if given is not None:
+        given.check(model)
+        return given
+    return huggingface_plan(model) or derive_plan(model)
+
+
+__all__ = ["HF_STYLES", "ModelPlan", "PLAN_SOURCES", "SPLIT_STYLES", "STYLES", "derive_plan", "huggingface_plan", "resolve_plan",
            "is_conv1d", "is_projection", "network_prefix", "projection_features"]

@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.plan import ModelPlan
-from lightning_par.parallel.parallelized import parallelized
+from lightning_par.parallel.record import layout_record
 from lightning_par.parallel.ties import retie, tied_groups
 
 
@@ -148,7 +148,7 @@ def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh,
     """Stages 1 and 2: the same optimizer, its states partitioned over the sharding ranks.
 
     Returns a ``ZeroRedundancyOptimizer`` built from ``optimizer``'s class, parameter groups and defaults.
-    Stage 2 also installs the :class:`GradientReducer` (kept in the module's ``Parallelized`` record).
+    Stage 2 also installs the :class:`GradientReducer` (kept in the module's layout record).
     """
     if stage not in (1, 2):
         return optimizer
@@ -164,7 +164,7 @@ def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh,
     sharded = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=mesh.group("dp_shard"),
                                       **defaults)
     if stage == 2:
-        record = parallelized(module, create=True)
+        record = layout_record(module, create=True)
         if record.gradient_reducer is not None:
             record.gradient_reducer.remove()
         record.gradient_reducer = GradientReducer(module, sharded, mesh)
@@ -196,7 +196,7 @@ def is_zero_module(module: nn.Module) -> bool:
 
 
 def _gradient_reducer(module: nn.Module) -> GradientReducer | None:
-    record = parallelized(module)
+    record = layout_record(module)
     return record.gradient_reducer if record is not None else None
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_par.config import ParallelConfig, divisors
+from lightning_par.config import STRATEGY_ARGUMENTS, ParallelConfig, divisors
 from lightning_par.planner.cluster import ClusterSpec, GiB
 from lightning_par.planner.memory import OPTIMIZERS, PRECISIONS, MemoryBreakdown, estimate_memory
 from lightning_par.planner.model import ModelSpec
@@ -32,12 +32,8 @@ from lightning_par.planner.time import StepTime, estimate_step_time
 CHECKPOINTING = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zbv", "gpipe")
 
-# Names a user may fix, with the Lightning-style strategy argument names as aliases.
-_ALIASES = {
-    "tensor_parallel_size": "tp", "pipeline_parallel_size": "pp", "context_parallel_size": "cp",
-    "expert_parallel_size": "ep", "data_parallel_size": "dp", "replicate_size": "dp_replicate",
-    "stage": "zero_stage", "virtual_stages": "pp_virtual_stages", "schedule": "pp_schedule",
-}
+# Names a user may fix, with the strategies' argument names (config.STRATEGY_ARGUMENTS) as aliases.
+_ALIASES = {argument: name for name, argument in STRATEGY_ARGUMENTS.items()}
 _FIXABLE = ("tp", "pp", "cp", "ep", "dp", "dp_replicate", "dp_shard", "zero_stage", "activation_checkpointing",
             "pp_schedule", "pp_virtual_stages", "sequence_parallel", "loss_parallel", "cp_method")
 

@@ -25,7 +25,6 @@ def register_strategies() -> None:
 
 register_strategies()
 
-__all__ = ["MeshStrategy", "DataParallelStrategy", "ZeroStrategy", "TensorParallelStrategy",
-           "ContextParallelStrategy", "SequenceParallelStrategy", "PipelineParallelStrategy", "ExpertParallelStrategy", "Hybrid3DStrategy",
-           "AutoParallelStrategy", "register_strategies",
-           "STRATEGIES", "DEPRECATED_STRATEGIES"]
+__all__ = ["MeshStrategy", "DataParallelStrategy", "ZeroStrategy", "TensorParallelStrategy", "ContextParallelStrategy",
+           "SequenceParallelStrategy", "PipelineParallelStrategy", "ExpertParallelStrategy", "Hybrid3DStrategy",
+           "AutoParallelStrategy", "register_strategies", "STRATEGIES", "DEPRECATED_STRATEGIES"]

@@ -8,10 +8,11 @@ sequence parallelism (Korthikanti et al. 2022) is a tensor-parallel option (``se
 from __future__ import annotations
 
 import warnings
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
-from lightning_par.config import ContextParallelMethod, ParallelConfig, Recompute
-from lightning_par.strategies.base import SIZE_ARGUMENTS, MeshStrategy
+from lightning_par.config import ContextParallelMethod, ParallelConfig, Size
+from lightning_par.strategies.arguments import argument_names
+from lightning_par.strategies.base import MeshStrategy
 
 
 class ContextParallelStrategy(MeshStrategy):
@@ -29,29 +30,16 @@ class ContextParallelStrategy(MeshStrategy):
             balancing; the sequence length must divide by ``2 x context_parallel_size``).
         data_parallel_size: ``"auto"``: every remaining rank.
         zero_stage: 0 (DDP over data and context ranks) or 3 (FSDP2 shards over them).
-        activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation per block.
-        activation_checkpointing_every: checkpoint one block in this many.
-        plan: where the model keeps its blocks (derived for standard decoders; see docs/architecture.md).
-        save_distributed_checkpoint: sharded DCP directory (default) or one full file from rank 0.
     """
 
     strategy_name = "context_parallel"
-    argument_names = {**SIZE_ARGUMENTS, "dp_shard": "data_parallel_size", "cp_method": "context_parallel_method"}
+    argument_names = argument_names("dp_shard")
     strategy_description = "context parallel: Ulysses or ring attention"
 
-    def __init__(
-        self,
-        context_parallel_size: int = 2,
-        context_parallel_method: ContextParallelMethod = "ulysses",
-        data_parallel_size: Union[int, Literal["auto"]] = "auto",
-        zero_stage: Literal[0, 3] = 0,
-        activation_checkpointing: Recompute = "none",
-        activation_checkpointing_every: int = 1,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, context_parallel_size: int = 2, context_parallel_method: ContextParallelMethod = "ulysses",
+                 data_parallel_size: Size = "auto", zero_stage: Literal[0, 3] = 0, **kwargs: Any) -> None:
         config = ParallelConfig(cp=context_parallel_size, cp_method=context_parallel_method,
-                                dp_shard=data_parallel_size, zero_stage=zero_stage, activation_checkpointing=activation_checkpointing,
-                                activation_checkpointing_every=activation_checkpointing_every)
+                                dp_shard=data_parallel_size, zero_stage=zero_stage)
         super().__init__(config, **kwargs)
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any
 
-from lightning_par.config import ParallelConfig, Recompute
-from lightning_par.strategies.base import SIZE_ARGUMENTS, MeshStrategy
+from lightning_par.config import ParallelConfig, Size
+from lightning_par.strategies.arguments import argument_names
+from lightning_par.strategies.base import MeshStrategy
 
 
 class ExpertParallelStrategy(MeshStrategy):
@@ -21,25 +22,12 @@ class ExpertParallelStrategy(MeshStrategy):
         expert_parallel_size: ranks that share one copy of the experts (must divide the data-parallel
             size and every MoE block's number of experts).
         data_parallel_size: ``"auto"``: every process.
-        activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation per block.
-        activation_checkpointing_every: checkpoint one block in this many.
-        plan: where the model keeps its blocks (derived for standard decoders).
-        save_distributed_checkpoint: sharded DCP directory (default) or one full file from rank 0.
     """
 
     strategy_name = "expert_parallel"
-    argument_names = {**SIZE_ARGUMENTS, "dp_shard": "data_parallel_size"}
+    argument_names = argument_names("dp_shard")
     strategy_description = "MoE experts split over ranks"
 
-    def __init__(
-        self,
-        expert_parallel_size: int = 2,
-        data_parallel_size: Union[int, Literal["auto"]] = "auto",
-        activation_checkpointing: Recompute = "none",
-        activation_checkpointing_every: int = 1,
-        **kwargs: Any,
-    ) -> None:
-        config = ParallelConfig(ep=expert_parallel_size, dp_shard=data_parallel_size,
-                                activation_checkpointing=activation_checkpointing,
-                                activation_checkpointing_every=activation_checkpointing_every)
+    def __init__(self, expert_parallel_size: int = 2, data_parallel_size: Size = "auto", **kwargs: Any) -> None:
+        config = ParallelConfig(ep=expert_parallel_size, dp_shard=data_parallel_size)
         super().__init__(config, **kwargs)

@@ -15,20 +15,14 @@ from lightning_par.config import (
     ParallelConfig,
     PipelineBalance,
     PipelineSchedule,
-    Recompute,
     Size,
     shard_size,
 )
-from lightning_par.strategies.base import DDP_ARGUMENTS, SIZE_ARGUMENTS, MeshStrategy
+from lightning_par.strategies.arguments import argument_names
+from lightning_par.strategies.base import MeshStrategy
 
-# Strategy argument -> ParallelConfig field, for the sizes the planner may choose.
-PLANNED_SIZES = {"tensor_parallel_size": "tp", "pipeline_parallel_size": "pp", "context_parallel_size": "cp",
-                 "expert_parallel_size": "ep", "zero_stage": "zero_stage"}
-
-# ParallelConfig field -> hybrid3d argument, beyond the sizes and DDP's knobs.
-HYBRID_ARGUMENTS = {"cp_method": "context_parallel_method", "pp_schedule": "pipeline_schedule",
-                    "pp_microbatches": "microbatches", "pp_virtual_stages": "virtual_stages",
-                    "pp_balance": "pipeline_balance"}
+# The sizes the planner may choose (ParallelConfig fields).
+PLANNABLE_SIZES = ("tp", "pp", "cp", "ep", "zero_stage")
 
 
 class Hybrid3DStrategy(MeshStrategy):
@@ -61,14 +55,16 @@ class Hybrid3DStrategy(MeshStrategy):
         microbatches: micro-batches per batch under pipeline parallel.
         virtual_stages: stages per rank for ``interleaved_1f1b``.
         pipeline_balance: ``parameters`` or ``profile``.
-        activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation per block.
-        activation_checkpointing_every: checkpoint one block in this many.
-        reshard_after_forward, param_dtype, reduce_dtype, cpu_offload: ZeRO-3 knobs (see ``ZeroStrategy``).
-        bucket_cap_mb, static_graph, find_unused_parameters, gradient_compression: DDP knobs, for layouts
-            DDP wraps (data parallel, ZeRO-1; see ``DataParallelStrategy``).
+        reshard_after_forward: ZeRO-3: ``False`` keeps gathered blocks from forward to backward.
+        param_dtype: ZeRO-3: the dtype blocks compute in, from fp32 shards (see ``ZeroStrategy``).
+        reduce_dtype: ZeRO-3: the dtype of the gradient reduce-scatter (default: ``param_dtype``).
+        cpu_offload: ZeRO-3: shards, gradients and optimizer states in host memory.
+        bucket_cap_mb: DDP's gradient bucket size, for layouts DDP wraps (data parallel, ZeRO-1).
+        static_graph: DDP: the set of used parameters never changes (see ``DataParallelStrategy``).
+        find_unused_parameters: DDP: allow parameters that receive no gradient in a step.
+        gradient_compression: DDP: ``bf16`` or ``fp16`` halves all-reduce bytes; ``none`` keeps fp32.
         device: the accelerator the planner assumes for ``"auto"`` sizes (a preset of
             ``lightning_par.planner``, e.g. ``h100-80gb``); by default ``cpu`` on CPU, ``h100-80gb`` on GPU.
-        plan: where the model keeps its blocks (derived for standard decoders; see docs/architecture.md).
         save_distributed_checkpoint: sharded DCP directory (default; required with pipeline parallel).
     """
 
@@ -91,8 +87,6 @@ class Hybrid3DStrategy(MeshStrategy):
         microbatches: int = 4,
         virtual_stages: int = 2,
         pipeline_balance: PipelineBalance = "parameters",
-        activation_checkpointing: Recompute = "none",
-        activation_checkpointing_every: int = 1,
         reshard_after_forward: bool = True,
         param_dtype: Dtype = "fp32",
         reduce_dtype: Optional[Dtype] = None,
@@ -104,20 +98,17 @@ class Hybrid3DStrategy(MeshStrategy):
         device: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
-        requested = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
-                     "context_parallel_size": context_parallel_size, "expert_parallel_size": expert_parallel_size,
-                     "zero_stage": zero_stage}
+        requested = dict(zip(PLANNABLE_SIZES, (tensor_parallel_size, pipeline_parallel_size, context_parallel_size,
+                                               expert_parallel_size, zero_stage)))
         # Sizes for the planner: what it may choose is "auto"; a checkable placeholder until it has chosen.
-        self._planned = {PLANNED_SIZES[name] for name, value in requested.items() if value == "auto"}
-        chosen = {PLANNED_SIZES[name]: (1 if value == "auto" else value) for name, value in requested.items()}
-        self.argument_names = {**SIZE_ARGUMENTS, **DDP_ARGUMENTS, **HYBRID_ARGUMENTS, "dp_replicate": "replicate_size",
-                               **({"dp_shard": "data_parallel_size"} if replicate_size == 1 else {})}
+        self._planned = {name for name, value in requested.items() if value == "auto"}
+        chosen = {name: (1 if value == "auto" else value) for name, value in requested.items()}
+        self.argument_names = argument_names("dp_shard" if replicate_size == 1 else None)
         config = ParallelConfig(
             dp_replicate=replicate_size, dp_shard=shard_size(data_parallel_size, replicate_size), **chosen,
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, cp_method=context_parallel_method,
             pp_schedule=pipeline_schedule, pp_microbatches=microbatches, pp_virtual_stages=virtual_stages,
-            pp_balance=pipeline_balance, activation_checkpointing=activation_checkpointing,
-            activation_checkpointing_every=activation_checkpointing_every, reshard_after_forward=reshard_after_forward,
+            pp_balance=pipeline_balance, reshard_after_forward=reshard_after_forward,
             param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
             ddp_bucket_cap_mb=bucket_cap_mb, ddp_static_graph=static_graph,
             ddp_find_unused_parameters=find_unused_parameters, gradient_compression=gradient_compression,
@@ -141,7 +132,7 @@ class Hybrid3DStrategy(MeshStrategy):
         batch_size, seq_len = _loader_shape(trainer.datamodule, module)
         device = self._device_preset or ("cpu" if self.root_device.type == "cpu" else "h100-80gb")
         cluster = ClusterSpec.from_preset(device, nodes=self.num_nodes, devices_per_node=self.num_processes)
-        fixed: dict[str, Any] = {name: getattr(config, name) for name in PLANNED_SIZES.values()
+        fixed: dict[str, Any] = {name: getattr(config, name) for name in PLANNABLE_SIZES
                                  if name not in self._planned}
         if isinstance(config.dp_shard, int):
             fixed["dp"] = config.dp
@@ -195,8 +186,12 @@ class AutoParallelStrategy(Hybrid3DStrategy):
     Args:
         device: the accelerator to plan for (a preset of ``lightning_par.planner``: ``h100-80gb``,
             ``a100-40gb``, ...); by default ``cpu`` on CPU, ``h100-80gb`` on GPU.
-        data_parallel_size, tensor_parallel_size, pipeline_parallel_size, context_parallel_size,
-        expert_parallel_size, zero_stage: ``"auto"`` (default) or a fixed value.
+        data_parallel_size: ``"auto"`` (default) or a fixed number of data-parallel ranks.
+        tensor_parallel_size: ``"auto"`` (default) or fixed.
+        pipeline_parallel_size: ``"auto"`` (default) or fixed.
+        context_parallel_size: ``"auto"`` (default) or fixed.
+        expert_parallel_size: ``"auto"`` (default) or fixed.
+        zero_stage: ``"auto"`` (default) or fixed (0-3).
         plan: where the model keeps its blocks (derived for standard decoders; see docs/architecture.md).
         save_distributed_checkpoint: sharded DCP directory (default); ``False`` keeps the planner away from
             pipeline parallel.

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_par.config import ParallelConfig, PipelineBalance, PipelineSchedule, Recompute
-from lightning_par.strategies.base import SIZE_ARGUMENTS, MeshStrategy
+from lightning_par.config import ParallelConfig, PipelineBalance, PipelineSchedule
+from lightning_par.strategies.arguments import argument_names
+from lightning_par.strategies.base import MeshStrategy
 
 
 class PipelineParallelStrategy(MeshStrategy):
     """Pipeline parallelism on ``torch.distributed.pipelining``: each rank holds consecutive blocks.
 
     The first stage owns the embedding, the last the final norm, the head and the loss. Each batch is
-    split into ``microbatches`` that flow through the stages in the order of ``schedule`` (see
+    split into ``microbatches`` that flow through the stages in the order of ``pipeline_schedule`` (see
     ``lightning_par.parallel.pipeline``).
 
     The model contract (the schedule runs forward and loss itself, so ``training_step`` and ``validation_step``
@@ -23,12 +24,12 @@ class PipelineParallelStrategy(MeshStrategy):
 
     Args:
         pipeline_parallel_size: number of ranks the stages are spread over.
-        schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (``virtual_stages`` stages per rank) or ``zbv``
+        pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (``virtual_stages`` stages per rank) or ``zbv``
             (two stages per rank in a V, zero-bubble).
         microbatches: micro-batches per batch (the batch size must divide by it; 1F1B-type schedules need
             at least ``pipeline_parallel_size``).
         virtual_stages: stages per rank for ``interleaved_1f1b``.
-        balance: how blocks are assigned to stages without split points in the plan: ``parameters``
+        pipeline_balance: how blocks are assigned to stages without split points in the plan: ``parameters``
             (equal parameter counts, embedding and head included) or ``profile`` (measured forward +
             backward time per block, embedding and head/loss).
         plan: where the model keeps its blocks; ``split_points`` names the blocks that start stages.
@@ -37,23 +38,13 @@ class PipelineParallelStrategy(MeshStrategy):
     """
 
     strategy_name = "pipeline_parallel"
-    argument_names = {**SIZE_ARGUMENTS, "pp_schedule": "schedule", "pp_microbatches": "microbatches",
-                      "pp_virtual_stages": "virtual_stages", "pp_balance": "balance"}
+    argument_names = argument_names()
     strategy_description = "pipeline parallel (GPipe, 1F1B, interleaved, ZB-V)"
 
-    def __init__(
-        self,
-        pipeline_parallel_size: int = 2,
-        schedule: PipelineSchedule = "1f1b",
-        microbatches: int = 4,
-        virtual_stages: int = 2,
-        balance: PipelineBalance = "parameters",
-        activation_checkpointing: Recompute = "none",
-        activation_checkpointing_every: int = 1,
-        **kwargs: Any,
-    ) -> None:
-        config = ParallelConfig(pp=pipeline_parallel_size, dp_shard=1, pp_schedule=schedule,
-                                pp_microbatches=microbatches, pp_virtual_stages=virtual_stages, pp_balance=balance,
-                                activation_checkpointing=activation_checkpointing,
-                                activation_checkpointing_every=activation_checkpointing_every)
+    def __init__(self, pipeline_parallel_size: int = 2, pipeline_schedule: PipelineSchedule = "1f1b",
+                 microbatches: int = 4, virtual_stages: int = 2, pipeline_balance: PipelineBalance = "parameters",
+                 **kwargs: Any) -> None:
+        config = ParallelConfig(pp=pipeline_parallel_size, dp_shard=1, pp_schedule=pipeline_schedule,
+                                pp_microbatches=microbatches, pp_virtual_stages=virtual_stages,
+                                pp_balance=pipeline_balance)
         super().__init__(config, **kwargs)

@@ -71,26 +71,6 @@ def rng_states_of_rank(states: list[dict[str, Any]] | None, rank: int, world_siz
     return states[rank]
 
 
-def init_process_group_under_torchelastic(environment: Any, backend: str, timeout: Any,
-                                         device_id: torch.device | None) -> bool:
-    """Start the default process group in a key space of this restart attempt, when torchrun's agent hosts the
-    store; return False (doing nothing) otherwise.
-
-    torchrun's agent keeps one store across the restarts of ``--max-restarts`` (torch 2.13, its comment says
-    otherwise; pytorch/pytorch#167288): the addresses the failed attempt's ranks published are still
-    there, and a restarted rank connects to a dead port and fails. A prefix per attempt keeps them apart.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return False
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    client = dist.TCPStore(environment.main_address, environment.main_port, environment.world_size(),
-                           is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"lightning_par/attempt_{attempt}", client),
-                            rank=environment.global_rank(), world_size=environment.world_size(), timeout=timeout,
-                            device_id=device_id)
-    return True
-
-
 def slurm_requeue_environment(trainer: Trainer) -> SLURMEnvironment | None:
     """The SLURM environment when Lightning's auto-requeue is on, else None."""
     environment = trainer._accelerator_connector.cluster_environment

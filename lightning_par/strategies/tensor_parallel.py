@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any
 
-from lightning_par.config import ParallelConfig, Recompute
-from lightning_par.strategies.base import SIZE_ARGUMENTS, MeshStrategy
+from lightning_par.config import ParallelConfig, Size
+from lightning_par.strategies.arguments import argument_names
+from lightning_par.strategies.base import MeshStrategy
 
 
 class TensorParallelStrategy(MeshStrategy):
@@ -27,28 +28,15 @@ class TensorParallelStrategy(MeshStrategy):
             shards (never gathering (B, T, vocab) logits). ``F.cross_entropy``/``F.nll_loss`` in the
             LightningModule work unchanged and return plain tensors; other uses of the logits see a
             DTensor (``logits.full_tensor()`` gathers them).
-        activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation per block.
-        activation_checkpointing_every: checkpoint one block in this many.
         plan: which layers are column-/row-wise (derived for standard decoders; see docs/architecture.md).
-        save_distributed_checkpoint: sharded DCP directory (default) or one full file from rank 0.
     """
 
     strategy_name = "tensor_parallel"
-    argument_names = {**SIZE_ARGUMENTS, "dp_shard": "data_parallel_size"}
+    argument_names = argument_names("dp_shard")
     strategy_description = "Megatron-style tensor parallel on DTensor"
 
-    def __init__(
-        self,
-        tensor_parallel_size: int = 2,
-        data_parallel_size: Union[int, Literal["auto"]] = "auto",
-        sequence_parallel: bool = False,
-        loss_parallel: bool = False,
-        activation_checkpointing: Recompute = "none",
-        activation_checkpointing_every: int = 1,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, tensor_parallel_size: int = 2, data_parallel_size: Size = "auto",
+                 sequence_parallel: bool = False, loss_parallel: bool = False, **kwargs: Any) -> None:
         config = ParallelConfig(tp=tensor_parallel_size, dp_shard=data_parallel_size, zero_stage=3,
-                                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                                activation_checkpointing=activation_checkpointing,
-                                activation_checkpointing_every=activation_checkpointing_every)
+                                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,)
         super().__init__(config, **kwargs)
