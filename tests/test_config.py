@@ -143,3 +143,26 @@ def test_bad_layout_fails_on_every_rank_before_any_collective() -> None:
     messages = run_distributed(_bad_layout_in_trainer, 2, timeout=60)
     assert messages[0] == messages[1]
     assert "data_parallel_size=3 = 3 does not equal the world size 2" in messages[0]
+
+
+def _rank_1_waits_for_a_barrier_rank_0_never_enters(rank: int, world_size: int) -> None:
+    import threading
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if rank == 1:
+        dist.barrier()  # rank 0 never comes
+    else:
+        threading.Event().wait()  # rank 0 waits elsewhere, as a rank stuck in a step of its own would
+
+
+def test_a_hang_fails_one_test_with_the_stack_of_every_rank() -> None:
+    """The harness's own protection: a case that hangs fails within its timeout, saying where each rank was."""
+    with pytest.raises(TimeoutError) as raised:
+        run_distributed(_rank_1_waits_for_a_barrier_rank_0_never_enters, 2, timeout=10)
+    message = str(raised.value)
+    assert "ranks [0, 1] did not finish within 10 s" in message
+    for rank in (0, 1):
+        assert f"--- rank {rank}, still running ---" in message
+    assert "_rank_1_waits_for_a_barrier_rank_0_never_enters" in message and "barrier" in message
