@@ -33,7 +33,7 @@ turns both into the right value.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -42,11 +42,11 @@ from torch import Tensor, nn
 from torch.distributed.nn.functional import all_to_all_single
 from torch.overrides import TorchFunctionMode
 
-from lightning_par.config import CP_METHODS
+from lightning_par.config import CP_METHODS, ContextParallelMethod
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.plan import ModelPlan
 
-Method = Literal["ulysses", "ring"]
+Method = ContextParallelMethod  # ulysses or ring, as config.py names them
 
 
 # ----------------------------------------------------------------------------------- token layout

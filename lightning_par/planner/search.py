@@ -23,14 +23,23 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_par.config import STRATEGY_ARGUMENTS, ParallelConfig, divisors
+from lightning_par.config import (
+    CP_METHODS,
+    PP_SCHEDULES,
+    RECOMPUTE_MODES,
+    STRATEGY_ARGUMENTS,
+    ZERO_STAGES,
+    ParallelConfig,
+    divisors,
+)
 from lightning_par.planner.cluster import ClusterSpec, GiB
 from lightning_par.planner.memory import OPTIMIZERS, PRECISIONS, MemoryBreakdown, estimate_memory
 from lightning_par.planner.model import ModelSpec
 from lightning_par.planner.time import StepTime, estimate_step_time
 
-CHECKPOINTING = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "interleaved_1f1b", "zbv", "gpipe")
+# The values config.py allows, in the order the search tries them (cheapest first).
+CHECKPOINTING = tuple(sorted(RECOMPUTE_MODES, key=("none", "selective", "full").index))
+SCHEDULES = tuple(sorted(PP_SCHEDULES, key=("1f1b", "interleaved_1f1b", "zbv", "gpipe").index))
 
 # Names a user may fix, with the strategies' argument names (config.STRATEGY_ARGUMENTS) as aliases.
 _ALIASES = {argument: name for name, argument in STRATEGY_ARGUMENTS.items()}
@@ -51,8 +60,8 @@ class TrainingSpec:
     optimizer: str = "adamw"
     activation_checkpointing: tuple[str, ...] = CHECKPOINTING
     pp_schedules: tuple[str, ...] = SCHEDULES
-    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    cp_methods: tuple[str, ...] = ("ulysses", "ring")
+    zero_stages: tuple[int, ...] = ZERO_STAGES
+    cp_methods: tuple[str, ...] = CP_METHODS
     pp_virtual_stages: tuple[int, ...] = (2,)
 
     def __post_init__(self) -> None:
