@@ -136,12 +136,15 @@ class ParallelConfig:
         """
         stage = self.zero_stage
         if stage in (1, 2):
-            # ZeroRedundancyOptimizer and the stage-2 hooks own whole plain tensors of one replicated module.
-            others = {name: getattr(self, name) for name in ("tp", "pp", "cp", "ep") if getattr(self, name) > 1}
+            # ZeroRedundancyOptimizer and the stage-2 hooks own whole plain tensors of one replicated module; a
+            # pipeline rank's stages are such a module for ZeRO-1 (its gradients are averaged once per step).
+            others = {name: getattr(self, name) for name in ("tp", "cp", "ep", *(("pp",) if stage == 2 else ()))
+                      if getattr(self, name) > 1}
             if others:
+                pipelined = "; zero_stage=1 composes with pipeline parallel" if "pp" in others else ""
                 raise ValueError(f"zero_stage={stage} with {_sizes(others)}: ZeRO-1/2 shard the states of plain, "
                                  "replicated parameters; use zero_stage=0 (gradients all-reduced) or zero_stage=3 "
-                                 "(FSDP2, with tensor or context parallel)")
+                                 f"(FSDP2, with tensor or context parallel){pipelined}")
         if self.pp > 1:
             others = {name: getattr(self, name) for name in ("cp", "ep") if getattr(self, name) > 1}
             if others:
@@ -174,7 +177,7 @@ class ParallelConfig:
         """Whether the data-parallel gradient average is ``reduce_gradients`` after the last backward of a step,
         instead of DDP's hooks: under pipeline parallel (a schedule calls stage views, never the module DDP wraps)
         and for tensor-parallel DTensors without ZeRO-3 (DDP all-reduces plain tensors only)."""
-        return self.zero_stage == 0 and (self.pp > 1 or self.tp > 1)
+        return self.zero_stage in (0, 1) and (self.pp > 1 or self.tp > 1)
 
     def validate(self, world_size: int) -> ParallelConfig:
         """Check the layout against ``world_size`` processes and return it with ``"auto"`` resolved.

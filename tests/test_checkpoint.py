@@ -44,6 +44,8 @@ def make_strategy(name: str = "data_parallel", sharded: bool = True):
     if name == "hybrid3d":  # dp2 x tp2 x pp2 on 8 ranks
         return Hybrid3DStrategy(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2,
                                 sequence_parallel=True, microbatches=2)
+    if name == "pp2xdp2-zero1":  # 4 ranks: ZeRO-1 over the data-parallel ranks of each pipeline stage
+        return Hybrid3DStrategy(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=1, microbatches=2)
     if name == "context_parallel":
         return ContextParallelStrategy(context_parallel_size=2, context_parallel_method="ring",
                                        save_distributed_checkpoint=sharded)
@@ -107,6 +109,21 @@ def test_pipeline_checkpoint_resumes_exactly(tmp_path: Path) -> None:
     # And the stages come together in one plain file, or in another layout.
     weights = export_consolidated(tmp_path / "a" / "last.ckpt", tmp_path / "model.pt")
     assert weights.keys() == uninterrupted["state"].keys()
+
+
+def test_pipeline_with_zero1_resumes_exactly_and_reshards(tmp_path: Path) -> None:
+    """Each pipeline rank saves the optimizer states its ZeRO-1 partition owns; the run resumes bitwise, and the same
+    checkpoint continues under ZeRO-1 without a pipeline on half the ranks."""
+    uninterrupted = run_distributed(_fit, 4, str(tmp_path / "a"), ("pp2xdp2-zero1", True), 0, None)[0]
+    epoch0 = tmp_path / "a" / "epoch=0-step=4.ckpt"
+    resumed = run_distributed(_fit, 4, str(tmp_path / "b"), ("pp2xdp2-zero1", True), 1, str(epoch0))[0]
+    assert resumed["losses"] == uninterrupted["losses"][4:]
+    for name, tensor in uninterrupted["state"].items():
+        assert torch.equal(resumed["state"][name], tensor), name
+    elsewhere = run_distributed(_fit, 2, str(tmp_path / "c"), ("zero1", True), 1, str(epoch0))[0]
+    assert elsewhere["losses"] == pytest.approx(uninterrupted["losses"][4:], rel=1e-5)
+    for name, tensor in uninterrupted["state"].items():
+        torch.testing.assert_close(elsewhere["state"][name], tensor, rtol=1e-5, atol=1e-6)
 
 
 def test_full_checkpoint_holds_whole_tensors_by_name(tmp_path: Path) -> None:

@@ -73,7 +73,7 @@ def test_auto_sizes_resolve(config: ParallelConfig, world_size: int, expected: t
         (ParallelConfig(cp=2, tp=2, sequence_parallel=True), r"cp=2 with sequence_parallel=True: .*already splits"),
         (ParallelConfig(cp=2, zero_stage=2), r"zero_stage=2 with cp=2: ZeRO-1/2 shard .*zero_stage=3"),
         (ParallelConfig(tp=2, dp_shard=2, zero_stage=1), r"zero_stage=1 with tp=2: ZeRO-1/2"),
-        (ParallelConfig(pp=2, zero_stage=1), r"zero_stage=1 with pp=2: ZeRO-1/2"),
+        (ParallelConfig(pp=2, zero_stage=2), r"zero_stage=2 with pp=2: ZeRO-1/2 .*zero_stage=1 composes with pipeline"),
     ],
 )
 def test_combinations_not_yet_composed_are_refused(config: ParallelConfig, message: str) -> None:

@@ -32,9 +32,11 @@ def make_strategy(**kwargs):
         (4, 2, dict(tensor_parallel_size=2, expert_parallel_size=2), 2, None, True),
         (4, 1, dict(tensor_parallel_size=2, context_parallel_size=2, context_parallel_method="ring",
                     zero_stage=3), 1, 0.05, False),
+        # ZeRO-1 inside a pipeline (Megatron's distributed optimizer): each stage's states over its dp ranks.
+        (4, 2, dict(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=1, microbatches=2), 2, 0.05, False),
     ],
     ids=["dp2xtp2xpp2-sp-acc2-clip", "pp2xtp2-gpipe", "dp2xtp2-zero0-acc2-clip",
-         "tp2xep2-dp2-acc2", "cp2xtp2-ring-zero3-clip"],
+         "tp2xep2-dp2-acc2", "cp2xtp2-ring-zero3-clip", "pp2xdp2-zero1-acc2-clip"],
 )
 # ZeRO-3 x tp2 with sequence parallel is test_tensor_parallel.py's dp2xtp2-sp-acc2-clip (the same layout), dp2 x cp2
 # test_context_parallel.py's, ep2 inside dp4 test_experts.py's.
