@@ -150,9 +150,12 @@ class ParallelConfig:
             if others:
                 raise ValueError(f"pp={self.pp} with {_sizes(others)}: pipeline parallel composes with data and "
                                  "tensor parallel in this version; use context or expert parallel without pp")
-            if stage == 3:
-                raise ValueError(f"pp={self.pp} with zero_stage=3: each rank already holds only its stages' "
-                                 "parameters; use zero_stage=0 (gradients are all-reduced once per step over dp)")
+            if stage == 3 and self.pp_schedule == "zbv":
+                raise ValueError(f"pp={self.pp} with zero_stage=3 and pp_schedule='zbv': ZB-V computes weight "
+                                 "gradients in a pass of their own after the input gradients, and FSDP2 settles a "
+                                 "block's gradients when its backward ends, so they would be incomplete; use "
+                                 "pp_schedule 1f1b, interleaved_1f1b or gpipe with zero_stage=3, or zero_stage 0 or 1 "
+                                 "with zbv")
             if self.loss_parallel:
                 raise ValueError(f"pp={self.pp} with loss_parallel=True: the last stage gathers the logits; set "
                                  "loss_parallel=False")

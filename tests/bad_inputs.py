@@ -316,6 +316,10 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("`Hybrid3DStrategy(zero_stage=1, tensor_parallel_size=2)`",
              "zero_stage=1 with tensor_parallel_size=2: ZeRO-1/2 shard the states of plain, replicated parameters",
              _strategy("Hybrid3DStrategy", zero_stage=1, tensor_parallel_size=2)),
+    BadInput("`Hybrid3DStrategy(pipeline_parallel_size=2, zero_stage=3, pipeline_schedule='zbv')`",
+             "pipeline_parallel_size=2 with zero_stage=3 and pipeline_schedule='zbv': ZB-V computes weight gradients "
+             "in a pass of their own", _strategy("Hybrid3DStrategy", pipeline_parallel_size=2, zero_stage=3,
+                                                 pipeline_schedule="zbv")),
     BadInput("`Hybrid3DStrategy(expert_parallel_size=2, zero_stage=3)`",
              "expert_parallel_size=2 with zero_stage=3", _strategy("Hybrid3DStrategy", expert_parallel_size=2, zero_stage=3)),
     BadInput("`Hybrid3DStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, loss_parallel=True)`",

@@ -44,8 +44,9 @@ def make_strategy(name: str = "data_parallel", sharded: bool = True):
     if name == "hybrid3d":  # dp2 x tp2 x pp2 on 8 ranks
         return Hybrid3DStrategy(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2,
                                 sequence_parallel=True, microbatches=2)
-    if name == "pp2xdp2-zero1":  # 4 ranks: ZeRO-1 over the data-parallel ranks of each pipeline stage
-        return Hybrid3DStrategy(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=1, microbatches=2)
+    if name.startswith("pp2xdp2-zero"):  # 4 ranks: ZeRO over the data-parallel ranks of each pipeline stage
+        return Hybrid3DStrategy(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=int(name[-1]),
+                                microbatches=2)
     if name == "context_parallel":
         return ContextParallelStrategy(context_parallel_size=2, context_parallel_method="ring",
                                        save_distributed_checkpoint=sharded)
@@ -111,12 +112,14 @@ def test_pipeline_checkpoint_resumes_exactly(tmp_path: Path) -> None:
     assert weights.keys() == uninterrupted["state"].keys()
 
 
-def test_pipeline_with_zero1_resumes_exactly_and_reshards(tmp_path: Path) -> None:
-    """Each pipeline rank saves the optimizer states its ZeRO-1 partition owns; the run resumes bitwise, and the same
-    checkpoint continues under ZeRO-1 without a pipeline on half the ranks."""
-    uninterrupted = run_distributed(_fit, 4, str(tmp_path / "a"), ("pp2xdp2-zero1", True), 0, None)[0]
+@pytest.mark.parametrize("stage", [1, 3])
+def test_pipeline_with_zero_resumes_exactly_and_reshards(tmp_path: Path, stage: int) -> None:
+    """Each pipeline rank saves the parameter and optimizer-state shards its ZeRO partition owns; the run resumes
+    bitwise, and the same checkpoint continues under ZeRO-1 without a pipeline on half the ranks."""
+    layout = f"pp2xdp2-zero{stage}"
+    uninterrupted = run_distributed(_fit, 4, str(tmp_path / "a"), (layout, True), 0, None)[0]
     epoch0 = tmp_path / "a" / "epoch=0-step=4.ckpt"
-    resumed = run_distributed(_fit, 4, str(tmp_path / "b"), ("pp2xdp2-zero1", True), 1, str(epoch0))[0]
+    resumed = run_distributed(_fit, 4, str(tmp_path / "b"), (layout, True), 1, str(epoch0))[0]
     assert resumed["losses"] == uninterrupted["losses"][4:]
     for name, tensor in uninterrupted["state"].items():
         assert torch.equal(resumed["state"][name], tensor), name

@@ -12,6 +12,8 @@ from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
 PARITY_RTOL = 1e-5
 make_module = functools.partial(SGDLlamaLM, **{**MODEL, "n_layers": 4, "n_kv_heads": 4})
 make_moe_module = functools.partial(SGDLlamaLM, **{**MODEL, "moe_experts": 4, "moe_top_k": 2})
+make_tied_module = functools.partial(SGDLlamaLM, **{**MODEL, "n_layers": 4, "n_kv_heads": 4, "tie_embeddings": True})
+MODULES = {"dense": make_module, "moe": make_moe_module, "tied": make_tied_module}
 
 
 def make_strategy(**kwargs):
@@ -21,28 +23,36 @@ def make_strategy(**kwargs):
 
 
 @pytest.mark.parametrize(
-    ("world_size", "dp", "kwargs", "accumulate", "clip", "moe"),
+    ("world_size", "dp", "kwargs", "accumulate", "clip", "model"),
     [
         # 8 ranks: each of 2 replicas is a 2-stage pipeline of tensor-parallel pairs with sequence parallel.
         (8, 2, dict(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=True,
-                    microbatches=2), 2, 0.05, False),
+                    microbatches=2), 2, 0.05, "dense"),
         (4, 1, dict(tensor_parallel_size=2, pipeline_parallel_size=2, pipeline_schedule="gpipe", microbatches=2),
-         1, None, False),
-        (4, 2, dict(tensor_parallel_size=2), 2, 0.05, False),  # zero_stage 0: reduce_gradients, not DDP
-        (4, 2, dict(tensor_parallel_size=2, expert_parallel_size=2), 2, None, True),
+         1, None, "dense"),
+        (4, 2, dict(tensor_parallel_size=2), 2, 0.05, "dense"),  # zero_stage 0: reduce_gradients, not DDP
+        (4, 2, dict(tensor_parallel_size=2, expert_parallel_size=2), 2, None, "moe"),
         (4, 1, dict(tensor_parallel_size=2, context_parallel_size=2, context_parallel_method="ring",
-                    zero_stage=3), 1, 0.05, False),
+                    zero_stage=3), 1, 0.05, "dense"),
         # ZeRO-1 inside a pipeline (Megatron's distributed optimizer): each stage's states over its dp ranks.
-        (4, 2, dict(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=1, microbatches=2), 2, 0.05, False),
+        (4, 2, dict(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=1, microbatches=2), 2, 0.05, "dense"),
+        # FSDP2 inside each stage (torchtitan's PP x FSDP): every stage a root, one reduce-scatter per batch; the
+        # embedding and head tied across the stages; two stages per rank; and with tensor parallel under it.
+        (4, 2, dict(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=3, microbatches=2), 2, 0.05, "tied"),
+        (4, 2, dict(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=3, microbatches=2,
+                    pipeline_schedule="interleaved_1f1b"), 1, None, "dense"),
+        (8, 2, dict(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=3,
+                    sequence_parallel=True, microbatches=2), 2, 0.05, "dense"),
     ],
     ids=["dp2xtp2xpp2-sp-acc2-clip", "pp2xtp2-gpipe", "dp2xtp2-zero0-acc2-clip",
-         "tp2xep2-dp2-acc2", "cp2xtp2-ring-zero3-clip", "pp2xdp2-zero1-acc2-clip"],
+         "tp2xep2-dp2-acc2", "cp2xtp2-ring-zero3-clip", "pp2xdp2-zero1-acc2-clip", "pp2xdp2-zero3-tied-acc2-clip",
+         "pp2xdp2-zero3-interleaved", "dp2xtp2xpp2-zero3-sp-acc2-clip"],
 )
 # ZeRO-3 x tp2 with sequence parallel is test_tensor_parallel.py's dp2xtp2-sp-acc2-clip (the same layout), dp2 x cp2
 # test_context_parallel.py's, ep2 inside dp4 test_experts.py's.
 def test_hybrid_layout_matches_single_process(world_size: int, dp: int, kwargs: dict, accumulate: int, clip,
-                                              moe: bool) -> None:
-    assert_layout_matches(make_moe_module if moe else make_module, make_datamodule,
+                                              model: str) -> None:
+    assert_layout_matches(MODULES[model], make_datamodule,
                           functools.partial(make_strategy, **kwargs), world_size=world_size, dp=dp, steps=STEPS,
                           accumulate=accumulate, clip=clip, rtol=PARITY_RTOL, label=f"hybrid3d {kwargs}")
 
@@ -55,6 +65,8 @@ def test_hybrid_layout_matches_single_process(world_size: int, dp: int, kwargs: 
         (dict(pipeline_parallel_size=2, context_parallel_size=2), r"pipeline_parallel_size=2 with context_parallel_size=2: pipeline parallel"),
         (dict(tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True), r"expert_parallel_size=2 with sequence_parallel"),
         (dict(tensor_parallel_size=2, zero_stage=2), r"zero_stage=2 with tensor_parallel_size=2: ZeRO-1/2 shard"),
+        (dict(pipeline_parallel_size=2, zero_stage=3, pipeline_schedule="zbv"),
+         r"pipeline_parallel_size=2 with zero_stage=3 and pipeline_schedule='zbv': ZB-V computes weight gradients"),
         (dict(tensor_parallel_size=0), r"tensor_parallel_size must be a positive integer, got 0"),
     ],
 )
@@ -98,6 +110,14 @@ def test_sizes_that_do_not_fill_the_world_fail_on_every_rank() -> None:
     assert_fails_on_every_rank(make_module, make_datamodule,
                                functools.partial(make_strategy, tensor_parallel_size=2, pipeline_parallel_size=2),
                                world_size=2, message="pipeline_parallel_size=2 x tensor_parallel_size=2 = 4 does not divide the world size 2")
+
+
+def test_a_tied_weight_two_fsdp_stages_of_one_rank_would_share_fails_on_every_rank() -> None:
+    assert_fails_on_every_rank(make_tied_module, make_datamodule,
+                               functools.partial(make_strategy, pipeline_parallel_size=2, zero_stage=3,
+                                                 pipeline_schedule="interleaved_1f1b", microbatches=2),
+                               world_size=2, message="the tied parameter model.embed_tokens.weight = "
+                                                     "model.lm_head.weight would belong to two of them")
 
 
 def _planned_runs(rank: int, world_size: int) -> list[dict]:

@@ -61,6 +61,7 @@ HAND_LAYOUTS = {
     "dp4 zero2": dict(dp_shard=4, zero_stage=2),
     "dp2 x tp2": dict(dp_shard=2, tp=2),
     "dp2 x pp2, tied": dict(dp_shard=2, pp=2, pp_schedule="gpipe", pp_microbatches=2),
+    "dp2 x pp2 zero3, tied": dict(dp_shard=2, pp=2, zero_stage=3, pp_microbatches=2),  # FSDP2 roots per stage
 }
 
 
@@ -118,6 +119,9 @@ def _train_by_hand(rank: int, world_size: int) -> dict:
                 handle.after_backward()
         norm = handle.gradient_norm(parameters)
         optimizer.step()
+        # The share of this rank's parameters it holds at rest: 1/dp of them under ZeRO-3.
+        held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in parameters)
+        share = held / sum(p.numel() for p in parameters)
         weights = {clean_name(n): whole(p) for n, p in handle.inner.named_parameters()}
 
         loss = loss_fn(reference(tokens[:, :-1]), tokens[:, 1:])
@@ -128,7 +132,7 @@ def _train_by_hand(rank: int, world_size: int) -> dict:
         mean_loss = torch.tensor(sum(losses) / 2)
         dist.all_reduce(mean_loss, group=mesh.group("dp"))
         results[name] = {"loss": float(mean_loss) / config.dp, "expected_loss": float(loss), "norm": norm,
-                         "expected_norm": expected_norm,
+                         "expected_norm": expected_norm, "share": share, "zero_stage": config.zero_stage,
                          "weight_error": max(float((weights[n] - expected[n]).abs().max()) for n in weights)}
     return results
 
@@ -139,3 +143,5 @@ def test_the_handle_trains_every_way_of_reducing_gradients_without_lightning() -
             assert result["loss"] == pytest.approx(result["expected_loss"], abs=1e-5), name
             assert result["norm"] == pytest.approx(result["expected_norm"], rel=1e-5), name
             assert result["weight_error"] < 1e-5, name
+            if result["zero_stage"] == 3:
+                assert result["share"] == pytest.approx(0.5, abs=0.01), name  # dp2: half of every tensor, at rest

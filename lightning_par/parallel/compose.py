@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from lightning_par.config import DTYPES, ParallelConfig
+from lightning_par.stages import stages_per_rank
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas
 from lightning_par.parallel.experts import apply_expert_parallel
@@ -42,7 +43,7 @@ from lightning_par.parallel.parallelized import Parallelized
 from lightning_par.parallel.pipeline_runner import PipelineRunner
 from lightning_par.parallel.record import layout_record
 from lightning_par.parallel.tensor import apply_tensor_parallel, split_summary
-from lightning_par.parallel.ties import StageTies, clean_name
+from lightning_par.parallel.ties import StageTies, clean_name, tied_groups
 from lightning_par.parallel.zero import fully_shard_model, materialize_meta_parameters
 
 
@@ -103,6 +104,7 @@ def parallelize(
                          f"re-laid out as {config.describe()}; build a new module (or load a checkpoint into one)")
     stages = None
     if applied is None:
+        _check_fsdp_roots(model, config)
         if config.tp > 1 and plan is not None and sample_batch is not None:  # 0: the plan, checked
             plan, notes = check_plan(model, mesh, plan, sample_batch[0], sequence_parallel=config.sequence_parallel,
                                      loss_parallel=config.loss_parallel, apply=apply_tensor_parallel)
@@ -120,13 +122,17 @@ def parallelize(
         apply_expert_parallel(model, mesh, config.ep, plan)  # 4
         apply_activation_checkpointing(model, plan, mode=config.activation_checkpointing,  # 5
                                        every=config.activation_checkpointing_every)
+        shard_root = None
         if config.zero_stage == 3:  # 7: shard, then allocate only the shards of a meta-device model
-            fully_shard_model(model, mesh, plan, reshard_after_forward=config.reshard_after_forward,
-                              param_dtype=_dtype(config.param_dtype), reduce_dtype=_dtype(config.reduce_dtype),
-                              cpu_offload=config.cpu_offload)
+            # Under pipeline parallel each stage is a root, sharded when it is built.
+            shard_root = fully_shard_model(model, mesh, plan, reshard_after_forward=config.reshard_after_forward,
+                                           param_dtype=_dtype(config.param_dtype),
+                                           reduce_dtype=_dtype(config.reduce_dtype), cpu_offload=config.cpu_offload,
+                                           root=stages is None)
         record = layout_record(model, create=True)
         if stages is not None:  # 1, completed: each stage's view of the blocks as they now are
-            record.stages = build_stages(model, stages, mesh, device, sequence_parallel=config.sequence_parallel)
+            record.stages = build_stages(model, stages, mesh, device, sequence_parallel=config.sequence_parallel,
+                                         shard_root=shard_root)
         record.layout = layout
     materialize_meta_parameters(model, device)
     if stages is not None:
@@ -152,6 +158,18 @@ def parallelize(
                                   find_unused_parameters=config.ddp_find_unused_parameters,
                                   gradient_compression=config.gradient_compression, device_ids=device_ids)
     return Parallelized(wrapped, mesh, config, reduces_after_backward=False, pipeline=pipeline)
+
+
+def _check_fsdp_roots(model: nn.Module, config: ParallelConfig) -> None:
+    """Under ZeRO-3 each pipeline stage is an FSDP2 root over the parameters outside its blocks, and a parameter
+    can belong to one root only: refuse stages of one rank that would share one (a tied embedding and head)."""
+    if config.zero_stage == 3 and config.pp > 1 and stages_per_rank(config.pp_schedule, config.pp_virtual_stages) > 1:
+        tied = tied_groups(model)
+        if tied:
+            raise ValueError(f"pp={config.pp} with zero_stage=3 and pp_schedule={config.pp_schedule!r}: each rank "
+                             f"holds several stages, and the tied parameter {' = '.join(tied[0])} would belong to "
+                             "two of them, which FSDP2 cannot shard twice; use pp_schedule 1f1b or gpipe (one stage "
+                             "per rank), zero_stage 0 or 1, or untie the weights")
 
 
 def _dtype(name: str | None) -> torch.dtype | None:

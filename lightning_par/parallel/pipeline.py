@@ -390,7 +390,8 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, trace: N
 
 
 def build_stages(module: nn.Module, layout: StageLayout, mesh: ParallelMesh, device: torch.device, *,
-                 sequence_parallel: bool = False) -> list[PipelineStage]:
+                 sequence_parallel: bool = False,
+                 shard_root: Callable[[nn.Module], None] | None = None) -> list[PipelineStage]:
     """This rank's ``PipelineStage`` objects over the (already cut) network of ``module``.
 
     Built after every other technique has changed the blocks (activation checkpointing replaces them),
@@ -398,7 +399,9 @@ def build_stages(module: nn.Module, layout: StageLayout, mesh: ParallelMesh, dev
     parameter, and differ only in which parts are stand-ins. The hooks that swap a stage's first hidden-state
     input and stop after its last block sit on the blocks as they now are, outside any recomputation wrapper.
     ``sequence_parallel``: tensor parallel keeps the hidden states split along the sequence, so stages after
-    the first receive slices.
+    the first receive slices. ``shard_root`` (ZeRO-3) makes each stage an FSDP2 root over the parameters its blocks'
+    units do not hold (embedding, norm, head), which the schedule then drives (gathered blocks and whole gradients
+    over the micro-batches, one reduce-scatter after the last).
     """
     network = module.get_submodule(layout.network) if layout.network else module
     prefix = f"{layout.network}." if layout.network else ""
@@ -413,6 +416,8 @@ def build_stages(module: nn.Module, layout: StageLayout, mesh: ParallelMesh, dev
         replacements.update({name: StandInModule(layout.stand_ins[name]) for name in outside_held - running})
         stage_module = StageModule(_replace(network, replacements), is_first=index == 0,
                                    sequence_mesh=sliced if index > 0 else None)
+        if shard_root is not None:
+            shard_root(stage_module)
         ordered = sorted(owned, key=block_order.__getitem__)
         if index > 0:
             network.get_submodule(ordered[0]).register_forward_pre_hook(

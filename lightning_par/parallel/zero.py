@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,7 +39,8 @@ from lightning_par.parallel.ties import retie, tied_groups
 
 def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *,
                       reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
-                      reduce_dtype: torch.dtype | None = None, cpu_offload: bool = False) -> nn.Module:
+                      reduce_dtype: torch.dtype | None = None, cpu_offload: bool = False,
+                      root: bool = True) -> Callable[[nn.Module], None]:
     """ZeRO-3: shard every block of ``plan`` with FSDP2, then the root (embedding, norm, head, the rest).
 
     Without a plan the whole model is one unit: still sharded at rest, but gathered whole for forward.
@@ -47,6 +48,11 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | N
     fp32); gradients are reduced in ``reduce_dtype``. ``cpu_offload`` keeps shards, gradients and
     optimizer states in host memory and copies each block to the accelerator when it runs (on a CPU run
     everything already lives there, and FSDP2's offload needs an accelerator, so it is skipped).
+
+    Returns the function that shards a root with the same settings. With ``root=False`` the module itself is
+    left to the caller: under pipeline parallel each pipeline stage is a root (torchtitan's PP x FSDP), and
+    ``torch.distributed.pipelining`` then keeps the blocks gathered and the gradients whole over the micro-batches
+    of a step, reduce-scattering them once after the last.
     """
     fsdp_mesh = _fsdp_mesh(mesh)
     options: dict[str, Any] = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
@@ -54,11 +60,18 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | N
         options["offload_policy"] = CPUOffloadPolicy()
     if plan is not None:
         for name in plan.block_names(module):
-            fully_shard(module.get_submodule(name), mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward,
-                        **options)
-    # The root keeps its parameters gathered after forward: backward starts with them (head, norm) anyway.
-    fully_shard(module, mesh=fsdp_mesh, reshard_after_forward=False, **options)
-    return module
+            block = module.get_submodule(name)
+            if next(block.parameters(), None) is None:
+                continue  # a stand-in for a block another pipeline rank holds: shared by this rank's stages
+            fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward, **options)
+
+    def shard_root(root_module: nn.Module) -> None:
+        # A root keeps its parameters gathered after forward: backward starts with them (head, norm) anyway.
+        fully_shard(root_module, mesh=fsdp_mesh, reshard_after_forward=False, **options)
+
+    if root:
+        shard_root(module)
+    return shard_root
 
 
 def materialize_meta_parameters(module: nn.Module, device: torch.device) -> bool:

@@ -374,7 +374,9 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
         units = {moe: block_local_params(model, config, moe) for moe, count in
                  ((False, stages.n_dense), (True, stages.n_moe)) if count}
         unit = max(units.values(), default=0.0)
-        if config.reshard_after_forward:
+        # Under pipeline parallel a stage's blocks stay gathered from their first backward to the step's end
+        # (torch.distributed.pipelining turns resharding after backward off until the last micro-batch).
+        if config.reshard_after_forward and config.pp == 1:
             root = params - stages.n_dense * units.get(False, 0.0) - stages.n_moe * units.get(True, 0.0)
             comm += (2 * unit + root) * gather + unit * 4  # current + prefetched block, the root; one grad unit
         else:
