@@ -69,8 +69,9 @@ class ParallelConfig:
     2: + gradients; 3: + parameters, FSDP2), ``reshard_after_forward`` is the stage-3 trade of memory for
     one all-gather per block; ``param_dtype`` / ``reduce_dtype`` (stage 3) compute in low precision from
     fp32 shards and reduce gradients in ``reduce_dtype`` (default: ``param_dtype``); ``cpu_offload``
-    (stage 3) keeps shards, gradients and optimizer states in host memory (see
-    ``lightning_par.parallel.zero``). ``activation_checkpointing`` recomputes activations of every
+    (stage 3) keeps shards, gradients and optimizer states in host memory; ``sharded_accumulation`` (stages 2
+    and 3, under gradient accumulation) reduces gradients on every micro-batch so that they stay sharded,
+    instead of accumulating whole ones and reducing once (see ``lightning_par.parallel.zero``). ``activation_checkpointing`` recomputes activations of every
     ``activation_checkpointing_every``-th block (``lightning_par.parallel.recompute``). Data-parallel knobs (``ddp_*``,
     ``gradient_compression``) configure PyTorch's ``DistributedDataParallel`` (Li et al. 2020, "PyTorch
     Distributed: Experiences on Accelerating Data Parallel Training") and apply to stages 0 and 1.
@@ -94,6 +95,7 @@ class ParallelConfig:
     param_dtype: Dtype = "fp32"
     reduce_dtype: Optional[Dtype] = None
     cpu_offload: bool = False
+    sharded_accumulation: bool = False
     activation_checkpointing: Recompute = "none"
     activation_checkpointing_every: int = 1
     ddp_bucket_cap_mb: float = 25.0
@@ -145,6 +147,13 @@ class ParallelConfig:
                 raise ValueError(f"zero_stage={stage} with {_sizes(others)}: ZeRO-1/2 shard the states of plain, "
                                  "replicated parameters; use zero_stage=0 (gradients all-reduced) or zero_stage=3 "
                                  f"(FSDP2, with tensor or context parallel){pipelined}")
+        if self.sharded_accumulation and stage not in (2, 3):
+            raise ValueError(f"sharded_accumulation=True with zero_stage={stage}: only ZeRO-2 and ZeRO-3 shard "
+                             "gradients; use zero_stage 2 or 3, or sharded_accumulation=False")
+        if self.sharded_accumulation and self.pp > 1:
+            raise ValueError(f"sharded_accumulation=True with pp={self.pp}: the pipeline schedule accumulates a "
+                             "batch's micro-batches itself and reduces once after the last; between batches the "
+                             "gradients are already reduced. Set sharded_accumulation=False")
         if self.pp > 1:
             others = {name: getattr(self, name) for name in ("cp", "ep") if getattr(self, name) > 1}
             if others:
@@ -268,7 +277,7 @@ class ParallelConfig:
         ):
             raise ValueError(f"ddp_bucket_cap_mb must be a positive number of MiB, got {self.ddp_bucket_cap_mb!r}")
         for flag in ("ddp_static_graph", "ddp_find_unused_parameters", "reshard_after_forward", "cpu_offload",
-                     "sequence_parallel", "loss_parallel"):
+                     "sequence_parallel", "loss_parallel", "sharded_accumulation"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.ddp_static_graph and self.ddp_find_unused_parameters:

@@ -289,6 +289,24 @@ def test_no_layout_fits_names_needed_and_available_memory() -> None:
         plan_layouts(ModelSpec.preset("llama3-8b"), cluster, only_none)
 
 
+def test_sharded_accumulation_is_chosen_when_whole_gradients_do_not_fit() -> None:
+    """ZeRO-3 over 8 ranks, 8 accumulated batches: whole fp32 gradients of Llama-3-8B (32 GB) fit an 80 GB device,
+    so reducing once (less traffic) wins; on a 40 GB device only gradients reduced on every batch fit."""
+    training = TrainingSpec(global_batch_size=64, seq_len=2048)
+    model = ModelSpec.preset("llama3-8b")
+    fixed = {"tp": 1, "pp": 1, "cp": 1, "zero_stage": 3, "dp_replicate": 1, "activation_checkpointing": "full"}
+    chosen = {}
+    for device in ("h100-80gb", "a100-40gb"):
+        cluster = ClusterSpec.from_preset(device, nodes=1, devices_per_node=8)
+        candidates = plan_layouts(model, cluster, training, fixed=fixed, include_unfit=True)
+        by_mode = {c.config.sharded_accumulation: c for c in candidates}
+        whole, sharded = by_mode[False].memory, by_mode[True].memory
+        assert whole.gradients == pytest.approx(8 * sharded.gradients, rel=0.01)  # whole fp32 vs 1/8 shards
+        assert by_mode[True].time.comm_bytes["dp"] > by_mode[False].time.comm_bytes["dp"]  # 8 reductions, not 1
+        chosen[device] = next(c for c in candidates if c.fits).config.sharded_accumulation
+    assert chosen == {"h100-80gb": False, "a100-40gb": True}
+
+
 @pytest.mark.parametrize(("fixed", "message"), [
     ({"tp": 3}, "do not divide the world size 8"),
     ({"tp": 2, "pp": 2, "cp": 1, "dp": 1}, "multiply to 4, not to the world size 8"),

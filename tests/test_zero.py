@@ -97,16 +97,21 @@ def test_meta_device_initialization(strategy: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("stage", "world_size"), [(0, 2), (1, 2), (2, 4), (3, 4)], ids=lambda v: str(v))
-def test_accumulation_and_global_norm_clipping_match_single_process(stage: int, world_size: int) -> None:
-    """Clipping must use the norm of the whole gradient, whatever piece of it each rank holds."""
+    ("stage", "world_size", "sharded"), [(0, 2, False), (1, 2, False), (2, 4, False), (3, 4, False), (2, 4, True),
+                                         (3, 2, True)], ids=lambda v: str(v))
+def test_accumulation_and_global_norm_clipping_match_single_process(stage: int, world_size: int,
+                                                                    sharded: bool) -> None:
+    """Clipping must use the norm of the whole gradient, whatever piece of it each rank holds; gradients reduced
+    once per step or on every accumulated batch (``sharded_accumulation``) sum to the same."""
     clip = 0.05  # well below the gradient norm of this model, so every step is clipped
     expected = reference_run(make_module, make_datamodule, dp=world_size, steps=STEPS, accumulate=2,
                              gradient_clip_val=clip)
-    actual = layout_run(make_module, make_datamodule, functools.partial(make_strategy, stage=stage),
-                        world_size=world_size, steps=STEPS, accumulate=2, trainer_kwargs={"gradient_clip_val": clip})
+    strategy = functools.partial(make_strategy, stage=stage, **({"sharded_accumulation": True} if sharded else {}))
+    actual = layout_run(make_module, make_datamodule, strategy, world_size=world_size, steps=STEPS, accumulate=2,
+                        trainer_kwargs={"gradient_clip_val": clip})
     loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
-    print(f"stage {stage} ws={world_size} acc=2 clip={clip}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
+    print(f"stage {stage} ws={world_size} acc=2 sharded={sharded} clip={clip}: loss rel err {loss_error:.1e}, "
+          f"weights {weight_error:.1e}")
 
 
 def _model_state_bytes(rank: int, world_size: int, stage: int) -> dict:
@@ -170,14 +175,41 @@ def test_model_state_bytes_per_rank_follow_the_zero_paper(stage: int, world_size
         assert measured == pytest.approx(expected, rel=0.10), (rank, counts)
 
 
-def _gradient_collectives_per_micro_batch(rank: int, world_size: int, stage: int) -> list[int]:
+def _gradient_bytes(module: torch.nn.Module) -> int:
+    """Bytes of gradient this rank holds for ``module``: its parameters' ``.grad`` (this rank's shard of a
+    DTensor), whole gradients FSDP2 accumulates inside its units, and ZeRO-2's reduced running sums."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_par.parallel.record import layout_record
+
+    def nbytes(tensor) -> int:
+        if tensor is None:
+            return 0
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return tensor.numel() * tensor.element_size()
+
+    total = sum(nbytes(p.grad) for p in module.parameters())
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            for group in unit._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    total += nbytes(param.unsharded_accumulated_grad)
+                    total += nbytes(getattr(getattr(param, "_unsharded_param", None), "grad", None))
+    record = layout_record(module)
+    if record is not None and record.gradient_reducer is not None:
+        total += sum(nbytes(t) for t in record.gradient_reducer._accumulated.values())
+    return total
+
+
+def _gradient_collectives_per_micro_batch(rank: int, world_size: int, stage: int, sharded: bool) -> dict:
     import lightning
     import torch.distributed as dist
 
+    from lightning_par import ZeroStrategy
     from lightning_par.models import LlamaLM
 
     # The collective each stage reduces gradients with: stage 2 reduces to owners, stage 3 (FSDP2)
-    # reduce-scatters. Count the calls made during each micro-batch.
+    # reduce-scatters. Count the calls made during each micro-batch, and the gradient bytes held after it.
     name = {2: "reduce", 3: "reduce_scatter_single"}[stage]
     original, calls = getattr(dist, name), []
 
@@ -187,23 +219,43 @@ def _gradient_collectives_per_micro_batch(rank: int, world_size: int, stage: int
 
     setattr(dist, name, counting)
     per_batch: list[int] = []
+    held: list[int] = []
 
     class Count(lightning.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             per_batch.append(len(calls))
             calls.clear()
+            held.append(_gradient_bytes(pl_module))
 
-    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=f"zero{stage}", max_steps=2,
+    # Many similar-sized tensors so that ZeRO-2's per-tensor partition balances.
+    module = LlamaLM(vocab_size=64, dim=64, n_layers=6, n_heads=4, max_seq_len=16)
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size,
+                                strategy=ZeroStrategy(zero_stage=stage, sharded_accumulation=sharded), max_steps=2,
                                 accumulate_grad_batches=3, callbacks=[Count()], logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                 limit_val_batches=0)
-    trainer.fit(LlamaLM(**MODEL), datamodule=make_datamodule())
-    return per_batch
+    trainer.fit(module, datamodule=make_datamodule())
+    return {"collectives": per_batch, "held": held, "numel": sum(p.numel() for p in module.parameters())}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_accumulation_reduces_gradients_once_per_optimizer_step(stage: int) -> None:
+    """Reduced once: between accumulated batches every rank holds the whole fp32 gradient."""
     from harness import run_distributed
 
-    per_batch = run_distributed(_gradient_collectives_per_micro_batch, 2, stage)[0]
-    assert [n > 0 for n in per_batch] == [False, False, True, False, False, True], per_batch
+    for result in run_distributed(_gradient_collectives_per_micro_batch, 2, stage, False):
+        assert [n > 0 for n in result["collectives"]] == [False, False, True, False, False, True], result
+        for held in result["held"][:2]:  # after the first two of three accumulated batches
+            assert held == pytest.approx(4 * result["numel"], rel=0.05), result
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sharded_accumulation_keeps_a_ranks_part_of_the_gradient(stage: int) -> None:
+    """Reduced on every accumulated batch: between them each of N ranks holds 1/N of the fp32 gradient (theory
+    within 5%), for N times the reduction traffic."""
+    from harness import run_distributed
+
+    for result in run_distributed(_gradient_collectives_per_micro_batch, 2, stage, True):
+        assert all(n > 0 for n in result["collectives"]), result
+        for held in result["held"][:2]:
+            assert held == pytest.approx(4 * result["numel"] / 2, rel=0.05), result

@@ -81,8 +81,9 @@ class Parallelized:
     def no_sync(self) -> Generator[None, None, None]:
         """Skip gradient communication for the backward passes inside (all but the last of accumulated batches)."""
         inner = self.inner
-        skip: AbstractContextManager = (zero.no_gradient_sync(inner) if zero.is_zero_module(inner)
-                                        else data.no_gradient_sync(self.module))
+        skip: AbstractContextManager = (
+            zero.no_gradient_sync(inner, sharded=self.config.sharded_accumulation) if zero.is_zero_module(inner)
+            else data.no_gradient_sync(self.module))
         self._sync_blocked = True
         try:
             with skip:
@@ -103,7 +104,8 @@ class Parallelized:
     def shard_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """The optimizer to step: sharded over the data-parallel ranks under ZeRO stages 1 and 2. (Under stage 3 it
         already is: it was built on FSDP2's sharded parameters.)"""
-        return zero.shard_optimizer(optimizer, self.inner, self.mesh, stage=self.config.zero_stage)
+        return zero.shard_optimizer(optimizer, self.inner, self.mesh, stage=self.config.zero_stage,
+                                    sharded_accumulation=self.config.sharded_accumulation)
 
     @property
     def norm_groups(self) -> dict[str, ProcessGroup | None]:

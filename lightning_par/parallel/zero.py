@@ -120,14 +120,20 @@ class GradientReducer:
 
     Runs from ``post_accumulate_grad`` hooks, so a gradient is reduced as soon as backward has finished
     accumulating it and non-owners free it right away: whole gradients never coexist. Under HSDP the owner
-    also averages across the replicate groups.
+    also averages across the replicate groups. While gradients accumulate (``sync`` off) each rank keeps its
+    whole local sum and reduces it once, on the last micro-batch; with ``sharded`` it reduces on every
+    micro-batch instead, and the owner keeps the running sum aside, so no rank holds more than its part between
+    micro-batches.
     """
 
-    def __init__(self, module: nn.Module, optimizer: ZeroRedundancyOptimizer, mesh: ParallelMesh) -> None:
+    def __init__(self, module: nn.Module, optimizer: ZeroRedundancyOptimizer, mesh: ParallelMesh, *,
+                 sharded: bool = False) -> None:
         self.shard_group = mesh.group("dp_shard")
         self.replicate_group = mesh.group("dp_replicate") if mesh.size("dp_replicate") > 1 else None
         self.world = mesh.size("dp")
         self.sync = True
+        self.sharded = sharded
+        self._accumulated: dict[Tensor, Tensor] = {}  # sharded: the owner's reduced sum of earlier micro-batches
         owners = optimizer._param_to_rank  # ZeroRedundancyOptimizer's partition (shard-group ranks)
         self.rank = dist.get_rank(self.shard_group)
         self._handles = []
@@ -140,7 +146,7 @@ class GradientReducer:
         owner_global = dist.get_global_rank(self.shard_group, owner)
 
         def reduce_to_owner(param: Tensor) -> None:
-            if not self.sync:
+            if not self.sync and not self.sharded:
                 return  # accumulating: keep the local sum, reduce on the last micro-batch
             dist.reduce(param.grad, dst=owner_global, group=self.shard_group)
             if self.rank != owner:
@@ -149,6 +155,13 @@ class GradientReducer:
             if self.replicate_group is not None:
                 dist.all_reduce(param.grad, group=self.replicate_group)
             param.grad.div_(self.world)
+            if self.sharded:
+                earlier = self._accumulated.pop(param, None)
+                if not self.sync:  # more micro-batches to come: the next backward starts from no gradient
+                    self._accumulated[param] = param.grad if earlier is None else earlier + param.grad
+                    param.grad = None
+                elif earlier is not None:
+                    param.grad = earlier + param.grad
 
         return reduce_to_owner
 
@@ -157,11 +170,13 @@ class GradientReducer:
             handle.remove()
 
 
-def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh, *, stage: int) -> Optimizer:
+def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh, *, stage: int,
+                    sharded_accumulation: bool = False) -> Optimizer:
     """Stages 1 and 2: the same optimizer, its states partitioned over the sharding ranks.
 
     Returns a ``ZeroRedundancyOptimizer`` built from ``optimizer``'s class, parameter groups and defaults.
-    Stage 2 also installs the :class:`GradientReducer` (kept in the module's layout record).
+    Stage 2 also installs the :class:`GradientReducer` (kept in the module's layout record), reducing on every
+    micro-batch with ``sharded_accumulation``.
     """
     if stage not in (1, 2):
         return optimizer
@@ -180,15 +195,19 @@ def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh,
         record = layout_record(module, create=True)
         if record.gradient_reducer is not None:
             record.gradient_reducer.remove()
-        record.gradient_reducer = GradientReducer(module, sharded, mesh)
+        record.gradient_reducer = GradientReducer(module, sharded, mesh, sharded=sharded_accumulation)
     return sharded
 
 
 @contextmanager
-def no_gradient_sync(module: nn.Module) -> Iterator[None]:
-    """Skip the gradient reduction of ZeRO stages 2 and 3 for backward passes inside the context."""
+def no_gradient_sync(module: nn.Module, *, sharded: bool = False) -> Iterator[None]:
+    """Backward passes inside the context accumulate gradients for a later step (ZeRO stages 2 and 3): whole, and
+    reduced once after the context; or, ``sharded``, reduced on every backward so that they stay sharded
+    (FSDP2 then reduce-scatters as usual and sums into the sharded gradients; stage 2's reducer keeps the sum)."""
     reducer: GradientReducer | None = _gradient_reducer(module)
-    if isinstance(module, FSDPModule):
+    if isinstance(module, FSDPModule) and sharded:
+        yield
+    elif isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(False)
         try:
             yield

@@ -322,10 +322,13 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
     stage = config.zero_stage
     accumulating = microbatches > 1
     parameters = params * pbytes / (fsdp if stage == 3 else 1)
+    # Under accumulation ZeRO-2/3 keep whole gradients (FSDP2's unsharded, in fp32) until the last micro-batch,
+    # unless they are reduced on every one (sharded_accumulation).
+    whole = accumulating and not config.sharded_accumulation
     if stage == 3:
-        gradients = params * 4 if accumulating else params * pbytes / fsdp  # FSDP2 accumulates unsharded, fp32
+        gradients = params * 4 if whole else params * pbytes / fsdp
     elif stage == 2:
-        gradients = params * pbytes if accumulating else params * pbytes / dp_shard
+        gradients = params * pbytes if whole else params * pbytes / dp_shard
     else:
         gradients = params * pbytes
     shards = {0: 1, 1: dp_shard, 2: dp_shard, 3: fsdp}[stage]

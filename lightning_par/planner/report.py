@@ -52,7 +52,8 @@ def _time_unit(candidates: Sequence[Candidate]) -> tuple[str, float]:
 def describe(candidate: Candidate) -> str:
     """Layout, ZeRO stage, recomputation and schedule in one phrase."""
     c = candidate.config
-    return (f"{layout_name(candidate)}, zero_stage={c.zero_stage}, activation_checkpointing="
+    return (f"{layout_name(candidate)}, zero_stage={c.zero_stage}"
+            f"{', sharded_accumulation' if c.sharded_accumulation else ''}, activation_checkpointing="
             f"{c.activation_checkpointing}, {schedule_name(candidate)}")
 
 
@@ -123,7 +124,9 @@ def explain(candidates: Sequence[Candidate]) -> str:
         sharded = f"sharded over {int(c.dp_shard) * (c.cp if c.zero_stage == 3 else 1)} ranks {where(group)}, " \
             f"replicated {int(c.dp_replicate)} times {where(span['dp_replicate'])}" if hsdp else where(group)
         reasons.append(f"dp={c.dp} ({kind}) {sharded}: {_seconds(t.comm.get('dp', 0))} of communication, "
-                       f"{_seconds(t.exposed.get('dp', 0))} not hidden behind compute")
+                       f"{_seconds(t.exposed.get('dp', 0))} not hidden behind compute"
+                       + (f"; gradients reduced on each of the {best.microbatches} accumulated batches to keep them "
+                          "sharded" if c.sharded_accumulation else ""))
     if c.activation_checkpointing != "none":
         reasons.append(f"{c.activation_checkpointing} recomputation costs {_seconds(t.recompute)} and buys the memory")
     if len(candidates) > 1:

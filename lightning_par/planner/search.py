@@ -44,7 +44,8 @@ SCHEDULES = tuple(sorted(PP_SCHEDULES, key=("1f1b", "interleaved_1f1b", "zbv", "
 # Names a user may fix, with the strategies' argument names (config.STRATEGY_ARGUMENTS) as aliases.
 _ALIASES = {argument: name for name, argument in STRATEGY_ARGUMENTS.items()}
 _FIXABLE = ("tp", "pp", "cp", "ep", "dp", "dp_replicate", "dp_shard", "zero_stage", "activation_checkpointing",
-            "pp_schedule", "pp_virtual_stages", "sequence_parallel", "loss_parallel", "cp_method")
+            "pp_schedule", "pp_virtual_stages", "sequence_parallel", "loss_parallel", "cp_method",
+            "sharded_accumulation")
 
 
 @dataclass(frozen=True)
@@ -199,13 +200,18 @@ def enumerate_layouts(model: ModelSpec, world: int, training: TrainingSpec,
             for zero, rep, shard in _data_parallel_options(dp, cp, training, fixed):
                 eps = [ep for ep in _options("ep", fixed, divisors(model.moe_experts) if model.is_moe else [1])
                        if (shard * cp) % ep == 0 and (not model.is_moe or model.moe_experts % ep == 0)]
-                knobs = itertools.product(eps, _pipeline_options(pp, m, model, training, fixed), methods,
-                                          _tp_options(tp, training.seq_len // cp, fixed),
-                                          _options("activation_checkpointing", fixed, training.activation_checkpointing))
-                for ep, pipeline, cp_method, (sp, lp), ac in knobs:
+                knobs = (eps, _pipeline_options(pp, m, model, training, fixed), methods,
+                         _tp_options(tp, training.seq_len // cp, fixed),
+                         _options("activation_checkpointing", fixed, training.activation_checkpointing))
+                # ZeRO-2/3 under gradient accumulation: reduce once (less traffic) or on every micro-batch (less
+                # memory); the ranking keeps the first that fits.
+                shardable = zero in (2, 3) and pp == 1 and m > 1
+                accumulations = _options("sharded_accumulation", fixed, [False, True] if shardable else [False])
+                for ep, pipeline, cp_method, (sp, lp), ac, sharded in itertools.product(*knobs, accumulations):
                     config = ParallelConfig(pp=pp, dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, ep=ep,
                                             sequence_parallel=sp, loss_parallel=lp, cp_method=cp_method,
                                             zero_stage=zero, activation_checkpointing=ac,
+                                            sharded_accumulation=sharded and shardable,
                                             **_precision_knobs(zero, training.precision), **pipeline)
                     layouts.append((config, m, mbs))
     return layouts

@@ -208,6 +208,7 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     shard, rep = int(config.dp_shard), int(config.dp_replicate)
     stage = config.zero_stage
     units = n_blocks + 1
+    reductions = m if config.sharded_accumulation else 1  # ZeRO-2/3 gradient reductions per optimizer step
     dp_seconds = exposed_dp = dp_bytes = 0.0
 
     def add(nbytes: float, group_span: int, overlap: float | None) -> None:
@@ -226,8 +227,9 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
         if stage == 1:
             add(_gather(params * pbytes, shard), span["dp_shard_cp"], None)  # ZeroRedundancyOptimizer broadcast
     elif stage == 2:
-        add(_gather(dense * gbytes, shard), span["dp_shard_cp"], backward_mb)
-        add(_all_reduce(dense * gbytes / shard, rep), span["dp_replicate"], backward_mb)  # HSDP: across groups
+        add(reductions * _gather(dense * gbytes, shard), span["dp_shard_cp"], reductions * backward_mb)
+        add(reductions * _all_reduce(dense * gbytes / shard, rep), span["dp_replicate"],  # HSDP: across groups
+            reductions * backward_mb)
         add(_gather(params * pbytes, shard), span["dp_shard_cp"], None)
     else:
         fsdp = shard * cp
@@ -240,8 +242,9 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
         add(m * _gather(params * gather_bytes, fsdp), span["dp_shard_cp"], m * forward_mb)
         if config.reshard_after_forward:
             add(m * _gather(blocks * gather_bytes, fsdp), span["dp_shard_cp"], m * backward_mb)
-        add(_gather(params * reduce_bytes, fsdp), span["dp_shard_cp"], backward_mb)
-        add(_all_reduce(params * reduce_bytes / fsdp, rep), span["dp_replicate"], backward_mb)  # HSDP
+        add(reductions * _gather(params * reduce_bytes, fsdp), span["dp_shard_cp"], reductions * backward_mb)
+        add(reductions * _all_reduce(params * reduce_bytes / fsdp, rep), span["dp_replicate"],  # HSDP
+            reductions * backward_mb)
     if ep > 1 and experts:
         replicas = shard * cp // ep
         add(_all_reduce(experts * gbytes, replicas), span["dp_shard_cp"], backward_mb)

@@ -59,6 +59,8 @@ class Hybrid3DStrategy(MeshStrategy):
         param_dtype: ZeRO-3: the dtype blocks compute in, from fp32 shards (see ``ZeroStrategy``).
         reduce_dtype: ZeRO-3: the dtype of the gradient reduce-scatter (default: ``param_dtype``).
         cpu_offload: ZeRO-3: shards, gradients and optimizer states in host memory.
+        sharded_accumulation: ZeRO-2/3 without pipeline parallel: reduce gradients on every accumulated batch so
+            that they stay sharded (see ``ZeroStrategy``).
         bucket_cap_mb: DDP's gradient bucket size, for layouts DDP wraps (data parallel, ZeRO-1).
         static_graph: DDP: the set of used parameters never changes (see ``DataParallelStrategy``).
         find_unused_parameters: DDP: allow parameters that receive no gradient in a step.
@@ -91,6 +93,7 @@ class Hybrid3DStrategy(MeshStrategy):
         param_dtype: Dtype = "fp32",
         reduce_dtype: Optional[Dtype] = None,
         cpu_offload: bool = False,
+        sharded_accumulation: bool = False,
         bucket_cap_mb: float = 25.0,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
@@ -110,6 +113,7 @@ class Hybrid3DStrategy(MeshStrategy):
             pp_schedule=pipeline_schedule, pp_microbatches=microbatches, pp_virtual_stages=virtual_stages,
             pp_balance=pipeline_balance, reshard_after_forward=reshard_after_forward,
             param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
+            sharded_accumulation=sharded_accumulation,
             ddp_bucket_cap_mb=bucket_cap_mb, ddp_static_graph=static_graph,
             ddp_find_unused_parameters=find_unused_parameters, gradient_compression=gradient_compression,
         )
@@ -154,7 +158,7 @@ class Hybrid3DStrategy(MeshStrategy):
 
 
 # Knobs the planner chooses together with the sizes when the strategy leaves them to it.
-KNOBS = ("sequence_parallel", "activation_checkpointing", "pp_schedule", "cp_method")
+KNOBS = ("sequence_parallel", "activation_checkpointing", "pp_schedule", "cp_method", "sharded_accumulation")
 
 
 def _loader_shape(datamodule: Any, module: Any) -> tuple[int, int]:

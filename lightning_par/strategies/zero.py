@@ -27,17 +27,21 @@ class ZeroStrategy(MeshStrategy):
         reduce_dtype: stage 3 only. Dtype of the gradient reduce-scatter (default: ``param_dtype``;
             ``fp32`` keeps full-precision reductions under bf16 compute).
         cpu_offload: stage 3 only. Shards, gradients and optimizer states live in host memory.
+        sharded_accumulation: stages 2 and 3, under ``accumulate_grad_batches``: reduce gradients on every
+            micro-batch so that each rank keeps only its part between them (gradient memory ``1/N``, the
+            reduction traffic once per micro-batch), instead of accumulating whole gradients and reducing once.
     """
 
     strategy_name = "zero"
 
     def __init__(self, zero_stage: int = 3, data_parallel_size: Size = "auto", replicate_size: int = 1,
                  reshard_after_forward: bool = True, param_dtype: Dtype = "fp32", reduce_dtype: Optional[Dtype] = None,
-                 cpu_offload: bool = False, **kwargs: Any) -> None:
+                 cpu_offload: bool = False, sharded_accumulation: bool = False, **kwargs: Any) -> None:
         self.argument_names = argument_names("dp_shard" if replicate_size == 1 else None)
         config = ParallelConfig(dp_replicate=replicate_size, dp_shard=shard_size(data_parallel_size, replicate_size),
                                 zero_stage=zero_stage, reshard_after_forward=reshard_after_forward,
-                                param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
+                                param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
+                                sharded_accumulation=sharded_accumulation)
         super().__init__(config, **kwargs)
 
     @classmethod
