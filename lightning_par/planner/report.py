@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lightning_par.config import ParallelConfig
 from lightning_par.planner.cluster import GiB
 from lightning_par.planner.search import Candidate
 from lightning_par.planner.time import spans
@@ -64,7 +65,7 @@ def format_table(candidates: Sequence[Candidate], top: int = 10) -> str:
     unit, scale = _unit(candidates[:top])
     tunit, tscale = _time_unit(candidates[:top])
     header = (f"{'#':>2}  {'layout':<22} {'zero':>4} {'AC':<9} {'schedule':<11} {'mbs':>3} {'mem ' + unit:>7} "
-              f"{'= states':>8} {'+ act':>6} {'+ other':>7}  {'step s':>7} {'= compute':>9} {'+ bubble':>8} "
+              f"{'= states':>8} {'+ act':>6} {'+ other':>7}  {'step ' + tunit:>7} {'= compute':>9} {'+ bubble':>8} "
               f"{'+ comm':>7}  {'tokens/s':>9} {'MFU':>5}")
     lines = [header, "-" * len(header)]
     for rank, c in enumerate(candidates[:top], start=1):
@@ -73,7 +74,7 @@ def format_table(candidates: Sequence[Candidate], top: int = 10) -> str:
         other = m.total - m.model_states - act
         comm = sum(t.exposed.values())
         lines.append(
-            f"{rank:>2}  {layout_name(c):<22} {c.config.zero_stage:>4} {c.config.activation_checkpointing:<9} "
+            f"{rank:>2}  {layout_name(c):<22} {_zero(c.config):>4} {c.config.activation_checkpointing:<9} "
             f"{schedule_name(c):<11} {c.micro_batch_size:>3} {m.total / scale:>7.1f} {m.model_states / scale:>8.1f} {act / scale:>6.1f} "
             f"{other / scale:>7.1f}  {t.total / tscale:>7.2f} {(t.compute + t.recompute) / tscale:>9.2f} "
             f"{t.bubble / tscale:>8.2f} {comm / tscale:>7.2f}  "
@@ -82,8 +83,14 @@ def format_table(candidates: Sequence[Candidate], top: int = 10) -> str:
         c = candidates[0]
         lines.append(f"({len(candidates)} layouts fit {c.cluster.world_size} x {c.cluster.name}, "
                      f"{c.cluster.usable_memory_bytes / GiB:.1f} of {c.cluster.memory_bytes / GiB:.0f} GiB usable "
-                     "per device; 'other' = autocast copies, recomputation, loss workspace, communication buffers)")
+                     "per device; 'other' = autocast copies, recomputation, loss workspace, communication buffers"
+                     + ("; zero '3s': gradients reduced on every accumulated batch (sharded_accumulation)"
+                        if any(x.config.sharded_accumulation for x in candidates[:top]) else "") + ")")
     return "\n".join(lines)
+
+
+def _zero(config: ParallelConfig) -> str:
+    return f"{config.zero_stage}{'s' if config.sharded_accumulation else ''}"
 
 
 def _seconds(value: float) -> str:

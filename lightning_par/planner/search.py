@@ -220,14 +220,16 @@ def enumerate_layouts(model: ModelSpec, world: int, training: TrainingSpec,
 def _mesh_sizes(model: ModelSpec, world: int, training: TrainingSpec,
                 fixed: dict[str, Any]) -> Iterator[tuple[int, int, int, int]]:
     """(tp, cp, pp, dp) multiplying to ``world`` that split the model: tp its heads, key/value heads, vocabulary
-    and MLP; pp its layers; cp its sequence (the methods are checked by ``_cp_fits``)."""
+    and MLP; pp its layers (at least one a stage); cp its sequence (the methods are checked by ``_cp_fits``)."""
     splits = [t for t in divisors(world) if all(n % t == 0 for n in (model.heads, model.kv_heads,
                                                                        model.vocab_size, model.ffn_hidden))]
     for tp in _options("tp", fixed, splits):
         for cp in _options("cp", fixed, divisors(world // tp) if world % tp == 0 else []):
             if world % (tp * cp) or training.seq_len % cp:
                 continue
-            layers = [p for p in divisors(world // (tp * cp)) if model.layers % p == 0]
+            # Stages need not hold equal numbers of blocks (the pipeline balances them by parameters, and the
+            # memory model counts the largest): Llama-3-405B's 126 layers go over 8 or 16 stages.
+            layers = [p for p in divisors(world // (tp * cp)) if p <= model.layers]
             for pp in _options("pp", fixed, layers):
                 if world % (tp * cp * pp) == 0 and fixed.get("dp", world // (tp * cp * pp)) == world // (tp * cp * pp):
                     yield tp, cp, pp, world // (tp * cp * pp)
