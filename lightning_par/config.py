@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Union, get_args
 
 from lightning_par.mesh import MESH_DIM_NAMES, ParallelMesh, build_device_mesh
-from lightning_par.stages import Schedule
+from lightning_par.stages import V_SCHEDULES, Schedule
 
 Size = Union[int, Literal["auto"]]
 # Each knob's values, declared once: the strategies' signatures (which LightningCLI reads) use these aliases, and
@@ -159,12 +159,12 @@ class ParallelConfig:
             if others:
                 raise ValueError(f"pp={self.pp} with {_sizes(others)}: pipeline parallel composes with data and "
                                  "tensor parallel in this version; use context or expert parallel without pp")
-            if stage == 3 and self.pp_schedule == "zbv":
-                raise ValueError(f"pp={self.pp} with zero_stage=3 and pp_schedule='zbv': ZB-V computes weight "
-                                 "gradients in a pass of their own after the input gradients, and FSDP2 settles a "
-                                 "block's gradients when its backward ends, so they would be incomplete; use "
-                                 "pp_schedule 1f1b, interleaved_1f1b or gpipe with zero_stage=3, or zero_stage 0 or 1 "
-                                 "with zbv")
+            if stage == 3 and self.pp_schedule in V_SCHEDULES:
+                raise ValueError(f"pp={self.pp} with zero_stage=3 and pp_schedule={self.pp_schedule!r}: ZB-V and "
+                                 "DualPipeV compute weight gradients in a pass of their own after the input "
+                                 "gradients, and FSDP2 settles a block's gradients when its backward ends, so they "
+                                 "would be incomplete; use pp_schedule 1f1b, interleaved_1f1b or gpipe with "
+                                 f"zero_stage=3, or zero_stage 0 or 1 with {self.pp_schedule}")
             if self.loss_parallel:
                 raise ValueError(f"pp={self.pp} with loss_parallel=True: the last stage gathers the logits; set "
                                  "loss_parallel=False")

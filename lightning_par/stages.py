@@ -9,17 +9,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"]
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
+#: Schedules whose two stages per rank sit in a V: rank r holds stages r and 2p - 1 - r.
+V_SCHEDULES = ("zbv", "dualpipev")
 
 
 def stages_per_rank(schedule: Schedule, virtual_stages: int) -> int:
     """How many stages each rank holds under ``schedule``."""
-    return {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": virtual_stages, "zbv": 2}[schedule]
+    return {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": virtual_stages, "zbv": 2, "dualpipev": 2}[schedule]
 
 
 def stage_indices(pp_rank: int, pp: int, schedule: Schedule, virtual_stages: int = 2) -> list[int]:
     """The stages rank ``pp_rank`` holds: looped (``r, r + pp, ...``) or V-shaped (``r, 2pp - 1 - r``)."""
-    if schedule == "zbv":
+    if schedule in V_SCHEDULES:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(stages_per_rank(schedule, virtual_stages))]
 

@@ -302,7 +302,7 @@ BAD_INPUTS: list[BadInput] = [
              "context_parallel_size must be a positive integer, got 0",
              _strategy("ContextParallelStrategy", context_parallel_size=0)),
     BadInput("`PipelineParallelStrategy(pipeline_schedule='dualpipe')`",
-             "pipeline_schedule='dualpipe' is not one of ('gpipe', '1f1b', 'interleaved_1f1b', 'zbv')",
+             "pipeline_schedule='dualpipe' is not one of ('gpipe', '1f1b', 'interleaved_1f1b', 'zbv', 'dualpipev')",
              _strategy("PipelineParallelStrategy", pipeline_schedule="dualpipe")),
     BadInput("`PipelineParallelStrategy(microbatches=0)`", "microbatches must be an integer >= 1, got 0",
              _strategy("PipelineParallelStrategy", microbatches=0)),
@@ -320,8 +320,8 @@ BAD_INPUTS: list[BadInput] = [
              "zero_stage=1 with tensor_parallel_size=2: ZeRO-1/2 shard the states of plain, replicated parameters",
              _strategy("Hybrid3DStrategy", zero_stage=1, tensor_parallel_size=2)),
     BadInput("`Hybrid3DStrategy(pipeline_parallel_size=2, zero_stage=3, pipeline_schedule='zbv')`",
-             "pipeline_parallel_size=2 with zero_stage=3 and pipeline_schedule='zbv': ZB-V computes weight gradients "
-             "in a pass of their own", _strategy("Hybrid3DStrategy", pipeline_parallel_size=2, zero_stage=3,
+             "pipeline_parallel_size=2 with zero_stage=3 and pipeline_schedule='zbv': ZB-V and DualPipeV compute "
+             "weight gradients in a pass of their own", _strategy("Hybrid3DStrategy", pipeline_parallel_size=2, zero_stage=3,
                                                  pipeline_schedule="zbv")),
     BadInput("`Hybrid3DStrategy(expert_parallel_size=2, zero_stage=3)`",
              "expert_parallel_size=2 with zero_stage=3", _strategy("Hybrid3DStrategy", expert_parallel_size=2, zero_stage=3)),
@@ -360,6 +360,10 @@ BAD_INPUTS: list[BadInput] = [
              "schedule '1f1b' needs at least pipeline_parallel_size=4 micro-batches to fill the pipeline, got "
              "microbatches=2", _at_set_up("PipelineParallelStrategy", pipeline_parallel_size=4, microbatches=2,
                                           batch_size=8, seq_len=16)),
+    BadInput("`PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2, pipeline_schedule='dualpipev')`",
+             "schedule 'dualpipev' needs at least 2 x pipeline_parallel_size=2 = 4 micro-batches (one per stage), "
+             "got microbatches=2", _at_set_up("PipelineParallelStrategy", pipeline_parallel_size=2, microbatches=2,
+                                          pipeline_schedule="dualpipev", batch_size=8, seq_len=16)),
     BadInput("`ContextParallelStrategy(context_parallel_size=2, context_parallel_method='ring')`, sequences of 30 "
              "tokens",
              "sequence length 30 is not divisible by 4 (2 x context_parallel_size: causal load balancing gives each rank 2 of 4 "

@@ -66,7 +66,7 @@ def test_hybrid_layout_matches_single_process(world_size: int, dp: int, kwargs: 
         (dict(tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True), r"expert_parallel_size=2 with sequence_parallel"),
         (dict(tensor_parallel_size=2, zero_stage=2), r"zero_stage=2 with tensor_parallel_size=2: ZeRO-1/2 shard"),
         (dict(pipeline_parallel_size=2, zero_stage=3, pipeline_schedule="zbv"),
-         r"pipeline_parallel_size=2 with zero_stage=3 and pipeline_schedule='zbv': ZB-V computes weight gradients"),
+         r"pipeline_parallel_size=2 with zero_stage=3 and pipeline_schedule='zbv': ZB-V and DualPipeV compute"),
         (dict(tensor_parallel_size=0), r"tensor_parallel_size must be a positive integer, got 0"),
     ],
 )

@@ -53,11 +53,12 @@ def test_balance_minimises_the_largest_stage() -> None:
         (4, dict(pipeline_schedule="zbv", microbatches=4), 1, None),
         (2, dict(pipeline_schedule="1f1b", microbatches=2, pipeline_balance="profile"), 1, None),
         (2, dict(pipeline_schedule="gpipe", microbatches=4, plan=SPLIT_AFTER_3), 1, None),
+        (2, dict(pipeline_schedule="dualpipev", microbatches=4), 2, 0.05),  # at least one micro-batch per stage
     ],
     # pp=4 for the schedules whose order depends most on the number of stages (1F1B's warm-up, ZB-V's V);
     # GPipe and interleaved 1F1B at pp=2.
     ids=["pp2-gpipe", "pp2-1f1b-acc2-clip", "pp2-interleaved-recompute", "pp2-zbv", "pp4-1f1b-clip", "pp4-zbv",
-         "pp2-profile", "pp2-split-points"],
+         "pp2-profile", "pp2-split-points", "pp2-dualpipev-acc2-clip"],
 )
 def test_pipeline_matches_single_process(world_size: int, kwargs: dict, accumulate: int, clip) -> None:
     datamodule = functools.partial(make_datamodule, batch_size=4)
@@ -168,7 +169,7 @@ def test_pipeline_bubble_matches_theory() -> None:
     from lightning_par.parallel.bubble import simulated_bubble
 
     p, m, v = 2, 4, 2
-    schedules = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
+    schedules = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
     ranks = run_distributed(_schedule_step, p, schedules, m)
     implied = {name: max(simulated_bubble({r: rank[name]["actions"] for r, rank in enumerate(ranks)},
                                           ranks[0][name]["n_stages"]).values()) for name in schedules}
@@ -178,13 +179,22 @@ def test_pipeline_bubble_matches_theory() -> None:
     for name, expected in theory.items():
         assert implied[name] == pytest.approx(expected, abs=1e-9), (name, implied[name], expected)
     assert implied["zbv"] < implied["1f1b"] - 0.05
+    # DualPipeV (DeepSeek-AI 2024, V-shaped) overlaps one micro-batch's forward with another's backward; with
+    # equal costs it leaves the same single unit idle as ZB-V: 1 / (2 stages x m x 3 units + 1) = 1/25.
+    assert implied["dualpipev"] == pytest.approx(1 / (2 * m * 3 + 1), abs=1e-9)
+    assert implied["zbv"] == pytest.approx(implied["dualpipev"], abs=1e-9)
     for name in schedules:
         for rank in ranks:
             record = rank[name]
             # Every micro-batch went forward and backward (split in two halves under ZB-V) on each stage.
             kinds = sorted({kind for _, kind, _ in record["actions"]})
-            assert kinds == (["F", "I", "W"] if name == "zbv" else ["B", "F"]), (name, kinds)
-            assert len(record["actions"]) == len(kinds) * m * record["n_stages"] // p
+            expected_kinds = {"zbv": ["F", "I", "W"], "dualpipev": ["B", "F", "I", "W"]}.get(name, ["B", "F"])
+            assert kinds == expected_kinds, (name, kinds)
+            # One forward and one backward (whole, or its input and weight halves) per micro-batch and stage.
+            backward = sum(1 for _, kind, _ in record["actions"] if kind in ("B", "I"))
+            assert backward == sum(1 for _, kind, _ in record["actions"] if kind == "F") == m * record["n_stages"] // p
+            count = {kind: sum(1 for _, k, _ in record["actions"] if k == kind) for kind in ("I", "W")}
+            assert count["I"] == count["W"], (name, count)
             # The meter timed every compute call: at least the sleeps inside them, whatever the load.
             assert record["busy"] >= m * record["blocks"] * 3 * SLEEP
             assert 0.0 <= record["fraction"] <= 1.0

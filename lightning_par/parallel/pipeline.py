@@ -43,6 +43,7 @@ from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleDualPipeV,
     ScheduleZBVZeroBubble,
 )
 
@@ -65,6 +66,7 @@ SCHEDULES: dict[str, type] = {
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
 BALANCE_METHODS = ("parameters", "profile")
 
@@ -75,6 +77,9 @@ def check_microbatches(n_microbatches: int, schedule: Schedule, pp: int, batch_s
     if schedule in ("1f1b", "interleaved_1f1b", "zbv") and n_microbatches < pp:
         raise ValueError(f"schedule {schedule!r} needs at least pp={pp} micro-batches to fill the pipeline, "
                          f"got microbatches={n_microbatches}; raise it to {pp} or more (or use 'gpipe')")
+    if schedule == "dualpipev" and n_microbatches < 2 * pp:
+        raise ValueError(f"schedule 'dualpipev' needs at least 2 x pp={pp} = {2 * pp} micro-batches (one per "
+                         f"stage), got microbatches={n_microbatches}; raise it to {2 * pp} or more")
     if batch_size is not None and batch_size % n_microbatches != 0:
         raise ValueError(f"a batch of {batch_size} samples does not split into microbatches={n_microbatches}; "
                          f"use a batch size divisible by {n_microbatches}")

@@ -23,6 +23,7 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.bubble import BubbleMeter
 from lightning_par.parallel.comm import PipelineSends
 from lightning_par.parallel.pipeline import build_schedule, check_microbatches, forward_through_stages, last_stage_rank
+from lightning_par.stages import V_SCHEDULES
 
 __all__ = ["PipelineRunner"]
 
@@ -108,8 +109,9 @@ class PipelineRunner:
     def forward(self, inputs: Tensor) -> Tensor | None:
         """The last stage's output of a forward-only pass (on its rank; None elsewhere)."""
         config = self.config
-        if config.pp_schedule == "zbv":
-            # torch 2.13's ZB-V runs backward actions when asked to evaluate: forward_through_stages stands in.
+        if config.pp_schedule in V_SCHEDULES:
+            # torch 2.13's ZB-V and DualPipeV run backward actions when asked to evaluate: forward_through_stages
+            # stands in.
             return forward_through_stages(self.stages, inputs, self.mesh, config.pp_schedule,
                                           config.pp_virtual_stages)
         return self._ready("eval", inputs).eval(*self._stage_inputs(inputs), tokens=inputs)

@@ -35,7 +35,8 @@ def schedule_name(candidate: Candidate) -> str:
     c = candidate.config
     if c.pp == 1:
         return f"acc {candidate.microbatches}" if candidate.microbatches > 1 else "-"
-    name = {"interleaved_1f1b": f"int{c.pp_virtual_stages}", "1f1b": "1f1b", "gpipe": "gpipe", "zbv": "zbv"}
+    name = {"interleaved_1f1b": f"int{c.pp_virtual_stages}", "1f1b": "1f1b", "gpipe": "gpipe", "zbv": "zbv",
+            "dualpipev": "dpv"}
     return f"{name[c.pp_schedule]} m{candidate.microbatches}"
 
 

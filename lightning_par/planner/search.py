@@ -39,7 +39,7 @@ from lightning_par.planner.time import StepTime, estimate_step_time
 
 # The values config.py allows, in the order the search tries them (cheapest first).
 CHECKPOINTING = tuple(sorted(RECOMPUTE_MODES, key=("none", "selective", "full").index))
-SCHEDULES = tuple(sorted(PP_SCHEDULES, key=("1f1b", "interleaved_1f1b", "zbv", "gpipe").index))
+SCHEDULES = tuple(sorted(PP_SCHEDULES, key=("1f1b", "interleaved_1f1b", "zbv", "dualpipev", "gpipe").index))
 
 # Names a user may fix, with the strategies' argument names (config.STRATEGY_ARGUMENTS) as aliases.
 _ALIASES = {argument: name for name, argument in STRATEGY_ARGUMENTS.items()}
@@ -269,6 +269,9 @@ def _pipeline_options(pp: int, m: int, model: ModelSpec, training: TrainingSpec,
             for v in _options("pp_virtual_stages", fixed, training.pp_virtual_stages):
                 if pp * v <= model.layers:
                     options.append({"pp_schedule": schedule, "pp_microbatches": m, "pp_virtual_stages": v})
+        elif schedule == "dualpipev":
+            if m >= 2 * pp and 2 * pp <= model.layers:  # one micro-batch per stage at least
+                options.append({"pp_schedule": schedule, "pp_microbatches": m})
         elif pp * (2 if schedule == "zbv" else 1) <= model.layers:
             options.append({"pp_schedule": schedule, "pp_microbatches": m})
     return options

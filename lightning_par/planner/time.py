@@ -145,7 +145,7 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
         ratio = (pp - 1) / m
         if config.pp_schedule == "interleaved_1f1b":
             ratio /= config.pp_virtual_stages
-        elif config.pp_schedule == "zbv":
+        elif config.pp_schedule in ("zbv", "dualpipev"):  # the same idle share in tests/test_pipeline_parallel.py
             ratio *= ZBV_BUBBLE_RESIDUAL
         bubble = ratio * (compute + recompute)
 

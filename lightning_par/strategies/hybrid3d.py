@@ -51,7 +51,7 @@ class Hybrid3DStrategy(MeshStrategy):
         sequence_parallel: with tensor parallel, keep activations between regions split along the sequence.
         loss_parallel: with tensor parallel, cross-entropy on vocabulary-sharded logits.
         context_parallel_method: ``ulysses`` or ``ring``.
-        pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` or ``zbv``.
+        pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zbv`` or ``dualpipev``.
         microbatches: micro-batches per batch under pipeline parallel.
         virtual_stages: stages per rank for ``interleaved_1f1b``.
         pipeline_balance: ``parameters`` or ``profile``.

@@ -24,10 +24,10 @@ class PipelineParallelStrategy(MeshStrategy):
 
     Args:
         pipeline_parallel_size: number of ranks the stages are spread over.
-        pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (``virtual_stages`` stages per rank) or ``zbv``
-            (two stages per rank in a V, zero-bubble).
+        pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (``virtual_stages`` stages per rank), ``zbv``
+            (two stages per rank in a V, zero-bubble) or ``dualpipev`` (DeepSeek's DualPipe in a V).
         microbatches: micro-batches per batch (the batch size must divide by it; 1F1B-type schedules need
-            at least ``pipeline_parallel_size``).
+            at least ``pipeline_parallel_size``, ``dualpipev`` twice that).
         virtual_stages: stages per rank for ``interleaved_1f1b``.
         pipeline_balance: how blocks are assigned to stages without split points in the plan: ``parameters``
             (equal parameter counts, embedding and head included) or ``profile`` (measured forward +
@@ -39,7 +39,7 @@ class PipelineParallelStrategy(MeshStrategy):
 
     strategy_name = "pipeline_parallel"
     argument_names = argument_names()
-    strategy_description = "pipeline parallel (GPipe, 1F1B, interleaved, ZB-V)"
+    strategy_description = "pipeline parallel (GPipe, 1F1B, interleaved, ZB-V, DualPipeV)"
 
     def __init__(self, pipeline_parallel_size: int = 2, pipeline_schedule: PipelineSchedule = "1f1b",
                  microbatches: int = 4, virtual_stages: int = 2, pipeline_balance: PipelineBalance = "parameters",
