@@ -145,3 +145,47 @@ def test_the_handle_trains_every_way_of_reducing_gradients_without_lightning() -
             assert result["weight_error"] < 1e-5, name
             if result["zero_stage"] == 3:
                 assert result["share"] == pytest.approx(0.5, abs=0.01), name  # dp2: half of every tensor, at rest
+
+
+def _after_backward_messages(rank: int, world_size: int, cap_mb: float) -> dict:
+    """The all-reduces after_backward sends under dp2 x tp2 (no DDP: the handle averages), with buckets of at most
+    ``cap_mb`` MiB, and the gradient bytes they carry."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from lightning_par.config import ParallelConfig
+    from lightning_par.models.llama import LlamaConfig, Transformer
+    from lightning_par.parallel import derive_plan, parallelize
+
+    dist.init_process_group("gloo")
+    config = ParallelConfig(dp_shard=2, tp=2, ddp_bucket_cap_mb=cap_mb).validate(world_size)
+    mesh = config.build_mesh("cpu")
+    torch.manual_seed(0)
+    model = Transformer(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16))
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))  # one batch: tp ranks agree
+    handle = parallelize(model, mesh, config, derive_plan(model), sample_batch=(tokens[:, :-1], tokens[:, 1:]))
+    with handle.loss_context():
+        F.cross_entropy(handle.module(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    sent, original = [], dist.all_reduce
+    dist.all_reduce = lambda tensor, *args, **kwargs: sent.append(tensor.numel() * tensor.element_size()) or \
+        original(tensor, *args, **kwargs)
+    try:
+        handle.after_backward()
+    finally:
+        dist.all_reduce = original
+    grads = [p.grad for p in handle.inner.parameters() if p.grad is not None]
+    local = [(g.to_local() if hasattr(g, "to_local") else g) for g in grads]
+    return {"sent": sent, "gradient_bytes": sum(g.numel() * g.element_size() for g in local),
+            "largest_gradient": max(g.numel() * g.element_size() for g in local)}
+
+
+def test_gradients_averaged_after_backward_go_in_buckets() -> None:
+    """Every gradient byte goes once, in messages no larger than the bucket unless one gradient is larger alone:
+    the flat copy the reduction needs is one bucket, not the whole gradient."""
+    cap = 0.01  # MiB: this model's 62 KB of gradients per tp rank in 7 buckets
+    for result in run_distributed(_after_backward_messages, 4, cap):
+        assert sum(result["sent"]) == result["gradient_bytes"]
+        assert len(result["sent"]) > 5
+        assert max(result["sent"]) <= max(cap * 2**20, result["largest_gradient"])
+    whole = run_distributed(_after_backward_messages, 4, 25.0)[0]
+    assert len(whole["sent"]) == 1 and whole["sent"][0] == whole["gradient_bytes"]

@@ -104,14 +104,16 @@ def broadcast_replicas(module: nn.Module, mesh: ParallelMesh) -> None:
 
 
 @torch.no_grad()
-def reduce_gradients(module: nn.Module, mesh: ParallelMesh) -> None:
+def reduce_gradients(module: nn.Module, mesh: ParallelMesh, *, bucket_cap_mb: float = 25.0) -> None:
     """Average the gradients of ``module`` over the data-parallel (x context-parallel) ranks, in place.
 
     For layouts DDP cannot wrap: pipeline stages (DDP's hooks sit on the whole module, which a schedule
     never calls) and tensor-parallel DTensors. Called once after the last backward of an optimizer step,
     as Megatron-LM does under pipeline parallelism (Narayanan et al. 2021): the gradients of all micro-
-    batches are reduced together, flattened into one buffer per dtype so the ranks exchange few large
-    messages. Expert gradients are left alone: expert parallel reduces them over its own replicas.
+    batches are reduced together, flattened into buckets of at most ``bucket_cap_mb`` MiB per dtype (one
+    larger gradient makes a bucket of its own), so the ranks exchange few large messages and the copy a bucket
+    needs stays that small. Expert gradients are left alone: expert parallel reduces them over its own
+    replicas.
     """
     if mesh.size(GRADIENT_GROUP) == 1:
         return
@@ -120,13 +122,29 @@ def reduce_gradients(module: nn.Module, mesh: ParallelMesh) -> None:
         if p.grad is not None and not is_expert(p):
             grad = _local(p.grad)
             by_dtype.setdefault(grad.dtype, []).append(grad)
-    group = mesh.group(GRADIENT_GROUP)
+    group, ranks = mesh.group(GRADIENT_GROUP), mesh.size(GRADIENT_GROUP)
+    cap = bucket_cap_mb * 1024 * 1024
     for grads in by_dtype.values():
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        flat.div_(mesh.size(GRADIENT_GROUP))
-        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            grad.copy_(reduced)
+        for bucket in _buckets(grads, cap):
+            flat = torch._utils._flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=group)
+            flat.div_(ranks)
+            for grad, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                grad.copy_(reduced)
+
+
+def _buckets(tensors: list[torch.Tensor], cap_bytes: float) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, in consecutive groups of at most ``cap_bytes`` (a larger tensor alone)."""
+    buckets: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if buckets[-1] and size + nbytes > cap_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(tensor)
+        size += nbytes
+    return [bucket for bucket in buckets if bucket]
 
 
 def is_expert(tensor: torch.Tensor) -> bool:

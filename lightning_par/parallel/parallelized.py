@@ -97,7 +97,7 @@ class Parallelized:
         if self._sync_blocked:
             return
         if self.reduces_after_backward:
-            data.reduce_gradients(self.inner, self.mesh)
+            data.reduce_gradients(self.inner, self.mesh, bucket_cap_mb=self.config.ddp_bucket_cap_mb)
         if self.ties is not None:
             self.ties.sum_gradients()
 

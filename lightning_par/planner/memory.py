@@ -373,7 +373,10 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
     comm = 0.0
     dp_cp = int(config.dp_replicate) * dp_shard * cp
     if stage in (0, 1) and dp_cp > 1:
-        comm += (params - experts) * pbytes  # DDP's buckets hold a flat copy of every gradient
+        if config.reduces_gradients_after_backward:  # reduce_gradients: one bucket's flat copy at a time
+            comm += min((params - experts) * pbytes, config.ddp_bucket_cap_mb * 2**20)
+        else:
+            comm += (params - experts) * pbytes  # DDP's buckets hold a flat copy of every gradient
     if stage == 3 and fsdp > 1:
         gather = 2 if config.param_dtype in ("bf16", "fp16") else pbytes
         units = {moe: block_local_params(model, config, moe) for moe, count in

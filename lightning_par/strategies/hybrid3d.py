@@ -61,7 +61,8 @@ class Hybrid3DStrategy(MeshStrategy):
         cpu_offload: ZeRO-3: shards, gradients and optimizer states in host memory.
         sharded_accumulation: ZeRO-2/3 without pipeline parallel: reduce gradients on every accumulated batch so
             that they stay sharded (see ``ZeroStrategy``).
-        bucket_cap_mb: DDP's gradient bucket size, for layouts DDP wraps (data parallel, ZeRO-1).
+        bucket_cap_mb: gradient bucket size of the data-parallel all-reduce (DDP's, or the one after backward
+            under pipeline or tensor parallel).
         static_graph: DDP: the set of used parameters never changes (see ``DataParallelStrategy``).
         find_unused_parameters: DDP: allow parameters that receive no gradient in a step.
         gradient_compression: DDP: ``bf16`` or ``fp16`` halves all-reduce bytes; ``none`` keeps fp32.
