@@ -334,6 +334,12 @@ BAD_INPUTS: list[BadInput] = [
              _strategy("Hybrid3DStrategy", context_parallel_method="flash")),
     BadInput("`Hybrid3DStrategy(pipeline_schedule='dualpipe')`", "pipeline_schedule='dualpipe' is not one of",
              _strategy("Hybrid3DStrategy", pipeline_schedule="dualpipe")),
+    BadInput("`AutoParallelStrategy(model_spec='llama9')`", "unknown model preset 'llama9'; presets:",
+             _strategy("AutoParallelStrategy", model_spec="llama9")),
+    BadInput("`AutoParallelStrategy(model_spec={'hidden': 64, 'depth': 2})`",
+             "model_spec={'hidden': 64, 'depth': 2}: unknown fields ['depth']; missing ['ffn_hidden', 'heads', "
+             "'kv_heads', 'layers', 'vocab_size']", _strategy("AutoParallelStrategy", model_spec={"hidden": 64,
+                                                                                                  "depth": 2})),
     BadInput("`AutoParallelStrategy(device='tpu-v9')`",
              "unknown device preset 'tpu-v9'; presets: ['a100-40gb', 'a100-80gb', 'cpu', 'h100-80gb', 'h200-141gb']",
              _strategy("AutoParallelStrategy", device="tpu-v9")),

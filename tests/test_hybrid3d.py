@@ -155,3 +155,33 @@ def test_sizes_left_auto_are_planned_at_setup() -> None:
     assert len(auto["ranked"]) > 1 and 0.0 < auto["loss"] < 10.0
     assert (tp_only["chosen"].tp, tp_only["chosen"].dp, tp_only["chosen"].pp) == (2, 1, 1)
     assert all(c.tp == 2 and c.pp == 1 for c in tp_only["ranked"])
+
+
+def _plan_a_users_own_model(rank: int, world_size: int, spec: dict | None) -> dict:
+    import lightning
+    from cli_callbacks import TinyCausalTransformer
+
+    import lightning_par
+    from lightning_par.data import TokenDataModule
+
+    strategy = lightning_par.AutoParallelStrategy(model_spec=spec, tensor_parallel_size=1, pipeline_parallel_size=1,
+                                                  context_parallel_size=1, expert_parallel_size=1)
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                limit_val_batches=0)
+    datamodule = TokenDataModule(source="synthetic", vocab_size=256, seq_len=16, batch_size=2, num_samples=64)
+    try:
+        trainer.fit(TinyCausalTransformer(), datamodule=datamodule)
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"planned": len(strategy.planned_layouts), "loss": float(trainer.callback_metrics["train_loss"])}
+
+
+def test_the_planner_takes_the_architecture_of_a_model_without_a_config_from_model_spec() -> None:
+    """A user's own module (torch's TransformerEncoderLayer blocks, no `.config`) under auto_parallel: refused with
+    what to give, then planned and trained from model_spec (the sizes, as a YAML mapping would give them)."""
+    refused = run_distributed(_plan_a_users_own_model, 2, None)[0]
+    assert "give the strategy's model_spec instead" in refused["error"]
+    spec = dict(vocab_size=256, hidden=32, layers=2, heads=2, kv_heads=2, ffn_hidden=64, ffn_matrices=2)
+    for result in run_distributed(_plan_a_users_own_model, 2, spec):
+        assert result["planned"] > 1 and 0.0 < result["loss"] < 10.0

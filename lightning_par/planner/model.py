@@ -247,8 +247,9 @@ class ModelSpec:
             except UnknownConfig:  # a configuration read and refused raises its own reason
                 continue
         raise ValueError(f"cannot read the architecture of {type(module).__name__}: the planner looks for a "
-                         "LlamaConfig-like or Hugging Face-like `.config` on the module or on its `.model`; give "
-                         "ModelSpec(...) explicitly instead")
+                         "LlamaConfig-like or Hugging Face-like `.config` on the module or on its `.model`; give the "
+                         "strategy's model_spec instead (a preset name such as 'llama3-8b', or the sizes: "
+                         "vocab_size, hidden, layers, heads, kv_heads, ffn_hidden)")
 
 
 _HF_COUNT_TOLERANCE = 0.02

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from collections.abc import Mapping
+from typing import Any, Optional, Union
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
@@ -68,6 +69,9 @@ class Hybrid3DStrategy(MeshStrategy):
         gradient_compression: DDP: ``bf16`` or ``fp16`` halves all-reduce bytes; ``none`` keeps fp32.
         device: the accelerator the planner assumes for ``"auto"`` sizes (a preset of
             ``lightning_par.planner``, e.g. ``h100-80gb``); by default ``cpu`` on CPU, ``h100-80gb`` on GPU.
+        model_spec: the architecture the planner assumes for ``"auto"`` sizes: a preset name (``llama3-8b``) or
+            the sizes of ``lightning_par.planner.ModelSpec`` (``vocab_size``, ``hidden``, ``layers``, ``heads``,
+            ``kv_heads``, ``ffn_hidden``, ...); by default read from the model's configuration.
         save_distributed_checkpoint: sharded DCP directory (default; required with pipeline parallel).
     """
 
@@ -100,6 +104,7 @@ class Hybrid3DStrategy(MeshStrategy):
         find_unused_parameters: bool = False,
         gradient_compression: GradientCompression = "none",
         device: Optional[str] = None,
+        model_spec: Union[str, dict[str, Any], None] = None,
         **kwargs: Any,
     ) -> None:
         requested = dict(zip(PLANNABLE_SIZES, (tensor_parallel_size, pipeline_parallel_size, context_parallel_size,
@@ -123,6 +128,7 @@ class Hybrid3DStrategy(MeshStrategy):
 
             ClusterSpec.from_preset(device)  # an unknown preset fails here, not when the processes have started
         self._device_preset = device
+        self._model_spec = _model_spec(model_spec)
         super().__init__(config, **kwargs)
 
     @override
@@ -144,7 +150,8 @@ class Hybrid3DStrategy(MeshStrategy):
         fixed.update({name: getattr(config, name) for name in (*KNOBS, "loss_parallel") if name not in self._planned})
         if not self._save_distributed_checkpoint:
             fixed.setdefault("pp", 1)  # a full-file checkpoint cannot hold a pipeline
-        candidates = plan_for_run(ModelSpec.from_module(module), cluster, batch_size_per_rank=batch_size,
+        spec = self._model_spec or ModelSpec.from_module(module)
+        candidates = plan_for_run(spec, cluster, batch_size_per_rank=batch_size,
                                   seq_len=seq_len, precision=_planner_precision(trainer.precision),
                                   accumulate_grad_batches=trainer.accumulate_grad_batches, fixed=fixed)
         self.planned_layouts = candidates
@@ -171,6 +178,28 @@ def _loader_shape(datamodule: Any, module: Any) -> tuple[int, int]:
                          f"the datamodule {type(datamodule).__name__} does not say them (batch_size={batch_size!r}, "
                          f"seq_len={seq_len!r}): give every size, or use a datamodule with batch_size and seq_len")
     return batch_size, seq_len
+
+
+def _model_spec(value: Any) -> Any:
+    """The planner's ModelSpec from a preset name or a mapping of its fields (checked at construction)."""
+    if value is None:
+        return None
+    from lightning_par.planner import ModelSpec
+
+    if isinstance(value, ModelSpec):
+        return value
+    if isinstance(value, str):
+        return ModelSpec.preset(value)
+    if isinstance(value, Mapping):
+        fields = {field.name for field in dataclasses.fields(ModelSpec)}
+        unknown = sorted(set(value) - fields)
+        missing = sorted({"vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden"} - set(value))
+        if unknown or missing:
+            raise ValueError(f"model_spec={dict(value)!r}: " + "; ".join(
+                ([f"unknown fields {unknown}"] if unknown else []) + ([f"missing {missing}"] if missing else []))
+                + f" (ModelSpec's fields: {sorted(fields)})")
+        return ModelSpec(**value)
+    raise ValueError(f"model_spec={value!r} is neither a preset name nor a mapping of ModelSpec's sizes")
 
 
 def _planner_precision(precision: str) -> str:
