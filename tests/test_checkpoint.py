@@ -99,14 +99,22 @@ def test_resume_continues_exactly(tmp_path: Path, sharded: bool, asynchronous: b
         assert torch.equal(resumed["state"][name], tensor), name
 
 
-def test_pipeline_checkpoint_resumes_exactly(tmp_path: Path) -> None:
-    """Each rank saves and restores its own stage (weights and AdamW moments) in one DCP directory."""
-    uninterrupted = run_distributed(_fit, 2, str(tmp_path / "a"), ("pipeline_parallel", True), 0, None)[0]
-    epoch0 = tmp_path / "a" / "epoch=0-step=8.ckpt"  # one data-parallel rank: 8 batches per epoch
-    resumed = run_distributed(_fit, 2, str(tmp_path / "b"), ("pipeline_parallel", True), 1, str(epoch0))[0]
-    assert resumed["losses"] == uninterrupted["losses"][8:]
+def _resumes_bitwise(tmp_path: Path, world_size: int, layout: tuple[str, bool], epoch_steps: int = 4) -> tuple:
+    """Train two epochs under ``layout``, resume a second run (another seed) from the first epoch's checkpoint, and
+    assert it repeats the first run bitwise; returns the first run and that checkpoint."""
+    uninterrupted = run_distributed(_fit, world_size, str(tmp_path / "a"), layout, 0, None)[0]
+    epoch0 = tmp_path / "a" / f"epoch=0-step={epoch_steps}.ckpt"
+    resumed = run_distributed(_fit, world_size, str(tmp_path / "b"), layout, 1, str(epoch0))[0]
+    assert resumed["losses"] == uninterrupted["losses"][epoch_steps:]
     for name, tensor in uninterrupted["state"].items():
         assert torch.equal(resumed["state"][name], tensor), name
+    return uninterrupted, epoch0
+
+
+def test_pipeline_checkpoint_resumes_exactly(tmp_path: Path) -> None:
+    """Each rank saves and restores its own stage (weights and AdamW moments) in one DCP directory."""
+    # One data-parallel rank: 8 batches per epoch.
+    uninterrupted, _ = _resumes_bitwise(tmp_path, 2, ("pipeline_parallel", True), epoch_steps=8)
     # And the stages come together in one plain file, or in another layout.
     weights = export_consolidated(tmp_path / "a" / "last.ckpt", tmp_path / "model.pt")
     assert weights.keys() == uninterrupted["state"].keys()
@@ -116,13 +124,7 @@ def test_pipeline_checkpoint_resumes_exactly(tmp_path: Path) -> None:
 def test_pipeline_with_zero_resumes_exactly_and_reshards(tmp_path: Path, stage: int) -> None:
     """Each pipeline rank saves the parameter and optimizer-state shards its ZeRO partition owns; the run resumes
     bitwise, and the same checkpoint continues under ZeRO-1 without a pipeline on half the ranks."""
-    layout = f"pp2xdp2-zero{stage}"
-    uninterrupted = run_distributed(_fit, 4, str(tmp_path / "a"), (layout, True), 0, None)[0]
-    epoch0 = tmp_path / "a" / "epoch=0-step=4.ckpt"
-    resumed = run_distributed(_fit, 4, str(tmp_path / "b"), (layout, True), 1, str(epoch0))[0]
-    assert resumed["losses"] == uninterrupted["losses"][4:]
-    for name, tensor in uninterrupted["state"].items():
-        assert torch.equal(resumed["state"][name], tensor), name
+    uninterrupted, epoch0 = _resumes_bitwise(tmp_path, 4, (f"pp2xdp2-zero{stage}", True))
     elsewhere = run_distributed(_fit, 2, str(tmp_path / "c"), ("zero1", True), 1, str(epoch0))[0]
     assert elsewhere["losses"] == pytest.approx(uninterrupted["losses"][4:], rel=1e-5)
     for name, tensor in uninterrupted["state"].items():
@@ -145,12 +147,7 @@ def test_full_checkpoint_holds_whole_tensors_by_name(tmp_path: Path) -> None:
 # optimizer states into whole ones.
 @pytest.mark.parametrize(("strategy", "sharded"), [("zero1", False), ("zero2", True), ("zero3", False)])
 def test_zero_resume_continues_exactly(tmp_path: Path, strategy: str, sharded: bool) -> None:
-    uninterrupted = run_distributed(_fit, 2, str(tmp_path / "a"), (strategy, sharded), 0, None)[0]
-    epoch0 = tmp_path / "a" / "epoch=0-step=4.ckpt"
-    resumed = run_distributed(_fit, 2, str(tmp_path / "b"), (strategy, sharded), 1, str(epoch0))[0]
-    assert resumed["losses"] == uninterrupted["losses"][4:]
-    for name, tensor in uninterrupted["state"].items():
-        assert torch.equal(resumed["state"][name], tensor), name
+    _resumes_bitwise(tmp_path, 2, (strategy, sharded))
 
 
 @pytest.mark.parametrize(("saved_under", "resumed_under"),

@@ -79,7 +79,8 @@ class Parallelized:
     # ------------------------------------------------------------------------------------- gradients
     @contextmanager
     def no_sync(self) -> Generator[None, None, None]:
-        """Skip gradient communication for the backward passes inside (all but the last of accumulated batches)."""
+        """The backward passes inside (all but the last of accumulated batches) skip gradient communication, or, with
+        ``sharded_accumulation`` (ZeRO-2/3), reduce as usual so that each rank keeps only its part."""
         inner = self.inner
         skip: AbstractContextManager = (
             zero.no_gradient_sync(inner, sharded=self.config.sharded_accumulation) if zero.is_zero_module(inner)
