@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -26,15 +25,13 @@ def _fake_trainer(num_replicas: int, rank: int) -> SimpleNamespace:
 
 
 # ---------------------------------------------------------------------------- corpus
-def test_corpus_is_deterministic_and_fast():
-    start = time.perf_counter()
+def test_corpus_is_deterministic():
+    # How long loading takes is not asserted (no test may hinge on the clock): about 0.02 s on a laptop.
     first = load_stdlib_tokens("train")
-    elapsed = time.perf_counter() - start
     second = load_stdlib_tokens("train")
     assert first.dtype == torch.uint8 and first.dim() == 1
     assert torch.equal(first, second)
     assert torch.equal(load_stdlib_tokens("val"), load_stdlib_tokens("validation"))
-    assert elapsed < 2.0, f"loading 8 MB took {elapsed:.2f}s"  # generous: ~0.02 s on a laptop
 
 
 def test_corpus_matches_its_documents_and_splits_are_disjoint():
