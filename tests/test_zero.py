@@ -114,18 +114,20 @@ def test_accumulation_and_global_norm_clipping_match_single_process(stage: int, 
           f"weights {weight_error:.1e}")
 
 
+def _local_bytes(tensor) -> int:
+    """Bytes of ``tensor`` this rank holds (its shard of a DTensor; 0 for None)."""
+    if tensor is None:
+        return 0
+    tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return tensor.numel() * tensor.element_size()
+
+
 def _model_state_bytes(rank: int, world_size: int, stage: int) -> dict:
     """Bytes of parameters, gradients and optimizer states this rank holds just before an optimizer step."""
     import lightning
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from lightning_par.models import LlamaLM
-
-    def local_bytes(tensor) -> int:
-        if tensor is None:
-            return 0
-        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        return tensor.numel() * tensor.element_size()
 
     class Count(lightning.Callback):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
@@ -134,9 +136,9 @@ def _model_state_bytes(rank: int, world_size: int, stage: int) -> dict:
             params = list(pl_module.parameters())
             inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
             self.counts = {
-                "params": sum(local_bytes(p) for p in params),
-                "grads": sum(local_bytes(p.grad) for p in params),
-                "optimizer": sum(local_bytes(v) for state in inner.state.values() for v in state.values()
+                "params": sum(_local_bytes(p) for p in params),
+                "grads": sum(_local_bytes(p.grad) for p in params),
+                "optimizer": sum(_local_bytes(v) for state in inner.state.values() for v in state.values()
                                  if hasattr(v, "numel") and v.dim() > 0),
                 "numel": sum(p.numel() for p in params),  # global: DTensor.numel() is the full size
             }
@@ -182,22 +184,16 @@ def _gradient_bytes(module: torch.nn.Module) -> int:
 
     from lightning_par.parallel.record import layout_record
 
-    def nbytes(tensor) -> int:
-        if tensor is None:
-            return 0
-        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        return tensor.numel() * tensor.element_size()
-
-    total = sum(nbytes(p.grad) for p in module.parameters())
+    total = sum(_local_bytes(p.grad) for p in module.parameters())
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
             for group in unit._get_fsdp_state()._fsdp_param_groups:
                 for param in group.fsdp_params:
-                    total += nbytes(param.unsharded_accumulated_grad)
-                    total += nbytes(getattr(getattr(param, "_unsharded_param", None), "grad", None))
+                    total += _local_bytes(param.unsharded_accumulated_grad)
+                    total += _local_bytes(getattr(getattr(param, "_unsharded_param", None), "grad", None))
     record = layout_record(module)
     if record is not None and record.gradient_reducer is not None:
-        total += sum(nbytes(t) for t in record.gradient_reducer._accumulated.values())
+        total += sum(_local_bytes(t) for t in record.gradient_reducer._accumulated.values())
     return total
 
 
