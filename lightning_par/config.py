@@ -146,7 +146,7 @@ class ParallelConfig:
                 pipelined = "; zero_stage=1 composes with pipeline parallel" if "pp" in others else ""
                 raise ValueError(f"zero_stage={stage} with {_sizes(others)}: ZeRO-1/2 shard the states of plain, "
                                  "replicated parameters; use zero_stage=0 (gradients all-reduced) or zero_stage=3 "
-                                 f"(FSDP2, with tensor or context parallel){pipelined}")
+                                 f"(FSDP2, with tensor, context or expert parallel){pipelined}")
         if self.sharded_accumulation and stage not in (2, 3):
             raise ValueError(f"sharded_accumulation=True with zero_stage={stage}: only ZeRO-2 and ZeRO-3 shard "
                              "gradients; use zero_stage 2 or 3, or sharded_accumulation=False")
@@ -169,9 +169,6 @@ class ParallelConfig:
                 raise ValueError(f"pp={self.pp} with loss_parallel=True: the last stage gathers the logits; set "
                                  "loss_parallel=False")
         if self.ep > 1:
-            if stage != 0:
-                raise ValueError(f"ep={self.ep} with zero_stage={stage}: expert weights are split over the ep "
-                                 "ranks and the rest is replicated; use zero_stage=0")
             if self.cp > 1:
                 raise ValueError(f"ep={self.ep} with cp={self.cp}: the router's capacity and load-balancing loss "
                                  "are per sequence, and context parallel splits sequences; use ep with data (and "

@@ -16,6 +16,8 @@ Flattened views (kept here, as PyTorch asks callers to keep them rather than re-
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -29,6 +31,14 @@ FLATTENED_DIMS = {
 }
 
 
+class ExpertMeshes(NamedTuple):
+    """The meshes of expert parallel (:meth:`ParallelMesh.experts`)."""
+
+    ep: DeviceMesh  # 1-D: the ranks that split the experts between them (tokens go round it by all-to-all)
+    shard: DeviceMesh  # what ZeRO-3 shards the experts over: 1-D, or 2-D (replicate, shard) under HSDP
+    replicas: DeviceMesh  # 1-D: every rank holding the same experts (their gradients are summed over it)
+
+
 class ParallelMesh:
     """Owns the root :class:`DeviceMesh` and its named flattened sub-meshes (torchtitan's ParallelDims)."""
 
@@ -37,6 +47,7 @@ class ParallelMesh:
             raise ValueError(f"mesh dimensions must be {MESH_DIM_NAMES}, got {root.mesh_dim_names}")
         self.root = root
         self._flat = {name: root[dims]._flatten(name) for name, dims in FLATTENED_DIMS.items()}
+        self._experts: dict[int, ExpertMeshes] = {}
 
     def __getitem__(self, name: str) -> DeviceMesh:
         """The 1-D mesh of a root dimension (``"tp"``) or of a flattened one (``"dp"``)."""
@@ -45,6 +56,24 @@ class ParallelMesh:
         if name in MESH_DIM_NAMES:
             return self.root[name]
         raise KeyError(f"unknown mesh dimension {name!r}; known: {MESH_DIM_NAMES + tuple(FLATTENED_DIMS)}")
+
+    def experts(self, ep: int) -> ExpertMeshes:
+        """The ranks of ``dp_cp`` as seen by experts split over ``ep`` of them.
+
+        Expert parallel borrows its ranks from ``dp_shard x cp``: consecutive groups of ``ep`` ranks there hold
+        one copy of all experts between them; the ``dp_shard x cp / ep`` such groups of a replica, and the
+        ``dp_replicate`` replicas, hold the same experts. ZeRO-3 shards them over the groups of a replica
+        (torchtitan's "dp_shard_mod_ep") and replicates them over the replicas (HSDP). Made once per ``ep``:
+        making a mesh creates process groups, a collective on every rank.
+        """
+        if ep not in self._experts:
+            replicate, shard_cp = self.size("dp_replicate"), self.size("dp_shard_cp")
+            names = ("ep_dp_replicate", "ep_dp_shard", "ep")
+            experts = self["dp_cp"]._unflatten(0, (replicate, shard_cp // ep, ep), names)
+            shard = experts[names[:2]] if replicate > 1 else experts["ep_dp_shard"]
+            self._experts[ep] = ExpertMeshes(ep=experts["ep"], shard=shard,
+                                             replicas=experts[names[:2]]._flatten("ep_replicas"))
+        return self._experts[ep]
 
     def size(self, name: str) -> int:
         return self[name].size()

@@ -20,6 +20,7 @@ from lightning_par.models import LlamaLM
 # AdamW on purpose: its moments must come back for the resumed run to match.
 make_module = functools.partial(LlamaLM, vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16,
                                 learning_rate=1e-2, warmup_steps=2, max_steps=8)
+make_moe_module = functools.partial(make_module, moe_experts=4, moe_top_k=2)
 # 16 samples / (batch 2 x 2 ranks) = 4 optimizer steps per epoch.
 make_datamodule = functools.partial(TokenDataModule, source="synthetic", vocab_size=64, seq_len=16, batch_size=2,
                                     num_samples=16, num_val_samples=8)
@@ -47,6 +48,10 @@ def make_strategy(name: str = "data_parallel", sharded: bool = True):
     if name.startswith("pp2xdp2-zero"):  # 4 ranks: ZeRO over the data-parallel ranks of each pipeline stage
         return Hybrid3DStrategy(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=int(name[-1]),
                                 microbatches=2)
+    if name == "ep2-zero3":  # experts split over 2 ranks, sharded over the others that hold them (4 ranks)
+        return Hybrid3DStrategy(expert_parallel_size=2, zero_stage=3)
+    if name == "ep4":
+        return Hybrid3DStrategy(expert_parallel_size=4, save_distributed_checkpoint=sharded)
     if name == "context_parallel":
         return ContextParallelStrategy(context_parallel_size=2, context_parallel_method="ring",
                                        save_distributed_checkpoint=sharded)
@@ -68,7 +73,8 @@ def _fit(rank: int, world_size: int, directory: str, strategy: str | tuple, seed
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         plugins=[AsyncCheckpointIO()] if asynchronous else None,
     )
-    trainer.fit(make_module(), datamodule=make_datamodule(), ckpt_path=ckpt_path)
+    module = make_moe_module() if name.startswith("ep") else make_module()
+    trainer.fit(module, datamodule=make_datamodule(), ckpt_path=ckpt_path)
     return {"losses": recorder.losses, "state": trainer.strategy.consolidated_state_dict(),
             "step": trainer.global_step}
 
@@ -127,6 +133,17 @@ def test_pipeline_with_zero_resumes_exactly_and_reshards(tmp_path: Path, stage: 
     uninterrupted, epoch0 = _resumes_bitwise(tmp_path, 4, (f"pp2xdp2-zero{stage}", True))
     elsewhere = run_distributed(_fit, 2, str(tmp_path / "c"), ("zero1", True), 1, str(epoch0))[0]
     assert elsewhere["losses"] == pytest.approx(uninterrupted["losses"][4:], rel=1e-5)
+    for name, tensor in uninterrupted["state"].items():
+        torch.testing.assert_close(elsewhere["state"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_experts_with_zero3_resume_exactly_and_reshard(tmp_path: Path) -> None:
+    """Experts split over ep=2 and FSDP-sharded over the 2 ranks holding each: the run resumes bitwise (4 ranks,
+    2 steps per epoch), and continues from the same checkpoint with one expert per rank and replicated dense
+    weights."""
+    uninterrupted, epoch0 = _resumes_bitwise(tmp_path, 4, ("ep2-zero3", True), epoch_steps=2)
+    elsewhere = run_distributed(_fit, 4, str(tmp_path / "c"), ("ep4", True), 1, str(epoch0))[0]
+    assert elsewhere["losses"] == pytest.approx(uninterrupted["losses"][2:], rel=1e-5)
     for name, tensor in uninterrupted["state"].items():
         torch.testing.assert_close(elsewhere["state"][name], tensor, rtol=1e-5, atol=1e-6)
 

@@ -64,7 +64,7 @@ def test_auto_sizes_resolve(config: ParallelConfig, world_size: int, expected: t
     ("config", "message"),
     [
         (ParallelConfig(ep=2, tp=2, sequence_parallel=True), r"ep=2 with sequence_parallel=True: the experts route"),
-        (ParallelConfig(ep=2, zero_stage=3), r"ep=2 with zero_stage=3: .*use zero_stage=0"),
+        (ParallelConfig(ep=2, zero_stage=1), r"zero_stage=1 with ep=2: ZeRO-1/2 shard the states of plain"),
         (ParallelConfig(ep=2, cp=2), r"ep=2 with cp=2: the router's capacity and load-balancing loss are per sequence"),
         (ParallelConfig(pp=2, cp=2), r"pp=2 with cp=2: pipeline parallel composes with data and tensor parallel"),
         (ParallelConfig(pp=2, ep=2), r"pp=2 with ep=2: pipeline parallel composes with data and tensor parallel"),

@@ -17,6 +17,12 @@ def _layer(**kwargs) -> MoEFeedForward:
     return layer
 
 
+def _one_expert(layer: MoEFeedForward, tokens: torch.Tensor, expert: int) -> torch.Tensor:
+    """Expert ``expert`` of ``layer`` alone on ``tokens``: every token counted for it, none for the others."""
+    counts = [tokens.shape[0] if e == expert else 0 for e in range(layer.n_experts)]
+    return layer.experts(tokens, counts)
+
+
 def test_dropless_routing_is_the_weighted_sum_of_the_chosen_experts() -> None:
     layer = _layer()
     x = torch.randn(2, 5, 8)
@@ -26,7 +32,7 @@ def test_dropless_routing_is_the_weighted_sum_of_the_chosen_experts() -> None:
         for t in range(5):
             weights, chosen = probs[b, t].topk(2)
             weights = weights / weights.sum()
-            expected = sum(w * layer.experts(x[b, t][None], int(e))[0] for w, e in zip(weights, chosen))
+            expected = sum(w * _one_expert(layer, x[b, t][None], int(e))[0] for w, e in zip(weights, chosen))
             torch.testing.assert_close(out[b, t], expected, rtol=1e-5, atol=1e-6)
     assert float(layer.stats.dropped_fraction) == 0.0
     assert int(layer.stats.tokens_per_expert.sum()) == 2 * 5 * 2

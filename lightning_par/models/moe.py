@@ -58,11 +58,12 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.up_proj, mean=0.0, std=init_std)
         nn.init.normal_(self.down_proj, mean=0.0, std=out_std)
 
-    def forward(self, tokens: Tensor, expert: int) -> Tensor:
-        """The ``expert``-th (local) expert on ``tokens`` (n, dim) -> (n, dim)."""
+    def forward(self, tokens: Tensor, counts: list[int]) -> Tensor:
+        """Every (local) expert on its tokens: ``tokens`` (n, dim) sorted by expert, ``counts[e]`` of them for
+        expert ``e``; -> (n, dim) in the same order."""
         gate, up, down = (local_part(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
-        hidden = F.silu(tokens @ gate[expert]) * (tokens @ up[expert])
-        return hidden @ down[expert]
+        outputs = [(F.silu(part @ gate[e]) * (part @ up[e])) @ down[e] for e, part in enumerate(tokens.split(counts))]
+        return torch.cat(outputs)
 
 
 class MoEFeedForward(nn.Module):
@@ -103,17 +104,15 @@ class MoEFeedForward(nn.Module):
         out = torch.zeros_like(tokens, dtype=torch.float32)
         if self.expert_group is not None:  # expert parallel: the experts live on other ranks too
             index = flat_token[flat_keep]
-            per_rank = local_part(self.experts.gate_proj).shape[0]
+            per_rank = self.n_experts // dist.get_world_size(self.expert_group)
             y = dispatch_and_combine(tokens[index], flat_expert[flat_keep], self.experts, per_rank, self.expert_group)
             out.index_add_(0, index, y.float() * flat_weight[flat_keep, None])
             return out.to(x.dtype).view(B, T, C)
-        for expert in range(self.n_experts):
-            mask = (flat_expert == expert) & flat_keep
-            index = flat_token[mask]
-            if index.numel() == 0:
-                continue
-            y = self.experts(tokens[index], expert)  # (n_e, C)
-            out.index_add_(0, index, y.float() * flat_weight[mask, None])
+        kept = flat_keep.nonzero().squeeze(1)
+        by_expert = kept[torch.argsort(flat_expert[kept], stable=True)]
+        counts = torch.bincount(flat_expert[by_expert], minlength=self.n_experts).tolist()
+        y = self.experts(tokens[flat_token[by_expert]], counts)  # (kept assignments, C), sorted by expert
+        out.index_add_(0, flat_token[by_expert], y.float() * flat_weight[by_expert, None])
         return out.to(x.dtype).view(B, T, C)
 
     def _within_capacity(self, chosen: Tensor) -> Tensor:

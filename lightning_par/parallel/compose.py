@@ -119,7 +119,7 @@ def parallelize(
         if config.tp > 1 and log is not None and plan is not None:
             log(f"tensor parallel (tp={config.tp}) split, on this rank: {split_summary(model, plan)}")
         apply_context_parallel(model, mesh, plan, method=config.cp_method)  # 3
-        apply_expert_parallel(model, mesh, config.ep, plan)  # 4
+        apply_expert_parallel(model, mesh, config.ep, plan, reduce_gradients=config.zero_stage != 3)  # 4
         apply_activation_checkpointing(model, plan, mode=config.activation_checkpointing,  # 5
                                        every=config.activation_checkpointing_every)
         shard_root = None

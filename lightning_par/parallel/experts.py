@@ -22,15 +22,16 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.plan import ModelPlan
 
 
-def dispatch_and_combine(tokens: Tensor, experts_of_tokens: Tensor, expert: Callable[[Tensor, int], Tensor],
+def dispatch_and_combine(tokens: Tensor, experts_of_tokens: Tensor, experts: Callable[[Tensor, list[int]], Tensor],
                          per_rank: int, group: dist.ProcessGroup) -> Tensor:
     """Send each token to the rank holding its expert, run the local experts, send the results back.
 
     ``tokens`` (n, C) with ``experts_of_tokens`` (n,) global expert ids; rank ``r`` of ``group`` holds
-    experts ``[r * per_rank, (r + 1) * per_rank)`` and ``expert(tokens, local_index)`` runs one of them.
-    The numbers of tokens per destination are exchanged first (an all-to-all of ``ep`` integers), then the
-    tokens themselves with uneven splits, forward and back (GShard's dispatch and combine).
-    Differentiable: backward runs the same two all-to-alls reversed.
+    experts ``[r * per_rank, (r + 1) * per_rank)``, and ``experts(tokens, counts)`` runs them once on the tokens
+    it received sorted by local expert, ``counts[e]`` of them for expert ``e`` (one call, so that a ZeRO-3 unit
+    around the experts gathers them once). The numbers of tokens per destination are exchanged first (an
+    all-to-all of ``ep`` integers), then the tokens themselves with uneven splits, forward and back (GShard's
+    dispatch and combine). Differentiable: backward runs the same two all-to-alls reversed.
     """
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     destination = experts_of_tokens // per_rank
@@ -44,16 +45,15 @@ def dispatch_and_combine(tokens: Tensor, experts_of_tokens: Tensor, expert: Call
     received = all_to_all_single(tokens.new_empty(sum(recv), tokens.shape[1]), tokens[order].contiguous(),
                                  recv, send, group=group)
     local_ids = received_ids - rank * per_rank
-    computed = torch.zeros_like(received)
-    for local in range(per_rank):
-        index = (local_ids == local).nonzero().squeeze(1)
-        if index.numel():
-            computed = computed.index_add(0, index, expert(received[index], local))
+    by_expert = torch.argsort(local_ids, stable=True)
+    counts = torch.bincount(local_ids, minlength=per_rank).tolist()
+    computed = torch.zeros_like(received).index_add(0, by_expert, experts(received[by_expert], counts))
     returned = all_to_all_single(tokens.new_empty(tokens.shape), computed, send, recv, group=group)
     return torch.zeros_like(returned).index_add(0, order, returned)  # back into the tokens' order
 
 
-def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, plan: ModelPlan | None = None) -> nn.Module:
+def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, plan: ModelPlan | None = None, *,
+                          reduce_gradients: bool = True) -> nn.Module:
     """Split the experts of every MoE layer in ``module`` over ``ep`` ranks (in place).
 
     MoE layers are those that route their own tokens (:func:`routes_its_tokens`: this project's
@@ -61,11 +61,13 @@ def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, plan: 
     and are called as ``experts(hidden_states, top_k_index, top_k_weights)`` (Hugging Face's Mixtral, Qwen-MoE,
     OLMoE in transformers 5).
 
-    Expert parallel borrows its ranks from ``dp_shard x cp`` (DESIGN.md): consecutive groups of ``ep``
-    ranks hold one copy of all experts between them, and the groups replicate each other. Expert weights
-    become DTensors split along the expert dimension (so checkpoints reshard), ignored by DDP; their
-    gradients, which the all-to-alls already summed over the tokens of the ``ep`` group, are summed over
-    the replicas and divided by the number of data-parallel ranks, as DDP's average would.
+    Expert parallel borrows its ranks from ``dp_shard x cp`` (DESIGN.md, :meth:`ParallelMesh.experts`):
+    consecutive groups of ``ep`` ranks hold one copy of all experts between them, and the groups replicate each
+    other. Expert weights become DTensors split along the expert dimension (so checkpoints reshard), ignored by
+    DDP. With ``reduce_gradients`` their gradients, which the all-to-alls already summed over the tokens of the
+    ``ep`` group, are summed over the replicas and divided by the number of data-parallel ranks, as DDP's
+    average would; without it ZeRO-3 does that (:func:`~lightning_par.parallel.zero.fully_shard_model` shards
+    the experts over their replicas).
     """
     ours = [m for m in module.modules() if routes_its_tokens(m)]
     split_by_ours = {id(layer.experts) for layer in ours}
@@ -78,18 +80,24 @@ def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, plan: 
         if n_experts % ep != 0:
             raise ValueError(f"ep={ep} does not divide the {n_experts} experts of an MoE layer; use an ep in "
                              f"{divisors(n_experts)}")
-    host = mesh["dp_shard_cp"]
-    expert_mesh = host._unflatten(0, (host.size() // ep, ep), ("ep_replicate", "ep"))
-    replicas = expert_mesh["ep_replicate"].get_group() if host.size() > ep else None
-    gradient = _ExpertGradient(replicas, mesh.size("dp_cp"))
+    meshes = mesh.experts(ep)
+    replicas = meshes.replicas.get_group() if meshes.replicas.size() > 1 else None
+    gradient = _ExpertGradient(replicas, mesh.size("dp_cp")) if reduce_gradients else None
     for layer in ours:
-        layer.expert_group = expert_mesh["ep"].get_group()
-        _split_weights(layer.experts, expert_mesh["ep"], gradient)
+        layer.expert_group = meshes.ep.get_group()
+        _split_weights(layer.experts, meshes.ep, gradient)
     for experts in theirs:
         n_experts = _stacked_experts(experts)
-        _split_weights(experts, expert_mesh["ep"], gradient)
-        experts.forward = _RoutedExperts(experts, n_experts, expert_mesh["ep"].get_group())
+        _split_weights(experts, meshes.ep, gradient)
+        experts.forward = _RoutedExperts(experts, n_experts, meshes.ep.get_group())
     return module
+
+
+def expert_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules of ``module`` whose own weights expert parallel split (DTensors over the ``ep`` mesh)."""
+    return [m for m in module.modules()
+            if any(isinstance(w, DTensor) and w.device_mesh.mesh_dim_names == ("ep",)
+                   for w in m.parameters(recurse=False))]
 
 
 def local_part(weight: Tensor) -> Tensor:
@@ -112,10 +120,11 @@ def _stacked_experts(module: nn.Module) -> int | None:
     return weights[0].shape[0]
 
 
-def _split_weights(experts: nn.Module, ep_mesh: Any, gradient: Callable[[Tensor], Tensor]) -> None:
+def _split_weights(experts: nn.Module, ep_mesh: Any, gradient: Callable[[Tensor], Tensor] | None) -> None:
     for name, weight in list(experts.named_parameters(recurse=False)):
         split = nn.Parameter(distribute_tensor(weight.data, ep_mesh, [Shard(0)]))
-        split.register_hook(gradient)  # on each backward's contribution
+        if gradient is not None:
+            split.register_hook(gradient)  # on each backward's contribution
         setattr(experts, name, split)
 
 
@@ -134,11 +143,11 @@ class _RoutedExperts:
         n, k = top_k_index.shape
         token = torch.arange(n, device=hidden_states.device).repeat_interleave(k)
         chosen = top_k_index.reshape(-1)
-        y = dispatch_and_combine(hidden_states[token], chosen, self._one_expert, self.per_rank, self.group)
+        y = dispatch_and_combine(hidden_states[token], chosen, self._local_experts, self.per_rank, self.group)
         weighted = y * top_k_weights.reshape(-1, 1).to(y.dtype)
         return torch.zeros_like(hidden_states).index_add(0, token, weighted.to(hidden_states.dtype))
 
-    def _one_expert(self, tokens: Tensor, local: int) -> Tensor:
+    def _local_experts(self, tokens: Tensor, counts: list[int]) -> Tensor:
         names = [name for name, _ in self.experts.named_parameters(recurse=False)]
         saved = {name: self.experts._parameters[name] for name in names}
         saved_count = getattr(self.experts, "num_experts", None)
@@ -147,9 +156,14 @@ class _RoutedExperts:
                 self.experts._parameters[name] = local_part(saved[name])
             if saved_count is not None:
                 self.experts.num_experts = self.per_rank
-            index = torch.full((tokens.shape[0], 1), local, dtype=torch.long, device=tokens.device)
-            return self.original(tokens, index, torch.ones(tokens.shape[0], 1, dtype=tokens.dtype,
-                                                           device=tokens.device))
+            outputs = []
+            for local, part in enumerate(tokens.split(counts)):
+                if not part.shape[0]:
+                    continue
+                index = torch.full((part.shape[0], 1), local, dtype=torch.long, device=part.device)
+                outputs.append(self.original(part, index, torch.ones(part.shape[0], 1, dtype=part.dtype,
+                                                                     device=part.device)))
+            return torch.cat(outputs) if outputs else tokens
         finally:
             self.experts._parameters.update(saved)
             if saved_count is not None:
@@ -168,4 +182,4 @@ class _ExpertGradient:
         return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
 
 
-__all__ = ["apply_expert_parallel", "dispatch_and_combine", "local_part", "routes_its_tokens"]
+__all__ = ["apply_expert_parallel", "dispatch_and_combine", "expert_modules", "local_part", "routes_its_tokens"]

@@ -32,6 +32,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.experts import expert_modules
 from lightning_par.parallel.plan import ModelPlan
 from lightning_par.parallel.record import layout_record
 from lightning_par.parallel.ties import retie, tied_groups
@@ -44,6 +45,9 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | N
     """ZeRO-3: shard every block of ``plan`` with FSDP2, then the root (embedding, norm, head, the rest).
 
     Without a plan the whole model is one unit: still sharded at rest, but gathered whole for forward.
+    Experts split by expert parallel are units of their own, sharded over the ranks that hold the same experts
+    (:meth:`ParallelMesh.experts`; torchtitan's EP x FSDP), while the rest of their block is sharded over all of
+    ``dp_shard x cp``.
     ``param_dtype`` casts the gathered parameters for compute (the shards, and so the optimizer, stay
     fp32); gradients are reduced in ``reduce_dtype``. ``cpu_offload`` keeps shards, gradients and
     optimizer states in host memory and copies each block to the accelerator when it runs (on a CPU run
@@ -58,6 +62,17 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | N
     options: dict[str, Any] = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     if cpu_offload and mesh.device_type != "cpu":
         options["offload_policy"] = CPUOffloadPolicy()
+    for experts in expert_modules(module):  # inner units first: a block's unit takes what is left
+        ep = next(experts.parameters(recurse=False)).device_mesh.size()
+        shard_mesh = mesh.experts(ep).shard
+        fully_shard(experts, mesh=shard_mesh, reshard_after_forward=reshard_after_forward, **options)
+        # The all-to-all already summed each expert's gradient over the tokens of its ep group; what is left is
+        # the average over every data-parallel rank, as for any other gradient, not over the ranks sharding it.
+        experts.set_gradient_divide_factor(mesh.size("dp_cp"))
+        if mesh.device_type == "cpu" and shard_mesh.size(shard_mesh.ndim - 1) > 1:
+            # gloo has no pre-multiplied sum: sum, then divide. (Not with one shard: FSDP2 then divides while
+            # copying instead of reduce-scattering, and would divide a second time.)
+            experts.set_force_sum_reduction_for_comms(True)
     if plan is not None:
         for name in plan.block_names(module):
             block = module.get_submodule(name)
