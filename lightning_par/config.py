@@ -155,10 +155,9 @@ class ParallelConfig:
                              "batch's micro-batches itself and reduces once after the last; between batches the "
                              "gradients are already reduced. Set sharded_accumulation=False")
         if self.pp > 1:
-            others = {name: getattr(self, name) for name in ("cp", "ep") if getattr(self, name) > 1}
-            if others:
-                raise ValueError(f"pp={self.pp} with {_sizes(others)}: pipeline parallel composes with data and "
-                                 "tensor parallel in this version; use context or expert parallel without pp")
+            if self.cp > 1:
+                raise ValueError(f"pp={self.pp} with cp={self.cp}: pipeline parallel composes with data, tensor and "
+                                 "expert parallel in this version; use context parallel without pp")
             if stage == 3 and self.pp_schedule in V_SCHEDULES:
                 raise ValueError(f"pp={self.pp} with zero_stage=3 and pp_schedule={self.pp_schedule!r}: ZB-V and "
                                  "DualPipeV compute weight gradients in a pass of their own after the input "

@@ -49,11 +49,17 @@ def make_strategy(**kwargs):
         (4, 4, dict(expert_parallel_size=2, zero_stage=3), 1, 0.05, "moe"),
         (8, 8, dict(data_parallel_size=8, replicate_size=2, expert_parallel_size=2, zero_stage=3), 2, None, "moe"),
         (4, 2, dict(tensor_parallel_size=2, expert_parallel_size=2, zero_stage=3), 2, 0.05, "moe"),
+        # Experts inside pipeline stages: the routers' losses added in backward, and reported, by each stage.
+        (4, 2, dict(data_parallel_size=2, pipeline_parallel_size=2, expert_parallel_size=2, microbatches=2), 2, 0.05,
+         "moe"),
+        (8, 4, dict(data_parallel_size=4, pipeline_parallel_size=2, expert_parallel_size=2, zero_stage=3,
+                    microbatches=2), 1, 0.05, "moe"),
     ],
     ids=["dp2xtp2xpp2-sp-acc2-clip", "pp2xtp2-gpipe", "dp2xtp2-zero0-acc2-clip",
          "tp2xep2-dp2-acc2", "cp2xtp2-ring-zero3-clip", "pp2xdp2-zero1-acc2-clip", "pp2xdp2-zero3-tied-acc2-clip",
          "pp2xdp2-zero3-interleaved", "dp2xtp2xpp2-zero3-sp-acc2-clip",
-         "ep2xdp2-zero3-acc2-clip", "ep2xdp4-zero3-clip", "ep2xhsdp2x4-zero3-acc2", "tp2xep2xdp2-zero3-acc2-clip"],
+         "ep2xdp2-zero3-acc2-clip", "ep2xdp4-zero3-clip", "ep2xhsdp2x4-zero3-acc2", "tp2xep2xdp2-zero3-acc2-clip",
+         "pp2xep2xdp2-acc2-clip", "pp2xep2xdp4-zero3-clip"],
 )
 # ZeRO-3 x tp2 with sequence parallel is test_tensor_parallel.py's dp2xtp2-sp-acc2-clip (the same layout), dp2 x cp2
 # test_context_parallel.py's, ep2 inside dp4 test_experts.py's.

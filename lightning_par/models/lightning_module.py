@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_par.models.llama import LlamaConfig, Transformer
+from lightning_par.models.moe import MoEFeedForward
 
 
 @dataclass
@@ -189,17 +191,21 @@ class LlamaLM(NextTokenLM):
         return loss
 
     def _log_routing(self) -> None:
-        """Expert load, dropped fraction and auxiliary losses of the MoE blocks (averaged over blocks)."""
+        """Expert load, dropped fraction and auxiliary losses of the MoE blocks (averaged over blocks, and over
+        ranks; under pipeline parallel, where ranks hold different blocks, this rank's blocks)."""
         stats = list(self.model.routing_stats().values())
         if not stats:
             return
+        pipelined = any(layer.mlp.loss_scale_in_backward is not None for layer in self.model.layers.values()
+                        if isinstance(getattr(layer, "mlp", None), MoEFeedForward))
+        log = functools.partial(self.log, sync_dist=not pipelined)
         n = len(stats)
-        self.log("moe/aux_loss", sum(s.aux_loss.detach() for s in stats) / n, sync_dist=True)
-        self.log("moe/z_loss", sum(s.z_loss.detach() for s in stats) / n, sync_dist=True)
-        self.log("moe/dropped_fraction", sum(s.dropped_fraction for s in stats) / n, sync_dist=True)
+        log("moe/aux_loss", sum(s.aux_loss.detach() for s in stats) / n)
+        log("moe/z_loss", sum(s.z_loss.detach() for s in stats) / n)
+        log("moe/dropped_fraction", sum(s.dropped_fraction for s in stats) / n)
         load = sum(s.tokens_per_expert for s in stats).float()
         for expert, share in enumerate((load / load.sum()).tolist()):
-            self.log(f"moe/load_expert_{expert}", share, sync_dist=True)
+            log(f"moe/load_expert_{expert}", share)
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token of the model (PaLM appendix B); used by the MFU callback."""

@@ -240,7 +240,8 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
         self.mlp: nn.Module = (
             MoEFeedForward(config.dim, config.resolved_ffn_hidden_size, config.moe_experts, config.moe_top_k,
-                           config.moe_capacity_factor)
+                           config.moe_capacity_factor, aux_loss_weight=config.moe_aux_loss_weight,
+                           z_loss_weight=config.moe_z_loss_weight)
             if moe else FeedForward(config.dim, config.resolved_ffn_hidden_size)
         )
 
@@ -354,10 +355,11 @@ class Transformer(nn.Module):
                 if isinstance(getattr(layer, "mlp", None), MoEFeedForward) and layer.mlp.stats is not None}
 
     def auxiliary_loss(self) -> Tensor | float:
-        """The weighted load-balancing and z-losses of the last forward (0 for a dense model)."""
-        stats = self.routing_stats().values()
-        return sum(self.config.moe_aux_loss_weight * s.aux_loss + self.config.moe_z_loss_weight * s.z_loss
-                   for s in stats)
+        """The weighted load-balancing and z-losses of the last forward (0 for a dense model), but for blocks
+        that add theirs in backward (``MoEFeedForward.loss_scale_in_backward``: under pipeline parallel)."""
+        return sum(layer.mlp.weighted_auxiliary_loss() for layer in self.layers.values()
+                   if isinstance(getattr(layer, "mlp", None), MoEFeedForward) and layer.mlp.stats is not None
+                   and layer.mlp.loss_scale_in_backward is None)
 
     def num_parameters(self, exclude_embedding: bool = False) -> int:
         """Number of parameters held by this module, each shared tensor counted once.

@@ -70,14 +70,24 @@ class MoEFeedForward(nn.Module):
     """Top-k routed mixture of SwiGLU experts in place of a block's feed-forward: (B, T, C) -> (B, T, C).
 
     After each forward, :attr:`stats` holds the routing statistics and the unweighted auxiliary losses;
-    the model adds ``aux_loss_weight * aux_loss + z_loss_weight * z_loss`` to its loss.
+    the model adds :meth:`weighted_auxiliary_loss` (``aux_loss_weight * aux_loss + z_loss_weight * z_loss``) to
+    its loss. Under pipeline parallel the loss function sees only the last stage's output; there a runner sets
+    :attr:`loss_scale_in_backward` (the factor its loss function applies to a micro-batch's loss), and the layer
+    adds the gradient of its weighted losses in backward itself and appends their values to
+    :attr:`losses_in_backward` (the pipeline-runner protocol, ``parallel/pipeline_runner.py``).
     """
 
     def __init__(self, dim: int, hidden_size: int, n_experts: int, top_k: int = 2,
-                 capacity_factor: float | None = None) -> None:
+                 capacity_factor: float | None = None, *, aux_loss_weight: float = 0.01,
+                 z_loss_weight: float = 0.001) -> None:
         super().__init__()
         check_moe(n_experts, top_k, capacity_factor)
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.aux_loss_weight, self.z_loss_weight = aux_loss_weight, z_loss_weight
+        # Set by a pipeline runner: the layer then adds its weighted auxiliary losses to training itself, scaled
+        # so (see AuxiliaryLossInBackward), and records their values for the runner to report.
+        self.loss_scale_in_backward: float | None = None
+        self.losses_in_backward: list[Tensor] = []
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = GroupedExperts(n_experts, dim, hidden_size)
         self.stats: RoutingStats | None = None
@@ -88,7 +98,6 @@ class MoEFeedForward(nn.Module):
         self.experts.init_weights(init_std, out_std)
 
     def forward(self, x: Tensor) -> Tensor:
-        B, T, C = x.shape
         logits = self.router(x).float()  # (B, T, E): fp32 so the softmax and the z-loss stay exact
         probs = logits.softmax(-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)  # (B, T, k)
@@ -96,7 +105,23 @@ class MoEFeedForward(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         keep = self._within_capacity(chosen)  # (B, T, k)
         self.stats = self._statistics(logits, probs, chosen, keep)
+        return self._with_auxiliary_loss(self._routed(x, chosen, keep, weights))
 
+    def weighted_auxiliary_loss(self) -> Tensor:
+        """``aux_loss_weight * aux_loss + z_loss_weight * z_loss`` of the last forward."""
+        return self.aux_loss_weight * self.stats.aux_loss + self.z_loss_weight * self.stats.z_loss
+
+    def _with_auxiliary_loss(self, out: Tensor) -> Tensor:
+        if self.loss_scale_in_backward is None:
+            return out
+        weighted = self.weighted_auxiliary_loss()
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward (checkpointing)
+            self.losses_in_backward.append(weighted.detach())
+        return AuxiliaryLossInBackward.apply(out, weighted, self.loss_scale_in_backward)
+
+    def _routed(self, x: Tensor, chosen: Tensor, keep: Tensor, weights: Tensor) -> Tensor:
+        """The weighted sum of the kept assignments' expert outputs: (B, T, C) -> (B, T, C)."""
+        B, T, C = x.shape
         tokens = x.reshape(B * T, C)
         flat_expert, flat_keep = chosen.reshape(-1), keep.reshape(-1)  # (B*T*k,)
         flat_token = torch.arange(B * T, device=x.device).repeat_interleave(self.top_k)
@@ -138,6 +163,24 @@ class MoEFeedForward(nn.Module):
                             dropped_fraction=(~keep).float().mean().detach(), aux_loss=aux, z_loss=z)
 
 
+class AuxiliaryLossInBackward(torch.autograd.Function):
+    """``output`` unchanged; in backward, ``loss`` receives the gradient ``scale`` as if ``scale * loss`` had been
+    added to the loss being minimised (Megatron-Core's MoEAuxLossAutoScaler, Shoeybi et al.). Lets a layer add a
+    loss of its own where the loss function never sees it: a pipeline's last stage computes the loss from its
+    output alone."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, output: Tensor, loss: Tensor, scale: float) -> Tensor:
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_output: Tensor) -> tuple[Tensor, Tensor, None]:
+        (loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(loss, ctx.scale), None
+
+
 def check_moe(n_experts: int, top_k: int, capacity_factor: float | None) -> None:
     """Raise ``ValueError`` naming the values when the routing cannot work."""
     if isinstance(n_experts, bool) or not isinstance(n_experts, int) or n_experts < 1:
@@ -148,4 +191,4 @@ def check_moe(n_experts: int, top_k: int, capacity_factor: float | None) -> None
         raise ValueError(f"capacity_factor must be positive, or None for dropless routing; got {capacity_factor!r}")
 
 
-__all__ = ["GroupedExperts", "MoEFeedForward", "RoutingStats", "check_moe"]
+__all__ = ["AuxiliaryLossInBackward", "GroupedExperts", "MoEFeedForward", "RoutingStats", "check_moe"]

@@ -8,6 +8,13 @@ schedule produced are kept aside (:meth:`take_gradients` hands them back), becau
 between its step and its backward. Evaluation runs the stages forward only; the loss, computed on the last stage,
 is broadcast over the pipeline group so every rank reports the same value. The runner also measures the bubble
 (``parallel/bubble.py``) and counts the bytes the stages send (``parallel/comm.py``).
+
+A layer that adds a loss of its own (a mixture-of-experts router's load-balancing loss) cannot hand it to the loss
+function, which sees only the last stage's output. Such a layer takes part in a protocol: it has the attributes
+``loss_scale_in_backward`` and ``losses_in_backward``; the runner sets the first to the factor it applies to a
+micro-batch's loss, the layer then adds the gradient of its loss times that factor in backward itself
+(Megatron-Core's way) and appends the loss's value to the second, and the runner adds the mean of those values,
+summed over the pipeline's stages, to the loss it reports.
 """
 
 from __future__ import annotations
@@ -59,6 +66,9 @@ class PipelineRunner:
         # Fixed for the run: whether this rank feeds the inputs or computes the loss, and which rank does.
         self.holds_first = any(stage.is_first for stage in stages)
         self.holds_last = any(stage.is_last for stage in stages)
+        self._own_losses = _layers_with_own_loss(stages, mesh, device or torch.device(mesh.device_type))
+        for layer in self._own_losses or ():
+            layer.loss_scale_in_backward = 1 / (micro * accumulate)
         last = last_stage_rank(config.pp, config.pp_schedule, config.pp_virtual_stages)
         self.last_stage_global_rank = dist.get_global_rank(mesh.group("pp"), last)
 
@@ -81,7 +91,7 @@ class PipelineRunner:
         self._pending = [(p, p.grad) for p in parameters if p.grad is not None]
         for p, grad in zip(parameters, earlier):
             p.grad = grad
-        return self._broadcast(loss)
+        return self._broadcast(loss) + self._layers_own_loss(loss)
 
     def take_gradients(self) -> None:
         """Add the gradients of the last :meth:`train_step` to the parameters' (as a backward would)."""
@@ -96,7 +106,7 @@ class PipelineRunner:
             logits = self.forward(inputs)
             if self.holds_last:
                 loss = self.loss_fn(logits, targets).detach()
-        return self._broadcast(loss)
+        return self._broadcast(loss) + self._layers_own_loss(loss)
 
     def predict(self, inputs: Tensor) -> Tensor:
         """The last stage's logits, handed to every rank."""
@@ -117,6 +127,21 @@ class PipelineRunner:
         return self._ready("eval", inputs).eval(*self._stage_inputs(inputs), tokens=inputs)
 
     # ------------------------------------------------------------------------------------------ helpers
+    def _layers_own_loss(self, like: Tensor) -> Tensor | float:
+        """The mean over micro-batches of the losses layers added themselves, summed over the pipeline's stages
+        (0 for a model without such layers); empties the layers' records. A batch's micro-batches are the last
+        forwards: a schedule's first step runs each stage once before, on stand-in inputs, to learn the shapes."""
+        if self._own_losses is None:
+            return 0.0
+        total = torch.zeros((), dtype=like.dtype, device=like.device)
+        for layer in self._own_losses:
+            if layer.losses_in_backward:
+                recorded = layer.losses_in_backward[-self.config.pp_microbatches:]
+                total = total + torch.stack(recorded).mean().to(total.dtype)
+            layer.losses_in_backward.clear()
+        dist.all_reduce(total, group=self.mesh.group("pp"))
+        return total
+
     def _broadcast(self, loss: Tensor) -> Tensor:
         dist.broadcast(loss, src=self.last_stage_global_rank, group=self.mesh.group("pp"))
         return loss
@@ -143,3 +168,13 @@ class PipelineRunner:
             self._schedule_shape[kind] = shape
         self._stage_shape = shape
         return self._schedules[kind]
+
+
+def _layers_with_own_loss(stages: list, mesh: ParallelMesh, device: torch.device) -> list | None:
+    """This rank's layers that add a loss of their own (the protocol above), or None when no stage of the
+    pipeline has one. Stages hold different layers, so whether any has one is agreed over the pipeline group."""
+    layers = list({id(m): m for stage in stages for m in stage.submod.modules()
+                   if hasattr(m, "loss_scale_in_backward") and hasattr(m, "losses_in_backward")}.values())
+    anywhere = torch.tensor([len(layers)], device=device)
+    dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=mesh.group("pp"))
+    return layers if int(anywhere) else None
