@@ -19,6 +19,7 @@ from lightning_par.planner import (
     format_table,
     plan_layouts,
 )
+from lightning_par.planner.cluster import INFINIBAND_BUS_EFFICIENCY, NVLINK_BUS_EFFICIENCY
 from lightning_par.planner.report import layout_name
 from lightning_par.planner.time import spans
 
@@ -338,7 +339,7 @@ def test_pipeline_bubble_follows_the_schedules() -> None:
 
 def test_tensor_parallel_bytes_are_megatrons_and_slow_down_across_nodes() -> None:
     """Two all-reduces of b·s·h per block forward and two backward (Shoeybi et al. 2019); sequence parallel moves
-    the same bytes (Korthikanti et al. 2022); over InfiniBand the same bytes take 9x longer than over NVLink."""
+    the same bytes (Korthikanti et al. 2022); over InfiniBand the same bytes take 9x longer than over NVLink at equal bus efficiency."""
     model = dataclasses.replace(ModelSpec.preset("llama3-8b"), vocab_size=8)  # make the ends negligible
     b, s, h, tp = 1, 4096, model.hidden, 8
     inside = ClusterSpec.from_preset("h100-80gb", nodes=2, devices_per_node=8)
@@ -354,7 +355,11 @@ def test_tensor_parallel_bytes_are_megatrons_and_slow_down_across_nodes() -> Non
     ends = ring * b * s * h * (4 + 2) + (tp - 1) / tp * b * s * model.vocab_size * 2
     assert times[False, "inside"].comm_bytes["tp"] == pytest.approx(model.layers * per_block + ends)
     assert times[True, "inside"].comm_bytes["tp"] == pytest.approx(times[False, "inside"].comm_bytes["tp"], rel=0.01)
-    assert times[False, "across"].comm["tp"] == pytest.approx(9 * times[False, "inside"].comm["tp"])
+    # 450 GB/s NVLink against 50 GB/s InfiniBand per GPU, each at the bus efficiency calibrated for it
+    links = (inside.intra_node_bandwidth * inside.intra_node_bus_efficiency) / (
+        inside.inter_node_bandwidth * inside.inter_node_bus_efficiency)
+    assert links == pytest.approx(9 * NVLINK_BUS_EFFICIENCY / INFINIBAND_BUS_EFFICIENCY)
+    assert times[False, "across"].comm["tp"] == pytest.approx(links * times[False, "inside"].comm["tp"])
 
 
 # ------------------------------------------------------------------------------ calibration

@@ -12,10 +12,18 @@ Numbers are public data-sheet figures per device:
 Collective times in :mod:`lightning_par.planner.time` use these as the per-device bandwidth of the ring
 (NCCL's "bus bandwidth"), so they are the unidirectional figures.
 
-Peak FLOP/s are never reached: ``compute_efficiency`` is the fraction of peak that the matmuls of a
-training step sustain (0.5 is typical of well-tuned large-model training on H100/A100: Megatron-LM reports
-52% of peak for GPT-3 175B on A100, Narayanan et al. 2021). :func:`calibrate` fits it, and optionally the
-bandwidths, to a measured step time.
+* h100-96gb-500w: the H100s torchtitan's published Llama 3.1 benchmarks ran on (Meta's Grand Teton hosts:
+  96 GB HBM2e at 2.4 TB/s, capped at 500 W, 400 Gb/s RDMA per GPU; ``benchmarks/llama3_h100_202412_torchtitan.md``
+  in pytorch/torchtitan, whose footnote puts the peak "between SXM and NVL").
+
+Peak FLOP/s are never reached. The time model distinguishes three kinds of work, each with its own achievable
+rate: matmuls (the linear layers, ``compute_efficiency`` of peak), attention (the PaLM-counted ``12·L·h·s`` FLOPs
+of the fused kernel, ``attention_efficiency`` of peak) and element-wise ops (norms, rotary, activations,
+residual adds: bytes over ``memory_bandwidth``). Collectives run at ``bus_efficiency`` of the link's bandwidth,
+NVLink inside a node and the network across nodes (:meth:`ClusterSpec.bandwidth`). The presets' values are
+calibrated against published training runs (``lightning_par.planner.published``, docs/planner.md): each named
+constant below says which runs set it. :func:`calibrate` fits them, and optionally the bandwidths, to a
+measured step time.
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ class ClusterSpec:
     Bandwidths are bytes/s per device, one direction. ``peak_flops_fp32`` is what full-precision
     ("32-true") matmuls run at (TF32 tensor cores on GPUs: half the bf16 rate); None means the bf16 figure.
     ``usable_memory_fraction`` leaves room for the CUDA context, the allocator's fragmentation and
-    temporaries the memory model does not itemise.
+    temporaries the memory model does not itemise. ``*_bus_efficiency`` is the fraction of a link's bandwidth a
+    large NCCL collective reaches (its "bus bandwidth" over the link's), 1.0 for a ``ClusterSpec`` built by hand.
     """
 
     name: str
@@ -49,6 +58,10 @@ class ClusterSpec:
     compute_efficiency: float = 0.5
     usable_memory_fraction: float = 0.9
     peak_flops_fp32: float | None = None
+    attention_efficiency: float | None = None  # None: the matmuls' compute_efficiency
+    memory_bandwidth: float | None = None  # HBM bytes/s; None: element-wise ops are not costed
+    intra_node_bus_efficiency: float = 1.0
+    inter_node_bus_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         for field in ("nodes", "devices_per_node", "memory_bytes"):
@@ -58,9 +71,14 @@ class ClusterSpec:
         for field in ("peak_flops", "intra_node_bandwidth", "inter_node_bandwidth"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"ClusterSpec.{field} must be positive, got {getattr(self, field)!r}")
-        for field in ("compute_efficiency", "usable_memory_fraction"):
+        for field in ("compute_efficiency", "usable_memory_fraction", "intra_node_bus_efficiency",
+                      "inter_node_bus_efficiency"):
             if not 0 < getattr(self, field) <= 1:
                 raise ValueError(f"ClusterSpec.{field} must be in (0, 1], got {getattr(self, field)!r}")
+        if self.attention_efficiency is not None and not 0 < self.attention_efficiency <= 1:
+            raise ValueError(f"ClusterSpec.attention_efficiency must be in (0, 1], got {self.attention_efficiency!r}")
+        if self.memory_bandwidth is not None and not self.memory_bandwidth > 0:
+            raise ValueError(f"ClusterSpec.memory_bandwidth must be positive, got {self.memory_bandwidth!r}")
 
     @property
     def world_size(self) -> int:
@@ -77,9 +95,17 @@ class ClusterSpec:
         return self.peak_flops
 
     def bandwidth(self, span: int) -> float:
-        """Per-device bandwidth of a group whose ranks lie within ``span`` consecutive global ranks: NVLink when
-        the span fits in a node, the network otherwise (its slowest link sets a ring's pace)."""
-        return self.intra_node_bandwidth if span <= self.devices_per_node else self.inter_node_bandwidth
+        """Per-device bus bandwidth of a group whose ranks lie within ``span`` consecutive global ranks: NVLink when
+        the span fits in a node, the network otherwise (its slowest link sets a ring's pace), each at the fraction
+        of the link a large collective reaches."""
+        if span <= self.devices_per_node:
+            return self.intra_node_bandwidth * self.intra_node_bus_efficiency
+        return self.inter_node_bandwidth * self.inter_node_bus_efficiency
+
+    @property
+    def attention_rate_fraction(self) -> float:
+        """Fraction of peak the fused attention kernels sustain (the matmuls' when not given)."""
+        return self.attention_efficiency if self.attention_efficiency is not None else self.compute_efficiency
 
     @classmethod
     def from_preset(cls, device: str, nodes: int = 1, devices_per_node: int = 8, **overrides: Any) -> ClusterSpec:
@@ -97,15 +123,40 @@ class ClusterSpec:
         return cls(nodes=nodes, devices_per_node=devices_per_node, **spec)
 
 
-_H100 = dict(peak_flops=989e12, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9)
-_A100 = dict(peak_flops=312e12, intra_node_bandwidth=300e9, inter_node_bandwidth=25e9)
+# ---- calibration against published runs (lightning_par.planner.published; docs/planner.md has the table)
+# Fraction of peak the linear layers' GEMMs sustain in a whole training step.
+A100_MATMUL_EFFICIENCY = 0.58  # Megatron-LM PTD-P on A100 (Narayanan et al. 2021, table 2: 141-159 TFLOP/s)
+H100_MATMUL_EFFICIENCY = 0.60  # Megatron-Core Mixtral 8x7B on H100 SXM (438 TFLOP/s, Megatron-LM MoE README)
+H100_500W_MATMUL_EFFICIENCY = 0.52  # torchtitan's power-capped H100s (Llama 3.1 8B FSDP, 5,762 tokens/s/GPU)
+# Attention, as a fraction of peak over PaLM's 12·L·h·s FLOPs (which count the causal half a fused kernel
+# skips): FlashAttention-2-class kernels reach 50-70% of A100 peak and ~35% of H100 peak on the causal work
+# (Dao 2023, figs. 4-6), i.e. about twice that over the PaLM count.
+A100_ATTENTION_EFFICIENCY = 1.0
+H100_ATTENTION_EFFICIENCY = 0.65
+# Bus efficiency of a large NCCL collective: nccl-tests reach ~80% of NVLink's unidirectional bandwidth for
+# large messages inside a DGX A100 / H100. Across nodes a ring over hundreds of 200/400 Gb/s adapters does a
+# little worse: 0.75 is what Megatron's ZeRO-3 rows (Narayanan et al. 2021, table 2: 1,536 A100s gathering GPT
+# 175B, gather-bound) leave with COLLECTIVE_OVERLAP.
+NVLINK_BUS_EFFICIENCY = 0.8
+INFINIBAND_BUS_EFFICIENCY = 0.75
+
+_CALIBRATED = dict(intra_node_bus_efficiency=NVLINK_BUS_EFFICIENCY,
+                   inter_node_bus_efficiency=INFINIBAND_BUS_EFFICIENCY)
+_H100 = dict(peak_flops=989e12, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
+             compute_efficiency=H100_MATMUL_EFFICIENCY, attention_efficiency=H100_ATTENTION_EFFICIENCY, **_CALIBRATED)
+_A100 = dict(peak_flops=312e12, intra_node_bandwidth=300e9, inter_node_bandwidth=25e9,
+             compute_efficiency=A100_MATMUL_EFFICIENCY, attention_efficiency=A100_ATTENTION_EFFICIENCY, **_CALIBRATED)
 DEVICE_PRESETS: dict[str, dict[str, Any]] = {
-    "h100-80gb": dict(memory_bytes=80 * GiB, **_H100),
-    "h200-141gb": dict(memory_bytes=140 * GiB, **_H100),
-    "a100-80gb": dict(memory_bytes=80 * GiB, **_A100),
-    "a100-40gb": dict(memory_bytes=40 * GiB, **_A100),
+    "h100-80gb": dict(memory_bytes=80 * GiB, memory_bandwidth=3.35e12, **_H100),
+    # torchtitan's Grand Teton H100s: between the SXM's 989 and the NVL's 835 TFLOP/s bf16 (torchtitan's own
+    # footnote): the midpoint. 96 GB HBM2e at 2.4 TB/s; 400 Gb/s RDMA per GPU; NVLink as the SXM's.
+    "h100-96gb-500w": dict(_H100, memory_bytes=96 * GiB, memory_bandwidth=2.4e12, peak_flops=912e12,
+                           compute_efficiency=H100_500W_MATMUL_EFFICIENCY),
+    "h200-141gb": dict(memory_bytes=140 * GiB, memory_bandwidth=4.8e12, **_H100),
+    "a100-80gb": dict(memory_bytes=80 * GiB, memory_bandwidth=2.039e12, **_A100),
+    "a100-40gb": dict(memory_bytes=40 * GiB, memory_bandwidth=1.555e12, **_A100),
     # One gloo process on a CPU: ~1 TFLOP/s of fp32/bf16 matmul on a few AVX-512 cores, shared memory inside
-    # the machine, 10 Gb/s Ethernet between machines.
+    # the machine, 10 Gb/s Ethernet between machines. Nothing published to calibrate against: raw figures.
     "cpu": dict(memory_bytes=16 * GiB, peak_flops=1e12, peak_flops_fp32=1e12, intra_node_bandwidth=10e9,
                 inter_node_bandwidth=1.25e9),
 }
@@ -120,12 +171,13 @@ def calibrate(cluster: ClusterSpec, *, measured_step_time: float | Sequence[floa
     :class:`~lightning_par.planner.time.StepTime` the model gave for the measured layout on ``cluster``, or a
     function ``cluster -> StepTime`` that re-runs the model (then the fit is exact, found by bisection).
 
-    By default only ``compute_efficiency`` changes. From a ``StepTime`` it is solved in closed form: the
-    compute-bound part (compute, recomputation, pipeline bubble, all proportional to 1 / efficiency) is
+    By default only the compute rates change, all by one factor: ``compute_efficiency``,
+    ``attention_efficiency`` and ``memory_bandwidth``. From a ``StepTime`` it is solved in closed form: the
+    compute-bound part (compute, recomputation, pipeline bubble, all proportional to 1 / that factor) is
     stretched so that, with the exposed communication as predicted, the total is the measurement; since a
     longer compute hides more communication, re-predicting lands close to, not exactly on, the measurement.
     With ``bandwidths=True`` both bandwidths scale by the same factor as the efficiency (every part of the
-    prediction scales by ``measured / predicted``). The efficiency never exceeds 1 (peak).
+    prediction scales by ``measured / predicted``). Efficiencies never exceed 1 (peak).
     """
     measured = statistics.median(measured_step_time) if isinstance(measured_step_time, Sequence) \
         else float(measured_step_time)
@@ -137,13 +189,20 @@ def calibrate(cluster: ClusterSpec, *, measured_step_time: float | Sequence[floa
         return _scaled(cluster, predicted.total / measured)  # > 1: the cluster is faster than modelled
     compute_bound = predicted.compute + predicted.recompute + predicted.bubble
     room = measured - (predicted.total - compute_bound)
-    efficiency = 1.0 if room <= 0 else min(1.0, cluster.compute_efficiency * compute_bound / room)
-    return dataclasses.replace(cluster, compute_efficiency=efficiency)
+    return _faster(cluster, 1.0 / cluster.compute_efficiency if room <= 0 else compute_bound / room)
+
+
+def _faster(cluster: ClusterSpec, factor: float) -> ClusterSpec:
+    """Every compute rate (matmul and attention efficiency, memory bandwidth) times ``factor``; efficiencies
+    stop at 1 (peak)."""
+    attention = None if cluster.attention_efficiency is None else min(1.0, cluster.attention_efficiency * factor)
+    memory = None if cluster.memory_bandwidth is None else cluster.memory_bandwidth * factor
+    return dataclasses.replace(cluster, compute_efficiency=min(1.0, cluster.compute_efficiency * factor),
+                               attention_efficiency=attention, memory_bandwidth=memory)
 
 
 def _scaled(cluster: ClusterSpec, factor: float) -> ClusterSpec:
-    return dataclasses.replace(cluster, compute_efficiency=min(1.0, cluster.compute_efficiency * factor),
-                               intra_node_bandwidth=cluster.intra_node_bandwidth * factor,
+    return dataclasses.replace(_faster(cluster, factor), intra_node_bandwidth=cluster.intra_node_bandwidth * factor,
                                inter_node_bandwidth=cluster.inter_node_bandwidth * factor)
 
 
@@ -152,7 +211,7 @@ def _fit(cluster: ClusterSpec, measured: float, predict: Any, bandwidths: bool) 
     def make(factor: float) -> ClusterSpec:
         if bandwidths:
             return _scaled(cluster, factor)
-        return dataclasses.replace(cluster, compute_efficiency=min(1.0, cluster.compute_efficiency * factor))
+        return _faster(cluster, factor)
 
     low, high = 1e-4, 1e4
     if not bandwidths:
@@ -168,4 +227,4 @@ def _fit(cluster: ClusterSpec, measured: float, predict: Any, bandwidths: bool) 
     return make((low * high) ** 0.5)
 
 
-__all__ = ["ClusterSpec", "DEVICE_PRESETS", "GiB", "calibrate"]
+__all__ = ["ClusterSpec", "DEVICE_PRESETS", "GiB", "calibrate", "NVLINK_BUS_EFFICIENCY", "INFINIBAND_BUS_EFFICIENCY"]

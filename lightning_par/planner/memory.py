@@ -303,13 +303,21 @@ def estimate_memory(model: ModelSpec, config: ParallelConfig, *, seq_len: int, m
     """Per-rank memory of ``config`` (fully sized) for micro-batches of ``micro_batch_size`` sequences of
     ``seq_len`` tokens, ``microbatches`` of them per optimizer step on each data-parallel rank (pipeline
     micro-batches, or gradient accumulation steps). Returns the heaviest pipeline rank's breakdown."""
+    return max(rank_memory(model, config, seq_len=seq_len, micro_batch_size=micro_batch_size, precision=precision,
+                           microbatches=microbatches, optimizer=optimizer), key=lambda m: m.total)
+
+
+def rank_memory(model: ModelSpec, config: ParallelConfig, *, seq_len: int, micro_batch_size: int,
+                precision: str = "bf16-mixed", microbatches: int = 1,
+                optimizer: str = "adamw") -> tuple[MemoryBreakdown, ...]:
+    """The breakdown of every pipeline rank, in rank order (one without pipeline parallel): what
+    :func:`estimate_memory` takes the heaviest of, and what a measurement of each stage is compared with."""
     _check_precision(precision)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not one of {OPTIMIZERS}")
     config.mesh_shape()  # raises if sizes are still "auto"
-    results = [_rank_memory(model, config, stages, seq_len=seq_len, mbs=micro_batch_size, precision=precision,
-                            microbatches=microbatches) for stages in rank_stages(model, config)]
-    return max(results, key=lambda m: m.total)
+    return tuple(_rank_memory(model, config, stages, seq_len=seq_len, mbs=micro_batch_size, precision=precision,
+                              microbatches=microbatches) for stages in rank_stages(model, config))
 
 
 def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *, seq_len: int, mbs: int,
@@ -406,5 +414,5 @@ def block_local_params(model: ModelSpec, config: ParallelConfig, moe: bool) -> f
 
 
 __all__ = ["LIGHTNING_PRECISIONS", "MemoryBreakdown", "PRECISIONS", "estimate_memory", "block_activation_bytes", "final_activation_bytes",
-           "loss_workspace_bytes", "rank_stages", "RankStages", "in_flight", "local_params", "param_bytes",
+           "loss_workspace_bytes", "rank_memory", "rank_stages", "RankStages", "in_flight", "local_params", "param_bytes",
            "block_local_params"]

@@ -52,7 +52,9 @@ _FIXABLE = ("tp", "pp", "cp", "ep", "dp", "dp_replicate", "dp_shard", "zero_stag
 class TrainingSpec:
     """What is trained: ``global_batch_size`` sequences of ``seq_len`` tokens per optimizer step, in
     micro-batches of ``micro_batch_size`` sequences per data-parallel rank (a sequence of sizes lets the
-    planner choose). ``activation_checkpointing`` and ``pp_schedules`` are the modes it may use."""
+    planner choose). ``activation_checkpointing`` and ``pp_schedules`` are the modes it may use. ``compiled``
+    (the blocks under ``torch.compile``) and ``float8`` (their linear layers in torchao's Float8) change the
+    step time only (:func:`~lightning_par.planner.time.estimate_step_time`)."""
 
     global_batch_size: int
     seq_len: int
@@ -64,6 +66,8 @@ class TrainingSpec:
     zero_stages: tuple[int, ...] = ZERO_STAGES
     cp_methods: tuple[str, ...] = CP_METHODS
     pp_virtual_stages: tuple[int, ...] = (2,)
+    compiled: bool = False
+    float8: bool = False
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "seq_len"):
@@ -212,6 +216,10 @@ def enumerate_layouts(model: ModelSpec, world: int, training: TrainingSpec,
                                             sequence_parallel=sp, loss_parallel=lp, cp_method=cp_method,
                                             zero_stage=zero, activation_checkpointing=ac,
                                             sharded_accumulation=sharded and shardable,
+                                            # Under a pipeline a ZeRO-3 stage stays gathered from its first backward
+                                            # anyway (torch.distributed.pipelining): resharding after forward would
+                                            # only add gathers (torchtitan's default policy too).
+                                            reshard_after_forward=not (zero == 3 and pp > 1),
                                             **_precision_knobs(zero, training.precision), **pipeline)
                     layouts.append((config, m, mbs))
     return layouts
@@ -298,7 +306,8 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, con
     memory = estimate_memory(model, config, seq_len=training.seq_len, micro_batch_size=micro_batch_size,
                              precision=training.precision, microbatches=microbatches, optimizer=training.optimizer)
     time = estimate_step_time(model, config, cluster, seq_len=training.seq_len, micro_batch_size=micro_batch_size,
-                              microbatches=microbatches, precision=training.precision)
+                              microbatches=microbatches, precision=training.precision, compiled=training.compiled,
+                              float8=training.float8)
     return Candidate(config=config, microbatches=microbatches, micro_batch_size=micro_batch_size, memory=memory,
                      time=time, fits=memory.total <= cluster.usable_memory_bytes, cluster=cluster,
                      mfu=time.mfu(cluster, training.precision))

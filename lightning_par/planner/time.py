@@ -1,9 +1,12 @@
 """Step-time model: compute at a fraction of peak, collectives per mesh dimension, the pipeline bubble.
 
-Compute is the training FLOPs of the heaviest pipeline rank divided by ``peak x efficiency`` (PaLM's
-``6N + 12·L·h·s`` per token, as ``llama_flops_per_token``); full activation checkpointing adds one more
-forward of the blocks (1/3 of their FLOPs), selective a few per cent for the element-wise ops it reruns
-(Korthikanti et al. 2022, table 4).
+Compute is the work of the heaviest pipeline rank in three classes, each at its own rate (``ClusterSpec``):
+the linear layers' ``6N`` FLOPs per token at ``peak x compute_efficiency`` (Float8 linears, torchao's, at
+:data:`FLOAT8_LINEAR_SPEEDUP` times that), attention's ``12·L·h·s`` (PaLM's count, as ``llama_flops_per_token``)
+at ``peak x attention_efficiency``, and the element-wise ops' bytes (:data:`ELEMENTWISE_PASSES_H`,
+:data:`ELEMENTWISE_PASSES_F`; fewer under ``torch.compile``) over the memory bandwidth. Full activation
+checkpointing adds one more forward of the blocks (1/3 of their work), selective a few per cent for the
+element-wise ops it reruns (Korthikanti et al. 2022, table 4).
 
 Collectives move bytes over rings (bus bandwidth): an all-reduce sends ``2(d-1)/d`` of its tensor per rank,
 an all-gather or reduce-scatter ``(d-1)/d`` of the whole tensor, an all-to-all ``(d-1)/d`` of the local one.
@@ -25,8 +28,11 @@ spans ``tp`` ranks, ``cp`` spans ``tp x cp``, and so on outwards (:func:`spans`)
 * dp: gradients all-reduced once per step (DDP, ZeRO-1), reduced to their owners (ZeRO-2) or
   reduce-scattered (ZeRO-3, Rajbhandari et al. 2020); ZeRO-1/2 then broadcast the updated parameters;
   ZeRO-3 all-gathers every block's parameters in forward and again in backward, every micro-batch. Gradient
-  reduction overlaps the last backward, parameter gathers the compute of their micro-batch; what cannot
-  hide (at least the last unit's share) is exposed.
+  reduction overlaps the last backward, parameter gathers the compute of their micro-batch, each behind at most
+  :data:`COLLECTIVE_OVERLAP` of that compute; what cannot hide (at least the last unit's share) is exposed.
+  Under a pipeline, ``torch.distributed.pipelining`` keeps an FSDP stage gathered between its backward passes
+  and reduce-scatters once after the schedule (``set_reshard_after_backward(False)``): without
+  ``reshard_after_forward`` the parameters are gathered once per step, and the reduction is exposed.
 """
 
 from __future__ import annotations
@@ -50,6 +56,23 @@ from lightning_par.planner.model import ModelSpec
 SELECTIVE_RECOMPUTE_OVERHEAD = 0.03  # of the blocks' compute: element-wise ops rerun (Korthikanti, table 4)
 ZBV_BUBBLE_RESIDUAL = 0.1  # of 1F1B's bubble: ZB-V's is zero only when F, B and W passes take equal time
 
+# ---- calibration against published runs (lightning_par.planner.published; docs/planner.md has the table)
+# HBM traffic of a block's element-wise ops in eager PyTorch, forward + backward, in reads and writes of an
+# activation-sized tensor per token: two RMSNorms with their fp32 casts, rotary on q and k, the layout copies
+# around attention, two residual adds (about 60 h-wide passes forward, twice that backward), and SwiGLU's silu
+# and product (about 5 f-wide passes forward). torchtitan's Llama 3.1 8B on 8 H100s runs at 5,762 tokens/s/GPU
+# eager and 6,667 compiled: 24 µs per token, what these passes cost at 2.4 TB/s less what a compiled block keeps.
+ELEMENTWISE_PASSES_H = 180
+ELEMENTWISE_PASSES_F = 15
+COMPILED_ELEMENTWISE_FRACTION = 0.35  # of the eager traffic left once torch.compile (Inductor) fuses the chains
+# Float8 linears (torchao, dynamic tensorwise scaling) against bf16, casts and scaling included: torchtitan's 8B
+# goes from 6,667 to 8,532 tokens/s/GPU compiled; with the other work unchanged, its linears ran 1.4x faster.
+FLOAT8_LINEAR_SPEEDUP = 1.4
+# Collectives overlapped with compute slow it (NCCL kernels take SMs and memory bandwidth) and wait for their
+# inputs: at most this fraction of the compute they run under hides them. Megatron's ZeRO-3 comparison
+# (Narayanan et al. 2021, table 2: 144 TFLOP/s at 384 A100s, 44 at 1,536) is gather-bound beyond that.
+COLLECTIVE_OVERLAP = 0.75
+
 
 @dataclass(frozen=True)
 class StepTime:
@@ -65,6 +88,7 @@ class StepTime:
     comm_bytes: dict[str, float] = field(default_factory=dict)
     model_flops: float = 0.0  # per step, the whole cluster, without recomputation (for MFU)
     tokens: float = 0.0  # per step
+    work: dict[str, float] = field(default_factory=dict)  # ``compute`` by kind: linear, attention, elementwise, head
 
     @property
     def total(self) -> float:
@@ -104,17 +128,41 @@ def _gather(nbytes: float, d: int) -> float:
 
 
 def _exposed(comm: float, overlap_with: float, units: int) -> float:
-    """Communication overlapped with ``overlap_with`` seconds of compute, issued in ``units`` pieces: the
-    excess is exposed, and at least the last piece (nothing is left to hide it behind)."""
+    """Communication overlapped with ``overlap_with`` seconds of compute, issued in ``units`` pieces: what
+    :data:`COLLECTIVE_OVERLAP` of the compute cannot hide is exposed, and at least the last piece (nothing is
+    left to hide it behind)."""
     if comm <= 0:
         return 0.0
-    return max(comm - overlap_with, comm / max(units, 1))
+    return max(comm - COLLECTIVE_OVERLAP * overlap_with, comm / max(units, 1))
+
+
+def _block_seconds(model: ModelSpec, config: ParallelConfig, cluster: ClusterSpec, moe: bool, *, seq_len: int,
+                   precision: str, compiled: bool, float8: bool) -> dict[str, float]:
+    """Seconds of one block's forward + backward per token of the whole sequence on one tp x cp rank, by kind of
+    work: its linear layers, its attention, its element-wise ops."""
+    peak = cluster.flops(precision)
+    attention = 12 * model.hidden * seq_len
+    linear = model.block_flops_per_token(moe, seq_len) - attention
+    tp, cp = config.tp, config.cp
+    seconds = {"linear": linear / (peak * cluster.compute_efficiency * (FLOAT8_LINEAR_SPEEDUP if float8 else 1.0)),
+               "attention": attention / (peak * cluster.attention_rate_fraction)}
+    seconds = {kind: value / (tp * cp) for kind, value in seconds.items()}
+    seconds["elementwise"] = 0.0
+    if cluster.memory_bandwidth is not None:
+        ffn = model.moe_top_k * model.expert_hidden if moe else model.ffn_hidden
+        h = model.hidden / (tp if config.sequence_parallel else 1)  # norms, residual adds: split by tp only under SP
+        passes = ELEMENTWISE_PASSES_H * h + ELEMENTWISE_PASSES_F * ffn / tp
+        seconds["elementwise"] = passes * matmul_activation_bytes(precision) / cluster.memory_bandwidth / cp \
+            * (COMPILED_ELEMENTWISE_FRACTION if compiled else 1.0)
+    return seconds
 
 
 def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: ClusterSpec, *, seq_len: int,
-                       micro_batch_size: int, microbatches: int, precision: str = "bf16-mixed") -> StepTime:
+                       micro_batch_size: int, microbatches: int, precision: str = "bf16-mixed",
+                       compiled: bool = False, float8: bool = False) -> StepTime:
     """Seconds per optimizer step of ``config`` on ``cluster``: ``microbatches`` micro-batches of
-    ``micro_batch_size`` sequences per data-parallel rank (global batch = that x dp)."""
+    ``micro_batch_size`` sequences per data-parallel rank (global batch = that x dp). ``compiled``: the
+    blocks run under ``torch.compile``; ``float8``: their linear layers in Float8 (torchao), the head in bf16."""
     config.mesh_shape()
     tp, cp, pp, ep = config.tp, config.cp, config.pp, config.ep
     dp = config.dp
@@ -123,20 +171,23 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     a, r = matmul_activation_bytes(precision), residual_bytes(precision)
     span = spans(config)
     h = model.hidden
+    kinds = dict(seq_len=seq_len, precision=precision, compiled=compiled, float8=float8)
+    dense_s, moe_s = (_block_seconds(model, config, cluster, moe, **kinds) for moe in (False, True))
 
     # ---- compute per micro-batch on each pipeline rank; the slowest sets the pace
     ranks = rank_stages(model, config)
     per_rank = []
     for stages in ranks:
-        per_token = stages.n_dense * model.block_flops_per_token(False, seq_len) \
-            + stages.n_moe * model.block_flops_per_token(True, seq_len)
-        blocks = per_token * mbs * seq_len / (tp * cp)
-        head = model.head_flops_per_token * mbs * seq_len / tp if stages.head else 0.0  # whole sequence per cp rank
-        per_rank.append((blocks, head, stages))
-    block_flops, head_flops, stages = max(per_rank, key=lambda x: x[0] + x[1])
-    compute_mb = (block_flops + head_flops) / rate
-    recompute_mb = {"none": 0.0, "full": block_flops / 3 / rate,
-                    "selective": SELECTIVE_RECOMPUTE_OVERHEAD * block_flops / rate}[config.activation_checkpointing]
+        work = {kind: (stages.n_dense * dense_s[kind] + stages.n_moe * moe_s[kind]) * mbs * seq_len
+                for kind in dense_s}
+        work["head"] = model.head_flops_per_token * mbs * seq_len / tp / rate if stages.head else 0.0  # whole seq
+        per_rank.append((work, stages))
+    work, stages = max(per_rank, key=lambda x: sum(x[0].values()))
+    head_seconds = work["head"]
+    block_seconds = sum(work.values()) - head_seconds
+    compute_mb = block_seconds + head_seconds
+    recompute_mb = {"none": 0.0, "full": block_seconds / 3,
+                    "selective": SELECTIVE_RECOMPUTE_OVERHEAD * block_seconds}[config.activation_checkpointing]
     compute, recompute = m * compute_mb, m * recompute_mb
     forward_mb, backward_mb = compute_mb / 3, 2 * compute_mb / 3 + recompute_mb
 
@@ -212,9 +263,13 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     dp_seconds = exposed_dp = dp_bytes = 0.0
 
     def add(nbytes: float, group_span: int, overlap: float | None) -> None:
+        share([(nbytes, group_span)], overlap)
+
+    def share(parts: list[tuple[float, int]], overlap: float | None) -> None:
+        """Collectives that hide behind the same ``overlap`` seconds of compute (None: exposed)."""
         nonlocal dp_seconds, exposed_dp, dp_bytes
-        seconds = nbytes / cluster.bandwidth(group_span)
-        dp_bytes += nbytes
+        seconds = sum(nbytes / cluster.bandwidth(group_span) for nbytes, group_span in parts)
+        dp_bytes += sum(nbytes for nbytes, _ in parts)
         dp_seconds += seconds
         exposed_dp += seconds if overlap is None else _exposed(seconds, overlap, units)
 
@@ -239,12 +294,20 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
         # gathered for forward and again for backward; the root unit (embedding, norm, head) stays gathered.
         blocks = stages.n_dense * block_local_params(model, config, False) \
             + stages.n_moe * block_local_params(model, config, True)
-        add(m * _gather(params * gather_bytes, fsdp), span["dp_shard_cp"], m * forward_mb)
-        if config.reshard_after_forward:
-            add(m * _gather(blocks * gather_bytes, fsdp), span["dp_shard_cp"], m * backward_mb)
-        add(reductions * _gather(params * reduce_bytes, fsdp), span["dp_shard_cp"], reductions * backward_mb)
-        add(reductions * _all_reduce(params * reduce_bytes / fsdp, rep), span["dp_replicate"],  # HSDP
-            reductions * backward_mb)
+        # Under a pipeline (torch.distributed.pipelining) a stage stays gathered from its first backward to the end
+        # of the schedule and reduces once after it: one gather per step (plus a re-gather per backward with
+        # reshard_after_forward), and the reduction exposed.
+        gathers = 1 if pp > 1 else m  # under a pipeline later forwards find the stage gathered by a backward
+        add(gathers * _gather(params * gather_bytes, fsdp), span["dp_shard_cp"], gathers * forward_mb)
+        regather = [(m * _gather(blocks * gather_bytes, fsdp), span["dp_shard_cp"])] \
+            if config.reshard_after_forward else []
+        reduce = [(reductions * _gather(params * reduce_bytes, fsdp), span["dp_shard_cp"]),
+                  (reductions * _all_reduce(params * reduce_bytes / fsdp, rep), span["dp_replicate"])]  # + HSDP
+        if pp > 1:
+            share(regather, m * backward_mb)
+            share(reduce, None)
+        else:  # backward's re-gathers and reductions hide behind the same backward compute
+            share(regather + reduce, max(m if regather else 0, reductions) * backward_mb)
     if ep > 1 and experts:
         replicas = shard * cp // ep
         add(_all_reduce(experts * gbytes, replicas), span["dp_shard_cp"], backward_mb)
@@ -253,7 +316,9 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
 
     step_tokens = mbs * m * dp * seq_len
     return StepTime(compute=compute, recompute=recompute, bubble=bubble, comm=comm, exposed=exposed,
-                    comm_bytes=volume, model_flops=model.flops_per_token(seq_len) * step_tokens, tokens=step_tokens)
+                    comm_bytes=volume, model_flops=model.flops_per_token(seq_len) * step_tokens, tokens=step_tokens,
+                    work={kind: m * seconds for kind, seconds in work.items()})
 
 
-__all__ = ["StepTime", "estimate_step_time", "spans"]
+__all__ = ["StepTime", "estimate_step_time", "spans", "COLLECTIVE_OVERLAP", "FLOAT8_LINEAR_SPEEDUP",
+           "ELEMENTWISE_PASSES_H", "ELEMENTWISE_PASSES_F", "COMPILED_ELEMENTWISE_FRACTION"]

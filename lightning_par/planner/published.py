@@ -1,0 +1,190 @@
+"""Published training runs the planner's models are held to (issue 19; the table in docs/planner.md).
+
+Each :class:`PublishedRun` is one figure from a public benchmark, with the layout that produced it fixed exactly
+(``ParallelConfig``, micro-batches), costed through :func:`~lightning_par.planner.search.evaluate` on a device
+preset describing the hardware the figure came from. The throughput is compared in the unit published:
+
+* torchtitan (``benchmarks/llama3_h100_202412_torchtitan.md``, pytorch/torchtitan, Dec 2024): tokens/s per GPU
+  and peak memory (GiB, the maximum over ranks). Runs there use FSDP2 with bf16 parameters and fp32
+  reductions; pipeline runs use torchtitan's defaults of that version: as many micro-batches as stages
+  (``pipeline_parallel_microbatches`` unset) and two stages per rank for the interleaved schedule
+  (``generate_split_points``), FSDP not resharding after forward.
+* Megatron-LM (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+  Megatron-LM", table 2): TFLOP/s per GPU counted by their eq. 3, ``96·B·s·l·h²(1 + s/6h + V/16lh)`` per
+  iteration, which includes the recomputed forward. GPT models: vocabulary 51,200, sequence 2,048, tied
+  embeddings, 4h GeLU MLP, full recomputation, A100 80 GB (Selene: 8 x 200 Gb/s HDR per node).
+* Megatron-Core's MoE README (MCore v0.8): Mixtral 8x7B model TFLOP/s per GPU (the ``6N + 12·L·h·s`` model
+  FLOPs, :attr:`StepTime.model_flops`) on 64 H100 SXM.
+
+``ratio`` is predicted over published throughput: above 1 the model is optimistic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_par.config import ParallelConfig
+from lightning_par.planner.cluster import ClusterSpec, GiB
+from lightning_par.planner.model import ModelSpec
+from lightning_par.planner.search import Candidate, TrainingSpec, evaluate
+
+TORCHTITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+MEGATRON = "Narayanan et al. 2021, table 2"
+MCORE_MOE = "Megatron-LM megatron/core/transformer/moe/README.md (MCore v0.8)"
+TORCHTITAN_OP_SAC = 1 / 6  # half the forward matmuls (torchtitan's selective_ac_option="op" saves every other mm)
+
+
+def gpt(hidden: int, layers: int, heads: int) -> ModelSpec:
+    """A GPT model of Narayanan et al. 2021 (table 1's shapes): MHA, 4h GeLU MLP, tied 51,200-token vocabulary."""
+    return ModelSpec(vocab_size=51200, hidden=hidden, layers=layers, heads=heads, kv_heads=heads, ffn_hidden=4 * hidden,
+                     tie_embeddings=True, ffn_matrices=2, name=f"gpt-{layers}x{hidden}")
+
+
+def megatron_flops(model: ModelSpec, batch: int, seq_len: int) -> float:
+    """FLOPs of one iteration by Narayanan et al. 2021, eq. 3 (forward, backward and the recomputed forward)."""
+    h, layers = model.hidden, model.layers
+    return 96 * batch * seq_len * layers * h**2 * (1 + seq_len / (6 * h) + model.vocab_size / (16 * layers * h))
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published figure and the layout that produced it. ``unit``: ``"tokens/s/GPU"``,
+    ``"TFLOP/s/GPU (eq. 3)"`` (Megatron's hardware count) or ``"model TFLOP/s/GPU"``."""
+
+    name: str
+    source: str
+    model: ModelSpec
+    device: str
+    nodes: int
+    config: ParallelConfig
+    seq_len: int
+    micro_batch_size: int
+    microbatches: int
+    unit: str
+    published: float
+    memory_gib: float | None = None
+    compiled: bool = False
+    float8: bool = False
+    notes: str = ""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    # Forward matmul work recomputed beyond what ``config.activation_checkpointing`` reruns, as a fraction of the
+    # blocks' linear-layer time (forward + backward): torchtitan's selective "op" policy saves only every
+    # second matmul output, so half the forward matmuls (1/6 of forward + backward) run again.
+    extra_linear_recompute: float = 0.0
+
+    @property
+    def cluster(self) -> ClusterSpec:
+        return ClusterSpec.from_preset(self.device, nodes=self.nodes, devices_per_node=8, **self.overrides)
+
+    @property
+    def global_batch(self) -> int:
+        return self.config.dp * self.micro_batch_size * self.microbatches
+
+    def candidate(self) -> Candidate:
+        """The run's own layout, costed (never the planner's favourite)."""
+        training = TrainingSpec(global_batch_size=self.global_batch, seq_len=self.seq_len,
+                                micro_batch_size=self.micro_batch_size, compiled=self.compiled, float8=self.float8)
+        return evaluate(self.model, self.cluster, training, self.config, self.microbatches, self.micro_batch_size)
+
+    def throughput(self, step_seconds: float) -> float:
+        """A step time in the run's published unit."""
+        world = self.cluster.world_size
+        if self.unit == "tokens/s/GPU":
+            return self.global_batch * self.seq_len / step_seconds / world
+        if self.unit == "TFLOP/s/GPU (eq. 3)":
+            return megatron_flops(self.model, self.global_batch, self.seq_len) / step_seconds / world / 1e12
+        tokens = self.global_batch * self.seq_len
+        return self.model.flops_per_token(self.seq_len) * tokens / step_seconds / world / 1e12
+
+    def step_time(self) -> float:
+        """Predicted seconds per step of the run's own layout."""
+        time = self.candidate().time
+        return time.total + self.extra_linear_recompute * time.work.get("linear", 0.0)
+
+    def predicted(self) -> float:
+        return self.throughput(self.step_time())
+
+    def ratio(self) -> float:
+        return self.predicted() / self.published
+
+    def predicted_memory_gib(self) -> float:
+        return self.candidate().memory.total / GiB
+
+
+def _fsdp(**sizes: Any) -> dict[str, Any]:
+    # torchtitan: FSDP2 gathers bf16 parameters and reduces in fp32; TP with sequence and loss parallel.
+    tp = sizes.get("tp", 1)
+    return dict(zero_stage=3, param_dtype="bf16", reduce_dtype="fp32", sequence_parallel=tp > 1, loss_parallel=tp > 1,
+                **sizes)
+
+
+def _torchtitan_405b(schedule: str, published: float, memory: float) -> PublishedRun:
+    # 512 GPUs: FSDP 8 x TP 8 x PP 8; local batch 32 in 8 micro-batches (one per stage) of 4 sequences.
+    config = ParallelConfig(pp=8, dp_shard=8, pp_schedule=schedule, pp_microbatches=8, pp_virtual_stages=2,
+                            reshard_after_forward=False, activation_checkpointing="full", **_fsdp(tp=8))
+    return PublishedRun(f"Llama 3.1 405B, 512 GPUs, FSDP 8 TP 8 PP 8, {schedule}", f"{TORCHTITAN}, table 5",
+                        ModelSpec.preset("llama3-405b"), "h100-96gb-500w", 64, config, 8192, 4, 8, "tokens/s/GPU",
+                        published, memory, compiled=True, float8=True, notes="torch.compile, Float8, async TP")
+
+
+def _megatron(model: ModelSpec, *, pp: int, dp: int, tp: int, batch: int, published: float, mbs: int = 1,
+              zero: int = 0, name: str) -> PublishedRun:
+    extra = dict(param_dtype="bf16", reduce_dtype="bf16") if zero == 3 else {}  # DeepSpeed ZeRO-3 in 16 bits
+    # Megatron's scatter/gather (sec. 4.1) sends 1/t of a stage boundary per tensor-parallel rank over
+    # InfiniBand, as sequence parallel does here; tensor-parallel bytes are the same either way.
+    config = ParallelConfig(pp=pp, dp_shard=dp, tp=tp, zero_stage=zero, pp_microbatches=max(batch // (dp * mbs), 1),
+                            activation_checkpointing="full", sequence_parallel=tp > 1, **extra)
+    nodes = pp * dp * tp // 8
+    return PublishedRun(name, MEGATRON, model, "a100-80gb", nodes, config, 2048, mbs, batch // (dp * mbs),
+                        "TFLOP/s/GPU (eq. 3)", published, compiled=True,
+                        notes="Megatron's fused kernels stand for torch.compile; scatter/gather as sequence parallel")
+
+
+GPT_175B = gpt(12288, 96, 96)  # table 2's 174.6B
+GPT_530B = gpt(20480, 105, 128)  # table 2's 529.6B
+
+PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
+    PublishedRun("Llama 3.1 8B, 8 GPUs, FSDP 8", f"{TORCHTITAN}, table 1", ModelSpec.preset("llama3-8b"),
+                 "h100-96gb-500w", 1, ParallelConfig(dp_shard=8, activation_checkpointing="selective", **_fsdp()),
+                 8192, 2, 1, "tokens/s/GPU", 5762, 82.4, notes="eager", extra_linear_recompute=TORCHTITAN_OP_SAC),
+    PublishedRun("Llama 3.1 8B, 8 GPUs, FSDP 8, compile + Float8", f"{TORCHTITAN}, table 1",
+                 ModelSpec.preset("llama3-8b"), "h100-96gb-500w", 1,
+                 ParallelConfig(dp_shard=8, activation_checkpointing="selective", **_fsdp()), 8192, 2, 1,
+                 "tokens/s/GPU", 8532, 76.8, compiled=True, float8=True, notes="torch.compile, Float8",
+                 extra_linear_recompute=TORCHTITAN_OP_SAC),
+    PublishedRun("Llama 3.1 8B, 128 GPUs, FSDP 128", f"{TORCHTITAN}, table 3", ModelSpec.preset("llama3-8b"),
+                 "h100-96gb-500w", 16, ParallelConfig(dp_shard=128, activation_checkpointing="selective", **_fsdp()),
+                 8192, 2, 1, "tokens/s/GPU", 5605, 67.0, notes="eager", extra_linear_recompute=TORCHTITAN_OP_SAC),
+    PublishedRun("Llama 3.1 70B, 256 GPUs, FSDP 32 TP 8", f"{TORCHTITAN}, table 4", ModelSpec.preset("llama3-70b"),
+                 "h100-96gb-500w", 32, ParallelConfig(dp_shard=32, activation_checkpointing="full", **_fsdp(tp=8)),
+                 8192, 16, 1, "tokens/s/GPU", 829, 71.9, compiled=True, float8=True, notes="torch.compile, Float8"),
+    _torchtitan_405b("1f1b", 100, 82.5),
+    _torchtitan_405b("interleaved_1f1b", 128, 72.7),
+    _megatron(GPT_175B, tp=8, pp=12, dp=4, batch=1536, published=153, name="GPT 175B, 384 GPUs, TP 8 PP 12 DP 4"),
+    _megatron(GPT_175B, tp=8, pp=12, dp=16, batch=1536, published=141, name="GPT 175B, 1536 GPUs, TP 8 PP 12 DP 16"),
+    _megatron(GPT_530B, tp=8, pp=35, dp=8, batch=2240, published=159, name="GPT 530B, 2240 GPUs, TP 8 PP 35 DP 8"),
+    _megatron(GPT_175B, tp=1, pp=1, dp=384, batch=1536, mbs=4, zero=3, published=144,
+              name="GPT 175B, 384 GPUs, ZeRO-3 (DeepSpeed)"),
+    _megatron(GPT_175B, tp=1, pp=1, dp=1536, batch=1536, zero=3, published=44,
+              name="GPT 175B, 1536 GPUs, ZeRO-3 (DeepSpeed)"),
+    PublishedRun("Mixtral 8x7B, 64 GPUs, EP 8 PP 4 (VP 8) DP 16", MCORE_MOE, ModelSpec.preset("mixtral-8x7b"),
+                 "h100-80gb", 8, ParallelConfig(pp=4, dp_shard=16, ep=8, zero_stage=1, pp_schedule="interleaved_1f1b",
+                                                pp_microbatches=16, pp_virtual_stages=8),
+                 4096, 1, 16, "model TFLOP/s/GPU", 438, compiled=True,
+                 notes="distributed optimizer (ZeRO-1); Transformer Engine's fused kernels stand for torch.compile"),
+)
+
+
+def published_table(runs: tuple[PublishedRun, ...] = PUBLISHED_RUNS) -> str:
+    """The markdown table of docs/planner.md: each run, its source, published and predicted figures."""
+    lines = ["| run | source | unit | published | predicted | ratio | memory GiB published / predicted |",
+             "|---|---|---|---:|---:|---:|---|"]
+    for run in runs:
+        memory = f"{run.memory_gib:.1f} / {run.predicted_memory_gib():.1f}" if run.memory_gib else "-"
+        lines.append(f"| {run.name} | {run.source} | {run.unit} | {run.published:,.0f} | {run.predicted():,.0f} | "
+                     f"{run.ratio():.2f} | {memory} |")
+    return "\n".join(lines)
+
+
+__all__ = ["PublishedRun", "PUBLISHED_RUNS", "gpt", "megatron_flops", "published_table"]
