@@ -78,7 +78,7 @@ def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, *, full: bool)
     options = StateDictOptions(full_state_dict=full, cpu_offload=True)
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
         return get_optimizer_state_dict(module, optimizer, options=options)
-    local = _zero_optimizer_state(module, optimizer)
+    local = _zero_optimizer_state(module, optimizer, full=full)
     if not full:
         return local
     parts: list[Any] = [None] * dist.get_world_size(optimizer.process_group)
@@ -87,10 +87,16 @@ def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, *, full: bool)
             "param_groups": local["param_groups"]}
 
 
-def _zero_optimizer_state(module: nn.Module, optimizer: ZeroRedundancyOptimizer) -> dict[str, Any]:
+def _zero_optimizer_state(module: nn.Module, optimizer: ZeroRedundancyOptimizer, *, full: bool) -> dict[str, Any]:
     # Names as state dicts spell them: without the prefix activation-checkpoint wrappers add.
     names = {param: name.replace(_CHECKPOINT_PREFIX, "") for name, param in module.named_parameters()}
-    owned = get_optimizer_state_dict(module, optimizer.optim, options=StateDictOptions(cpu_offload=True))
+    # Full: the states of tensor-parallel shards made whole (the tensor-parallel peers own the same parameters, so
+    # they gather together), on every rank, since each rank's part is then gathered over the data-parallel ranks.
+    options = StateDictOptions(full_state_dict=True) if full else StateDictOptions(cpu_offload=True)
+    owned = get_optimizer_state_dict(module, optimizer.optim, options=options)
+    if full:
+        owned["state"] = {name: {key: value.cpu() if torch.is_tensor(value) else value for key, value in state.items()}
+                          for name, state in owned["state"].items()}
     # The exposed param_groups hold the current hyper-parameters (an LR scheduler writes there; the
     # local optimizer only sees them at its next step) and every parameter of each group.
     groups = [{**_hyper_parameters(group), "params": [names[p] for p in group["params"]]}

@@ -138,15 +138,16 @@ class ParallelConfig:
         """
         stage = self.zero_stage
         if stage in (1, 2):
-            # ZeroRedundancyOptimizer and the stage-2 hooks own whole plain tensors of one replicated module; a
-            # pipeline rank's stages are such a module for ZeRO-1 (its gradients are averaged once per step).
-            others = {name: getattr(self, name) for name in ("tp", "cp", "ep", *(("pp",) if stage == 2 else ()))
+            # ZeroRedundancyOptimizer (ZeRO-1) steps each parameter on the rank that owns it, DTensor shards of tensor
+            # parallel and a pipeline rank's stages included (their gradients are averaged once per step). Stage 2's
+            # hooks reduce each whole plain gradient to its owner as backward produces it.
+            others = {name: getattr(self, name) for name in (("tp", "cp", "ep", "pp") if stage == 2 else ("cp", "ep"))
                       if getattr(self, name) > 1}
             if others:
-                pipelined = "; zero_stage=1 composes with pipeline parallel" if "pp" in others else ""
-                raise ValueError(f"zero_stage={stage} with {_sizes(others)}: ZeRO-1/2 shard the states of plain, "
-                                 "replicated parameters; use zero_stage=0 (gradients all-reduced) or zero_stage=3 "
-                                 f"(FSDP2, with tensor, context or expert parallel){pipelined}")
+                composes = "tensor and pipeline parallel" if stage == 1 else "plain data parallel only"
+                raise ValueError(f"zero_stage={stage} with {_sizes(others)}: ZeRO-{stage} composes with {composes}; "
+                                 "use zero_stage=0 (gradients all-reduced) or zero_stage=3 (FSDP2, with tensor, "
+                                 "context, expert and pipeline parallel)")
         if self.sharded_accumulation and stage not in (2, 3):
             raise ValueError(f"sharded_accumulation=True with zero_stage={stage}: only ZeRO-2 and ZeRO-3 shard "
                              "gradients; use zero_stage 2 or 3, or sharded_accumulation=False")

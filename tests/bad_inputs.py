@@ -314,11 +314,11 @@ BAD_INPUTS: list[BadInput] = [
              "pipeline_parallel_size=2: each rank saves its own stages, so checkpoints are sharded",
              _strategy("PipelineParallelStrategy", pipeline_parallel_size=2, save_distributed_checkpoint=False)),
     BadInput("`Hybrid3DStrategy(pipeline_parallel_size=2, context_parallel_size=2)`",
-             "pipeline_parallel_size=2 with context_parallel_size=2: pipeline parallel composes with data and tensor "
-             "parallel", _strategy("Hybrid3DStrategy", pipeline_parallel_size=2, context_parallel_size=2)),
-    BadInput("`Hybrid3DStrategy(zero_stage=1, tensor_parallel_size=2)`",
-             "zero_stage=1 with tensor_parallel_size=2: ZeRO-1/2 shard the states of plain, replicated parameters",
-             _strategy("Hybrid3DStrategy", zero_stage=1, tensor_parallel_size=2)),
+             "pipeline_parallel_size=2 with context_parallel_size=2: pipeline parallel composes with data, tensor "
+             "and expert parallel", _strategy("Hybrid3DStrategy", pipeline_parallel_size=2, context_parallel_size=2)),
+    BadInput("`Hybrid3DStrategy(zero_stage=2, tensor_parallel_size=2)`",
+             "zero_stage=2 with tensor_parallel_size=2: ZeRO-2 composes with plain data parallel only",
+             _strategy("Hybrid3DStrategy", zero_stage=2, tensor_parallel_size=2)),
     BadInput("`Hybrid3DStrategy(pipeline_parallel_size=2, zero_stage=3, pipeline_schedule='zbv')`",
              "pipeline_parallel_size=2 with zero_stage=3 and pipeline_schedule='zbv': ZB-V and DualPipeV compute "
              "weight gradients in a pass of their own", _strategy("Hybrid3DStrategy", pipeline_parallel_size=2, zero_stage=3,

@@ -48,6 +48,9 @@ def make_strategy(name: str = "data_parallel", sharded: bool = True):
     if name.startswith("pp2xdp2-zero"):  # 4 ranks: ZeRO over the data-parallel ranks of each pipeline stage
         return Hybrid3DStrategy(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=int(name[-1]),
                                 microbatches=2)
+    if name.startswith("dp2xtp2-zero"):  # 4 ranks: ZeRO-1 over tensor-parallel shards, or FSDP2 over them
+        return Hybrid3DStrategy(data_parallel_size=2, tensor_parallel_size=2, zero_stage=int(name[-1]),
+                                save_distributed_checkpoint=sharded)
     if name == "ep2-zero3":  # experts split over 2 ranks, sharded over the others that hold them (4 ranks)
         return Hybrid3DStrategy(expert_parallel_size=2, zero_stage=3)
     if name == "ep4":
@@ -132,6 +135,19 @@ def test_pipeline_with_zero_resumes_exactly_and_reshards(tmp_path: Path, stage: 
     bitwise, and the same checkpoint continues under ZeRO-1 without a pipeline on half the ranks."""
     uninterrupted, epoch0 = _resumes_bitwise(tmp_path, 4, (f"pp2xdp2-zero{stage}", True))
     elsewhere = run_distributed(_fit, 2, str(tmp_path / "c"), ("zero1", True), 1, str(epoch0))[0]
+    assert elsewhere["losses"] == pytest.approx(uninterrupted["losses"][4:], rel=1e-5)
+    for name, tensor in uninterrupted["state"].items():
+        torch.testing.assert_close(elsewhere["state"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "full"])
+def test_zero1_over_tensor_parallel_shards_resumes_exactly_and_reshards(tmp_path: Path, sharded: bool) -> None:
+    """Each data-parallel rank saves the AdamW states of the tensor-parallel shards it owns (made whole in the full
+    format); the run resumes bitwise, and continues from the sharded checkpoint with FSDP2 over the same shards."""
+    uninterrupted, epoch0 = _resumes_bitwise(tmp_path, 4, ("dp2xtp2-zero1", sharded))
+    if not sharded:
+        return
+    elsewhere = run_distributed(_fit, 4, str(tmp_path / "c"), ("dp2xtp2-zero3", True), 1, str(epoch0))[0]
     assert elsewhere["losses"] == pytest.approx(uninterrupted["losses"][4:], rel=1e-5)
     for name, tensor in uninterrupted["state"].items():
         torch.testing.assert_close(elsewhere["state"][name], tensor, rtol=1e-5, atol=1e-6)

@@ -43,6 +43,10 @@ def make_strategy(**kwargs):
                     pipeline_schedule="interleaved_1f1b"), 1, None, "dense"),
         (8, 2, dict(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=3,
                     sequence_parallel=True, microbatches=2), 2, 0.05, "dense"),
+        # ZeRO-1 over tensor-parallel shards (Megatron's distributed optimizer), alone and inside a pipeline.
+        (4, 2, dict(tensor_parallel_size=2, zero_stage=1), 2, 0.05, "dense"),
+        (8, 2, dict(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=1,
+                    sequence_parallel=True, microbatches=2, pipeline_schedule="zbv"), 1, 0.05, "dense"),
         # Experts with ZeRO-3 (torchtitan's EP x FSDP): the dense parts sharded over dp, each expert over the
         # ranks holding it: none at dp2 x ep2, two at dp4 x ep2, two and replicated twice under HSDP.
         (2, 2, dict(expert_parallel_size=2, zero_stage=3), 2, 0.05, "moe"),
@@ -58,7 +62,7 @@ def make_strategy(**kwargs):
     ids=["dp2xtp2xpp2-sp-acc2-clip", "pp2xtp2-gpipe", "dp2xtp2-zero0-acc2-clip",
          "tp2xep2-dp2-acc2", "cp2xtp2-ring-zero3-clip", "pp2xdp2-zero1-acc2-clip", "pp2xdp2-zero3-tied-acc2-clip",
          "pp2xdp2-zero3-interleaved", "dp2xtp2xpp2-zero3-sp-acc2-clip",
-         "ep2xdp2-zero3-acc2-clip", "ep2xdp4-zero3-clip", "ep2xhsdp2x4-zero3-acc2", "tp2xep2xdp2-zero3-acc2-clip",
+         "dp2xtp2-zero1-acc2-clip", "dp2xtp2xpp2-zero1-sp-zbv-clip", "ep2xdp2-zero3-acc2-clip", "ep2xdp4-zero3-clip", "ep2xhsdp2x4-zero3-acc2", "tp2xep2xdp2-zero3-acc2-clip",
          "pp2xep2xdp2-acc2-clip", "pp2xep2xdp4-zero3-clip"],
 )
 # ZeRO-3 x tp2 with sequence parallel is test_tensor_parallel.py's dp2xtp2-sp-acc2-clip (the same layout), dp2 x cp2

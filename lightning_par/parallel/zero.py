@@ -29,10 +29,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_par.mesh import ParallelMesh
-from lightning_par.parallel.experts import expert_modules
+from lightning_par.parallel.experts import expert_modules, local_part
 from lightning_par.parallel.plan import ModelPlan
 from lightning_par.parallel.record import layout_record
 from lightning_par.parallel.ties import retie, tied_groups
@@ -204,14 +205,29 @@ def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh,
     # `defaults` can hold entries the constructor does not take (AdamW records decoupled_weight_decay).
     accepted = inspect.signature(type(optimizer).__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    sharded = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=mesh.group("dp_shard"),
-                                      **defaults)
+    sharded = _ZeroOverShards(groups, optimizer_class=type(optimizer), process_group=mesh.group("dp_shard"),
+                              **defaults)
     if stage == 2:
         record = layout_record(module, create=True)
         if record.gradient_reducer is not None:
             record.gradient_reducer.remove()
         record.gradient_reducer = GradientReducer(module, sharded, mesh, sharded=sharded_accumulation)
     return sharded
+
+
+class _ZeroOverShards(ZeroRedundancyOptimizer):
+    """torch's ``ZeroRedundancyOptimizer`` for parameters that may be DTensors (tensor-parallel shards: ZeRO-1 with
+    tp, Megatron's distributed optimizer). Owners step whole DTensors, as any optimizer does under tensor parallel;
+    what differs is the broadcast of the updated parameters: c10d has no DTensor rule for it, and each data-parallel
+    rank holds the same local shard, so the owner broadcasts its local shard into the others' in place."""
+
+    def _broadcast_params_from_rank(self, rank: int) -> list[Any]:
+        params = [param for group in self._partition_parameters()[rank] for param in group["params"]]
+        if self.parameters_as_bucket_view or not any(isinstance(param, DTensor) for param in params):
+            return super()._broadcast_params_from_rank(rank)
+        source = dist.get_global_rank(self.process_group, rank)
+        return [dist.broadcast(local_part(param.data), src=source, group=self.process_group, async_op=True)
+                for param in params]
 
 
 @contextmanager

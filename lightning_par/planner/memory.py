@@ -15,7 +15,13 @@ Tensor parallel (Shoeybi et al. 2019, "Megatron-LM") divides the attention and M
 vocabulary of the embedding and head by ``tp``; norms stay whole. Pipeline parallel (Narayanan et al. 2021,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM") gives each rank its
 stages' blocks, balanced by parameters like ``lightning_par.parallel.pipeline.balance`` (the embedding on the
-first stage, final norm and head on the last). Expert parallel divides each MoE block's experts by ``ep``.
+first stage, final norm and head on the last; a tied head is a copy of the embedding on the last stage), and each
+stage's model states are sharded by ZeRO over the stage's own data-parallel ranks: ZeRO-1 partitions a stage's
+optimizer states, ZeRO-3 makes each stage an FSDP2 root. The schedule's micro-batches accumulate gradients like
+gradient accumulation does (FSDP2 keeps a stage's whole until its last backward). Expert parallel divides each MoE
+block's experts by ``ep``; ZeRO-3 then shards them over the ``dp_shard x cp / ep`` ranks holding the same experts
+only, not over all of ``dp_shard x cp`` like the rest (torchtitan's EP x FSDP). tests/test_planner_memory.py measures
+these compositions' model states per rank.
 
 Activations, per token and per block, for THIS architecture (``lightning_par.models.llama``), in the
 manner of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
@@ -331,18 +337,31 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
     fsdp = dp_shard * cp
     stage = config.zero_stage
     accumulating = microbatches > 1
-    parameters = params * pbytes / (fsdp if stage == 3 else 1)
+
+    def fsdp_shard(nbytes_per_param: float) -> float:
+        """This rank's ZeRO-3 shard of its parameters at ``nbytes_per_param``. FSDP2 shards the dense parameters over
+        ``dp_shard x cp``, but the experts (already split over ``ep`` of those ranks) only over the
+        ``dp_shard x cp / ep`` ranks holding the same experts (``parallel.zero.fully_shard_model`` on
+        ``ParallelMesh.experts(ep).shard``, torchtitan's "dp_shard_mod_ep"): at dp_shard = ep nothing shards them.
+        ParallelConfig.validate makes ep divide dp_shard x cp."""
+        return ((params - experts) / fsdp + experts / (fsdp // config.ep)) * nbytes_per_param
+
+    parameters = fsdp_shard(pbytes) if stage == 3 else params * pbytes
     # Under accumulation ZeRO-2/3 keep whole gradients (FSDP2's unsharded, in fp32) until the last micro-batch,
-    # unless they are reduced on every one (sharded_accumulation).
+    # unless they are reduced on every one (sharded_accumulation). The micro-batches of a pipeline schedule count
+    # too: torch.distributed.pipelining turns FSDP2's gradient sync off for all but a stage's last backward, so a
+    # stage holds its whole gradients from its first backward to its last (sharded_accumulation cannot apply).
     whole = accumulating and not config.sharded_accumulation
     if stage == 3:
-        gradients = params * 4 if whole else params * pbytes / fsdp
+        gradients = params * 4 if whole else fsdp_shard(pbytes)
     elif stage == 2:
         gradients = params * pbytes if whole else params * pbytes / dp_shard
     else:
         gradients = params * pbytes
-    shards = {0: 1, 1: dp_shard, 2: dp_shard, 3: fsdp}[stage]
-    optimizer_states = 2 * params * pbytes / shards
+    # ZeRO-1/2 (ZeroRedundancyOptimizer over dp_shard) partition a pipeline stage's states over the stage's dp_shard
+    # ranks. They do not compose with ep here (check_composable), so the experts' split is not modelled for them
+    # (Megatron's distributed optimizer would shard expert states over dp_shard / ep ranks only).
+    optimizer_states = 2 * (fsdp_shard(pbytes) if stage == 3 else params * pbytes / (dp_shard if stage else 1))
 
     # ---- activations of the blocks, all micro-batches in flight
     tokens = mbs * seq_len / cp

@@ -298,17 +298,23 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
         # of the schedule and reduces once after it: one gather per step (plus a re-gather per backward with
         # reshard_after_forward), and the reduction exposed.
         gathers = 1 if pp > 1 else m  # under a pipeline later forwards find the stage gathered by a backward
-        add(gathers * _gather(params * gather_bytes, fsdp), span["dp_shard_cp"], gathers * forward_mb)
+
+        def sharded(per_param: float) -> float:
+            # Experts split over ep are sharded over the dp_shard x cp / ep ranks holding the same experts
+            # (lightning_par.parallel.zero.fully_shard_model), the rest over all dp_shard x cp.
+            return _gather(dense * per_param, fsdp) + _gather(experts * per_param, max(fsdp // ep, 1))
+
+        add(gathers * sharded(gather_bytes), span["dp_shard_cp"], gathers * forward_mb)
         regather = [(m * _gather(blocks * gather_bytes, fsdp), span["dp_shard_cp"])] \
             if config.reshard_after_forward else []
-        reduce = [(reductions * _gather(params * reduce_bytes, fsdp), span["dp_shard_cp"]),
+        reduce = [(reductions * sharded(reduce_bytes), span["dp_shard_cp"]),
                   (reductions * _all_reduce(params * reduce_bytes / fsdp, rep), span["dp_replicate"])]  # + HSDP
         if pp > 1:
             share(regather, m * backward_mb)
             share(reduce, None)
         else:  # backward's re-gathers and reductions hide behind the same backward compute
             share(regather + reduce, max(m if regather else 0, reductions) * backward_mb)
-    if ep > 1 and experts:
+    if ep > 1 and experts and stage != 3:  # (ZeRO-3 reduce-scatters experts over their replicas, above)
         replicas = shard * cp // ep
         add(_all_reduce(experts * gbytes, replicas), span["dp_shard_cp"], backward_mb)
     if dp_bytes:
