@@ -323,8 +323,9 @@ BAD_INPUTS: list[BadInput] = [
              "pipeline_parallel_size=2 with zero_stage=3 and pipeline_schedule='zbv': ZB-V and DualPipeV compute "
              "weight gradients in a pass of their own", _strategy("Hybrid3DStrategy", pipeline_parallel_size=2, zero_stage=3,
                                                  pipeline_schedule="zbv")),
-    BadInput("`Hybrid3DStrategy(expert_parallel_size=2, zero_stage=3)`",
-             "expert_parallel_size=2 with zero_stage=3", _strategy("Hybrid3DStrategy", expert_parallel_size=2, zero_stage=3)),
+    BadInput("`Hybrid3DStrategy(expert_parallel_size=2, zero_stage=1)`",
+             "zero_stage=1 with expert_parallel_size=2: ZeRO-1 composes with tensor and pipeline parallel",
+             _strategy("Hybrid3DStrategy", expert_parallel_size=2, zero_stage=1)),
     BadInput("`Hybrid3DStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, loss_parallel=True)`",
              "pipeline_parallel_size=2 with loss_parallel=True: the last stage gathers the logits; set "
              "loss_parallel=False",
@@ -341,7 +342,7 @@ BAD_INPUTS: list[BadInput] = [
              "'kv_heads', 'layers', 'vocab_size']", _strategy("AutoParallelStrategy", model_spec={"hidden": 64,
                                                                                                   "depth": 2})),
     BadInput("`AutoParallelStrategy(device='tpu-v9')`",
-             "unknown device preset 'tpu-v9'; presets: ['a100-40gb', 'a100-80gb', 'cpu', 'h100-80gb', 'h200-141gb']",
+             "unknown device preset 'tpu-v9'; presets: ['a100-40gb', 'a100-80gb', 'cpu', 'h100-80gb', 'h100-96gb-500w', 'h200-141gb']",
              _strategy("AutoParallelStrategy", device="tpu-v9")),
     # ------------------------------------------------------------------ sizes against the processes (at start)
     BadInput("`Hybrid3DStrategy(data_parallel_size=2, tensor_parallel_size=2)` on 3 processes",

@@ -44,9 +44,11 @@ def make_strategy(**kwargs):
         (8, 2, dict(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=3,
                     sequence_parallel=True, microbatches=2), 2, 0.05, "dense"),
         # ZeRO-1 over tensor-parallel shards (Megatron's distributed optimizer), alone and inside a pipeline.
-        (4, 2, dict(tensor_parallel_size=2, zero_stage=1), 2, 0.05, "dense"),
+        (4, 2, dict(tensor_parallel_size=2, zero_stage=1), 2, None, "dense"),  # unclipped: a scale would show
         (8, 2, dict(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=1,
                     sequence_parallel=True, microbatches=2, pipeline_schedule="zbv"), 1, 0.05, "dense"),
+        (8, 4, dict(data_parallel_size=4, replicate_size=2, pipeline_parallel_size=2, zero_stage=1, microbatches=2),
+         1, None, "dense"),
         # Experts with ZeRO-3 (torchtitan's EP x FSDP): the dense parts sharded over dp, each expert over the
         # ranks holding it: none at dp2 x ep2, two at dp4 x ep2, two and replicated twice under HSDP.
         (2, 2, dict(expert_parallel_size=2, zero_stage=3), 2, 0.05, "moe"),
@@ -62,7 +64,7 @@ def make_strategy(**kwargs):
     ids=["dp2xtp2xpp2-sp-acc2-clip", "pp2xtp2-gpipe", "dp2xtp2-zero0-acc2-clip",
          "tp2xep2-dp2-acc2", "cp2xtp2-ring-zero3-clip", "pp2xdp2-zero1-acc2-clip", "pp2xdp2-zero3-tied-acc2-clip",
          "pp2xdp2-zero3-interleaved", "dp2xtp2xpp2-zero3-sp-acc2-clip",
-         "dp2xtp2-zero1-acc2-clip", "dp2xtp2xpp2-zero1-sp-zbv-clip", "ep2xdp2-zero3-acc2-clip", "ep2xdp4-zero3-clip", "ep2xhsdp2x4-zero3-acc2", "tp2xep2xdp2-zero3-acc2-clip",
+         "dp2xtp2-zero1-acc2", "dp2xtp2xpp2-zero1-sp-zbv-clip", "pp2xdp2x2-zero1", "ep2xdp2-zero3-acc2-clip", "ep2xdp4-zero3-clip", "ep2xhsdp2x4-zero3-acc2", "tp2xep2xdp2-zero3-acc2-clip",
          "pp2xep2xdp2-acc2-clip", "pp2xep2xdp4-zero3-clip"],
 )
 # ZeRO-3 x tp2 with sequence parallel is test_tensor_parallel.py's dp2xtp2-sp-acc2-clip (the same layout), dp2 x cp2
@@ -81,7 +83,7 @@ def test_hybrid_layout_matches_single_process(world_size: int, dp: int, kwargs: 
         (dict(pipeline_parallel_size=2, save_distributed_checkpoint=False), r"pipeline_parallel_size=2: each rank saves its own stages"),
         (dict(pipeline_parallel_size=2, context_parallel_size=2), r"pipeline_parallel_size=2 with context_parallel_size=2: pipeline parallel"),
         (dict(tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True), r"expert_parallel_size=2 with sequence_parallel"),
-        (dict(tensor_parallel_size=2, zero_stage=2), r"zero_stage=2 with tensor_parallel_size=2: ZeRO-1/2 shard"),
+        (dict(tensor_parallel_size=2, zero_stage=2), r"zero_stage=2 with tensor_parallel_size=2: ZeRO-2 composes with plain"),
         (dict(pipeline_parallel_size=2, zero_stage=3, pipeline_schedule="zbv"),
          r"pipeline_parallel_size=2 with zero_stage=3 and pipeline_schedule='zbv': ZB-V and DualPipeV compute"),
         (dict(tensor_parallel_size=0), r"tensor_parallel_size must be a positive integer, got 0"),

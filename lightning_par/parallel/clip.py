@@ -22,7 +22,8 @@ def gradient_norm(parameters: list[Tensor], *, partition_group: dist.ProcessGrou
     """The 2-norm of the whole model's gradient, the same on every rank. Collective.
 
     DTensor gradients contribute their whole norm (reduced over their own mesh). ``partition_group``:
-    the ranks over which plain-tensor gradients are partitioned (ZeRO-2); their squares are summed there.
+    the ranks over which the gradients are partitioned (ZeRO-2; ZeRO-1 reducing to owners, with tensor-parallel
+    DTensors among them); every square is summed there.
     ``stage_group``: the ranks holding other pipeline stages; every square is summed there.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -31,14 +32,11 @@ def gradient_norm(parameters: list[Tensor], *, partition_group: dist.ProcessGrou
     for grad in grads:
         if not isinstance(grad, DTensor):
             plain += grad.detach().double().pow(2).sum().cpu()
-    if partition_group is not None:
-        plain = plain.to(_device(grads))
-        dist.all_reduce(plain, group=partition_group)
-        plain = plain.cpu()
-    if stage_group is not None:
-        squares = torch.stack([plain, sharded]).to(_device(grads))
-        dist.all_reduce(squares, group=stage_group)
-        plain, sharded = squares.cpu()
+    for group in (partition_group, stage_group):
+        if group is not None:
+            squares = torch.stack([plain, sharded]).to(_device(grads))
+            dist.all_reduce(squares, group=group)
+            plain, sharded = squares.cpu()
     return float((plain + sharded).sqrt())
 
 

@@ -133,6 +133,38 @@ def reduce_gradients(module: nn.Module, mesh: ParallelMesh, *, bucket_cap_mb: fl
                 grad.copy_(reduced)
 
 
+def reduce_gradients_to_owners(module: nn.Module, mesh: ParallelMesh, owners: dict[torch.Tensor, int], *,
+                               bucket_cap_mb: float = 25.0) -> None:
+    """ZeRO-1's gradient average after the last backward (Megatron-LM's distributed optimizer): each gradient is
+    reduced to the data-parallel rank whose optimizer steps it, ``owners[parameter]`` (a rank of ``dp_shard``),
+    averaged there (and across ``dp_replicate``), and dropped elsewhere. Half the bytes of :func:`reduce_gradients`'
+    all-reduce, which together with the owners' broadcast of the updated parameters makes what an all-reduce costs;
+    the gradients are bucketed by owner as there. Expert gradients are left alone, as there."""
+    if mesh.size(GRADIENT_GROUP) == 1:
+        return
+    shard_group, replicate = mesh.group("dp_shard"), mesh.size("dp_replicate")
+    me, ranks = dist.get_rank(shard_group), mesh.size(GRADIENT_GROUP)
+    by_owner: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    for p in module.parameters():
+        if p.grad is not None and not is_expert(p):
+            by_owner.setdefault((owners[p], _local(p.grad).dtype), []).append(p)
+    cap = bucket_cap_mb * 1024 * 1024
+    for (owner, _), params in sorted(by_owner.items(), key=lambda item: (item[0][0], str(item[0][1]))):
+        for bucket in _buckets([_local(p.grad) for p in params], cap):
+            flat = torch._utils._flatten_dense_tensors(bucket)
+            dist.reduce(flat, dst=dist.get_global_rank(shard_group, owner), group=shard_group)
+            if owner != me:
+                continue
+            if replicate > 1:
+                dist.all_reduce(flat, group=mesh.group("dp_replicate"))
+            flat.div_(ranks)
+            for grad, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                grad.copy_(reduced)
+        if owner != me:
+            for p in params:
+                p.grad = None  # another rank steps this parameter: its gradient is of no use here
+
+
 def _buckets(tensors: list[torch.Tensor], cap_bytes: float) -> list[list[torch.Tensor]]:
     """``tensors`` in order, in consecutive groups of at most ``cap_bytes`` (a larger tensor alone)."""
     buckets: list[list[torch.Tensor]] = [[]]

@@ -48,6 +48,9 @@ class Parallelized:
         self.reduces_after_backward = reduces_after_backward
         self.pipeline = pipeline
         self._sync_blocked = False  # inside no_sync()
+        # ZeRO-1 where gradients are averaged after backward: the rank of dp_shard whose optimizer steps each
+        # parameter (from shard_optimizer()); gradients then go to their owners only.
+        self._owners: dict[Tensor, int] | None = None
 
     @classmethod
     def as_given(cls, module: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> Parallelized:
@@ -97,27 +100,35 @@ class Parallelized:
         gradients once per step, Narayanan et al. 2021), and give every copy of a tied tensor the sum."""
         if self._sync_blocked:
             return
-        if self.reduces_after_backward:
-            data.reduce_gradients(self.inner, self.mesh, bucket_cap_mb=self.config.ddp_bucket_cap_mb)
-        if self.ties is not None:
+        if self.ties is not None:  # (summing the copies first or averaging over data-parallel ranks first is alike)
             self.ties.sum_gradients()
+        if self._owners is not None:
+            data.reduce_gradients_to_owners(self.inner, self.mesh, self._owners,
+                                            bucket_cap_mb=self.config.ddp_bucket_cap_mb)
+        elif self.reduces_after_backward:
+            data.reduce_gradients(self.inner, self.mesh, bucket_cap_mb=self.config.ddp_bucket_cap_mb)
 
     def shard_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """The optimizer to step: sharded over the data-parallel ranks under ZeRO stages 1 and 2. (Under stage 3 it
         already is: it was built on FSDP2's sharded parameters.)"""
-        return zero.shard_optimizer(optimizer, self.inner, self.mesh, stage=self.config.zero_stage,
-                                    sharded_accumulation=self.config.sharded_accumulation)
+        sharded = zero.shard_optimizer(optimizer, self.inner, self.mesh, stage=self.config.zero_stage,
+                                       sharded_accumulation=self.config.sharded_accumulation)
+        if self.config.zero_stage == 1 and self.reduces_after_backward:
+            self._owners = dict(sharded._param_to_rank)
+        return sharded
 
     @property
     def norm_groups(self) -> dict[str, ProcessGroup | None]:
         """The groups the gradient norm sums squared norms over (:func:`~lightning_par.parallel.clip.gradient_norm`).
 
-        ``partition_group``: under ZeRO-2, the ranks whose plain gradients make up one whole gradient.
+        ``partition_group``: under ZeRO-2, and ZeRO-1 that reduces to owners, the ranks whose gradients make up one
+        whole gradient.
         ``stage_group``: under pipeline parallel, the ranks holding the other stages (every kind of gradient).
         DTensor gradients (tensor parallel, ZeRO-3, experts) know their own placements.
         """
-        zero2 = self.config.zero_stage == 2 and self.mesh.size("dp_shard") > 1
-        return {"partition_group": self.mesh.group("dp_shard") if zero2 else None,
+        owned = self.config.zero_stage == 2 or self._owners is not None
+        partitioned = owned and self.mesh.size("dp_shard") > 1
+        return {"partition_group": self.mesh.group("dp_shard") if partitioned else None,
                 "stage_group": self.mesh.group("pp") if self.mesh.size("pp") > 1 else None}
 
     def counted_once(self, parameters: list[Tensor]) -> list[Tensor]:

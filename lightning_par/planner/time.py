@@ -25,7 +25,8 @@ spans ``tp`` ranks, ``cp`` spans ``tp x cp``, and so on outwards (:func:`spans`)
   and backward; the bubble is ``(p-1)/m`` of the compute for GPipe and 1F1B, ``(p-1)/(v·m)`` interleaved,
   and a residual of ZB-V's ideal zero (Qi et al. 2024) when forward, input- and weight-gradient passes
   differ in length.
-* dp: gradients all-reduced once per step (DDP, ZeRO-1), reduced to their owners (ZeRO-2) or
+* dp: gradients all-reduced once per step (DDP, ZeRO-1), reduced to their owners (ZeRO-2, and ZeRO-1 where
+  they are averaged after backward: pipelines, tensor parallel) or
   reduce-scattered (ZeRO-3, Rajbhandari et al. 2020); ZeRO-1/2 then broadcast the updated parameters;
   ZeRO-3 all-gathers every block's parameters in forward and again in backward, every micro-batch. Gradient
   reduction overlaps the last backward, parameter gathers the compute of their micro-batch, each behind at most
@@ -278,7 +279,13 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
         # reduced in one flat all-reduce after the last backward instead (lightning_par.parallel.data.
         # reduce_gradients, as Megatron-LM does under pipeline parallelism): nothing left to hide it behind.
         after_backward = config.reduces_gradients_after_backward
-        add(_all_reduce(dense * gbytes, dp * cp), span["dp_cp"], None if after_backward else backward_mb)
+        if stage == 1 and after_backward:
+            # ZeRO-1 there reduces each gradient to its owner only (parallel.data.reduce_gradients_to_owners):
+            # half an all-reduce, then averaged across dp_replicate.
+            add(_gather(dense * gbytes, shard), span["dp_shard_cp"], None)
+            add(_all_reduce(dense * gbytes / shard, rep), span["dp_replicate"], None)
+        else:
+            add(_all_reduce(dense * gbytes, dp * cp), span["dp_cp"], None if after_backward else backward_mb)
         if stage == 1:
             add(_gather(params * pbytes, shard), span["dp_shard_cp"], None)  # ZeroRedundancyOptimizer broadcast
     elif stage == 2:
