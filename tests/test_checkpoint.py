@@ -384,3 +384,38 @@ def test_checkpoints_that_cannot_load_say_why_on_every_rank(saved: Path, tmp_pat
     for outcome, (path, _, expected) in zip(ranks[0], cases):
         assert expected in outcome, (path.name, outcome)
     assert ranks[0][-2:] == ["loaded", "loaded"]
+
+
+def _fit_planned(rank: int, world_size: int, directory: str, accumulate: int, seed: int,
+                 ckpt_path: str | None) -> dict:
+    """auto_parallel plans the layout for ``world_size`` ranks; a checkpoint every 2 optimizer steps (mid-epoch)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_par import AutoParallelStrategy
+
+    torch.manual_seed(seed)
+    strategy = AutoParallelStrategy()
+    checkpoints = ModelCheckpoint(dirpath=directory, every_n_train_steps=2, save_top_k=-1)
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=4,
+                                accumulate_grad_batches=accumulate, callbacks=[checkpoints], logger=False,
+                                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                                limit_val_batches=0)
+    # 32 samples / (batch 2 x 4 ranks) = 4 optimizer steps; on 2 ranks, 2 accumulated batches make the same step.
+    trainer.fit(make_module(), datamodule=make_datamodule(num_samples=32), ckpt_path=ckpt_path)
+    return {"state": trainer.strategy.consolidated_state_dict(), "step": trainer.global_step,
+            "layout": strategy.planned_layouts[0].config.describe()}
+
+
+def test_auto_parallel_replans_on_resume_with_fewer_ranks(tmp_path: Path) -> None:
+    """Issue 19, item 8: a run planned for 4 ranks is checkpointed mid-epoch and resumed on 2. The planner plans
+    again for 2 ranks (the same global batch, by accumulating 2 batches), the sharded checkpoint reshards weights
+    and AdamW states into that layout, and the data resumes at the sample where the checkpoint was taken: the
+    weights after the last step are those of the uninterrupted 4-rank run."""
+    uninterrupted = run_distributed(_fit_planned, 4, str(tmp_path / "a"), 1, 0, None)[0]
+    checkpoint = tmp_path / "a" / "epoch=0-step=2.ckpt"
+    resumed = run_distributed(_fit_planned, 2, str(tmp_path / "b"), 2, 1, str(checkpoint))[0]
+    print(f"planned on 4 ranks: {uninterrupted['layout']}; on 2: {resumed['layout']}")
+    assert uninterrupted["layout"] != resumed["layout"]
+    assert resumed["step"] == uninterrupted["step"] == 4
+    for name, tensor in uninterrupted["state"].items():
+        torch.testing.assert_close(resumed["state"][name], tensor, rtol=1e-5, atol=1e-6)
