@@ -41,6 +41,11 @@ def make_strategy(layout: str, plan: dict | None = None):
                                                       plan=plan)
     if layout == "dp2xtp2":
         return lightning_par.Hybrid3DStrategy(data_parallel_size=2, tensor_parallel_size=2, plan=plan)
+    if layout == "pp2xdp2-zero3":
+        return lightning_par.Hybrid3DStrategy(pipeline_parallel_size=2, data_parallel_size=2, zero_stage=3,
+                                              microbatches=2, plan=plan)
+    if layout == "ep2-zero3":
+        return lightning_par.Hybrid3DStrategy(expert_parallel_size=2, zero_stage=3, plan=plan)
     if layout == "pp2xtp2-sp":
         return lightning_par.Hybrid3DStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
                                               microbatches=2, plan=plan)
@@ -49,7 +54,8 @@ def make_strategy(layout: str, plan: dict | None = None):
 
 # world size, data-parallel size. tp2, pp2 and dp2 x tp2 are the layouts a user tries first; tp2 with sequence
 # and loss parallel and pp2 x tp2 (+SP) compose the techniques.
-LAYOUTS = {"tp2": (2, 1), "pp2": (2, 1), "dp2xtp2": (4, 2), "tp2-sp": (2, 1), "pp2xtp2-sp": (4, 1)}
+LAYOUTS = {"tp2": (2, 1), "pp2": (2, 1), "dp2xtp2": (4, 2), "tp2-sp": (2, 1), "pp2xtp2-sp": (4, 1),
+           "pp2xdp2-zero3": (4, 2), "ep2-zero3": (2, 2)}
 
 # Cells refused before the first step, and a fragment of the reason they give; every other cell trains exactly.
 NO_SPLIT = "would split no layer inside the blocks"
