@@ -72,7 +72,8 @@ class ParallelConfig:
     (stage 3) keeps shards, gradients and optimizer states in host memory; ``sharded_accumulation`` (stages 2
     and 3, under gradient accumulation) reduces gradients on every micro-batch so that they stay sharded,
     instead of accumulating whole ones and reducing once (see ``lightning_par.parallel.zero``). ``activation_checkpointing`` recomputes activations of every
-    ``activation_checkpointing_every``-th block (``lightning_par.parallel.recompute``). Data-parallel knobs (``ddp_*``,
+    ``activation_checkpointing_every``-th block (``lightning_par.parallel.recompute``); ``compile`` compiles every
+    block with ``torch.compile`` (``lightning_par.parallel.compile``). Data-parallel knobs (``ddp_*``,
     ``gradient_compression``) configure PyTorch's ``DistributedDataParallel`` (Li et al. 2020, "PyTorch
     Distributed: Experiences on Accelerating Data Parallel Training") and apply to stages 0 and 1.
     """
@@ -98,6 +99,7 @@ class ParallelConfig:
     sharded_accumulation: bool = False
     activation_checkpointing: Recompute = "none"
     activation_checkpointing_every: int = 1
+    compile: bool = False
     ddp_bucket_cap_mb: float = 25.0
     ddp_static_graph: bool = False
     ddp_find_unused_parameters: bool = False
@@ -274,7 +276,7 @@ class ParallelConfig:
         ):
             raise ValueError(f"ddp_bucket_cap_mb must be a positive number of MiB, got {self.ddp_bucket_cap_mb!r}")
         for flag in ("ddp_static_graph", "ddp_find_unused_parameters", "reshard_after_forward", "cpu_offload",
-                     "sequence_parallel", "loss_parallel", "sharded_accumulation"):
+                     "sequence_parallel", "loss_parallel", "sharded_accumulation", "compile"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.ddp_static_graph and self.ddp_find_unused_parameters:

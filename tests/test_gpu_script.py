@@ -17,9 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu" / "validate.py"
 # Phases that must run on a CPU; the others need CUDA (float8, Lightning's FSDPStrategy) and say so.
 RUN_ON_CPU = ("device", "plain", "plain_compile", "lightning", "lightning_compile", "lp_data_parallel", "lp_zero3",
-              "lp_hybrid3d", "bubble")
+              "lp_hybrid3d", "bubble", "lp_data_parallel_compile", "lp_zero3_compile")
 CUDA_ONLY = ("plain_float8", "lightning_fsdp")
-NOT_AVAILABLE = ("lp_data_parallel_compile", "lp_zero3_compile", "lp_hybrid3d_compile")
 RUN_FIGURES = ("tokens_per_s", "tokens_per_s_median_step", "mfu", "peak_bytes", "predicted_bytes", "memory_ratio",
                "flops_per_token", "peak_flops", "loss_last")
 
@@ -40,13 +39,11 @@ def test_smoke_mode_runs_every_phase_with_finite_figures(tmp_path: Path) -> None
     print(completed.stdout)
     payload = json.loads(out.read_text())
     phases = payload["phases"]
-    assert set(phases) == {*RUN_ON_CPU, *CUDA_ONLY, *NOT_AVAILABLE}, sorted(phases)
+    assert set(phases) == {*RUN_ON_CPU, *CUDA_ONLY}, sorted(phases)
     failed = {name: phases[name] for name in RUN_ON_CPU if phases[name]["status"] != "ok"}
     assert not failed, json.dumps(failed, indent=1)[-4000:]
     for name in CUDA_ONLY:
         assert phases[name]["status"] == "skipped" and phases[name]["reason"], phases[name]
-    for name in NOT_AVAILABLE:
-        assert phases[name] == {"status": "not_available", "reason": "lightning-par has no compile option yet"}
 
     assert payload["config"]["parameters"] == phases["device"]["parameters"] > 0
     for key in ("peak_flops", "measured_bf16_matmul_flops", "flops_per_token"):
@@ -75,4 +72,4 @@ def test_smoke_mode_runs_every_phase_with_finite_figures(tmp_path: Path) -> None
     assert bubble["pipeline"]["actions"] == bubble["pipeline"]["expected_actions"]
     assert bubble["pipeline"]["simulated_bubble"] == 0  # one rank: the schedule itself leaves no bubble
 
-    assert "plain PyTorch" in payload["summary"] and "not_available" in payload["summary"]
+    assert "plain PyTorch" in payload["summary"] and "lightning-par zero3 (FSDP2) + compile" in payload["summary"]

@@ -24,7 +24,8 @@ over fp32 weights: Lightning's ``bf16-mixed``; AdamW ``foreach`` with LlamaLM's 
   Lightning's own default strategy (SingleDeviceStrategy), blocks compiled as above.
 - ``lightning_fsdp``: Lightning's ``FSDPStrategy`` (FSDP1, one unit per block) at world size 1 (CUDA only).
 - ``lp_data_parallel``, ``lp_zero3``, ``lp_hybrid3d``: lightning-par strategies at world size 1 (NCCL on CUDA,
-  gloo on CPU), every size 1. lightning-par has no compile option yet: its compile rows say so.
+  gloo on CPU), every size 1; ``lp_data_parallel_compile`` and ``lp_zero3_compile`` with the strategies' own
+  ``compile=True`` (each block compiled in place after sharding).
 - ``bubble``: ``parallel/bubble.py``'s BubbleMeter on a real pipeline at world size 1 (lightning-par's
   ``PipelineRunner``, interleaved 1F1B, two stages on the one rank; CUDA events on the GPU), and the event timing
   alone on a known workload, checked against host timing.
@@ -72,7 +73,6 @@ GPU_DEFAULTS = {"dim": 2048, "layers": 16, "heads": 16, "kv_heads": None, "vocab
                 "batch_size": 8, "warmup": 3, "steps": 15, "microbatches": 4}
 SMOKE_DEFAULTS = {"dim": 64, "layers": 2, "heads": 4, "kv_heads": None, "vocab": 256, "seq_len": 64,
                   "batch_size": 4, "warmup": 1, "steps": 2, "microbatches": 4}
-NO_COMPILE = "lightning-par has no compile option yet"
 
 
 class PhaseSkipped(Exception):
@@ -102,15 +102,15 @@ PHASES = [
     Phase("bubble", "bubble", "BubbleMeter", 30, 120),
     Phase("plain_compile", "plain", "plain PyTorch + compile", 90, 240, compile=True),
     Phase("lightning_compile", "lightning", "Lightning (auto) + compile", 90, 240, compile=True, strategy="auto"),
+    Phase("lp_data_parallel_compile", "lightning", "lightning-par data_parallel + compile", 90, 240, compile=True,
+          strategy="data_parallel"),
+    Phase("lp_zero3_compile", "lightning", "lightning-par zero3 (FSDP2) + compile", 90, 240, compile=True,
+          strategy="zero3"),
     Phase("plain_float8", "plain", "plain PyTorch + float8 + compile", 100, 240, compile=True, float8=True,
           cuda_only=True),
     Phase("lightning_fsdp", "lightning", "Lightning FSDPStrategy", 45, 150, strategy="fsdp", cuda_only=True),
 ]
 PHASE_NAMES = [p.name for p in PHASES]
-# Rows reported without a run: what lightning-par cannot do yet.
-NOT_AVAILABLE = {f"{name}_compile": f"{label} + compile" for name, label in
-                 (("lp_data_parallel", "lightning-par data_parallel"), ("lp_zero3", "lightning-par zero3 (FSDP2)"),
-                  ("lp_hybrid3d", "lightning-par hybrid3d (1x1x1)"))}
 
 
 # ============================================================================================ shared helpers
@@ -425,7 +425,9 @@ def float8_converter(device) -> Callable:
     return convert_to_float8_training
 
 
-def make_strategy(name: str):
+def make_strategy(name: str, compile: bool = False):
+    """Lightning's own strategies (their blocks compiled by the caller) or lightning-par's (``compile`` is theirs:
+    each block compiled in place after sharding)."""
     if name == "auto":
         return "auto"
     if name == "fsdp":
@@ -437,9 +439,9 @@ def make_strategy(name: str):
     import lightning_par
 
     if name == "data_parallel":
-        return lightning_par.DataParallelStrategy(data_parallel_size=1)
+        return lightning_par.DataParallelStrategy(data_parallel_size=1, compile=compile)
     if name == "zero3":
-        return lightning_par.ZeroStrategy(zero_stage=3, data_parallel_size=1)
+        return lightning_par.ZeroStrategy(zero_stage=3, data_parallel_size=1, compile=compile)
     if name == "hybrid3d":
         return lightning_par.Hybrid3DStrategy(data_parallel_size=1, tensor_parallel_size=1, pipeline_parallel_size=1,
                                               context_parallel_size=1, expert_parallel_size=1)
@@ -470,12 +472,15 @@ def run_lightning(a: dict, phase: Phase) -> dict:
         module = LlamaLM(**model_kwargs(a))
     print(f"model built: {module.model.num_parameters():,} parameters on {device}", flush=True)
     notes = []
-    if phase.compile:
+    ours = phase.strategy in ("data_parallel", "zero3", "hybrid3d")
+    if phase.compile and not ours:
         notes.append("compiled " + compile_blocks(module.model, a))
+    elif phase.compile:
+        notes.append("compiled by the strategy (compile=True: each block, in place, after sharding)")
     peak, _ = peak_flops(a, device)
     monitor = ThroughputMonitor(peak_flops_per_device=peak, window=a["steps"])
     trainer = lightning.Trainer(
-        accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, strategy=make_strategy(phase.strategy),
+        accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, strategy=make_strategy(phase.strategy, phase.compile and ours),
         precision="bf16-mixed", max_steps=a["warmup"] + a["steps"], callbacks=[Timer(), monitor], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         num_sanity_val_steps=0)
@@ -738,8 +743,7 @@ def summary_table(results: dict) -> str:
     lines = [header, "-" * len(header)]
     order = [p.name for p in PHASES if p.kind in ("plain", "lightning")]
     order = [n for n in order if not n.startswith("lp_")] + [n for n in order if n.startswith("lp_")]
-    order += list(NOT_AVAILABLE)
-    labels = {**{p.name: p.label for p in PHASES}, **NOT_AVAILABLE}
+    labels = {p.name: p.label for p in PHASES}
     for name in order:
         r = results.get(name)
         if r is None:
@@ -844,9 +848,6 @@ def main(argv: list[str] | None = None) -> None:
     selected = [p for p in PHASES if args.phases is None or p.name in args.phases]
     payload: dict[str, Any] = {"config": {**a, "parameters": parameters}, "phases": {}}
     results = payload["phases"]
-    for name in NOT_AVAILABLE:
-        if args.phases is None or name.removesuffix("_compile") in args.phases:
-            results[name] = {"status": "not_available", "reason": NO_COMPILE}
     for phase in selected:
         elapsed = time.perf_counter() - started
         left = args.budget_s - elapsed - 5  # 5 s for the summary

@@ -32,6 +32,7 @@ from torch import nn
 from lightning_par.config import DTYPES, ParallelConfig
 from lightning_par.stages import stages_per_rank
 from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.compile import apply_compile
 from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas
 from lightning_par.parallel.experts import apply_expert_parallel
 from lightning_par.parallel.pipeline import build_stages, check_microbatches, split_pipeline
@@ -122,6 +123,7 @@ def parallelize(
         apply_expert_parallel(model, mesh, config.ep, plan, reduce_gradients=config.zero_stage != 3)  # 4
         apply_activation_checkpointing(model, plan, mode=config.activation_checkpointing,  # 5
                                        every=config.activation_checkpointing_every)
+        apply_compile(model, plan, enabled=config.compile)  # 6
         shard_root = None
         if config.zero_stage == 3:  # 7: shard, then allocate only the shards of a meta-device model
             # Under pipeline parallel each stage is a root, sharded when it is built.

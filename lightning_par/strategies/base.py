@@ -46,6 +46,8 @@ class MeshStrategy(ShardedCheckpoints):
         activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation per block (Chen et al. 2016;
             selective: Korthikanti et al. 2022); by default the config's (``none``).
         activation_checkpointing_every: checkpoint one block in this many; by default the config's (1).
+        compile: compile every transformer block with ``torch.compile`` after it is sharded (in place: checkpoint
+            names do not change); by default the config's (False).
         plan: where the model keeps its blocks (a :class:`ModelPlan` or its dict form from YAML); derived
             from the model when omitted. A LightningModule that defines ``parallelize(mesh, config)``
             parallelizes itself instead (it returns the module to train, or None if it changed itself).
@@ -76,7 +78,7 @@ class MeshStrategy(ShardedCheckpoints):
 
     def __init__(self, parallel_config: ParallelConfig | None = None, *,
                  activation_checkpointing: Recompute | None = None, activation_checkpointing_every: int | None = None,
-                 plan: ModelPlan | dict[str, Any] | None = None,
+                 compile: bool | None = None, plan: ModelPlan | dict[str, Any] | None = None,
                  save_distributed_checkpoint: bool = True, checkpoint_weights_only: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  **lightning_arguments: Any) -> None:
@@ -84,9 +86,9 @@ class MeshStrategy(ShardedCheckpoints):
                          checkpoint_weights_only=checkpoint_weights_only, process_group_backend=process_group_backend,
                          timeout=timeout, **lightning_arguments)
         config = parallel_config if parallel_config is not None else ParallelConfig()
-        recompute = {"activation_checkpointing": activation_checkpointing,
-                     "activation_checkpointing_every": activation_checkpointing_every}
-        self.parallel_config = dataclasses.replace(config, **{k: v for k, v in recompute.items() if v is not None})
+        given = {"activation_checkpointing": activation_checkpointing,
+                 "activation_checkpointing_every": activation_checkpointing_every, "compile": compile}
+        self.parallel_config = dataclasses.replace(config, **{k: v for k, v in given.items() if v is not None})
         # Refuse what cannot work before any process group exists, so every rank fails alike.
         with self.in_argument_names():
             self.parallel_config.check()

@@ -1,0 +1,34 @@
+"""Per-block compilation with ``torch.compile`` (Ansel et al. 2024, "PyTorch 2"), after the blocks are sharded.
+
+Every transformer block of the plan is compiled in place (``nn.Module.compile``), as torchtitan compiles its
+blocks: the blocks of a decoder share their code, so one graph serves them all, and the code between blocks
+(embedding, head, the pipeline's stand-ins) stays eager. Compiling in place keeps the module tree and its names:
+state dicts hold no ``_orig_mod.`` prefix, so compiled and uncompiled checkpoints load into each other
+(Lightning #21357 is the problem this avoids). It runs after tensor/sequence/context/expert parallel and
+activation checkpointing, which it compiles with the block, and before FSDP2 and DDP wrap it: their hooks stay
+outside the compiled region (dynamo skips FSDP2's hooks by default). On CPU the backend is inductor's C++ code,
+which needs a C compiler.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightning_par.parallel.plan import ModelPlan
+
+
+def apply_compile(module: nn.Module, plan: ModelPlan | None, *, enabled: bool = True) -> nn.Module:
+    """Compile every block of ``plan`` in ``module`` (in place); returns ``module``."""
+    if not enabled:
+        return module
+    if plan is None:
+        raise ValueError("compile=True compiles each transformer block, and no model plan says where the blocks "
+                         "are: give the strategy a plan (plan: {blocks: ...}), use a standard decoder layout, or "
+                         "compile the model yourself in configure_model() and set compile=False")
+    for block in module.get_submodule(plan.blocks).children():
+        if next(block.parameters(), None) is not None:  # a pipeline stage's stand-in has nothing to compile
+            block.compile()
+    return module
+
+
+__all__ = ["apply_compile"]
