@@ -178,6 +178,14 @@ class ParallelConfig:
             if self.sequence_parallel and self.tp > 1:
                 raise ValueError(f"ep={self.ep} with sequence_parallel=True: the experts route whole sequences; "
                                  "set sequence_parallel=False (tensor parallel still splits attention)")
+        if self.compile and self.sequence_parallel and self.tp > 1:
+            raise ValueError("compile=True with sequence_parallel=True: inductor cannot compile the sequence-parallel "
+                             "layouts' mesh lookups inside a block in torch 2.13 (device_mesh._get_submesh is not an "
+                             "operator); set sequence_parallel=False or compile=False")
+        if self.compile and self.ep > 1:
+            raise ValueError(f"compile=True with ep={self.ep}: the compiled blocks keep references to the expert "
+                             "weights, which are DTensors that moving the model to its device must swap; set "
+                             "compile=False, or ep=1")
         if self.cp > 1 and self.tp > 1 and self.sequence_parallel:
             raise ValueError(f"cp={self.cp} with sequence_parallel=True: context parallel already splits the "
                              "sequence between the blocks; set sequence_parallel=False (tensor parallel still splits "

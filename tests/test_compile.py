@@ -35,11 +35,15 @@ def _strategy(name: str):
 
     if name == "data_parallel":
         return DataParallelStrategy(compile=True)
+    if name == "pp2xtp2":
+        return Hybrid3DStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, microbatches=2, compile=True)
     return Hybrid3DStrategy(data_parallel_size=2, zero_stage=3, activation_checkpointing="full", compile=True)
 
 
-@pytest.mark.parametrize("name", ["data_parallel", "zero3-full-recompute"])
-def test_compiled_layout_matches_the_eager_single_process(name: str) -> None:
-    """DDP over compiled blocks, and FSDP2 units around compiled, checkpointed blocks, on 2 ranks."""
-    assert_layout_matches(SGDLlamaLM, make_datamodule, functools.partial(_strategy, name), world_size=2, dp=2,
-                          steps=STEPS, rtol=COMPILE_RTOL, label=f"compile {name}")
+@pytest.mark.parametrize(("name", "world_size", "dp"),
+                         [("data_parallel", 2, 2), ("zero3-full-recompute", 2, 2), ("pp2xtp2", 4, 1)])
+def test_compiled_layout_matches_the_eager_single_process(name: str, world_size: int, dp: int) -> None:
+    """DDP over compiled blocks; FSDP2 units around compiled, checkpointed blocks; compiled tensor-parallel blocks
+    inside pipeline stages."""
+    assert_layout_matches(SGDLlamaLM, make_datamodule, functools.partial(_strategy, name), world_size=world_size,
+                          dp=dp, steps=STEPS, rtol=COMPILE_RTOL, label=f"compile {name}")
