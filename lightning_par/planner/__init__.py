@@ -13,6 +13,7 @@ when a search asks ``lightning_par.parallel.compose`` which layouts it can apply
 """
 
 from lightning_par.planner.cluster import DEVICE_PRESETS, ClusterSpec, calibrate
+from lightning_par.planner.measure import MachineRates, measure_rates, measured_cluster
 from lightning_par.planner.memory import MemoryBreakdown, estimate_memory
 from lightning_par.planner.model import MODEL_PRESETS, ModelSpec
 from lightning_par.planner.report import explain, format_table
@@ -23,6 +24,9 @@ __all__ = [
     "ClusterSpec",
     "DEVICE_PRESETS",
     "calibrate",
+    "MachineRates",
+    "measure_rates",
+    "measured_cluster",
     "ModelSpec",
     "MODEL_PRESETS",
     "MemoryBreakdown",

@@ -46,6 +46,9 @@ class ClusterSpec:
     ``usable_memory_fraction`` leaves room for the CUDA context, the allocator's fragmentation and
     temporaries the memory model does not itemise. ``*_bus_efficiency`` is the fraction of a link's bandwidth a
     large NCCL collective reaches (its "bus bandwidth" over the link's), 1.0 for a ``ClusterSpec`` built by hand.
+    ``optimizer_rate`` (parameters per second of an AdamW step) and ``collective_overlap`` (the share of the compute
+    that hides overlapped collectives) are set by :func:`lightning_par.planner.measure.measured_cluster`; the
+    presets leave them None (the optimizer step not costed, :data:`~lightning_par.planner.time.COLLECTIVE_OVERLAP`).
     """
 
     name: str
@@ -62,6 +65,8 @@ class ClusterSpec:
     memory_bandwidth: float | None = None  # HBM bytes/s; None: element-wise ops are not costed
     intra_node_bus_efficiency: float = 1.0
     inter_node_bus_efficiency: float = 1.0
+    optimizer_rate: float | None = None  # parameters/s an AdamW step updates; None: the step is not costed
+    collective_overlap: float | None = None  # share of compute that hides collectives; None: time.COLLECTIVE_OVERLAP
 
     def __post_init__(self) -> None:
         for field in ("nodes", "devices_per_node", "memory_bytes"):
@@ -77,6 +82,10 @@ class ClusterSpec:
                 raise ValueError(f"ClusterSpec.{field} must be in (0, 1], got {getattr(self, field)!r}")
         if self.attention_efficiency is not None and not 0 < self.attention_efficiency <= 1:
             raise ValueError(f"ClusterSpec.attention_efficiency must be in (0, 1], got {self.attention_efficiency!r}")
+        if self.optimizer_rate is not None and not self.optimizer_rate > 0:
+            raise ValueError(f"ClusterSpec.optimizer_rate must be positive, got {self.optimizer_rate!r}")
+        if self.collective_overlap is not None and not 0 <= self.collective_overlap <= 1:
+            raise ValueError(f"ClusterSpec.collective_overlap must be in [0, 1], got {self.collective_overlap!r}")
         if self.memory_bandwidth is not None and not self.memory_bandwidth > 0:
             raise ValueError(f"ClusterSpec.memory_bandwidth must be positive, got {self.memory_bandwidth!r}")
 

@@ -246,7 +246,9 @@ class ModelSpec:
                 return cls.from_config(config, name=type(owner).__name__)
             except UnknownConfig:  # a configuration read and refused raises its own reason
                 continue
-        raise ValueError(f"cannot read the architecture of {type(module).__name__}: the planner looks for a "
+        # UnknownConfig: nothing was read (callers may describe the module otherwise, from its parameters:
+        # lightning_par.strategies.model_spec); a configuration read and refused raised its own ValueError above.
+        raise UnknownConfig(f"cannot read the architecture of {type(module).__name__}: the planner looks for a "
                          "LlamaConfig-like or Hugging Face-like `.config` on the module or on its `.model`; give the "
                          "strategy's model_spec instead (a preset name such as 'llama3-8b', or the sizes: "
                          "vocab_size, hidden, layers, heads, kv_heads, ffn_hidden)")

@@ -90,10 +90,11 @@ class StepTime:
     model_flops: float = 0.0  # per step, the whole cluster, without recomputation (for MFU)
     tokens: float = 0.0  # per step
     work: dict[str, float] = field(default_factory=dict)  # ``compute`` by kind: linear, attention, elementwise, head
+    optimizer: float = 0.0  # the optimizer step; 0 unless the cluster has an ``optimizer_rate``
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.bubble + sum(self.exposed.values())
+        return self.compute + self.recompute + self.bubble + sum(self.exposed.values()) + self.optimizer
 
     @property
     def tokens_per_second(self) -> float:
@@ -105,6 +106,7 @@ class StepTime:
 
     def as_dict(self) -> dict[str, Any]:
         return {"compute": self.compute, "recompute": self.recompute, "bubble": self.bubble,
+                "optimizer": self.optimizer,
                 **{f"{k}_exposed": v for k, v in self.exposed.items()},
                 **{f"{k}_comm": v for k, v in self.comm.items()},
                 **{f"{k}_bytes": v for k, v in self.comm_bytes.items()}, "total": self.total}
@@ -128,13 +130,13 @@ def _gather(nbytes: float, d: int) -> float:
     return (d - 1) / d * nbytes if d > 1 else 0.0
 
 
-def _exposed(comm: float, overlap_with: float, units: int) -> float:
+def _exposed(comm: float, overlap_with: float, units: int, overlap: float = COLLECTIVE_OVERLAP) -> float:
     """Communication overlapped with ``overlap_with`` seconds of compute, issued in ``units`` pieces: what
-    :data:`COLLECTIVE_OVERLAP` of the compute cannot hide is exposed, and at least the last piece (nothing is
-    left to hide it behind)."""
+    ``overlap`` (:data:`COLLECTIVE_OVERLAP` unless the cluster says otherwise) of the compute cannot hide is
+    exposed, and at least the last piece (nothing is left to hide it behind)."""
     if comm <= 0:
         return 0.0
-    return max(comm - COLLECTIVE_OVERLAP * overlap_with, comm / max(units, 1))
+    return max(comm - overlap * overlap_with, comm / max(units, 1))
 
 
 def _block_seconds(model: ModelSpec, config: ParallelConfig, cluster: ClusterSpec, moe: bool, *, seq_len: int,
@@ -262,6 +264,7 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     units = n_blocks + 1
     reductions = m if config.sharded_accumulation else 1  # ZeRO-2/3 gradient reductions per optimizer step
     dp_seconds = exposed_dp = dp_bytes = 0.0
+    hiding = COLLECTIVE_OVERLAP if cluster.collective_overlap is None else cluster.collective_overlap
 
     def add(nbytes: float, group_span: int, overlap: float | None) -> None:
         share([(nbytes, group_span)], overlap)
@@ -272,7 +275,7 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
         seconds = sum(nbytes / cluster.bandwidth(group_span) for nbytes, group_span in parts)
         dp_bytes += sum(nbytes for nbytes, _ in parts)
         dp_seconds += seconds
-        exposed_dp += seconds if overlap is None else _exposed(seconds, overlap, units)
+        exposed_dp += seconds if overlap is None else _exposed(seconds, overlap, units, hiding)
 
     if stage in (0, 1):
         # DDP overlaps its bucketed all-reduce with backward; pipeline stages and tensor-parallel DTensors are
@@ -327,8 +330,16 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     if dp_bytes:
         volume["dp"], comm["dp"], exposed["dp"] = dp_bytes, dp_seconds, exposed_dp
 
+    # ---- the optimizer step, where the cluster gives its rate (measured clusters; the published runs' presets
+    # leave it out, as their calibration did): AdamW updates this rank's share of the parameters, which ZeRO
+    # divides by the ranks that shard the optimizer states (memory.py's accounting).
+    optimizer = 0.0
+    if cluster.optimizer_rate is not None:
+        owners = {0: 1, 1: shard, 2: shard, 3: shard * cp}[stage]
+        optimizer = params / owners / cluster.optimizer_rate
+
     step_tokens = mbs * m * dp * seq_len
-    return StepTime(compute=compute, recompute=recompute, bubble=bubble, comm=comm, exposed=exposed,
+    return StepTime(compute=compute, recompute=recompute, bubble=bubble, comm=comm, exposed=exposed, optimizer=optimizer,
                     comm_bytes=volume, model_flops=model.flops_per_token(seq_len) * step_tokens, tokens=step_tokens,
                     work={kind: m * seconds for kind, seconds in work.items()})
 

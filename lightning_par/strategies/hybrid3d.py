@@ -131,12 +131,17 @@ class Hybrid3DStrategy(MeshStrategy):
         self._model_spec = _model_spec(model_spec)
         super().__init__(config, **kwargs)
 
+    #: Whether the planner measures this machine (``lightning_par.planner.measure``) instead of trusting the device
+    #: preset's data sheet; ``AutoParallelStrategy(calibrate=True)`` sets it.
+    _calibrate: bool = False
+
     @override
     def _choose_layout(self, config: ParallelConfig) -> ParallelConfig:
         if not self._planned:
             return config
-        from lightning_par.planner import ClusterSpec, ModelSpec, explain, format_table
+        from lightning_par.planner import ClusterSpec, explain, format_table
         from lightning_par.planner.runtime import plan_for_run
+        from lightning_par.strategies.model_spec import module_spec
 
         module = self.lightning_module
         trainer = module.trainer
@@ -150,11 +155,17 @@ class Hybrid3DStrategy(MeshStrategy):
         fixed.update({name: getattr(config, name) for name in (*KNOBS, "loss_parallel") if name not in self._planned})
         if not self._save_distributed_checkpoint:
             fixed.setdefault("pp", 1)  # a full-file checkpoint cannot hold a pipeline
-        spec = self._model_spec or ModelSpec.from_module(module)
+        # The architecture: model_spec if given, else the module's configuration, else read off its parameters.
+        spec = self._model_spec or module_spec(module, self._plan)
+        precision = _planner_precision(trainer.precision)
+        if self._calibrate:
+            cluster = self._measured_cluster(cluster, spec, batch_size=batch_size, seq_len=seq_len,
+                                             precision=precision)
         candidates = plan_for_run(spec, cluster, batch_size_per_rank=batch_size,
-                                  seq_len=seq_len, precision=_planner_precision(trainer.precision),
+                                  seq_len=seq_len, precision=precision,
                                   accumulate_grad_batches=trainer.accumulate_grad_batches, fixed=fixed)
         self.planned_layouts = candidates
+        self.planned_cluster = cluster
         chosen = candidates[0].config
         rank_zero_info(f"{type(self).__name__}: planned {chosen.describe()}, zero_stage={chosen.zero_stage}, "
                        f"activation_checkpointing={chosen.activation_checkpointing}, sequence_parallel="
@@ -163,6 +174,25 @@ class Hybrid3DStrategy(MeshStrategy):
         if "pp" in self._planned and chosen.pp > 1:
             planned["pp_microbatches"] = chosen.pp_microbatches
         return dataclasses.replace(config, dp_replicate=chosen.dp_replicate, dp_shard=chosen.dp_shard, **planned)
+
+    def _measured_cluster(self, preset: Any, spec: Any, *, batch_size: int, seq_len: int, precision: str) -> Any:
+        """``preset`` with the rates every rank measured at start-up (``lightning_par.planner.measure``).
+
+        The ranks must plan alike, so they measure together and agree on the slowest rank's figures over the
+        default process group, which is therefore started here, before the layout is chosen (starting it again
+        later is a no-op). The probes run on one micro-batch: the whole loader batch without a pipeline."""
+        from lightning_par.planner.measure import measure_rates, measured_cluster
+
+        if self.world_size > 1:
+            self._start_process_group()
+        rates = measure_rates(spec, seq_len=seq_len, micro_batch_size=batch_size, precision=precision,
+                              device=self.root_device, local_world_size=self.num_processes)
+        # CPU ranks use every core (processes.py gives each its share): gloo's reductions take their time from the
+        # compute they would overlap, so nothing is hidden (measured: docs/planner.md).
+        cluster = measured_cluster(rates, nodes=self.num_nodes, devices_per_node=self.num_processes, base=preset,
+                                   collective_overlap=0.0 if self.root_device.type == "cpu" else None)
+        rank_zero_info(f"{type(self).__name__}: measured {rates} at start-up; planning for {cluster}")
+        return cluster
 
 
 # Knobs the planner chooses together with the sizes when the strategy leaves them to it.
@@ -220,6 +250,14 @@ class AutoParallelStrategy(Hybrid3DStrategy):
     Args:
         device: the accelerator to plan for (a preset of ``lightning_par.planner``: ``h100-80gb``,
             ``a100-40gb``, ...); by default ``cpu`` on CPU, ``h100-80gb`` on GPU.
+        calibrate: measure this machine when the processes start instead of trusting ``device``'s data sheet:
+            every rank times a large matmul, one block of the model (its projections, attention and element-wise
+            ops) on one micro-batch, and an all-reduce, and all plan with the slowest rank's rates
+            (``lightning_par.planner.measure``; about a second on a CPU). ``device`` keeps what is not measured.
+            Off by default: a measured plan depends on the machine's load, a data-sheet plan is reproducible.
+        model_spec: the architecture (a preset name or ``ModelSpec``'s sizes); by default read from the model's
+            configuration, or, for a module without one, off its parameters
+            (``lightning_par.strategies.model_spec``).
         data_parallel_size: ``"auto"`` (default) or a fixed number of data-parallel ranks.
         tensor_parallel_size: ``"auto"`` (default) or fixed.
         pipeline_parallel_size: ``"auto"`` (default) or fixed.
@@ -243,9 +281,13 @@ class AutoParallelStrategy(Hybrid3DStrategy):
         context_parallel_size: Size = "auto",
         expert_parallel_size: Size = "auto",
         zero_stage: Size = "auto",
+        calibrate: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          pipeline_parallel_size=pipeline_parallel_size, context_parallel_size=context_parallel_size,
                          expert_parallel_size=expert_parallel_size, zero_stage=zero_stage, device=device, **kwargs)
         self._planned |= set(KNOBS)
+        if not isinstance(calibrate, bool):
+            raise ValueError(f"calibrate must be true or false, got {calibrate!r}")
+        self._calibrate = calibrate
