@@ -341,6 +341,10 @@ BAD_INPUTS: list[BadInput] = [
              "model_spec={'hidden': 64, 'depth': 2}: unknown fields ['depth']; missing ['ffn_hidden', 'heads', "
              "'kv_heads', 'layers', 'vocab_size']", _strategy("AutoParallelStrategy", model_spec={"hidden": 64,
                                                                                                   "depth": 2})),
+    BadInput("`AutoParallelStrategy(calibrate='yes')`", "calibrate must be true or false, got 'yes'",
+             _strategy("AutoParallelStrategy", calibrate="yes")),
+    BadInput("`DataParallelStrategy(compile='yes')`", "compile must be true or false, got 'yes'",
+             _strategy("DataParallelStrategy", compile="yes")),
     BadInput("`AutoParallelStrategy(device='tpu-v9')`",
              "unknown device preset 'tpu-v9'; presets: ['a100-40gb', 'a100-80gb', 'cpu', 'h100-80gb', 'h100-96gb-500w', 'h200-141gb']",
              _strategy("AutoParallelStrategy", device="tpu-v9")),
