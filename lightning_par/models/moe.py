@@ -44,6 +44,33 @@ class RoutingStats:
     z_loss: Tensor  # () router z-loss (unweighted)
 
 
+def grouped_matmul(tokens: Tensor, weights: Tensor, counts: list[int]) -> Tensor:
+    """``tokens`` (n, a) sorted by group times each group's matrix ``weights[g]`` (G, a, b), ``counts[g]`` rows per
+    group -> (n, b): one grouped GEMM (``torch._grouped_mm``, as torchtitan's and Megatron-Core's MoE layers use)
+    where this PyTorch runs it, on CPU and on Hopper-class GPUs in bf16, else a matmul per group."""
+    device = tokens.device.type
+    # Autocast would cast a matmul's operands, and _grouped_mm is not on its lists: cast them as it would.
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tokens.dtype
+    if _grouped_mm_runs(tokens, weights, dtype):
+        offsets = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(tokens.to(dtype), weights.to(dtype), offs=offsets)
+    return torch.cat([part @ weights[g] for g, part in enumerate(tokens.split(counts))])
+
+
+def _grouped_mm_runs(tokens: Tensor, weights: Tensor, dtype: torch.dtype) -> bool:
+    if not GROUPED_MM or not hasattr(torch, "_grouped_mm") or tokens.shape[0] == 0:
+        return False
+    if any(width * dtype.itemsize % 16 for width in (tokens.shape[1], weights.shape[2])):
+        return False  # its kernels need rows of 16-byte multiples
+    if tokens.device.type == "cuda":  # sm90+ kernels, bf16
+        return torch.cuda.get_device_capability(tokens.device) >= (9, 0) and dtype == torch.bfloat16
+    return tokens.device.type == "cpu"
+
+
+#: Whether experts run as one grouped GEMM where torch can (set False to compare with the per-expert loop).
+GROUPED_MM = True
+
+
 class GroupedExperts(nn.Module):
     """``n_experts`` SwiGLU feed-forwards stored as stacked weights, so expert parallel can shard dim 0."""
 
@@ -62,8 +89,8 @@ class GroupedExperts(nn.Module):
         """Every (local) expert on its tokens: ``tokens`` (n, dim) sorted by expert, ``counts[e]`` of them for
         expert ``e``; -> (n, dim) in the same order."""
         gate, up, down = (local_part(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
-        outputs = [(F.silu(part @ gate[e]) * (part @ up[e])) @ down[e] for e, part in enumerate(tokens.split(counts))]
-        return torch.cat(outputs)
+        hidden = F.silu(grouped_matmul(tokens, gate, counts)) * grouped_matmul(tokens, up, counts)
+        return grouped_matmul(hidden, down, counts)
 
 
 class MoEFeedForward(nn.Module):
@@ -191,4 +218,4 @@ def check_moe(n_experts: int, top_k: int, capacity_factor: float | None) -> None
         raise ValueError(f"capacity_factor must be positive, or None for dropless routing; got {capacity_factor!r}")
 
 
-__all__ = ["AuxiliaryLossInBackward", "GroupedExperts", "MoEFeedForward", "RoutingStats", "check_moe"]
+__all__ = ["AuxiliaryLossInBackward", "GroupedExperts", "grouped_matmul", "MoEFeedForward", "RoutingStats", "check_moe"]
