@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.autograd import Variable
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -134,8 +135,9 @@ def _fsdp_mesh(mesh: ParallelMesh) -> Any:
 class GradientReducer:
     """ZeRO-2 gradient partitioning: reduce each gradient to the rank owning its parameter, drop it elsewhere.
 
-    Runs from ``post_accumulate_grad`` hooks, so a gradient is reduced as soon as backward has finished
-    accumulating it and non-owners free it right away: whole gradients never coexist. Under HSDP the owner
+    Runs from ``post_accumulate_grad`` hooks, so a gradient's reduction starts as soon as backward has finished
+    accumulating it, asynchronously, overlapping the rest of backward; when backward ends the reductions are
+    waited for and non-owners free their copies (so whole gradients coexist only until then). Under HSDP the owner
     also averages across the replicate groups. While gradients accumulate (``sync`` off) each rank keeps its
     whole local sum and reduces it once, on the last micro-batch; with ``sharded`` it reduces on every
     micro-batch instead, and the owner keeps the running sum aside, so no rank holds more than its part between
@@ -150,6 +152,7 @@ class GradientReducer:
         self.sync = True
         self.sharded = sharded
         self._accumulated: dict[Tensor, Tensor] = {}  # sharded: the owner's reduced sum of earlier micro-batches
+        self._pending: list[tuple[Any, Tensor, int]] = []  # reductions in flight during a backward
         owners = optimizer._param_to_rank  # ZeroRedundancyOptimizer's partition (shard-group ranks)
         self.rank = dist.get_rank(self.shard_group)
         self._handles = []
@@ -164,10 +167,23 @@ class GradientReducer:
         def reduce_to_owner(param: Tensor) -> None:
             if not self.sync and not self.sharded:
                 return  # accumulating: keep the local sum, reduce on the last micro-batch
-            dist.reduce(param.grad, dst=owner_global, group=self.shard_group)
+            if not self._pending:  # the first gradient of this backward: settle them all when it ends
+                Variable._execution_engine.queue_callback(self._settle)
+            # Asynchronous: the reduction runs while backward computes the next gradients (DeepSpeed's overlap).
+            work = dist.reduce(param.grad, dst=owner_global, group=self.shard_group, async_op=True)
+            self._pending.append((work, param, owner))
+
+        return reduce_to_owner
+
+    def _settle(self) -> None:
+        """At the end of backward: wait for the reductions; owners average (across replicas too), the others drop
+        their copies (the point of stage 2: only the owner keeps a gradient)."""
+        pending, self._pending = self._pending, []
+        for work, param, owner in pending:
+            work.wait()
             if self.rank != owner:
-                param.grad = None  # the point of stage 2: only the owner keeps this gradient
-                return
+                param.grad = None
+                continue
             if self.replicate_group is not None:
                 dist.all_reduce(param.grad, group=self.replicate_group)
             param.grad.div_(self.world)
@@ -178,8 +194,6 @@ class GradientReducer:
                     param.grad = None
                 elif earlier is not None:
                     param.grad = earlier + param.grad
-
-        return reduce_to_owner
 
     def remove(self) -> None:
         for handle in self._handles:
