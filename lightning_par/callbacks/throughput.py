@@ -25,6 +25,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_par.callbacks._group import strategy_mesh
+from lightning_par.planner.measure import timed
 
 __all__ = ["ThroughputMonitor", "measure_matmul_flops"]
 
@@ -102,15 +103,8 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1
         dtype = torch.float32
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    torch.matmul(a, b)  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    return 2 * size**3 / timed(lambda: torch.matmul(a, b), time.perf_counter, sync, repeats, best=True)
 
 
 def _now(trainer: Trainer) -> float:

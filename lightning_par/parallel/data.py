@@ -123,16 +123,16 @@ def reduce_gradients(module: nn.Module, mesh: ParallelMesh, *, bucket_cap_mb: fl
             grad = _local(p.grad)
             by_dtype.setdefault(grad.dtype, []).append(grad)
     group, ranks = mesh.group(GRADIENT_GROUP), mesh.size(GRADIENT_GROUP)
-    cap = bucket_cap_mb * 1024 * 1024
+
+    def all_reduce(flat: torch.Tensor) -> bool:
+        dist.all_reduce(flat, group=group)
+        return True
+
     for grads in by_dtype.values():
-        for bucket in _buckets(grads, cap):
-            flat = torch._utils._flatten_dense_tensors(bucket)
-            dist.all_reduce(flat, group=group)
-            flat.div_(ranks)
-            for grad, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
-                grad.copy_(reduced)
+        _average_in_buckets(grads, bucket_cap_mb, all_reduce, ranks)
 
 
+@torch.no_grad()
 def reduce_gradients_to_owners(module: nn.Module, mesh: ParallelMesh, owners: dict[torch.Tensor, int], *,
                                bucket_cap_mb: float = 25.0) -> None:
     """ZeRO-1's gradient average after the last backward (Megatron-LM's distributed optimizer): each gradient is
@@ -148,21 +148,31 @@ def reduce_gradients_to_owners(module: nn.Module, mesh: ParallelMesh, owners: di
     for p in module.parameters():
         if p.grad is not None and not is_expert(p):
             by_owner.setdefault((owners[p], _local(p.grad).dtype), []).append(p)
-    cap = bucket_cap_mb * 1024 * 1024
-    for (owner, _), params in sorted(by_owner.items(), key=lambda item: (item[0][0], str(item[0][1]))):
-        for bucket in _buckets([_local(p.grad) for p in params], cap):
-            flat = torch._utils._flatten_dense_tensors(bucket)
+    # Every rank holds the same parameters in the same order, so the groups come in the same order everywhere.
+    for (owner, _), params in by_owner.items():
+
+        def reduce_to_owner(flat: torch.Tensor) -> bool:
             dist.reduce(flat, dst=dist.get_global_rank(shard_group, owner), group=shard_group)
-            if owner != me:
-                continue
-            if replicate > 1:
+            if owner == me and replicate > 1:
                 dist.all_reduce(flat, group=mesh.group("dp_replicate"))
-            flat.div_(ranks)
-            for grad, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
-                grad.copy_(reduced)
+            return owner == me
+
+        _average_in_buckets([_local(p.grad) for p in params], bucket_cap_mb, reduce_to_owner, ranks)
         if owner != me:
             for p in params:
                 p.grad = None  # another rank steps this parameter: its gradient is of no use here
+
+
+def _average_in_buckets(grads: list[torch.Tensor], bucket_cap_mb: float, reduce: Callable[[torch.Tensor], bool],
+                        ranks: int) -> None:
+    """Flatten ``grads`` (one dtype) into buckets of at most ``bucket_cap_mb`` MiB, ``reduce`` each flat bucket
+    (it returns whether this rank holds the sum), and give the sum divided by ``ranks`` back to the gradients."""
+    for bucket in _buckets(grads, bucket_cap_mb * 1024 * 1024):
+        flat = torch._utils._flatten_dense_tensors(bucket)
+        if reduce(flat):
+            flat.div_(ranks)
+            for grad, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                grad.copy_(reduced)
 
 
 def _buckets(tensors: list[torch.Tensor], cap_bytes: float) -> list[list[torch.Tensor]]:

@@ -278,7 +278,7 @@ def probe(shape: ProbeShape, *, device: Any = "cpu", clock: Clock = time.perf_co
 
     n = PEAK_MATMUL_SIZE
     a, b = randn(n, n), randn(n, n)
-    peak = _time(lambda: torch.matmul(a, b), clock, sync, repeats, best=True)
+    peak = timed(lambda: torch.matmul(a, b), clock, sync, repeats, best=True)
 
     B, T, h, f = shape.sequences, shape.seq_len, shape.hidden, shape.ffn_hidden
     H, KV, D = shape.heads, shape.kv_heads, shape.head_dim
@@ -339,13 +339,14 @@ def probe(shape: ProbeShape, *, device: Any = "cpu", clock: Clock = time.perf_co
         p.grad = torch.ones_like(p)
     optimizer = torch.optim.AdamW(params, lr=1e-6)  # PyTorch's default implementation (foreach where it can)
 
-    return ProbeTimings(peak=peak, linear=_time(linear, clock, sync, repeats),
-                        attention=_time(attention, clock, sync, repeats), block=_time(block, clock, sync, repeats),
-                        optimizer=_time(optimizer.step, clock, sync, repeats))
+    return ProbeTimings(peak=peak, linear=timed(linear, clock, sync, repeats),
+                        attention=timed(attention, clock, sync, repeats), block=timed(block, clock, sync, repeats),
+                        optimizer=timed(optimizer.step, clock, sync, repeats))
 
 
-def _time(fn: Callable[[], Any], clock: Clock, sync: Callable[[], None], repeats: int, best: bool = False) -> float:
-    """Median (or best) seconds of ``fn`` over ``repeats`` calls after one warm-up call."""
+def timed(fn: Callable[[], Any], clock: Clock, sync: Callable[[], None], repeats: int, best: bool = False) -> float:
+    """Median (or best) seconds of ``fn`` over ``repeats`` calls after one warm-up call, ``sync`` (waiting for
+    the device) after each. Also ThroughputMonitor's timer of its peak matmul."""
     fn()
     sync()
     seconds = []
@@ -364,7 +365,7 @@ def _time_all_reduce(nbytes: int, device: Any, clock: Clock, repeats: int) -> fl
     on = device if dist.get_backend() == "nccl" else torch.device("cpu")
     tensor = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=on)
     sync = (lambda: torch.cuda.synchronize(on)) if on.type == "cuda" else (lambda: None)
-    return _time(lambda: dist.all_reduce(tensor), clock, sync, repeats)
+    return timed(lambda: dist.all_reduce(tensor), clock, sync, repeats)
 
 
 def _memory_bytes(device: Any, local_world_size: int) -> int | None:
@@ -381,4 +382,4 @@ def _memory_bytes(device: Any, local_world_size: int) -> int | None:
 
 
 __all__ = ["MachineRates", "ProbeShape", "ProbeTimings", "measure_rates", "measured_cluster", "probe",
-           "rates_from_timings"]
+           "rates_from_timings", "timed"]

@@ -88,14 +88,15 @@ def derive_model_spec(module: nn.Module, plan: ModelPlan | None = None) -> Model
     tied = head is None or getattr(head, "weight", None) is embedding.weight
 
     attention = _attention(blocks[0], hidden, f"{plan.blocks}.0")
-    moe_blocks = [(i, block) for i, block in enumerate(blocks) if _experts(block) is not None]
-    dense = [(i, block) for i, block in enumerate(blocks) if _experts(block) is None]
+    experts = [_experts_name(block) for block in blocks]
+    moe_blocks = [(i, block, name) for i, (block, name) in enumerate(zip(blocks, experts)) if name is not None]
+    dense = [(i, block) for i, (block, name) in enumerate(zip(blocks, experts)) if name is None]
     ffn_hidden, matrices = (_feed_forward(dense[0][1], hidden, f"{plan.blocks}.{dense[0][0]}") if dense
                             else (None, None))
     moe: dict[str, Any] = {}
     if moe_blocks:
-        index, block = moe_blocks[0]
-        moe = _mixture(block, hidden, f"{plan.blocks}.{index}", matrices)
+        index, block, experts_name = moe_blocks[0]
+        moe = _mixture(block, experts_name, hidden, f"{plan.blocks}.{index}", matrices)
         matrices = matrices or moe.pop("ffn_matrices")
         moe.pop("ffn_matrices", None)
         moe["moe_layers"] = len(moe_blocks)
@@ -215,16 +216,13 @@ def _ffn_of(shapes: list[tuple[int, int]], hidden: int, where: str) -> tuple[int
 
 
 # ------------------------------------------------------------------------------------------------- experts
-def _experts(block: nn.Module) -> nn.Module | None:
-    for name, sub in block.named_modules():
-        if _leaf(name) == "experts":
-            return sub
-    return None
+def _experts_name(block: nn.Module) -> str | None:
+    """The name in ``block`` of its first module called ``experts`` (an MoE block's), or None."""
+    return next((name for name, _ in block.named_modules() if _leaf(name) == "experts"), None)
 
 
-def _mixture(block: nn.Module, hidden: int, where: str, matrices: int | None) -> dict[str, Any]:
-    """moe_experts, moe_top_k, expert_ffn_hidden (and ffn_matrices) of an MoE block."""
-    name = next(n for n, s in block.named_modules() if _leaf(n) == "experts")
+def _mixture(block: nn.Module, name: str, hidden: int, where: str, matrices: int | None) -> dict[str, Any]:
+    """moe_experts, moe_top_k, expert_ffn_hidden (and ffn_matrices) of an MoE block whose experts are ``name``."""
     experts = block.get_submodule(name)
     parent = block.get_submodule(name.rpartition(".")[0]) if "." in name else block
     # On the MoE module, its experts or its router (Hugging Face keeps top_k on the router, Qwen2MoeTopKRouter).
