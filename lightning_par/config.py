@@ -27,6 +27,7 @@ PipelineSchedule = Schedule
 PipelineBalance = Literal["parameters", "profile"]
 GradientCompression = Literal["none", "bf16", "fp16"]
 Dtype = Literal["fp32", "bf16", "fp16"]
+Float8Recipe = Literal["tensorwise", "rowwise"]
 
 # Only the data-parallel sizes can absorb "whatever is left" without a planner; the model-parallel
 # sizes change memory and speed too much to be guessed (the planner of the auto_parallel strategy
@@ -50,6 +51,7 @@ RECOMPUTE_MODES = get_args(Recompute)
 CP_METHODS = get_args(ContextParallelMethod)
 PP_SCHEDULES = get_args(PipelineSchedule)
 PP_BALANCE = get_args(PipelineBalance)
+FLOAT8_RECIPES = get_args(Float8Recipe)
 
 
 @dataclass(frozen=True)
@@ -63,17 +65,21 @@ class ParallelConfig:
     ``pp_schedule``, ``pp_microbatches``, ``pp_virtual_stages`` (stages per rank, interleaved 1F1B) and
     ``pp_balance`` configure pipeline parallel (``lightning_par.parallel.pipeline``).
     ``loss_parallel`` keeps the head's logits split over the vocabulary under tensor parallel and computes
-    the cross-entropy on the shards. ``cp_method`` is how context parallel attends across the sequence slices (``ulysses`` all-to-all or
-    ``ring``; see ``lightning_par.parallel.sequence``).
+    the cross-entropy on the shards. ``cp_method`` is how context parallel attends across the sequence slices
+    (``ulysses`` all-to-all or ``ring``; see ``lightning_par.parallel.sequence``).
     ``zero_stage`` shards model states over the data-parallel ranks (0: plain DDP; 1: optimizer states;
     2: + gradients; 3: + parameters, FSDP2), ``reshard_after_forward`` is the stage-3 trade of memory for
     one all-gather per block; ``param_dtype`` / ``reduce_dtype`` (stage 3) compute in low precision from
     fp32 shards and reduce gradients in ``reduce_dtype`` (default: ``param_dtype``); ``cpu_offload``
     (stage 3) keeps shards, gradients and optimizer states in host memory; ``sharded_accumulation`` (stages 2
     and 3, under gradient accumulation) reduces gradients on every micro-batch so that they stay sharded,
-    instead of accumulating whole ones and reducing once (see ``lightning_par.parallel.zero``). ``activation_checkpointing`` recomputes activations of every
-    ``activation_checkpointing_every``-th block (``lightning_par.parallel.recompute``); ``compile`` compiles every
-    block with ``torch.compile`` (``lightning_par.parallel.compile``). Data-parallel knobs (``ddp_*``,
+    instead of accumulating whole ones and reducing once (see ``lightning_par.parallel.zero``).
+    ``activation_checkpointing`` recomputes activations of every ``activation_checkpointing_every``-th block
+    (``lightning_par.parallel.recompute``); ``compile`` compiles every block with ``torch.compile``
+    (``lightning_par.parallel.compile``); ``float8`` trains the blocks' linear layers in torchao's Float8 with the
+    ``tensorwise`` or ``rowwise`` recipe, ``float8_emulate`` rounding to float8 and multiplying in high precision
+    (``lightning_par.parallel.float8``); ``async_tp`` overlaps sequence parallel's collectives with the matmuls
+    beside them inside the compiled blocks (``lightning_par.parallel.async_tp``). Data-parallel knobs (``ddp_*``,
     ``gradient_compression``) configure PyTorch's ``DistributedDataParallel`` (Li et al. 2020, "PyTorch
     Distributed: Experiences on Accelerating Data Parallel Training") and apply to stages 0 and 1.
     """
@@ -100,6 +106,9 @@ class ParallelConfig:
     activation_checkpointing: Recompute = "none"
     activation_checkpointing_every: int = 1
     compile: bool = False
+    float8: Optional[Float8Recipe] = None
+    float8_emulate: bool = False
+    async_tp: bool = False
     ddp_bucket_cap_mb: float = 25.0
     ddp_static_graph: bool = False
     ddp_find_unused_parameters: bool = False
@@ -178,14 +187,11 @@ class ParallelConfig:
             if self.sequence_parallel and self.tp > 1:
                 raise ValueError(f"ep={self.ep} with sequence_parallel=True: the experts route whole sequences; "
                                  "set sequence_parallel=False (tensor parallel still splits attention)")
-        if self.compile and self.sequence_parallel and self.tp > 1:
-            raise ValueError("compile=True with sequence_parallel=True: inductor cannot compile the sequence-parallel "
-                             "layouts' mesh lookups inside a block in torch 2.13 (device_mesh._get_submesh is not an "
-                             "operator); set sequence_parallel=False or compile=False")
-        if self.compile and self.ep > 1:
-            raise ValueError(f"compile=True with ep={self.ep}: the compiled blocks keep references to the expert "
-                             "weights, which are DTensors that moving the model to its device must swap; set "
-                             "compile=False, or ep=1")
+        if self.async_tp and not (self.tp > 1 and self.sequence_parallel and self.compile):
+            raise ValueError(f"async_tp=True with tp={self.tp}, sequence_parallel={self.sequence_parallel}, compile="
+                             f"{self.compile}: async tensor parallel splits sequence parallel's all-gathers and "
+                             "reduce-scatters into pieces that overlap the matmuls beside them, a rewrite inductor "
+                             "makes in compiled blocks; it needs tp > 1, sequence_parallel=True and compile=True")
         if self.cp > 1 and self.tp > 1 and self.sequence_parallel:
             raise ValueError(f"cp={self.cp} with sequence_parallel=True: context parallel already splits the "
                              "sequence between the blocks; set sequence_parallel=False (tensor parallel still splits "
@@ -284,9 +290,16 @@ class ParallelConfig:
         ):
             raise ValueError(f"ddp_bucket_cap_mb must be a positive number of MiB, got {self.ddp_bucket_cap_mb!r}")
         for flag in ("ddp_static_graph", "ddp_find_unused_parameters", "reshard_after_forward", "cpu_offload",
-                     "sequence_parallel", "loss_parallel", "sharded_accumulation", "compile"):
+                     "sequence_parallel", "loss_parallel", "sharded_accumulation", "compile", "float8_emulate",
+                     "async_tp"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
+        if self.float8 is not None and self.float8 not in FLOAT8_RECIPES:
+            raise ValueError(f"float8={self.float8!r} is not one of {FLOAT8_RECIPES} (tensorwise: one scale per "
+                             "tensor, weights gathered in float8 under ZeRO-3; rowwise: one scale per row), or None")
+        if self.float8_emulate and self.float8 is None:
+            raise ValueError("float8_emulate=True emulates float8 matmuls, and float8 is None; set float8 to "
+                             f"one of {FLOAT8_RECIPES} or float8_emulate=False")
         if self.ddp_static_graph and self.ddp_find_unused_parameters:
             raise ValueError(
                 "ddp_static_graph=True and ddp_find_unused_parameters=True exclude each other: a static graph "

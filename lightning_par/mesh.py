@@ -47,6 +47,10 @@ class ParallelMesh:
             raise ValueError(f"mesh dimensions must be {MESH_DIM_NAMES}, got {root.mesh_dim_names}")
         self.root = root
         self._flat = {name: root[dims]._flatten(name) for name, dims in FLATTENED_DIMS.items()}
+        # One object per root dimension: slicing the root makes a new DeviceMesh each time, and a compiled block
+        # whose DTensors meet two equal tp meshes (the parameters' and the pipeline's received activations')
+        # traces one and rebuilds the other from the root with an op inductor cannot lower (torch 2.13).
+        self._dims = {name: root[name] for name in MESH_DIM_NAMES}
         self._experts: dict[int, ExpertMeshes] = {}
 
     def __getitem__(self, name: str) -> DeviceMesh:
@@ -54,7 +58,7 @@ class ParallelMesh:
         if name in self._flat:
             return self._flat[name]
         if name in MESH_DIM_NAMES:
-            return self.root[name]
+            return self._dims[name]
         raise KeyError(f"unknown mesh dimension {name!r}; known: {MESH_DIM_NAMES + tuple(FLATTENED_DIMS)}")
 
     def experts(self, ep: int) -> ExpertMeshes:

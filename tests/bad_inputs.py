@@ -345,6 +345,15 @@ BAD_INPUTS: list[BadInput] = [
              _strategy("AutoParallelStrategy", calibrate="yes")),
     BadInput("`DataParallelStrategy(compile='yes')`", "compile must be true or false, got 'yes'",
              _strategy("DataParallelStrategy", compile="yes")),
+    BadInput("`ZeroStrategy(float8='e4m3')`", "float8='e4m3' is not one of ('tensorwise', 'rowwise')",
+             _strategy("ZeroStrategy", float8="e4m3")),
+    BadInput("`TensorParallelStrategy(tensor_parallel_size=2, async_tp=True)`",
+             "async_tp=True with tensor_parallel_size=2, sequence_parallel=False, compile=False: async tensor parallel "
+             "splits sequence parallel's all-gathers", _strategy("TensorParallelStrategy", tensor_parallel_size=2,
+                                                                   async_tp=True)),
+    BadInput("`DataParallelStrategy(float8_emulate=True)`", "float8_emulate=True emulates float8 matmuls, and float8 "
+             "is None; set float8 to one of ('tensorwise', 'rowwise')", _strategy("DataParallelStrategy",
+                                                                                  float8_emulate=True)),
     BadInput("`AutoParallelStrategy(device='tpu-v9')`",
              "unknown device preset 'tpu-v9'; presets: ['a100-40gb', 'a100-80gb', 'cpu', 'h100-80gb', 'h100-96gb-500w', 'h200-141gb']",
              _strategy("AutoParallelStrategy", device="tpu-v9")),

@@ -38,8 +38,14 @@ def global_order(num_samples: int, shuffle: bool) -> Tensor:
 
 
 def reference_run(make_module: Callable[[], Any], make_datamodule: Callable[[], Any], *, dp: int, steps: int,
-                  accumulate: int = 1, seed: int = 1234, gradient_clip_val: float | None = None) -> ParityRun:
-    """The single-process run the layout must reproduce (``gradient_clip_val``: clip by total 2-norm)."""
+                  accumulate: int = 1, seed: int = 1234, gradient_clip_val: float | None = None,
+                  pieces_like_ranks: bool = False, pipeline_microbatches: int = 1) -> ParityRun:
+    """The single-process run the layout must reproduce (``gradient_clip_val``: clip by total 2-norm).
+
+    ``pieces_like_ranks`` runs each global micro-batch in the pieces the layout multiplies: one per data-parallel
+    rank (rank ``r`` reads every ``dp``-th sample from ``r``), each cut into ``pipeline_microbatches``; gradients
+    are summed at 1/pieces each, the same mean. For computations whose rounding depends on what is multiplied
+    together, such as float8's scale from the amax of a whole activation tensor."""
     datamodule = make_datamodule()
     datamodule.setup("fit")
     dataset = datamodule.train_dataloader().dataset
@@ -60,10 +66,15 @@ def reference_run(make_module: Callable[[], Any], make_datamodule: Callable[[], 
         for micro_step in range(accumulate):
             m = step * accumulate + micro_step
             batch = torch.stack([dataset[int(i)] for i in order[m * micro:(m + 1) * micro]])
-            inputs, targets = module.split_batch(batch)
-            loss = module.loss_fn(module(inputs), targets)
-            (loss / accumulate).backward()
-            losses.append(loss.item())
+            chunk_losses = []
+            pieces = ([p for r in range(dp) for p in batch[r::dp].chunk(pipeline_microbatches)]
+                      if pieces_like_ranks else [batch])
+            for piece in pieces:
+                inputs, targets = module.split_batch(piece)
+                loss = module.loss_fn(module(inputs), targets)
+                (loss / (accumulate * len(pieces))).backward()
+                chunk_losses.append(loss.item())
+            losses.append(sum(chunk_losses) / len(pieces))
         if gradient_clip_val is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), gradient_clip_val)
         optimizer.step()

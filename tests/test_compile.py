@@ -37,13 +37,25 @@ def _strategy(name: str):
         return DataParallelStrategy(compile=True)
     if name == "pp2xtp2":
         return Hybrid3DStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, microbatches=2, compile=True)
+    if name == "pp2xtp2-sp":
+        return Hybrid3DStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
+                                microbatches=2, compile=True)
+    if name == "ep2xdp2":
+        return Hybrid3DStrategy(expert_parallel_size=2, compile=True)
     return Hybrid3DStrategy(data_parallel_size=2, zero_stage=3, activation_checkpointing="full", compile=True)
 
 
-@pytest.mark.parametrize(("name", "world_size", "dp"),
-                         [("data_parallel", 2, 2), ("zero3-full-recompute", 2, 2), ("pp2xtp2", 4, 1)])
-def test_compiled_layout_matches_the_eager_single_process(name: str, world_size: int, dp: int) -> None:
+# The MoE model is test_experts.py's: routed layers whose experts expert parallel turns into DTensors.
+_MODULES = {"dense": SGDLlamaLM, "moe": functools.partial(SGDLlamaLM, **{**MODEL, "moe_experts": 4, "moe_top_k": 2})}
+
+
+@pytest.mark.parametrize(("name", "world_size", "dp", "model"),
+                         [("data_parallel", 2, 2, "dense"), ("zero3-full-recompute", 2, 2, "dense"),
+                          ("pp2xtp2", 4, 1, "dense"), ("pp2xtp2-sp", 4, 1, "dense"), ("ep2xdp2", 2, 2, "moe")])
+def test_compiled_layout_matches_the_eager_single_process(name: str, world_size: int, dp: int, model: str) -> None:
     """DDP over compiled blocks; FSDP2 units around compiled, checkpointed blocks; compiled tensor-parallel blocks
-    inside pipeline stages."""
-    assert_layout_matches(SGDLlamaLM, make_datamodule, functools.partial(_strategy, name), world_size=world_size,
+    inside pipeline stages, also with sequence parallel (a stage's received slices meet the blocks' DTensors on the
+    same tp mesh object, which inductor needs); compiled MoE blocks under expert parallel, whose routed part runs
+    eagerly, so the expert DTensors can still be moved when Lightning tears the run down."""
+    assert_layout_matches(_MODULES[model], make_datamodule, functools.partial(_strategy, name), world_size=world_size,
                           dp=dp, steps=STEPS, rtol=COMPILE_RTOL, label=f"compile {name}")

@@ -73,8 +73,6 @@ def test_auto_sizes_resolve(config: ParallelConfig, world_size: int, expected: t
         (ParallelConfig(cp=2, zero_stage=2), r"zero_stage=2 with cp=2: ZeRO-2 composes with plain data parallel only"),
         (ParallelConfig(tp=2, dp_shard=2, zero_stage=2), r"zero_stage=2 with tp=2: ZeRO-2 composes with plain data"),
         (ParallelConfig(pp=2, zero_stage=2), r"zero_stage=2 with pp=2: .*zero_stage=3 \(FSDP2, with tensor, context"),
-        (ParallelConfig(tp=2, sequence_parallel=True, compile=True), r"compile=True with sequence_parallel=True: "),
-        (ParallelConfig(ep=2, compile=True), r"compile=True with ep=2: the compiled blocks keep references"),
     ],
 )
 def test_combinations_not_yet_composed_are_refused(config: ParallelConfig, message: str) -> None:

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu" / "validate.py"
 # Phases that must run on a CPU; the others need CUDA (float8, Lightning's FSDPStrategy) and say so.
 RUN_ON_CPU = ("device", "plain", "plain_compile", "lightning", "lightning_compile", "lp_data_parallel", "lp_zero3",
-              "lp_hybrid3d", "bubble", "lp_data_parallel_compile", "lp_zero3_compile")
+              "lp_hybrid3d", "bubble", "lp_data_parallel_compile", "lp_zero3_compile", "lp_data_parallel_float8")
 CUDA_ONLY = ("plain_float8", "lightning_fsdp")
 RUN_FIGURES = ("tokens_per_s", "tokens_per_s_median_step", "mfu", "peak_bytes", "predicted_bytes", "memory_ratio",
                "flops_per_token", "peak_flops", "loss_last")

@@ -108,6 +108,9 @@ PHASES = [
           strategy="zero3"),
     Phase("plain_float8", "plain", "plain PyTorch + float8 + compile", 100, 240, compile=True, float8=True,
           cuda_only=True),
+    # On a CPU (--smoke) float8 is emulated: the strategy's wiring is exercised, not float8's speed.
+    Phase("lp_data_parallel_float8", "lightning", "lightning-par data_parallel + float8 + compile", 100, 240,
+          compile=True, float8=True, strategy="data_parallel"),
     Phase("lightning_fsdp", "lightning", "Lightning FSDPStrategy", 45, 150, strategy="fsdp", cuda_only=True),
 ]
 PHASE_NAMES = [p.name for p in PHASES]
@@ -409,15 +412,20 @@ def run_plain(a: dict, phase: Phase) -> dict:
     return finish(a, result, device, predicted_memory(a, default_parallel_config()))
 
 
-def float8_converter(device) -> Callable:
-    """torchao's ``convert_to_float8_training``, or PhaseSkipped saying why float8 cannot run here."""
+def check_float8_gpu(device) -> None:
+    """PhaseSkipped when this GPU has no float8 tensor cores."""
     import torch
 
-    if device.type != "cuda":
-        raise PhaseSkipped("float8 needs CUDA")
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
         raise PhaseSkipped(f"float8 needs compute capability 8.9 or more, this GPU has {capability}")
+
+
+def float8_converter(device) -> Callable:
+    """torchao's ``convert_to_float8_training``, or PhaseSkipped saying why float8 cannot run here."""
+    if device.type != "cuda":
+        raise PhaseSkipped("float8 needs CUDA")
+    check_float8_gpu(device)
     try:
         from torchao.float8 import convert_to_float8_training
     except Exception as error:
@@ -425,9 +433,9 @@ def float8_converter(device) -> Callable:
     return convert_to_float8_training
 
 
-def make_strategy(name: str, compile: bool = False):
-    """Lightning's own strategies (their blocks compiled by the caller) or lightning-par's (``compile`` is theirs:
-    each block compiled in place after sharding)."""
+def make_strategy(name: str, compile: bool = False, float8: str | None = None, float8_emulate: bool = False):
+    """Lightning's own strategies (their blocks compiled by the caller) or lightning-par's (``compile`` and
+    ``float8`` are theirs: each block converted and compiled in place)."""
     if name == "auto":
         return "auto"
     if name == "fsdp":
@@ -439,7 +447,8 @@ def make_strategy(name: str, compile: bool = False):
     import lightning_par
 
     if name == "data_parallel":
-        return lightning_par.DataParallelStrategy(data_parallel_size=1, compile=compile)
+        return lightning_par.DataParallelStrategy(data_parallel_size=1, compile=compile, float8=float8,
+                                                  float8_emulate=float8_emulate)
     if name == "zero3":
         return lightning_par.ZeroStrategy(zero_stage=3, data_parallel_size=1, compile=compile)
     if name == "hybrid3d":
@@ -473,6 +482,12 @@ def run_lightning(a: dict, phase: Phase) -> dict:
     print(f"model built: {module.model.num_parameters():,} parameters on {device}", flush=True)
     notes = []
     ours = phase.strategy in ("data_parallel", "zero3", "hybrid3d")
+    float8 = {}
+    if phase.float8:
+        if device.type == "cuda":
+            check_float8_gpu(device)
+        float8 = {"float8": "tensorwise", "float8_emulate": device.type != "cuda"}
+        notes.append("float8 tensorwise by the strategy" + (" (emulated on CPU)" if float8["float8_emulate"] else ""))
     if phase.compile and not ours:
         notes.append("compiled " + compile_blocks(module.model, a))
     elif phase.compile:
@@ -480,7 +495,7 @@ def run_lightning(a: dict, phase: Phase) -> dict:
     peak, _ = peak_flops(a, device)
     monitor = ThroughputMonitor(peak_flops_per_device=peak, window=a["steps"])
     trainer = lightning.Trainer(
-        accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, strategy=make_strategy(phase.strategy, phase.compile and ours),
+        accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, strategy=make_strategy(phase.strategy, phase.compile and ours, **float8),
         precision="bf16-mixed", max_steps=a["warmup"] + a["steps"], callbacks=[Timer(), monitor], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         num_sanity_val_steps=0)
@@ -497,7 +512,9 @@ def run_lightning(a: dict, phase: Phase) -> dict:
               "precision": "bf16-mixed", "optimizer": "LlamaLM.configure_optimizers: AdamW(fused=False), LambdaLR",
               "compile": phase.compile, "notes": notes, "process_group_backend": seen.get("backend"),
               "world_size": seen.get("world_size"), "loss_last": metrics.get("train_loss"),
+              "float8": phase.float8,
               "monitor": {"tokens_per_s": metrics.get("perf/tokens_per_sec"), "mfu": metrics.get("perf/mfu"),
+                          "mfu_float8_peak": metrics.get("perf/mfu_float8_peak"),
                           "source": "lightning_par ThroughputMonitor, same peak, last window of the timed steps"},
               **clock.summary(a)}
     return finish(a, result, device, prediction)

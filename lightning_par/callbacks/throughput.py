@@ -9,7 +9,11 @@ trainable parameters.
 
 Peak FLOP/s per device: ``peak_flops_per_device`` if given, else Lightning's table of accelerators for the
 training precision (H100, H200, A100, L4, ...), else, on a CPU, a dense matmul measured at the start of
-training with this process's threads.
+training with this process's threads. When the strategy trains in float8, MFU is also reported against the float8
+peak (``perf/mfu_float8_peak``; Micikevicius et al. 2022): ``peak_float8_flops_per_device`` if given, else on GPUs
+with float8 tensor cores (compute capability 8.9 and above) the table's int8 rate, which is float8's on Ada and
+Hopper. Elsewhere there is no float8 peak to report against (a CPU's ``torch._scaled_mm`` is a reference kernel,
+and emulated float8 multiplies at the high-precision rate).
 """
 
 from __future__ import annotations
@@ -40,14 +44,21 @@ class ThroughputMonitor(Callback):
     Args:
         peak_flops_per_device: the device's peak FLOP/s for MFU; looked up or measured when omitted.
         window: batches the rates are averaged over (a sliding window smooths data-loading jitter).
+        peak_float8_flops_per_device: the device's float8 peak for ``perf/mfu_float8_peak`` (logged when the strategy
+            trains in float8); looked up or measured when omitted.
     """
 
-    def __init__(self, peak_flops_per_device: float | None = None, window: int = 10) -> None:
-        if peak_flops_per_device is not None and peak_flops_per_device <= 0:
-            raise ValueError(f"peak_flops_per_device must be positive, got {peak_flops_per_device}")
+    def __init__(self, peak_flops_per_device: float | None = None, window: int = 10,
+                 peak_float8_flops_per_device: float | None = None) -> None:
+        for name, value in (("peak_flops_per_device", peak_flops_per_device),
+                            ("peak_float8_flops_per_device", peak_float8_flops_per_device)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
         if window < 1:
             raise ValueError(f"window must be at least 1 batch, got {window}")
         self.peak_flops_per_device = peak_flops_per_device
+        self.peak_float8_flops_per_device = peak_float8_flops_per_device
+        self._float8 = False  # whether the strategy trains in float8 (known at fit start)
         self.window = window
         self._intervals: list[tuple[float, int, int]] = []  # (seconds, tokens, samples) per batch, global
         self._last: float | None = None
@@ -63,6 +74,12 @@ class ThroughputMonitor(Callback):
                 self.peak_flops_per_device = measure_matmul_flops(device, dtype)
                 rank_zero_info(f"MFU is relative to a measured {self.peak_flops_per_device / 1e9:.1f} GFLOP/s "
                                f"per process ({dtype} matmul on {device.type}); set peak_flops_per_device to fix it")
+        config = getattr(trainer.strategy, "parallel_config", None)
+        self._float8 = getattr(config, "float8", None) is not None
+        if self._float8 and self.peak_float8_flops_per_device is None:
+            device = trainer.strategy.root_device
+            if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+                self.peak_float8_flops_per_device = get_available_flops(device, torch.int8)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -93,17 +110,19 @@ class ThroughputMonitor(Callback):
         }
         if self.peak_flops_per_device:
             metrics["perf/mfu"] = flops_per_sec_per_device / self.peak_flops_per_device
+        if self._float8 and self.peak_float8_flops_per_device:
+            metrics["perf/mfu_float8_peak"] = flops_per_sec_per_device / self.peak_float8_flops_per_device
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "perf/tokens_per_sec")
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, repeats: int = 3) -> float:
     """FLOP/s of a dense ``size x size`` matmul on ``device`` in ``dtype`` (the best of ``repeats``)."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     if dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         dtype = torch.float32
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     return 2 * size**3 / timed(lambda: torch.matmul(a, b), time.perf_counter, sync, repeats, best=True)
 
 

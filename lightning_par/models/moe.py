@@ -146,6 +146,15 @@ class MoEFeedForward(nn.Module):
             self.losses_in_backward.append(weighted.detach())
         return AuxiliaryLossInBackward.apply(out, weighted, self.loss_scale_in_backward)
 
+    # Runs eagerly inside a compiled block (torch.compile splits the block's graph around it): every size in here
+    # follows the routing (tokens per expert, per rank) and changes each step, and the token exchange takes its
+    # split sizes on the host. Traced, each step's new sizes would make dynamo recompile with symbolic shapes, and
+    # torch 2.13 keeps those compilations' fake tensors alive (in ShapeEnv._inner_evaluate_expr's class-wide LRU
+    # cache) with weak references to the expert weights: torch.utils.swap_tensors then refuses to swap them, which
+    # moving a module whose expert weights are DTensors (expert parallel) does. (Before that, tracing grouped_matmul
+    # fails outright in fp32: torch 2.13's meta kernel of _grouped_mm, which tracing runs, accepts bf16 only.) The
+    # router before, and the block's attention and norms, stay compiled: their shapes are the batch's.
+    @torch.compiler.disable
     def _routed(self, x: Tensor, chosen: Tensor, keep: Tensor, weights: Tensor) -> Tensor:
         """The weighted sum of the kept assignments' expert outputs: (B, T, C) -> (B, T, C)."""
         B, T, C = x.shape

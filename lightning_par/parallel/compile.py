@@ -6,8 +6,10 @@ blocks: the blocks of a decoder share their code, so one graph serves them all, 
 state dicts hold no ``_orig_mod.`` prefix, so compiled and uncompiled checkpoints load into each other
 (Lightning #21357 is the problem this avoids). It runs after tensor/sequence/context/expert parallel and
 activation checkpointing, which it compiles with the block, and before FSDP2 and DDP wrap it: their hooks stay
-outside the compiled region (dynamo skips FSDP2's hooks by default). On CPU the backend is inductor's C++ code,
-which needs a C compiler.
+outside the compiled region (dynamo skips FSDP2's hooks by default). A mixture-of-experts layer's routed part
+(dispatch, experts, combine) is marked to run eagerly between the block's graphs: its sizes change with the routing
+every step (``MoEFeedForward._routed``, and ``_RoutedExperts`` in ``experts.py``). On CPU the backend is inductor's
+C++ code, which needs a C compiler.
 """
 
 from __future__ import annotations

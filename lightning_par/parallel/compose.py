@@ -4,6 +4,8 @@ The order matters and is the same as torchtitan's, after a check of the plan:
 
 0. the plan, checked     -- a tensor-parallel plan runs on a small replica, whole and split, and what it
                             cannot compute alike is refused or, for a derived plan, gathered (plan_check);
+   then float8           -- the blocks' linear layers become torchao's Float8Linear, before anything shards
+                            them, so that tensor parallel splits and FSDP2 gathers float8 layers (float8);
 1. pipeline split        -- a stage must exist before its layers are sharded; what runs outside the blocks is
                             placed from a traced forward (pipeline_trace);
 2. tensor / sequence parallel -- swaps parameters for DTensors sharded over ``tp``;
@@ -32,11 +34,13 @@ from torch import nn
 from lightning_par.config import DTYPES, ParallelConfig
 from lightning_par.stages import stages_per_rank
 from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.async_tp import enable_async_tensor_parallel
 from lightning_par.parallel.compile import apply_compile
 from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas
 from lightning_par.parallel.experts import apply_expert_parallel
+from lightning_par.parallel.float8 import apply_float8, check_float8_device, precompute_scales_before_forward
 from lightning_par.parallel.pipeline import build_stages, check_microbatches, split_pipeline
-from lightning_par.parallel.plan import ModelPlan
+from lightning_par.parallel.plan import ModelPlan, network_prefix
 from lightning_par.parallel.plan_check import check_plan
 from lightning_par.parallel.recompute import apply_activation_checkpointing
 from lightning_par.parallel.sequence import apply_context_parallel, check_sequence_length
@@ -95,6 +99,8 @@ def parallelize(
     """
     device = device if device is not None else torch.device(mesh.device_type)
     config.check_composable()
+    if config.async_tp:  # refused off CUDA before any collective; on CUDA, the compiled blocks are rewritten
+        enable_async_tensor_parallel(device)
     # Steps 1-6 change the module in place, once: fit and then validate/test/predict on the same module
     # (the usual Lightning sequence) reuses them and only re-wraps for data parallelism.
     layout = (mesh.sizes(), config)
@@ -111,6 +117,12 @@ def parallelize(
                                      loss_parallel=config.loss_parallel, apply=apply_tensor_parallel)
             if log is not None:
                 log(f"tensor-parallel plan ({plan.source}) checked on a sample: " + ("; ".join(notes) or "as planned"))
+        if config.float8 is not None and not config.float8_emulate:
+            check_float8_device(device, config.float8, log=log)
+        converted = apply_float8(model, plan, config.float8, emulate=config.float8_emulate,  # 0, float8
+                                 fsdp_all_gather=config.zero_stage == 3)
+        if converted is not None and log is not None:
+            log(converted.describe())
         if config.pp > 1:  # 1
             stages = split_pipeline(model, mesh, plan, schedule=config.pp_schedule,
                                     virtual_stages=config.pp_virtual_stages, balance_by=config.pp_balance,
@@ -135,6 +147,9 @@ def parallelize(
         if stages is not None:  # 1, completed: each stage's view of the blocks as they now are
             record.stages = build_stages(model, stages, mesh, device, sequence_parallel=config.sequence_parallel,
                                          shard_root=shard_root)
+        if converted is not None and config.zero_stage == 3 and config.float8 == "tensorwise":  # float8 all-gather
+            network = model.get_submodule(network_prefix(plan).rstrip("."))
+            precompute_scales_before_forward([stage.submod for stage in record.stages] if stages else [network])
         record.layout = layout
     materialize_meta_parameters(model, device)
     if stages is not None:

@@ -139,6 +139,9 @@ class _RoutedExperts:
         self.experts, self.original, self.group = experts, experts.forward, group
         self.per_rank = n_experts // dist.get_world_size(group)
 
+    # Eager inside a compiled block, as MoEFeedForward._routed is (see the reason there): the sizes follow the
+    # routing, and traced they would leave weak references to the expert DTensors that block moving the module.
+    @torch.compiler.disable
     def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         n, k = top_k_index.shape
         token = torch.arange(n, device=hidden_states.device).repeat_interleave(k)

@@ -48,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: data.seq_len)")
     parser.add_argument("--precision", help="32-true, bf16-mixed or bf16-true (default: trainer.precision, "
                         "else 32-true on the cpu preset and bf16-mixed on accelerators)")
+    parser.add_argument("--compile", action="store_true", default=None,
+                        help="blocks under torch.compile (default: the strategy's compile in --config)")
+    parser.add_argument("--float8", action="store_true", default=None, help="the blocks' linear layers in float8 at "
+                        "the device's float8 peak (default: the strategy's float8 in --config, unless emulated)")
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
     parser.add_argument("--all", action="store_true", help="rank every layout the cost model understands, not only "
                         "those this version of lightning_par composes")
@@ -83,6 +87,17 @@ def fixed_from_yaml(config: dict) -> dict[str, Any]:
         return {}  # a registered name ("zero3") or nothing: every size is open
     args = strategy.get("init_args") or {}
     return {k: v for k, v in args.items() if k in FIXED_ARGUMENTS and v not in (None, "auto")}
+
+
+def _speed_options(config: dict, options: argparse.Namespace) -> dict[str, bool]:
+    """``compiled`` and ``float8`` for the time model: the flags, else the strategy's arguments in the YAML (emulated
+    float8 multiplies at the high-precision rate)."""
+    strategy = (config.get("trainer") or {}).get("strategy")
+    args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
+    compiled = options.compile if options.compile is not None else bool(args.get("compile"))
+    float8 = (options.float8 if options.float8 is not None
+              else args.get("float8") is not None and not args.get("float8_emulate"))
+    return {"compiled": compiled, "float8": float8}
 
 
 def _int(value: Any, default: int) -> int:
@@ -126,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"lightning-par plan: precision {raw_precision!r} is not one of {sorted(LIGHTNING_PRECISIONS)}")
     precision = LIGHTNING_PRECISIONS[raw_precision]
     fixed = fixed_from_yaml(config)
+    speed = _speed_options(config, options)
     composable = (lambda c: True) if options.all else None
     per_rank = _int(data.get("batch_size"), 0)
     # The loader's batch per data-parallel rank, as Lightning (and the auto_parallel strategy) runs it: the global
@@ -135,15 +151,16 @@ def main(argv: list[str] | None = None) -> None:
                   else f"{global_batch} sequences per step")
     print(f"Planning {model.name} ({model.total_params / 1e9:.2f} B parameters) on {cluster.nodes} x "
           f"{cluster.devices_per_node} {cluster.name}: {batch_text} x {seq_len} tokens, {precision}"
-          + (f", fixed {fixed}" if fixed else ""))
+          + "".join(f", {name}" for name, on in speed.items() if on) + (f", fixed {fixed}" if fixed else ""))
     try:
         if loader_batch:
             candidates = plan_for_run(model, cluster, batch_size_per_rank=per_rank, seq_len=seq_len,
                                       precision=precision, accumulate_grad_batches=accumulate, fixed=fixed,
-                                      composable=composable)
+                                      composable=composable, training_options=speed)
         else:
             training = TrainingSpec(global_batch_size=global_batch, seq_len=seq_len,
-                                    micro_batch_size=tuple(options.micro_batch_size or [1]), precision=precision)
+                                    micro_batch_size=tuple(options.micro_batch_size or [1]), precision=precision,
+                                    **speed)
             candidates = plan_layouts(model, cluster, training, fixed=fixed, composable=composable)
     except ValueError as error:
         raise SystemExit(f"lightning-par plan: {error}") from None

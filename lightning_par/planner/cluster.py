@@ -43,6 +43,8 @@ class ClusterSpec:
 
     Bandwidths are bytes/s per device, one direction. ``peak_flops_fp32`` is what full-precision
     ("32-true") matmuls run at (TF32 tensor cores on GPUs: half the bf16 rate); None means the bf16 figure.
+    ``peak_flops_fp8`` is the dense float8 tensor-core rate (Ada, Hopper: twice bf16's); None: the device has no
+    float8 units, and a plan with float8 linear layers is refused.
     ``usable_memory_fraction`` leaves room for the CUDA context, the allocator's fragmentation and
     temporaries the memory model does not itemise. ``*_bus_efficiency`` is the fraction of a link's bandwidth a
     large NCCL collective reaches (its "bus bandwidth" over the link's), 1.0 for a ``ClusterSpec`` built by hand.
@@ -61,6 +63,7 @@ class ClusterSpec:
     compute_efficiency: float = 0.5
     usable_memory_fraction: float = 0.9
     peak_flops_fp32: float | None = None
+    peak_flops_fp8: float | None = None
     attention_efficiency: float | None = None  # None: the matmuls' compute_efficiency
     memory_bandwidth: float | None = None  # HBM bytes/s; None: element-wise ops are not costed
     intra_node_bus_efficiency: float = 1.0
@@ -80,6 +83,8 @@ class ClusterSpec:
                       "inter_node_bus_efficiency"):
             if not 0 < getattr(self, field) <= 1:
                 raise ValueError(f"ClusterSpec.{field} must be in (0, 1], got {getattr(self, field)!r}")
+        if self.peak_flops_fp8 is not None and not self.peak_flops_fp8 > 0:
+            raise ValueError(f"ClusterSpec.peak_flops_fp8 must be positive or None, got {self.peak_flops_fp8!r}")
         if self.attention_efficiency is not None and not 0 < self.attention_efficiency <= 1:
             raise ValueError(f"ClusterSpec.attention_efficiency must be in (0, 1], got {self.attention_efficiency!r}")
         if self.optimizer_rate is not None and not self.optimizer_rate > 0:
@@ -151,7 +156,7 @@ INFINIBAND_BUS_EFFICIENCY = 0.75
 
 _CALIBRATED = dict(intra_node_bus_efficiency=NVLINK_BUS_EFFICIENCY,
                    inter_node_bus_efficiency=INFINIBAND_BUS_EFFICIENCY)
-_H100 = dict(peak_flops=989e12, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
+_H100 = dict(peak_flops=989e12, peak_flops_fp8=1979e12, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
              compute_efficiency=H100_MATMUL_EFFICIENCY, attention_efficiency=H100_ATTENTION_EFFICIENCY, **_CALIBRATED)
 _A100 = dict(peak_flops=312e12, intra_node_bandwidth=300e9, inter_node_bandwidth=25e9,
              compute_efficiency=A100_MATMUL_EFFICIENCY, attention_efficiency=A100_ATTENTION_EFFICIENCY, **_CALIBRATED)
@@ -160,12 +165,14 @@ DEVICE_PRESETS: dict[str, dict[str, Any]] = {
     # torchtitan's Grand Teton H100s: between the SXM's 989 and the NVL's 835 TFLOP/s bf16 (torchtitan's own
     # footnote): the midpoint. 96 GB HBM2e at 2.4 TB/s; 400 Gb/s RDMA per GPU; NVLink as the SXM's.
     "h100-96gb-500w": dict(_H100, memory_bytes=96 * GiB, memory_bandwidth=2.4e12, peak_flops=912e12,
+                           peak_flops_fp8=2 * 912e12,
                            compute_efficiency=H100_500W_MATMUL_EFFICIENCY),
     "h200-141gb": dict(memory_bytes=140 * GiB, memory_bandwidth=4.8e12, **_H100),
     "a100-80gb": dict(memory_bytes=80 * GiB, memory_bandwidth=2.039e12, **_A100),
     "a100-40gb": dict(memory_bytes=40 * GiB, memory_bandwidth=1.555e12, **_A100),
     # One gloo process on a CPU: ~1 TFLOP/s of fp32/bf16 matmul on a few AVX-512 cores, shared memory inside
     # the machine, 10 Gb/s Ethernet between machines. Nothing published to calibrate against: raw figures.
+    # No float8 units: torch._scaled_mm's CPU kernel is a reference (~1,000x slower than a matmul).
     "cpu": dict(memory_bytes=16 * GiB, peak_flops=1e12, peak_flops_fp32=1e12, intra_node_bandwidth=10e9,
                 inter_node_bandwidth=1.25e9),
 }

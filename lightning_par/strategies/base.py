@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_par.config import ParallelConfig, Recompute
+from lightning_par.config import Float8Recipe, ParallelConfig, Recompute
 from lightning_par.parallel.compose import parallelize
 from lightning_par.parallel.parallelized import Parallelized, parallelized_by_its_author
 from lightning_par.parallel.plan import ModelPlan, resolve_plan
@@ -48,6 +48,12 @@ class MeshStrategy(ShardedCheckpoints):
         activation_checkpointing_every: checkpoint one block in this many; by default the config's (1).
         compile: compile every transformer block with ``torch.compile`` after it is sharded (in place: checkpoint
             names do not change); by default the config's (False).
+        float8: train the blocks' linear layers in float8 with torchao's ``"tensorwise"`` or ``"rowwise"``
+            recipe (``lightning_par.parallel.float8``); by default the config's (None: not at all).
+        float8_emulate: compute float8's roundings with high-precision matmuls, for devices without float8
+            (by default the config's, False).
+        async_tp: overlap sequence parallel's collectives with the matmuls beside them in the compiled blocks
+            (torch's micro-pipelined tensor parallel; CUDA only); needs tensor and sequence parallel and compile.
         plan: where the model keeps its blocks (a :class:`ModelPlan` or its dict form from YAML); derived
             from the model when omitted. A LightningModule that defines ``parallelize(mesh, config)``
             parallelizes itself instead (it returns the module to train, or None if it changed itself).
@@ -78,7 +84,9 @@ class MeshStrategy(ShardedCheckpoints):
 
     def __init__(self, parallel_config: ParallelConfig | None = None, *,
                  activation_checkpointing: Recompute | None = None, activation_checkpointing_every: int | None = None,
-                 compile: bool | None = None, plan: ModelPlan | dict[str, Any] | None = None,
+                 compile: bool | None = None, float8: Float8Recipe | None = None,
+                 float8_emulate: bool | None = None, async_tp: bool | None = None,
+                 plan: ModelPlan | dict[str, Any] | None = None,
                  save_distributed_checkpoint: bool = True, checkpoint_weights_only: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  **lightning_arguments: Any) -> None:
@@ -87,7 +95,8 @@ class MeshStrategy(ShardedCheckpoints):
                          timeout=timeout, **lightning_arguments)
         config = parallel_config if parallel_config is not None else ParallelConfig()
         given = {"activation_checkpointing": activation_checkpointing,
-                 "activation_checkpointing_every": activation_checkpointing_every, "compile": compile}
+                 "activation_checkpointing_every": activation_checkpointing_every, "compile": compile,
+                 "float8": float8, "float8_emulate": float8_emulate, "async_tp": async_tp}
         self.parallel_config = dataclasses.replace(config, **{k: v for k, v in given.items() if v is not None})
         # Refuse what cannot work before any process group exists, so every rank fails alike.
         with self.in_argument_names():

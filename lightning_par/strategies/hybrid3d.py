@@ -161,9 +161,12 @@ class Hybrid3DStrategy(MeshStrategy):
         if self._calibrate:
             cluster = self._measured_cluster(cluster, spec, batch_size=batch_size, seq_len=seq_len,
                                              precision=precision)
+        # Emulated float8 multiplies at the high-precision rate: costed as such.
+        speed = {"compiled": config.compile, "float8": config.float8 is not None and not config.float8_emulate}
         candidates = plan_for_run(spec, cluster, batch_size_per_rank=batch_size,
                                   seq_len=seq_len, precision=precision,
-                                  accumulate_grad_batches=trainer.accumulate_grad_batches, fixed=fixed)
+                                  accumulate_grad_batches=trainer.accumulate_grad_batches, fixed=fixed,
+                                  training_options=speed)
         self.planned_layouts = candidates
         self.planned_cluster = cluster
         chosen = candidates[0].config
