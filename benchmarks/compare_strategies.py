@@ -5,6 +5,7 @@
                                                           hybrid3d]
                                             [--devices 2] [--steps 60] [--rounds 2] [--dim 128 --layers 4]
                                             [--hybrid-tp 2 --hybrid-pp 2 --microbatches 4]
+                                            [--keep-gathered-blocks 0 --prefetch-blocks 0]
 
 Each strategy trains the reference Llama model for ``--steps`` optimizer steps on ``--devices`` CPU
 processes (gloo); the first ``--warmup`` steps are not timed. Rounds alternate the order (A B C, C B A,
@@ -85,6 +86,9 @@ def worker(strategy_name: str, args: argparse.Namespace) -> None:
     if strategy_name == "pipeline_parallel":  # one stage per process
         strategy = lightning_par.PipelineParallelStrategy(pipeline_parallel_size=args.devices,
                                                           microbatches=args.microbatches)
+    if strategy_name == "zero3":
+        strategy = lightning_par.ZeroStrategy(zero_stage=3, keep_gathered_blocks=args.keep_gathered_blocks,
+                                              prefetch_blocks=args.prefetch_blocks)
     if strategy_name == "hybrid3d":  # the remaining ranks data parallel
         strategy = lightning_par.Hybrid3DStrategy(tensor_parallel_size=args.hybrid_tp,
                                                   pipeline_parallel_size=args.hybrid_pp,
@@ -123,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--moe-experts", type=int, default=0, help="experts per block (0: dense model)")
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches per batch")
+    parser.add_argument("--keep-gathered-blocks", type=int, default=0, help="zero3: last blocks kept gathered")
+    parser.add_argument("--prefetch-blocks", type=int, default=0, help="zero3: blocks gathered ahead")
     parser.add_argument("--hybrid-tp", type=int, default=2, help="hybrid3d: tensor-parallel size")
     parser.add_argument("--hybrid-pp", type=int, default=2, help="hybrid3d: pipeline-parallel size")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=["lightning_ddp", "data_parallel"])

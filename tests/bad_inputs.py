@@ -345,6 +345,13 @@ BAD_INPUTS: list[BadInput] = [
              _strategy("AutoParallelStrategy", calibrate="yes")),
     BadInput("`DataParallelStrategy(compile='yes')`", "compile must be true or false, got 'yes'",
              _strategy("DataParallelStrategy", compile="yes")),
+    BadInput("`ZeroStrategy(zero_stage=2, keep_gathered_blocks=2)`", "keep_gathered_blocks=2 schedules ZeRO-3's "
+             "parameter all-gathers, and zero_stage=2 keeps parameters whole; use zero_stage=3 or keep_gathered_blocks=0",
+             _strategy("ZeroStrategy", zero_stage=2, keep_gathered_blocks=2)),
+    BadInput("`Hybrid3DStrategy(pipeline_parallel_size=2, zero_stage=3, prefetch_blocks=1)`",
+             "pipeline_parallel_size=2 with prefetch_blocks=1: a pipeline schedule runs its blocks for several "
+             "micro-batches in its own order", _strategy("Hybrid3DStrategy", pipeline_parallel_size=2, zero_stage=3,
+                                                           prefetch_blocks=1)),
     BadInput("`ZeroStrategy(float8='e4m3')`", "float8='e4m3' is not one of ('tensorwise', 'rowwise')",
              _strategy("ZeroStrategy", float8="e4m3")),
     BadInput("`TensorParallelStrategy(tensor_parallel_size=2, async_tp=True)`",

@@ -33,6 +33,7 @@ def make_strategy(stage: int = 3, **kwargs):
         (4, dict(stage=3, replicate_size=2)),  # HSDP 2 x 2
         (4, dict(stage=2, replicate_size=2)),
         (2, dict(stage=3, reshard_after_forward=False)),
+        (2, dict(stage=3, keep_gathered_blocks=1, prefetch_blocks=2)),
         (2, dict(stage=3, activation_checkpointing="full")),
         (2, dict(stage=2, activation_checkpointing="selective", activation_checkpointing_every=2)),
     ],
@@ -255,3 +256,45 @@ def test_sharded_accumulation_keeps_a_ranks_part_of_the_gradient(stage: int) -> 
         assert all(n > 0 for n in result["collectives"]), result
         for held in result["held"][:2]:
             assert held == pytest.approx(4 * result["numel"] / 2, rel=0.05), result
+
+
+def _gathers_per_step(rank: int, world_size: int, knobs: dict) -> dict:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
+    dist.init_process_group("gloo")
+    from lightning_par.config import ParallelConfig
+    from lightning_par.models import LlamaLM
+    from lightning_par.parallel.comm import flight_recorder_trace
+    from lightning_par.parallel.compose import parallelize
+    from lightning_par.parallel.plan import derive_plan
+
+    torch.manual_seed(0)
+    model = LlamaLM(vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=16)
+    config = ParallelConfig(dp_shard=2, zero_stage=3, **knobs).validate(2)
+    handle = parallelize(model, config.build_mesh("cpu"), config, derive_plan(model))
+    before = len(flight_recorder_trace()["entries"])
+    tokens = torch.randint(0, 64, (2, 17))
+    model.loss_fn(handle.module(tokens[:, :-1]), tokens[:, 1:]).backward()
+    entries = flight_recorder_trace()["entries"][before:]
+    states = [block._get_fsdp_state() for block in model.model.layers.children()]
+    prefetch = [[states.index(target) for target in state._states_to_forward_prefetch] for state in states]
+    dist.destroy_process_group()
+    return {"gathers": sum("all_gather" in e["profiling_name"] for e in entries), "forward_prefetch": prefetch}
+
+
+@pytest.mark.parametrize(("knobs", "gathers", "prefetch"), [
+    (dict(), 4 + 1 + 4, [[], [], [], []]),  # the blocks and the root in forward, the blocks again in backward
+    (dict(keep_gathered_blocks=3, prefetch_blocks=2), 4 + 1 + 1, [[1, 2], [2, 3], [3], []]),
+    (dict(reshard_after_forward=False), 4 + 1, [[], [], [], []]),
+])
+def test_zero3_gathers_what_its_controls_say(knobs: dict, gathers: int, prefetch: list) -> None:
+    """A step of a 4-block model under ZeRO-3 all-gathers each block in forward and again in backward except the
+    blocks kept gathered; prefetching changes when the gathers start (each block names the next ones), not their
+    number."""
+    from harness import run_distributed
+
+    for result in run_distributed(_gathers_per_step, 2, knobs):
+        assert result == {"gathers": gathers, "forward_prefetch": prefetch}, result

@@ -13,7 +13,10 @@ Over N data-parallel ranks:
 - stage 3 shards the parameters as well: ``16/N``. FSDP2's ``fully_shard`` per transformer block (from
   the model plan) plus the root: a block's parameters are all-gathered just before it runs and freed
   after (``reshard_after_forward=False`` keeps them until backward instead, trading memory for one
-  all-gather). With ``dp_replicate > 1`` this is HSDP: sharded inside a group, replicated across groups.
+  all-gather; ``keep_gathered_blocks=N`` does so for the last N blocks only, which backward needs first).
+  ``prefetch_blocks=N`` issues the all-gathers of the next N blocks when a block starts, in forward and in
+  backward (FSDP2's explicit prefetching) instead of FSDP2's own single-block lookahead. With ``dp_replicate > 1``
+  this is HSDP: sharded inside a group, replicated across groups.
 """
 
 from __future__ import annotations
@@ -43,13 +46,16 @@ from lightning_par.parallel.ties import retie, tied_groups
 def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *,
                       reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
                       reduce_dtype: torch.dtype | None = None, cpu_offload: bool = False,
-                      root: bool = True) -> Callable[[nn.Module], None]:
+                      root: bool = True, keep_gathered_blocks: int = 0,
+                      prefetch_blocks: int = 0) -> Callable[[nn.Module], None]:
     """ZeRO-3: shard every block of ``plan`` with FSDP2, then the root (embedding, norm, head, the rest).
 
     Without a plan the whole model is one unit: still sharded at rest, but gathered whole for forward.
     Experts split by expert parallel are units of their own, sharded over the ranks that hold the same experts
     (:meth:`ParallelMesh.experts`; torchtitan's EP x FSDP), while the rest of their block is sharded over all of
     ``dp_shard x cp``.
+    ``keep_gathered_blocks`` and ``prefetch_blocks``: see the module's docstring (prefetching only where the blocks
+    run in one sequence: not across pipeline stages).
     ``param_dtype`` casts the gathered parameters for compute (the shards, and so the optimizer, stay
     fp32); gradients are reduced in ``reduce_dtype``. ``cpu_offload`` keeps shards, gradients and
     optimizer states in host memory and copies each block to the accelerator when it runs (on a CPU run
@@ -76,11 +82,13 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | N
             # copying instead of reduce-scattering, and would divide a second time.)
             experts.set_force_sum_reduction_for_comms(True)
     if plan is not None:
-        for name in plan.block_names(module):
-            block = module.get_submodule(name)
-            if next(block.parameters(), None) is None:
-                continue  # a stand-in for a block another pipeline rank holds: shared by this rank's stages
-            fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward, **options)
+        blocks = [block for block in module.get_submodule(plan.blocks).children()
+                  if next(block.parameters(), None) is not None]  # not the stand-ins for other pipeline ranks' blocks
+        for index, block in enumerate(blocks):
+            reshard = reshard_after_forward and index < len(blocks) - keep_gathered_blocks
+            fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=reshard, **options)
+        if prefetch_blocks and root:
+            prefetch_ahead(blocks, prefetch_blocks)
 
     def shard_root(root_module: nn.Module) -> None:
         # A root keeps its parameters gathered after forward: backward starts with them (head, norm) anyway.
@@ -89,6 +97,14 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | N
     if root:
         shard_root(module)
     return shard_root
+
+
+def prefetch_ahead(units: list[nn.Module], depth: int) -> None:
+    """Each FSDP2 unit, when it starts, issues the all-gathers of the ``depth`` units that run after it: the next
+    ones in forward, the previous ones in backward (which runs them in reverse)."""
+    for index, unit in enumerate(units):
+        unit.set_modules_to_forward_prefetch(units[index + 1:index + 1 + depth])
+        unit.set_modules_to_backward_prefetch(units[max(index - depth, 0):index][::-1])
 
 
 def materialize_meta_parameters(module: nn.Module, device: torch.device) -> bool:

@@ -413,7 +413,9 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
         # (torch.distributed.pipelining turns resharding after backward off until the last micro-batch).
         if config.reshard_after_forward and config.pp == 1:
             root = params - stages.n_dense * units.get(False, 0.0) - stages.n_moe * units.get(True, 0.0)
-            comm += (2 * unit + root) * gather + unit * 4  # current + prefetched block, the root; one grad unit
+            # the current block (or the kept ones), the prefetched ones, the root; one unit of gradients
+            gathered = max(config.keep_gathered_blocks, 1) + max(config.prefetch_blocks, 1)
+            comm += (gathered * unit + root) * gather + unit * 4
         else:
             comm += params * gather + unit * 4
     if config.pp > 1:

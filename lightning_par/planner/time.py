@@ -323,7 +323,9 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
             return _gather(dense * per_param, fsdp) + _gather(experts * per_param, max(fsdp // ep, 1))
 
         add(gathers * sharded(gather_bytes), span["dp_shard_cp"], gathers * forward_mb)
-        regather = [(m * _gather(blocks * gather_bytes, fsdp), span["dp_shard_cp"])] \
+        resharded = 1 - min(config.keep_gathered_blocks, stages.n_dense + stages.n_moe) / max(
+            stages.n_dense + stages.n_moe, 1)  # the blocks kept gathered are not gathered again for backward
+        regather = [(m * _gather(blocks * gather_bytes * resharded, fsdp), span["dp_shard_cp"])] \
             if config.reshard_after_forward else []
         reduce = [(reductions * sharded(reduce_bytes), span["dp_shard_cp"]),
                   (reductions * _all_reduce(params * reduce_bytes / fsdp, rep), span["dp_replicate"])]  # + HSDP

@@ -22,6 +22,10 @@ class ZeroStrategy(MeshStrategy):
             replicate across the groups (e.g. shard within a node, replicate across nodes).
         reshard_after_forward: stage 3 only. ``False`` keeps each block's gathered parameters from
             forward until backward (one all-gather per block instead of two, more memory).
+        keep_gathered_blocks: stage 3 only. Keep the last N blocks gathered from forward until backward, which
+            starts with them: N all-gathers fewer per step for N blocks' memory.
+        prefetch_blocks: stage 3 only. Gather the next N blocks' parameters as a block starts, in forward and in
+            backward (0: FSDP2's own lookahead of one block in backward).
         param_dtype: stage 3 only. Compute in ``bf16``/``fp16`` from fp32 shards (mixed precision);
             for stages 1-2 use ``Trainer(precision="bf16-mixed")``.
         reduce_dtype: stage 3 only. Dtype of the gradient reduce-scatter (default: ``param_dtype``;
@@ -36,12 +40,14 @@ class ZeroStrategy(MeshStrategy):
 
     def __init__(self, zero_stage: int = 3, data_parallel_size: Size = "auto", replicate_size: int = 1,
                  reshard_after_forward: bool = True, param_dtype: Dtype = "fp32", reduce_dtype: Optional[Dtype] = None,
-                 cpu_offload: bool = False, sharded_accumulation: bool = False, **kwargs: Any) -> None:
+                 cpu_offload: bool = False, sharded_accumulation: bool = False, keep_gathered_blocks: int = 0,
+                 prefetch_blocks: int = 0, **kwargs: Any) -> None:
         self.argument_names = argument_names("dp_shard" if replicate_size == 1 else None)
         config = ParallelConfig(dp_replicate=replicate_size, dp_shard=shard_size(data_parallel_size, replicate_size),
                                 zero_stage=zero_stage, reshard_after_forward=reshard_after_forward,
                                 param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
-                                sharded_accumulation=sharded_accumulation)
+                                sharded_accumulation=sharded_accumulation,
+                                keep_gathered_blocks=keep_gathered_blocks, prefetch_blocks=prefetch_blocks)
         super().__init__(config, **kwargs)
 
     @classmethod
