@@ -7,7 +7,9 @@ micro-batches and accumulated batches, so the summed gradients are those of the 
 schedule produced are kept aside (:meth:`take_gradients` hands them back), because a trainer may zero gradients
 between its step and its backward. Evaluation runs the stages forward only; the loss, computed on the last stage,
 is broadcast over the pipeline group so every rank reports the same value. The runner also measures the bubble
-(``parallel/bubble.py``) and counts the bytes the stages send (``parallel/comm.py``).
+(``parallel/bubble.py``) and counts the bytes the stages send (``parallel/comm.py``). Under the schedules that
+split backward into input- and weight-gradient halves (ZB-V, DualPipeV) the linear layers' weight gradients are
+set aside for the weight half (``parallel/weight_grad.py``) rather than left to PyTorch's generic split.
 
 A layer that adds a loss of its own (a mixture-of-experts router's load-balancing loss) cannot hand it to the loss
 function, which sees only the last stage's output. Such a layer takes part in a protocol: it has the attributes
@@ -30,6 +32,7 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.bubble import BubbleMeter
 from lightning_par.parallel.comm import PipelineSends
 from lightning_par.parallel.pipeline import build_schedule, check_microbatches, forward_through_stages, last_stage_rank
+from lightning_par.parallel.weight_grad import SPLIT_BACKWARD_SCHEDULES, DeferredWeightGradients
 from lightning_par.stages import V_SCHEDULES
 
 __all__ = ["PipelineRunner"]
@@ -41,6 +44,10 @@ class PipelineRunner:
     ``loss_fn(logits, targets)`` is the model's mean loss; ``accumulate`` the batches accumulated per optimizer
     step.
     """
+
+    #: Under ZB-V and DualPipeV, compute the linear layers' weight gradients in the W actions from what their
+    #: backward kept (``DeferredWeightGradients``); False leaves the split to PyTorch (benchmarks compare the two).
+    defer_weight_gradients = True
 
     def __init__(self, stages: list, mesh: ParallelMesh, config: ParallelConfig,
                  loss_fn: Callable[[Tensor, Tensor], Tensor], *, accumulate: int = 1,
@@ -63,6 +70,8 @@ class PipelineRunner:
         self.bubble = BubbleMeter(stages, device or torch.device(mesh.device_type))
         self.bubble_fraction: float | None = None  # idle share of this rank's last training step
         self.sends = PipelineSends(stages)
+        self.deferred = (DeferredWeightGradients(stages) if self.defer_weight_gradients
+                         and config.pp_schedule in SPLIT_BACKWARD_SCHEDULES else None)
         # Fixed for the run: whether this rank feeds the inputs or computes the loss, and which rank does.
         self.holds_first = any(stage.is_first for stage in stages)
         self.holds_last = any(stage.is_last for stage in stages)
@@ -82,9 +91,17 @@ class PipelineRunner:
             p.grad = None
         losses: list[Tensor] = []
         loss = torch.zeros((), device=inputs.device)
+        schedule = self._ready("train", inputs)
+        if self.deferred is not None:
+            self.deferred.stepping = True
         self.bubble.start()
-        self._ready("train", inputs).step(*self._stage_inputs(inputs), target=targets if self.holds_last else None,
-                                          losses=losses, return_outputs=False, tokens=inputs)
+        try:
+            schedule.step(*self._stage_inputs(inputs), target=targets if self.holds_last else None, losses=losses,
+                          return_outputs=False, tokens=inputs)
+        finally:
+            if self.deferred is not None:
+                self.deferred.stepping = False
+                self.deferred.flush()
         self.bubble_fraction = self.bubble.stop()
         if self.holds_last:  # each micro-batch loss was divided by micro x accumulate: report the batch's mean
             loss = torch.stack(losses).sum().detach() * self.accumulate
