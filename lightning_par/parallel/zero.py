@@ -88,7 +88,7 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | N
             reshard = reshard_after_forward and index < len(blocks) - keep_gathered_blocks
             fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=reshard, **options)
         if prefetch_blocks and root:
-            prefetch_ahead(blocks, prefetch_blocks)
+            prefetch_ahead(blocks, prefetch_blocks, background=mesh.device_type == "cpu")
 
     def shard_root(root_module: nn.Module) -> None:
         # A root keeps its parameters gathered after forward: backward starts with them (head, norm) anyway.
@@ -99,12 +99,19 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | N
     return shard_root
 
 
-def prefetch_ahead(units: list[nn.Module], depth: int) -> None:
+def prefetch_ahead(units: list[nn.Module], depth: int, *, background: bool = False) -> None:
     """Each FSDP2 unit, when it starts, issues the all-gathers of the ``depth`` units that run after it: the next
-    ones in forward, the previous ones in backward (which runs them in reverse)."""
+    ones in forward, the previous ones in backward (which runs them in reverse).
+
+    ``background``: issue every unit's own gather asynchronously as well. On a GPU FSDP2 overlaps its gathers on a
+    stream of their own; on a CPU there is none, and a gather issued synchronously waits for every rank at once, so
+    a prefetch would only move the wait (FSDP2's ``_set_unshard_async_op``, its documented pairing with explicit
+    prefetching)."""
     for index, unit in enumerate(units):
         unit.set_modules_to_forward_prefetch(units[index + 1:index + 1 + depth])
         unit.set_modules_to_backward_prefetch(units[max(index - depth, 0):index][::-1])
+        if background:
+            unit._set_unshard_async_op(True)
 
 
 def materialize_meta_parameters(module: nn.Module, device: torch.device) -> bool:
