@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from typing import Literal
 
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
-#: Schedules whose two stages per rank sit in a V: rank r holds stages r and 2p - 1 - r.
+#: Schedules whose two stages per rank sit in a V: rank r holds stages r and 2p - 1 - r. They are also the ones
+#: that split a stage's backward into input- and weight-gradient actions (I and W).
 V_SCHEDULES = ("zbv", "dualpipev")
 
 

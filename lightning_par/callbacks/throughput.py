@@ -45,7 +45,7 @@ class ThroughputMonitor(Callback):
         peak_flops_per_device: the device's peak FLOP/s for MFU; looked up or measured when omitted.
         window: batches the rates are averaged over (a sliding window smooths data-loading jitter).
         peak_float8_flops_per_device: the device's float8 peak for ``perf/mfu_float8_peak`` (logged when the strategy
-            trains in float8); looked up or measured when omitted.
+            trains in float8); looked up when omitted (GPUs with float8 tensor cores).
     """
 
     def __init__(self, peak_flops_per_device: float | None = None, window: int = 10,

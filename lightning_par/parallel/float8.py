@@ -107,13 +107,12 @@ def float8_candidates(module: nn.Module, plan: ModelPlan) -> Float8Conversion:
                          "the blocks are: give the strategy a plan (plan: {blocks: ...}) or use a standard decoder")
     report = Float8Conversion(recipe="")
     blocks = module.get_submodule(plan.blocks)
-    _torchao_float8()
-    from torchao.float8.float8_linear import Float8Linear
+    float8_linear = _torchao_float8().float8_linear.Float8Linear
     # nn.MultiheadAttention reads its out_proj's weight in a functional call, never calling the layer.
     read_directly = {id(m.out_proj) for m in blocks.modules() if isinstance(m, nn.MultiheadAttention)}
     for name, child in blocks.named_modules():
         full = f"{plan.blocks}.{name}"
-        if isinstance(child, Float8Linear):
+        if isinstance(child, float8_linear):
             report.converted.append(full)  # by the user, with torchao: trained in float8 as it is
         elif is_conv1d(child):
             report.skipped[full] = "Conv1D, not an nn.Linear"
@@ -148,10 +147,10 @@ def apply_float8(module: nn.Module, plan: ModelPlan | None, recipe: str | None, 
         kept = "; ".join(f"{name}: {why}" for name, why in report.skipped.items()) or "no nn.Linear in them"
         raise ValueError(f"float8={recipe!r} found no linear layer to convert in the blocks {plan.blocks!r} ({kept}); "
                          "set float8=None")
-    from torchao.float8.float8_linear import Float8Linear
-
-    chosen = {name for name in report.converted if not isinstance(module.get_submodule(name), Float8Linear)}
-    _torchao_float8().convert_to_float8_training(
+    torchao_float8 = _torchao_float8()
+    converted_already = torchao_float8.float8_linear.Float8Linear
+    chosen = {name for name in report.converted if not isinstance(module.get_submodule(name), converted_already)}
+    torchao_float8.convert_to_float8_training(
         module.get_submodule(plan.blocks), config=config,
         module_filter_fn=lambda _layer, name: f"{plan.blocks}.{name}" in chosen)
     return report

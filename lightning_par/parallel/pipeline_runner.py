@@ -32,7 +32,7 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.bubble import BubbleMeter
 from lightning_par.parallel.comm import PipelineSends
 from lightning_par.parallel.pipeline import build_schedule, check_microbatches, forward_through_stages, last_stage_rank
-from lightning_par.parallel.weight_grad import SPLIT_BACKWARD_SCHEDULES, DeferredWeightGradients
+from lightning_par.parallel.weight_grad import DeferredWeightGradients
 from lightning_par.stages import V_SCHEDULES
 
 __all__ = ["PipelineRunner"]
@@ -71,7 +71,7 @@ class PipelineRunner:
         self.bubble_fraction: float | None = None  # idle share of this rank's last training step
         self.sends = PipelineSends(stages)
         self.deferred = (DeferredWeightGradients(stages) if self.defer_weight_gradients
-                         and config.pp_schedule in SPLIT_BACKWARD_SCHEDULES else None)
+                         and config.pp_schedule in V_SCHEDULES else None)
         # Fixed for the run: whether this rank feeds the inputs or computes the loss, and which rank does.
         self.holds_first = any(stage.is_first for stage in stages)
         self.holds_last = any(stage.is_last for stage in stages)

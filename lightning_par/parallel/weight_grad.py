@@ -35,10 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["SPLIT_BACKWARD_SCHEDULES", "DeferredLinear", "DeferredWeightGradients"]
-
-#: The schedules whose actions split backward into input- and weight-gradient halves (I and W).
-SPLIT_BACKWARD_SCHEDULES = ("zbv", "dualpipev")
+__all__ = ["DeferredLinear", "DeferredWeightGradients"]
 
 
 def _weight_gradient(grad_output: Tensor, inputs: Tensor) -> Tensor:
