@@ -205,16 +205,20 @@ def _gradient_collectives_per_micro_batch(rank: int, world_size: int, stage: int
     from lightning_par import ZeroStrategy
     from lightning_par.models import LlamaLM
 
+    from lightning_par.parallel.background_reduce import BackgroundReduceScatter
+
     # The collective each stage reduces gradients with: stage 2 reduces to owners, stage 3 (FSDP2)
-    # reduce-scatters. Count the calls made during each micro-batch, and the gradient bytes held after it.
-    name = {2: "reduce", 3: "reduce_scatter_single"}[stage]
-    original, calls = getattr(dist, name), []
+    # reduce-scatters (on gloo through BackgroundReduceScatter). Count the calls made during each micro-batch, and
+    # the gradient bytes held after it.
+    owner = {2: dist, 3: BackgroundReduceScatter}[stage]
+    name = {2: "reduce", 3: "__call__"}[stage]
+    original, calls = getattr(owner, name), []
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    setattr(dist, name, counting)
+    setattr(owner, name, counting)
     per_batch: list[int] = []
     held: list[int] = []
 
@@ -298,3 +302,108 @@ def test_zero3_gathers_what_its_controls_say(knobs: dict, gathers: int, prefetch
 
     for result in run_distributed(_gathers_per_step, 2, knobs):
         assert result == {"gathers": gathers, "forward_prefetch": prefetch}, result
+
+
+def _background_reduce_scatters(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    from lightning_par.config import ParallelConfig
+    from lightning_par.models import LlamaLM
+    from lightning_par.parallel.background_reduce import BackgroundReduceScatter
+    from lightning_par.parallel.compose import parallelize
+    from lightning_par.parallel.plan import derive_plan
+
+    dist.init_process_group("gloo")
+    in_flight: list[int] = []
+    original = BackgroundReduceScatter.__call__
+
+    def spying(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        in_flight.append(len(self.pending))
+        return result
+
+    BackgroundReduceScatter.__call__ = spying
+    torch.manual_seed(0)
+    model = LlamaLM(vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=16)
+    config = ParallelConfig(dp_shard=world_size, zero_stage=3).validate(world_size)
+    handle = parallelize(model, config.build_mesh("cpu"), config, derive_plan(model))
+    torch.manual_seed(rank)
+    tokens = torch.randint(0, 64, (2, 17))
+
+    def gradients() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        model.loss_fn(handle.module(tokens[:, :-1]), tokens[:, 1:]).backward()
+        return [p.grad.full_tensor() for p in model.parameters()]
+
+    ours = gradients()
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    left = sum(len(m._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm.pending) for m in units)
+    for unit in units:
+        unit.set_custom_reduce_scatter(DefaultReduceScatter())
+    fsdp2s = gradients()
+    dist.destroy_process_group()
+    return {"in_flight": in_flight, "left": left,
+            "max_difference": max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(ours, fsdp2s))}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_zero3_reduce_scatters_run_behind_backward_and_match_fsdp2s(world_size: int) -> None:
+    """On gloo each block's reduce-scatter is an all-reduce left running while backward goes on (at most 2 at a
+    time), all finished when backward ends; the gradients are FSDP2's own reduce-scatter's."""
+    from harness import run_distributed
+
+    for result in run_distributed(_background_reduce_scatters, world_size):
+        assert len(result["in_flight"]) == 4 + 1, result  # the blocks, then the root
+        assert max(result["in_flight"]) == 2 and result["left"] == 0, result
+        assert result["max_difference"] <= 1e-6, result
+
+
+def test_background_reduce_scatter_finishes_at_once_where_fsdp2_reads_the_output() -> None:
+    """Deferred only where FSDP2 just views the output as the new gradient shards: not after a sum (FSDP2 divides),
+    into an existing gradient (+=), through a cast (reduce dtype), under gradient hooks, or outside a backward."""
+    import torch.distributed as dist
+
+    from lightning_par.parallel.background_reduce import BackgroundReduceScatter
+
+    layer = torch.nn.Linear(4, 4)
+    comm = BackgroundReduceScatter(layer, [])
+    output = torch.empty(8)
+    assert comm._output_left_alone(output, dist.ReduceOp.AVG)
+    assert not comm._output_left_alone(output, dist.ReduceOp.SUM)
+    assert not comm._output_left_alone(output.bfloat16(), dist.ReduceOp.AVG)
+    layer.weight.grad = torch.zeros_like(layer.weight)
+    assert not comm._output_left_alone(output, dist.ReduceOp.AVG)
+    layer.weight.grad = None
+    handle = layer.bias.register_post_accumulate_grad_hook(lambda p: None)
+    assert not comm._output_left_alone(output, dist.ReduceOp.AVG)
+    handle.remove()
+    assert comm._output_left_alone(output, dist.ReduceOp.AVG)
+    assert not comm._finish_when_backward_ends()
+
+
+def _foreach_choices(rank: int, world_size: int) -> list:
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor, init_device_mesh
+
+    from lightning_par.parallel.foreach import foreach_over_dtensors
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (world_size,))
+    shards = [torch.nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh)) for _ in range(2)]
+    plain = [torch.nn.Parameter(torch.ones(4))]
+    optimizers = [torch.optim.AdamW(shards), torch.optim.AdamW(shards, foreach=False),
+                  torch.optim.AdamW([{"params": shards}, {"params": plain}]), torch.optim.AdamW(shards + plain)]
+    for optimizer in optimizers:
+        foreach_over_dtensors(optimizer)
+    dist.destroy_process_group()
+    return [[group["foreach"] for group in optimizer.param_groups] for optimizer in optimizers]
+
+
+def test_dtensor_parameters_step_with_foreach_where_torch_was_left_to_choose() -> None:
+    """Only a group of DTensors on one mesh whose ``foreach`` was left to torch; a user's False stays, plain
+    tensors (alone or mixed in) keep torch's per-tensor loop."""
+    from harness import run_distributed
+
+    assert run_distributed(_foreach_choices, 2)[0] == [[True], [False], [True, None], [None]]

@@ -23,6 +23,7 @@ from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel import data, zero
 from lightning_par.parallel.clip import clip_grad_norm_, gradient_norm
+from lightning_par.parallel.foreach import foreach_over_dtensors
 from lightning_par.parallel.pipeline_runner import PipelineRunner
 from lightning_par.parallel.record import layout_record
 from lightning_par.parallel.tensor import vocab_parallel_loss
@@ -110,7 +111,9 @@ class Parallelized:
 
     def shard_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """The optimizer to step: sharded over the data-parallel ranks under ZeRO stages 1 and 2. (Under stage 3 it
-        already is: it was built on FSDP2's sharded parameters.)"""
+        already is: it was built on FSDP2's sharded parameters.) DTensor parameters on a CPU are stepped with the
+        optimizer's foreach implementation where its ``foreach`` was left to torch (:mod:`~.foreach`)."""
+        foreach_over_dtensors(optimizer)
         sharded = zero.shard_optimizer(optimizer, self.inner, self.mesh, stage=self.config.zero_stage,
                                        sharded_accumulation=self.config.sharded_accumulation)
         if self.config.zero_stage == 1 and self.reduces_after_backward:

@@ -7,8 +7,8 @@ Over N data-parallel ranks:
 - stage 1 shards the optimizer states: ``4 + 4 + 8/N``. Gradients are all-reduced whole by DDP;
   PyTorch's ``ZeroRedundancyOptimizer`` gives each rank the moments of the parameters it owns, steps
   them, and broadcasts the updated parameters.
-- stage 2 shards gradients too: ``4 + (4 + 8)/N``. Instead of an all-reduce, each gradient is reduced
-  to the rank that owns its parameter as soon as backward produces it, and dropped elsewhere
+- stage 2 shards gradients too: ``4 + (4 + 8)/N``. Instead of an all-reduce, the gradients are reduced
+  to the rank that owns their parameters, in buckets, as backward produces them, and dropped elsewhere
   (DeepSpeed's stage 2: parameters stay whole all the time). Same sharded optimizer.
 - stage 3 shards the parameters as well: ``16/N``. FSDP2's ``fully_shard`` per transformer block (from
   the model plan) plus the root: a block's parameters are all-gathered just before it runs and freed
@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.background_reduce import BackgroundReduceScatter
 from lightning_par.parallel.experts import expert_modules, local_part
 from lightning_par.parallel.plan import ModelPlan
 from lightning_par.parallel.record import layout_record
@@ -70,10 +71,19 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | N
     options: dict[str, Any] = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     if cpu_offload and mesh.device_type != "cpu":
         options["offload_policy"] = CPUOffloadPolicy()
+    # On a CPU each reduce-scatter would block the host (no streams): run them behind backward instead. Not under
+    # HSDP, whose all-reduce across replicas reads each reduce-scatter's output at once.
+    background: list[Any] | None = [] if mesh.device_type == "cpu" and fsdp_mesh.ndim == 1 else None
+
+    def shard(unit: nn.Module, unit_mesh: Any, reshard: bool) -> None:
+        fully_shard(unit, mesh=unit_mesh, reshard_after_forward=reshard, **options)
+        if background is not None and unit_mesh.ndim == 1:
+            unit.set_custom_reduce_scatter(BackgroundReduceScatter(unit, background))
+
     for experts in expert_modules(module):  # inner units first: a block's unit takes what is left
         ep = next(experts.parameters(recurse=False)).device_mesh.size()
         shard_mesh = mesh.experts(ep).shard
-        fully_shard(experts, mesh=shard_mesh, reshard_after_forward=reshard_after_forward, **options)
+        shard(experts, shard_mesh, reshard_after_forward)
         # The all-to-all already summed each expert's gradient over the tokens of its ep group; what is left is
         # the average over every data-parallel rank, as for any other gradient, not over the ranks sharding it.
         experts.set_gradient_divide_factor(mesh.size("dp_cp"))
@@ -86,16 +96,18 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | N
                   if next(block.parameters(), None) is not None]  # not the stand-ins for other pipeline ranks' blocks
         for index, block in enumerate(blocks):
             reshard = reshard_after_forward and index < len(blocks) - keep_gathered_blocks
-            fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=reshard, **options)
+            shard(block, fsdp_mesh, reshard)
         if prefetch_blocks and root:
             prefetch_ahead(blocks, prefetch_blocks, background=mesh.device_type == "cpu")
 
     def shard_root(root_module: nn.Module) -> None:
         # A root keeps its parameters gathered after forward: backward starts with them (head, norm) anyway.
-        fully_shard(root_module, mesh=fsdp_mesh, reshard_after_forward=False, **options)
+        shard(root_module, fsdp_mesh, False)
 
     if root:
         shard_root(module)
+        if plan is not None and prefetch_blocks:  # the first blocks gather while the embedding runs
+            module.set_modules_to_forward_prefetch(blocks[:prefetch_blocks])
     return shard_root
 
 
@@ -158,24 +170,32 @@ def _fsdp_mesh(mesh: ParallelMesh) -> Any:
 class GradientReducer:
     """ZeRO-2 gradient partitioning: reduce each gradient to the rank owning its parameter, drop it elsewhere.
 
-    Runs from ``post_accumulate_grad`` hooks, so a gradient's reduction starts as soon as backward has finished
-    accumulating it, asynchronously, overlapping the rest of backward; when backward ends the reductions are
-    waited for and non-owners free their copies (so whole gradients coexist only until then). Under HSDP the owner
-    also averages across the replicate groups. While gradients accumulate (``sync`` off) each rank keeps its
-    whole local sum and reduces it once, on the last micro-batch; with ``sharded`` it reduces on every
-    micro-batch instead, and the owner keeps the running sum aside, so no rank holds more than its part between
-    micro-batches.
+    Runs from ``post_accumulate_grad`` hooks: as backward finishes accumulating gradients, they are packed into one
+    bucket per owner, and a bucket is reduced to its owner, asynchronously, as soon as it holds ``bucket_bytes``
+    (DeepSpeed's ``reduce_bucket_size``: one collective, with its fixed cost, per bucket instead of per parameter),
+    overlapping the rest of backward. When backward ends the part-filled buckets are
+    reduced too, the reductions are waited for, owners copy the sums back, and non-owners free their copies (so
+    whole gradients coexist only until then). Under HSDP the owner also averages across the replicate groups.
+    While gradients accumulate (``sync`` off) each rank keeps its whole local sum and reduces it once, on the last
+    micro-batch; with ``sharded`` it reduces on every micro-batch instead, and the owner keeps the running sum
+    aside, so no rank holds more than its part between micro-batches.
+
+    Every rank's hooks fire in the same order (the same graph), so every rank launches the same buckets in the
+    same order, as collectives need.
     """
 
     def __init__(self, module: nn.Module, optimizer: ZeroRedundancyOptimizer, mesh: ParallelMesh, *,
-                 sharded: bool = False) -> None:
+                 sharded: bool = False, bucket_bytes: int = 4 * 2**20) -> None:
         self.shard_group = mesh.group("dp_shard")
         self.replicate_group = mesh.group("dp_replicate") if mesh.size("dp_replicate") > 1 else None
         self.world = mesh.size("dp")
         self.sync = True
         self.sharded = sharded
+        self.bucket_bytes = bucket_bytes
         self._accumulated: dict[Tensor, Tensor] = {}  # sharded: the owner's reduced sum of earlier micro-batches
-        self._pending: list[tuple[Any, Tensor, int]] = []  # reductions in flight during a backward
+        self._filling: dict[int, list[Tensor]] = {}  # owner -> parameters whose gradients wait in its bucket
+        self._in_flight: list[tuple[Any, Tensor, list[Tensor], int]] = []  # (work, flat bucket, parameters, owner)
+        self._backward = -1  # the autograd graph task whose gradients the buckets hold
         owners = optimizer._param_to_rank  # ZeroRedundancyOptimizer's partition (shard-group ranks)
         self.rank = dist.get_rank(self.shard_group)
         self._handles = []
@@ -185,38 +205,57 @@ class GradientReducer:
                 self._handles.append(param.register_post_accumulate_grad_hook(self._hook(owner)))
 
     def _hook(self, owner: int) -> Any:
-        owner_global = dist.get_global_rank(self.shard_group, owner)
-
-        def reduce_to_owner(param: Tensor) -> None:
+        def add_to_bucket(param: Tensor) -> None:
             if not self.sync and not self.sharded:
                 return  # accumulating: keep the local sum, reduce on the last micro-batch
-            if not self._pending:  # the first gradient of this backward: settle them all when it ends
+            backward = torch._C._current_graph_task_id()
+            if backward != self._backward:  # the first gradient of this backward (a failed one may have left some)
+                self._backward, self._filling, self._in_flight = backward, {}, []
                 Variable._execution_engine.queue_callback(self._settle)
-            # Asynchronous: the reduction runs while backward computes the next gradients (DeepSpeed's overlap).
-            work = dist.reduce(param.grad, dst=owner_global, group=self.shard_group, async_op=True)
-            self._pending.append((work, param, owner))
+            bucket = self._filling.setdefault(owner, [])
+            bucket.append(param)
+            if sum(p.grad.numel() * p.grad.element_size() for p in bucket) >= self.bucket_bytes:
+                self._launch(owner)
 
-        return reduce_to_owner
+        return add_to_bucket
+
+    def _launch(self, owner: int) -> None:
+        """Reduce the bucket of ``owner`` to it, asynchronously (the rest of backward runs meanwhile)."""
+        params = self._filling.pop(owner)
+        flat = params[0].grad if len(params) == 1 else torch.cat([p.grad.reshape(-1) for p in params])
+        work = dist.reduce(flat, dst=dist.get_global_rank(self.shard_group, owner), group=self.shard_group,
+                           async_op=True)
+        self._in_flight.append((work, flat, params, owner))
 
     def _settle(self) -> None:
-        """At the end of backward: wait for the reductions; owners average (across replicas too), the others drop
-        their copies (the point of stage 2: only the owner keeps a gradient)."""
-        pending, self._pending = self._pending, []
-        for work, param, owner in pending:
+        """At the end of backward: reduce what is left in the buckets, wait for the reductions; owners average (across
+        replicas too), the others drop their copies (the point of stage 2: only the owner keeps a gradient)."""
+        for owner in sorted(self._filling):  # the same order on every rank
+            self._launch(owner)
+        in_flight, self._in_flight, self._backward = self._in_flight, [], -1
+        for work, flat, params, owner in in_flight:
             work.wait()
             if self.rank != owner:
-                param.grad = None
-                continue
-            if self.replicate_group is not None:
-                dist.all_reduce(param.grad, group=self.replicate_group)
-            param.grad.div_(self.world)
-            if self.sharded:
-                earlier = self._accumulated.pop(param, None)
-                if not self.sync:  # more micro-batches to come: the next backward starts from no gradient
-                    self._accumulated[param] = param.grad if earlier is None else earlier + param.grad
+                for param in params:
                     param.grad = None
-                elif earlier is not None:
-                    param.grad = earlier + param.grad
+                continue
+            if len(params) > 1:
+                for param, piece in zip(params, flat.split([p.grad.numel() for p in params])):
+                    param.grad.copy_(piece.view_as(param.grad))
+            for param in params:
+                self._average(param)
+
+    def _average(self, param: Tensor) -> None:
+        if self.replicate_group is not None:
+            dist.all_reduce(param.grad, group=self.replicate_group)
+        param.grad.div_(self.world)
+        if self.sharded:
+            earlier = self._accumulated.pop(param, None)
+            if not self.sync:  # more micro-batches to come: the next backward starts from no gradient
+                self._accumulated[param] = param.grad if earlier is None else earlier + param.grad
+                param.grad = None
+            elif earlier is not None:
+                param.grad = earlier + param.grad
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -242,8 +281,12 @@ def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh,
     # `defaults` can hold entries the constructor does not take (AdamW records decoupled_weight_decay).
     accepted = inspect.signature(type(optimizer).__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    # Plain parameters are packed into one flat bucket per owner, so that an owner broadcasts its updated parameters
+    # in one collective instead of one per parameter (halved the optimizer step on an 8-block model); DTensor shards
+    # cannot be viewed into a plain bucket.
+    bucketed = not any(isinstance(p, DTensor) for group in groups for p in group["params"])
     sharded = _ZeroOverShards(groups, optimizer_class=type(optimizer), process_group=mesh.group("dp_shard"),
-                              **defaults)
+                              parameters_as_bucket_view=bucketed, **defaults)
     if stage == 2:
         record = layout_record(module, create=True)
         if record.gradient_reducer is not None:
