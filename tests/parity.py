@@ -45,7 +45,23 @@ def reference_run(make_module: Callable[[], Any], make_datamodule: Callable[[], 
     ``pieces_like_ranks`` runs each global micro-batch in the pieces the layout multiplies: one per data-parallel
     rank (rank ``r`` reads every ``dp``-th sample from ``r``), each cut into ``pipeline_microbatches``; gradients
     are summed at 1/pieces each, the same mean. For computations whose rounding depends on what is multiplied
-    together, such as float8's scale from the amax of a whole activation tensor."""
+    together, such as float8's scale from the amax of a whole activation tensor. Such a run also computes on one
+    thread, as each rank does (tests/harness.py): a layer norm's weight gradient sums over the tokens in an order
+    that depends on the thread count, and float8's rounding would grow that last-bit difference."""
+    threads = torch.get_num_threads()
+    if pieces_like_ranks:
+        torch.set_num_threads(1)
+    try:
+        return _reference_run(make_module, make_datamodule, dp=dp, steps=steps, accumulate=accumulate, seed=seed,
+                              gradient_clip_val=gradient_clip_val, pieces_like_ranks=pieces_like_ranks,
+                              pipeline_microbatches=pipeline_microbatches)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_run(make_module: Callable[[], Any], make_datamodule: Callable[[], Any], *, dp: int, steps: int,
+                   accumulate: int, seed: int, gradient_clip_val: float | None, pieces_like_ranks: bool,
+                   pipeline_microbatches: int) -> ParityRun:
     datamodule = make_datamodule()
     datamodule.setup("fit")
     dataset = datamodule.train_dataloader().dataset

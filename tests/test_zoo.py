@@ -1,5 +1,6 @@
 """Every zoo architecture under tp2, pp2 and hybrid3d dp2 x tp2: 20 steps equal to one process, or refused
-before the first step with the module and the reason (tests/zoo.py lists what each covers).
+before the first step with the module and the reason (tests/zoo.py lists what each covers). Under float8 the one
+process is a float8 one multiplying the same pieces as the ranks (tests/test_float8.py says why).
 
 One launch per layout trains every model in turn on the same ranks, so the zoo costs one process start-up per
 layout, not one per cell.
@@ -7,6 +8,7 @@ layout, not one per cell.
 
 from __future__ import annotations
 
+import functools
 import traceback
 
 import pytest
@@ -44,6 +46,9 @@ def make_strategy(layout: str, plan: dict | None = None):
     if layout == "pp2xdp2-zero3":
         return lightning_par.Hybrid3DStrategy(pipeline_parallel_size=2, data_parallel_size=2, zero_stage=3,
                                               microbatches=2, plan=plan)
+    if layout == "dp2-zero3-float8":  # FSDP2 gathers float8 weights, scales from one amax all-reduce
+        return lightning_par.Hybrid3DStrategy(data_parallel_size=2, zero_stage=3, float8="tensorwise",
+                                              float8_emulate=True, plan=plan)
     if layout == "ep2-zero3":
         return lightning_par.Hybrid3DStrategy(expert_parallel_size=2, zero_stage=3, plan=plan)
     if layout == "pp2xtp2-sp":
@@ -55,7 +60,7 @@ def make_strategy(layout: str, plan: dict | None = None):
 # world size, data-parallel size. tp2, pp2 and dp2 x tp2 are the layouts a user tries first; tp2 with sequence
 # and loss parallel and pp2 x tp2 (+SP) compose the techniques.
 LAYOUTS = {"tp2": (2, 1), "pp2": (2, 1), "dp2xtp2": (4, 2), "tp2-sp": (2, 1), "pp2xtp2-sp": (4, 1),
-           "pp2xdp2-zero3": (4, 2), "ep2-zero3": (2, 2)}
+           "pp2xdp2-zero3": (4, 2), "ep2-zero3": (2, 2), "dp2-zero3-float8": (2, 2)}
 
 # Cells refused before the first step, and a fragment of the reason they give; every other cell trains exactly.
 NO_SPLIT = "would split no layer inside the blocks"
@@ -65,7 +70,19 @@ REFUSED: dict[tuple[str, str], str] = {
     # projections) sequence-split DTensors they cannot compute with.
     **{(name, layout): "set sequence_parallel=False for this model"
        for name in ("mha", "custom_names", "qwen2_moe", "deepseek_v3") for layout in ("tp2-sp", "pp2xtp2-sp")},
+    ("gpt2", "dp2-zero3-float8"): "found no linear layer to convert",  # its projections are all Conv1D
 }
+
+
+def float8_model(name: str) -> torch.nn.Module:
+    """Zoo model ``name`` with the layers of its blocks in float8, as the strategy converts them, in one process."""
+    from lightning_par.parallel.float8 import apply_float8
+    from lightning_par.parallel.plan import ModelPlan, resolve_plan
+
+    model = zoo.make_model(name)
+    given = zoo.PLANS.get(name)
+    apply_float8(model, ModelPlan.from_dict(given) if given else resolve_plan(None, model), "tensorwise", emulate=True)
+    return model
 
 
 def _train_every_model(rank: int, world_size: int, layout: str, models: tuple[str, ...]) -> dict:
@@ -150,7 +167,9 @@ def test_zoo_trains_like_one_process_or_is_refused(layout: str) -> None:
         from parity import ParityRun
 
         actual = ParityRun(losses, outcomes[0][2])
-        expected = reference_run(zoo.factory(name), make_datamodule, dp=dp, steps=STEPS)
+        float8 = "float8" in layout
+        expected = reference_run(functools.partial(float8_model, name) if float8 else zoo.factory(name),
+                                 make_datamodule, dp=dp, steps=STEPS, pieces_like_ranks=float8)
         sizes = {n: size for o in outcomes for n, size in o[3].items()}
         single = sum(p.numel() for p in zoo.make_model(name).parameters())
         if sum(sizes.values()) != single:
