@@ -27,7 +27,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd import Variable
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+except ImportError:  # an older torch: FSDP2 without custom collectives keeps its own synchronous reduce-scatter
+    DefaultReduceScatter = object  # type: ignore[assignment,misc]
+
+SUPPORTED = DefaultReduceScatter is not object and hasattr(FSDPModule, "set_custom_reduce_scatter")
 
 
 class BackgroundReduceScatter(DefaultReduceScatter):
@@ -87,4 +93,4 @@ class BackgroundReduceScatter(DefaultReduceScatter):
             self.pending.pop(0)()
 
 
-__all__ = ["BackgroundReduceScatter"]
+__all__ = ["BackgroundReduceScatter", "SUPPORTED"]

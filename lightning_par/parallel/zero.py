@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_par.mesh import ParallelMesh
-from lightning_par.parallel.background_reduce import BackgroundReduceScatter
+from lightning_par.parallel.background_reduce import SUPPORTED, BackgroundReduceScatter
 from lightning_par.parallel.experts import expert_modules, local_part
 from lightning_par.parallel.plan import ModelPlan
 from lightning_par.parallel.record import layout_record
@@ -73,7 +73,7 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | N
         options["offload_policy"] = CPUOffloadPolicy()
     # On a CPU each reduce-scatter would block the host (no streams): run them behind backward instead. Not under
     # HSDP, whose all-reduce across replicas reads each reduce-scatter's output at once.
-    background: list[Any] | None = [] if mesh.device_type == "cpu" and fsdp_mesh.ndim == 1 else None
+    background: list[Any] | None = [] if mesh.device_type == "cpu" and fsdp_mesh.ndim == 1 and SUPPORTED else None
 
     def shard(unit: nn.Module, unit_mesh: Any, reshard: bool) -> None:
         fully_shard(unit, mesh=unit_mesh, reshard_after_forward=reshard, **options)
