@@ -222,7 +222,7 @@ class GradientReducer:
     def _launch(self, owner: int) -> None:
         """Reduce the bucket of ``owner`` to it, asynchronously (the rest of backward runs meanwhile)."""
         params = self._filling.pop(owner)
-        flat = params[0].grad if len(params) == 1 else torch.cat([p.grad.reshape(-1) for p in params])
+        flat = params[0].grad if len(params) == 1 else torch._utils._flatten_dense_tensors([p.grad for p in params])
         work = dist.reduce(flat, dst=dist.get_global_rank(self.shard_group, owner), group=self.shard_group,
                            async_op=True)
         self._in_flight.append((work, flat, params, owner))
@@ -239,9 +239,10 @@ class GradientReducer:
                 for param in params:
                     param.grad = None
                 continue
-            if len(params) > 1:
-                for param, piece in zip(params, flat.split([p.grad.numel() for p in params])):
-                    param.grad.copy_(piece.view_as(param.grad))
+            if len(params) > 1:  # as data.reduce_gradients_to_owners unpacks its buckets
+                grads = [p.grad for p in params]
+                for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                    grad.copy_(reduced)
             for param in params:
                 self._average(param)
 
