@@ -49,6 +49,8 @@ def make_strategy(layout: str, plan: dict | None = None):
     if layout == "dp2-zero3-float8":  # FSDP2 gathers float8 weights, scales from one amax all-reduce
         return lightning_par.Hybrid3DStrategy(data_parallel_size=2, zero_stage=3, float8="tensorwise",
                                               float8_emulate=True, plan=plan)
+    if layout == "dp2-zero2":  # gradients reduced to owners in buckets; parameters in one flat bucket per owner
+        return lightning_par.ZeroStrategy(zero_stage=2, plan=plan)
     if layout == "ep2-zero3":
         return lightning_par.Hybrid3DStrategy(expert_parallel_size=2, zero_stage=3, plan=plan)
     if layout == "pp2xtp2-sp":
@@ -60,7 +62,8 @@ def make_strategy(layout: str, plan: dict | None = None):
 # world size, data-parallel size. tp2, pp2 and dp2 x tp2 are the layouts a user tries first; tp2 with sequence
 # and loss parallel and pp2 x tp2 (+SP) compose the techniques.
 LAYOUTS = {"tp2": (2, 1), "pp2": (2, 1), "dp2xtp2": (4, 2), "tp2-sp": (2, 1), "pp2xtp2-sp": (4, 1),
-           "pp2xdp2-zero3": (4, 2), "ep2-zero3": (2, 2), "dp2-zero3-float8": (2, 2)}
+           "pp2xdp2-zero3": (4, 2), "ep2-zero3": (2, 2), "dp2-zero3-float8": (2, 2),
+           "dp2-zero2": (2, 2)}
 
 # Cells refused before the first step, and a fragment of the reason they give; every other cell trains exactly.
 NO_SPLIT = "would split no layer inside the blocks"
