@@ -70,7 +70,8 @@ class ParallelConfig:
     ``zero_stage`` shards model states over the data-parallel ranks (0: plain DDP; 1: optimizer states;
     2: + gradients; 3: + parameters, FSDP2), ``reshard_after_forward`` is the stage-3 trade of memory for
     one all-gather per block (``keep_gathered_blocks``: for the last N blocks only), ``prefetch_blocks`` how many
-    blocks ahead stage 3 gathers (0: FSDP2's own lookahead); ``param_dtype`` / ``reduce_dtype`` (stage 3) compute in low precision from
+    blocks ahead stage 3 gathers (0: FSDP2's own lookahead), ``blocks_per_unit`` how many consecutive blocks it
+    gathers and reduces as one unit; ``param_dtype`` / ``reduce_dtype`` (stage 3) compute in low precision from
     fp32 shards and reduce gradients in ``reduce_dtype`` (default: ``param_dtype``); ``cpu_offload``
     (stage 3) keeps shards, gradients and optimizer states in host memory; ``sharded_accumulation`` (stages 2
     and 3, under gradient accumulation) reduces gradients on every micro-batch so that they stay sharded,
@@ -102,6 +103,7 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     keep_gathered_blocks: int = 0
     prefetch_blocks: int = 0
+    blocks_per_unit: int = 1
     param_dtype: Dtype = "fp32"
     reduce_dtype: Optional[Dtype] = None
     cpu_offload: bool = False
@@ -273,14 +275,15 @@ class ParallelConfig:
         if self.pp_balance not in PP_BALANCE:
             raise ValueError(f"pp_balance={self.pp_balance!r} is not one of {PP_BALANCE}")
         for name, least in (("pp_microbatches", 1), ("pp_virtual_stages", 2), ("keep_gathered_blocks", 0),
-                            ("prefetch_blocks", 0)):
+                            ("prefetch_blocks", 0), ("blocks_per_unit", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-        for name in ("keep_gathered_blocks", "prefetch_blocks"):
-            if getattr(self, name) and self.zero_stage != 3:
+        for name, default in (("keep_gathered_blocks", 0), ("prefetch_blocks", 0), ("blocks_per_unit", 1)):
+            if getattr(self, name) != default and self.zero_stage != 3:
                 raise ValueError(f"{name}={getattr(self, name)!r} schedules ZeRO-3's parameter all-gathers, and "
-                                 f"zero_stage={self.zero_stage} keeps parameters whole; use zero_stage=3 or {name}=0")
+                                 f"zero_stage={self.zero_stage} keeps parameters whole; use zero_stage=3 or "
+                                 f"{name}={default}")
         if self.cp_method not in CP_METHODS:
             raise ValueError(f"cp_method={self.cp_method!r} is not one of {CP_METHODS} (ulysses: all-to-all of heads "
                              "and sequence; ring: key/value blocks passed round the ranks)")

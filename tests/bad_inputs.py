@@ -348,6 +348,11 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("`ZeroStrategy(zero_stage=2, keep_gathered_blocks=2)`", "keep_gathered_blocks=2 schedules ZeRO-3's "
              "parameter all-gathers, and zero_stage=2 keeps parameters whole; use zero_stage=3 or keep_gathered_blocks=0",
              _strategy("ZeroStrategy", zero_stage=2, keep_gathered_blocks=2)),
+    BadInput("`ZeroStrategy(zero_stage=1, blocks_per_unit=2)`", "blocks_per_unit=2 schedules ZeRO-3's parameter "
+             "all-gathers, and zero_stage=1 keeps parameters whole; use zero_stage=3 or blocks_per_unit=1",
+             _strategy("ZeroStrategy", zero_stage=1, blocks_per_unit=2)),
+    BadInput("`ZeroStrategy(blocks_per_unit=0)`", "blocks_per_unit must be an integer >= 1, got 0",
+             _strategy("ZeroStrategy", blocks_per_unit=0)),
     BadInput("`Hybrid3DStrategy(pipeline_parallel_size=2, zero_stage=3, prefetch_blocks=1)`",
              "pipeline_parallel_size=2 with prefetch_blocks=1: a pipeline schedule runs its blocks for several "
              "micro-batches in its own order", _strategy("Hybrid3DStrategy", pipeline_parallel_size=2, zero_stage=3,

@@ -47,6 +47,17 @@ def test_zero_matches_single_process(world_size: int, strategy_kwargs: dict) -> 
     print(f"zero {strategy_kwargs} ws={world_size}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
 
 
+def test_zero3_units_of_several_blocks_match_single_process() -> None:
+    """Five blocks in units of two ([0, 1], [2, 3], [4]): the last two units stay gathered for backward (all their
+    blocks are among the last three), prefetching reaches two units ahead (three blocks)."""
+    make_deeper = functools.partial(SGDLlamaLM, **{**MODEL, "n_layers": 5})
+    expected = reference_run(make_deeper, make_datamodule, dp=2, steps=STEPS)
+    grouped = functools.partial(make_strategy, stage=3, blocks_per_unit=2, keep_gathered_blocks=3, prefetch_blocks=3)
+    actual = layout_run(make_deeper, make_datamodule, grouped, world_size=2, steps=STEPS)
+    loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
+    print(f"zero3 units of 2 blocks: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")
+
+
 def test_bf16_compute_from_fp32_shards_stays_close_to_fp32() -> None:
     """Stage 3 mixed precision: blocks compute in bf16, shards and the optimizer stay fp32."""
     expected = reference_run(make_module, make_datamodule, dp=2, steps=STEPS)
@@ -293,11 +304,15 @@ def _gathers_per_step(rank: int, world_size: int, knobs: dict) -> dict:
     (dict(), 4 + 1 + 4, [[], [], [], []]),  # the blocks and the root in forward, the blocks again in backward
     (dict(keep_gathered_blocks=3, prefetch_blocks=2), 4 + 1 + 1, [[1, 2], [2, 3], [3], []]),
     (dict(reshard_after_forward=False), 4 + 1, [[], [], [], []]),
+    # units [0, 1] and [2, 3]: two gathers in forward and two in backward
+    (dict(blocks_per_unit=2), 2 + 1 + 2, [[], [], [], []]),
+    # units [0, 1, 2] and [3]: [3] stays gathered; two blocks ahead is one unit ahead (named by its first block)
+    (dict(blocks_per_unit=3, keep_gathered_blocks=1, prefetch_blocks=2), 2 + 1 + 1, [[3], [3], [3], []]),
 ])
 def test_zero3_gathers_what_its_controls_say(knobs: dict, gathers: int, prefetch: list) -> None:
-    """A step of a 4-block model under ZeRO-3 all-gathers each block in forward and again in backward except the
-    blocks kept gathered; prefetching changes when the gathers start (each block names the next ones), not their
-    number."""
+    """A step of a 4-block model under ZeRO-3 all-gathers each unit (a block, or ``blocks_per_unit`` blocks) in
+    forward and again in backward except the units kept gathered; prefetching changes when the gathers start (each
+    unit names the next ones), not their number."""
     from harness import run_distributed
 
     for result in run_distributed(_gathers_per_step, 2, knobs):

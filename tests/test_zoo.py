@@ -51,8 +51,8 @@ def make_strategy(layout: str, plan: dict | None = None):
                                               float8_emulate=True, plan=plan)
     if layout == "dp2-zero2":  # gradients reduced to owners in buckets; parameters in one flat bucket per owner
         return lightning_par.ZeroStrategy(zero_stage=2, plan=plan)
-    if layout == "ep2-zero3":
-        return lightning_par.Hybrid3DStrategy(expert_parallel_size=2, zero_stage=3, plan=plan)
+    if layout == "ep2-zero3":  # both blocks one FSDP2 unit, around the experts' own units
+        return lightning_par.Hybrid3DStrategy(expert_parallel_size=2, zero_stage=3, blocks_per_unit=2, plan=plan)
     if layout == "pp2xtp2-sp":
         return lightning_par.Hybrid3DStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
                                               microbatches=2, plan=plan)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd import Variable
@@ -42,10 +43,12 @@ class BackgroundReduceScatter(DefaultReduceScatter):
     ``pending`` is shared by the units of one model, so that ``max_in_flight`` bounds them all together.
     """
 
-    def __init__(self, unit: nn.Module, pending: list[Callable[[], None]], max_in_flight: int = 2) -> None:
-        nested = {p for sub in unit.modules() if sub is not unit and isinstance(sub, FSDPModule)
-                  for p in sub.parameters()}
-        self.params = [p for p in unit.parameters() if p not in nested]  # this unit's sharded parameters
+    def __init__(self, unit: nn.Module | list[nn.Module], pending: list[Callable[[], None]],
+                 max_in_flight: int = 2) -> None:
+        members = unit if isinstance(unit, list) else [unit]  # FSDP2 shards a list of modules as one unit
+        nested = {p for member in members for sub in member.modules()
+                  if sub not in members and isinstance(sub, FSDPModule) for p in sub.parameters()}
+        self.params = [p for member in members for p in member.parameters() if p not in nested]  # the unit's shards
         self.pending = pending
         self.max_in_flight = max_in_flight
 
@@ -63,9 +66,10 @@ class BackgroundReduceScatter(DefaultReduceScatter):
 
         def finish() -> None:
             work.wait()
-            output_tensor.copy_(shard)
-            if divide:
-                output_tensor.div_(world)
+            if divide:  # one pass over the shard
+                torch.div(shard, world, out=output_tensor)
+            else:
+                output_tensor.copy_(shard)
 
         if not self._output_left_alone(output_tensor, op) or not self._finish_when_backward_ends():
             finish()

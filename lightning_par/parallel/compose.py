@@ -143,7 +143,8 @@ def parallelize(
                                            param_dtype=_dtype(config.param_dtype),
                                            reduce_dtype=_dtype(config.reduce_dtype), cpu_offload=config.cpu_offload,
                                            root=stages is None, keep_gathered_blocks=config.keep_gathered_blocks,
-                                           prefetch_blocks=config.prefetch_blocks)
+                                           prefetch_blocks=config.prefetch_blocks,
+                                           blocks_per_unit=config.blocks_per_unit)
         record = layout_record(model, create=True)
         if stages is not None:  # 1, completed: each stage's view of the blocks as they now are
             record.stages = build_stages(model, stages, mesh, device, sequence_parallel=config.sequence_parallel,

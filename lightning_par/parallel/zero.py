@@ -15,8 +15,11 @@ Over N data-parallel ranks:
   after (``reshard_after_forward=False`` keeps them until backward instead, trading memory for one
   all-gather; ``keep_gathered_blocks=N`` does so for the last N blocks only, which backward needs first).
   ``prefetch_blocks=N`` issues the all-gathers of the next N blocks when a block starts, in forward and in
-  backward (FSDP2's explicit prefetching) instead of FSDP2's own single-block lookahead. With ``dp_replicate > 1``
-  this is HSDP: sharded inside a group, replicated across groups.
+  backward (FSDP2's explicit prefetching) instead of FSDP2's own single-block lookahead. ``blocks_per_unit=K``
+  makes every K consecutive blocks one unit (FSDP2's ``fully_shard`` of a list of modules): one all-gather and one
+  reduce-scatter per unit, K times fewer collectives and hooks for K blocks gathered at once and one unit's whole
+  gradients held until its reduce-scatter (FSDP1's size-based wrapping, DeepSpeed's prefetch buckets). With
+  ``dp_replicate > 1`` this is HSDP: sharded inside a group, replicated across groups.
 """
 
 from __future__ import annotations
@@ -48,15 +51,17 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | N
                       reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
                       reduce_dtype: torch.dtype | None = None, cpu_offload: bool = False,
                       root: bool = True, keep_gathered_blocks: int = 0,
-                      prefetch_blocks: int = 0) -> Callable[[nn.Module], None]:
+                      prefetch_blocks: int = 0, blocks_per_unit: int = 1) -> Callable[[nn.Module], None]:
     """ZeRO-3: shard every block of ``plan`` with FSDP2, then the root (embedding, norm, head, the rest).
 
     Without a plan the whole model is one unit: still sharded at rest, but gathered whole for forward.
     Experts split by expert parallel are units of their own, sharded over the ranks that hold the same experts
     (:meth:`ParallelMesh.experts`; torchtitan's EP x FSDP), while the rest of their block is sharded over all of
     ``dp_shard x cp``.
-    ``keep_gathered_blocks`` and ``prefetch_blocks``: see the module's docstring (prefetching only where the blocks
-    run in one sequence: not across pipeline stages).
+    ``keep_gathered_blocks``, ``prefetch_blocks`` and ``blocks_per_unit``: see the module's docstring (prefetching
+    only where the blocks run in one sequence: not across pipeline stages). With units of several blocks, a unit
+    stays gathered when all its blocks are among the last ``keep_gathered_blocks``, and prefetching reaches as many
+    units ahead as cover ``prefetch_blocks`` blocks.
     ``param_dtype`` casts the gathered parameters for compute (the shards, and so the optimizer, stay
     fp32); gradients are reduced in ``reduce_dtype``. ``cpu_offload`` keeps shards, gradients and
     optimizer states in host memory and copies each block to the accelerator when it runs (on a CPU run
@@ -75,15 +80,15 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | N
     # HSDP, whose all-reduce across replicas reads each reduce-scatter's output at once.
     background: list[Any] | None = [] if mesh.device_type == "cpu" and fsdp_mesh.ndim == 1 and SUPPORTED else None
 
-    def shard(unit: nn.Module, unit_mesh: Any, reshard: bool) -> None:
-        fully_shard(unit, mesh=unit_mesh, reshard_after_forward=reshard, **options)
-        if background is not None and unit_mesh.ndim == 1:
-            unit.set_custom_reduce_scatter(BackgroundReduceScatter(unit, background))
+    def shard(unit: list[nn.Module], unit_mesh: Any, reshard: bool) -> None:
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=unit_mesh, reshard_after_forward=reshard, **options)
+        if background is not None and unit_mesh.ndim == 1:  # (a unit's modules share one FSDP2 state)
+            unit[0].set_custom_reduce_scatter(BackgroundReduceScatter(unit, background))
 
     for experts in expert_modules(module):  # inner units first: a block's unit takes what is left
         ep = next(experts.parameters(recurse=False)).device_mesh.size()
         shard_mesh = mesh.experts(ep).shard
-        shard(experts, shard_mesh, reshard_after_forward)
+        shard([experts], shard_mesh, reshard_after_forward)
         # The all-to-all already summed each expert's gradient over the tokens of its ep group; what is left is
         # the average over every data-parallel rank, as for any other gradient, not over the ranks sharding it.
         experts.set_gradient_divide_factor(mesh.size("dp_cp"))
@@ -94,20 +99,23 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | N
     if plan is not None:
         blocks = [block for block in module.get_submodule(plan.blocks).children()
                   if next(block.parameters(), None) is not None]  # not the stand-ins for other pipeline ranks' blocks
-        for index, block in enumerate(blocks):
-            reshard = reshard_after_forward and index < len(blocks) - keep_gathered_blocks
-            shard(block, fsdp_mesh, reshard)
-        if prefetch_blocks and root:
-            prefetch_ahead(blocks, prefetch_blocks, background=mesh.device_type == "cpu")
+        units = [blocks[first:first + blocks_per_unit] for first in range(0, len(blocks), blocks_per_unit)]
+        kept_from = len(blocks) - keep_gathered_blocks  # a unit stays gathered when all its blocks are kept ones
+        for index, unit in enumerate(units):
+            shard(unit, fsdp_mesh, reshard_after_forward and index * blocks_per_unit < kept_from)
+        heads = [unit[0] for unit in units]  # (each stands for its unit in FSDP2's prefetch lists)
+        prefetch_units = -(-prefetch_blocks // blocks_per_unit)
+        if prefetch_units and root:
+            prefetch_ahead(heads, prefetch_units, background=mesh.device_type == "cpu")
 
     def shard_root(root_module: nn.Module) -> None:
         # A root keeps its parameters gathered after forward: backward starts with them (head, norm) anyway.
-        shard(root_module, fsdp_mesh, False)
+        shard([root_module], fsdp_mesh, False)
 
     if root:
         shard_root(module)
-        if plan is not None and prefetch_blocks:  # the first blocks gather while the embedding runs
-            module.set_modules_to_forward_prefetch(blocks[:prefetch_blocks])
+        if plan is not None and prefetch_units:  # the first blocks gather while the embedding runs
+            module.set_modules_to_forward_prefetch(heads[:prefetch_units])
     return shard_root
 
 

@@ -408,16 +408,20 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
         gather = 2 if config.param_dtype in ("bf16", "fp16") else pbytes
         units = {moe: block_local_params(model, config, moe) for moe, count in
                  ((False, stages.n_dense), (True, stages.n_moe)) if count}
-        unit = max(units.values(), default=0.0)
+        block = max(units.values(), default=0.0)
+        blocks = stages.n_dense + stages.n_moe
+        per_unit = max(min(config.blocks_per_unit, blocks), 1)  # blocks gathered and reduced together
+        unit_gradients = per_unit * block * 4  # one unit's whole gradients, until its reduce-scatter
         # Under pipeline parallel a stage's blocks stay gathered from their first backward to the step's end
         # (torch.distributed.pipelining turns resharding after backward off until the last micro-batch).
         if config.reshard_after_forward and config.pp == 1:
             root = params - stages.n_dense * units.get(False, 0.0) - stages.n_moe * units.get(True, 0.0)
-            # the current block (or the kept ones), the prefetched ones, the root; one unit of gradients
-            gathered = max(config.keep_gathered_blocks, 1) + max(config.prefetch_blocks, 1)
-            comm += (gathered * unit + root) * gather + unit * 4
+            # the current unit (or the kept blocks), the prefetched units, the root
+            ahead = -(-max(config.prefetch_blocks, 1) // per_unit) * per_unit
+            gathered = min(max(config.keep_gathered_blocks, per_unit) + ahead, blocks)
+            comm += (gathered * block + root) * gather + unit_gradients
         else:
-            comm += params * gather + unit * 4
+            comm += params * gather + unit_gradients
     if config.pp > 1:
         boundary = tokens * model.hidden * residual_bytes(precision) / (tp if config.sequence_parallel else 1)
         comm += 2 * boundary * len(stages.stage_blocks)  # receive buffers: activation forward, gradient backward

@@ -26,6 +26,8 @@ class ZeroStrategy(MeshStrategy):
             starts with them: N all-gathers fewer per step for N blocks' memory.
         prefetch_blocks: stage 3 only. Gather the next N blocks' parameters as a block starts, in forward and in
             backward (0: FSDP2's own lookahead of one block in backward).
+        blocks_per_unit: stage 3 only. Gather and reduce every K consecutive blocks together, as one FSDP2 unit:
+            K times fewer collectives and hooks, for K blocks gathered at once (see ``lightning_par.parallel.zero``).
         param_dtype: stage 3 only. Compute in ``bf16``/``fp16`` from fp32 shards (mixed precision);
             for stages 1-2 use ``Trainer(precision="bf16-mixed")``.
         reduce_dtype: stage 3 only. Dtype of the gradient reduce-scatter (default: ``param_dtype``;
@@ -41,13 +43,14 @@ class ZeroStrategy(MeshStrategy):
     def __init__(self, zero_stage: int = 3, data_parallel_size: Size = "auto", replicate_size: int = 1,
                  reshard_after_forward: bool = True, param_dtype: Dtype = "fp32", reduce_dtype: Optional[Dtype] = None,
                  cpu_offload: bool = False, sharded_accumulation: bool = False, keep_gathered_blocks: int = 0,
-                 prefetch_blocks: int = 0, **kwargs: Any) -> None:
+                 prefetch_blocks: int = 0, blocks_per_unit: int = 1, **kwargs: Any) -> None:
         self.argument_names = argument_names("dp_shard" if replicate_size == 1 else None)
         config = ParallelConfig(dp_replicate=replicate_size, dp_shard=shard_size(data_parallel_size, replicate_size),
                                 zero_stage=zero_stage, reshard_after_forward=reshard_after_forward,
                                 param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
                                 sharded_accumulation=sharded_accumulation,
-                                keep_gathered_blocks=keep_gathered_blocks, prefetch_blocks=prefetch_blocks)
+                                keep_gathered_blocks=keep_gathered_blocks, prefetch_blocks=prefetch_blocks,
+                                blocks_per_unit=blocks_per_unit)
         super().__init__(config, **kwargs)
 
     @classmethod
