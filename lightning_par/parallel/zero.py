@@ -247,24 +247,27 @@ class GradientReducer:
                 for param in params:
                     param.grad = None
                 continue
-            if len(params) > 1:  # as data.reduce_gradients_to_owners unpacks its buckets
+            # Average the whole bucket (one all-reduce across replicas per bucket, not per parameter), then unpack
+            # it, as data.reduce_gradients_to_owners does.
+            if self.replicate_group is not None:
+                dist.all_reduce(flat, group=self.replicate_group)
+            flat.div_(self.world)
+            if len(params) > 1:
                 grads = [p.grad for p in params]
                 for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                     grad.copy_(reduced)
-            for param in params:
-                self._average(param)
+            if self.sharded:
+                for param in params:
+                    self._accumulate(param)
 
-    def _average(self, param: Tensor) -> None:
-        if self.replicate_group is not None:
-            dist.all_reduce(param.grad, group=self.replicate_group)
-        param.grad.div_(self.world)
-        if self.sharded:
-            earlier = self._accumulated.pop(param, None)
-            if not self.sync:  # more micro-batches to come: the next backward starts from no gradient
-                self._accumulated[param] = param.grad if earlier is None else earlier + param.grad
-                param.grad = None
-            elif earlier is not None:
-                param.grad = earlier + param.grad
+    def _accumulate(self, param: Tensor) -> None:
+        """Sharded accumulation: the owner keeps the running sum of the micro-batches' reduced gradients aside."""
+        earlier = self._accumulated.pop(param, None)
+        if not self.sync:  # more micro-batches to come: the next backward starts from no gradient
+            self._accumulated[param] = param.grad if earlier is None else earlier + param.grad
+            param.grad = None
+        elif earlier is not None:
+            param.grad = earlier + param.grad
 
     def remove(self) -> None:
         for handle in self._handles:
