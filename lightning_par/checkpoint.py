@@ -18,7 +18,7 @@ import argparse
 import os
 import pickle
 import shutil
-import tempfile
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
@@ -28,8 +28,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch import Tensor, nn
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -41,6 +42,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from lightning_par import checkpoint_validation as check
+from lightning_par import safe_dcp
 from lightning_par.parallel.ties import tied_aliases
 
 MODEL_KEY = "state_dict"  # Lightning's own key for the model weights
@@ -249,7 +251,8 @@ def load_checkpoint(
 
     Works with both formats, whatever layout ``module`` has now: DCP reshards tensors saved under
     another layout, and a full checkpoint is re-sharded by ``set_model_state_dict``. The non-tensor entries
-    are unpickled with ``weights_only=True`` unless ``weights_only=False`` says the file is trusted
+    are unpickled with ``weights_only=True``, and a sharded checkpoint's DCP index with an unpickler that constructs
+    only DCP's own classes (:mod:`lightning_par.safe_dcp`), unless ``weights_only=False`` says the file is trusted
     (:func:`read_metadata`).
     """
     path = Path(path)
@@ -263,7 +266,7 @@ def load_checkpoint(
     checkpoint.pop(check.FORMAT_KEY, None)
     try:
         if metadata is not None:
-            _load_sharded(path, module, local, optimizers, aliases, strict)
+            _load_sharded(path, module, local, optimizers, aliases, strict, weights_only)
         else:
             # A rank of a pipeline holds some of the model: the weights of the other ranks' stages are theirs to
             # load (names no rank holds stay, for a strict load to refuse).
@@ -275,6 +278,9 @@ def load_checkpoint(
             for optimizer, state in zip(optimizers, checkpoint.pop(OPTIMIZERS_KEY, [])):
                 _load_optimizer_state(module, optimizer, state, full=True)
     except (Exception, CheckpointException) as error:
+        found = safe_dcp.refused_class(error)
+        if found:  # a non-tensor entry that weights_only=True refused (DCP raises it on every rank)
+            raise check.CheckpointError(check.pickled_code_problem(path, found)) from None
         raise check.CheckpointError(f"loading checkpoint {str(path)!r} failed: {check.one_line(error)}") from error
     checkpoint.pop(OPTIMIZERS_KEY, None)
     return checkpoint
@@ -287,7 +293,7 @@ def _check_before_loading(path: Path, expected: dict[str, tuple[int, ...]], opti
         return f"checkpoint {str(path)!r} does not exist", {}, None
     try:
         if path.is_dir():
-            problem, metadata = check.sharded_problem(path, meta_file=META_FILE)
+            problem, metadata = check.sharded_problem(path, meta_file=META_FILE, weights_only=weights_only)
             if problem:
                 return problem, {}, None
             checkpoint = read_metadata(path / META_FILE, weights_only)
@@ -312,15 +318,19 @@ def _check_before_loading(path: Path, expected: dict[str, tuple[int, ...]], opti
 
 
 def _load_sharded(path: Path, module: nn.Module, local: dict[str, Any], optimizers: list[Optimizer],
-                  aliases: dict[str, str], strict: bool) -> None:
+                  aliases: dict[str, str], strict: bool, weights_only: bool | None) -> None:
+    def load(state: dict[str, Any]) -> None:
+        dcp.load(state, storage_reader=safe_dcp.storage_reader(path, weights_only),
+                 planner=safe_dcp.load_planner(weights_only))
+
     model_state = {MODEL_KEY: local}  # this rank's tensors, filled by DCP
-    dcp.load(model_state, checkpoint_id=path)
+    load(model_state)
     set_model_state_dict(module, with_aliases(model_state[MODEL_KEY], aliases), options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
         key = f"optimizer_{index}"
         template = optimizer_state_dict(module, optimizer, full=False)
         own_params = [group["params"] for group in template["param_groups"]]
-        dcp.load(optim_state := {key: template}, checkpoint_id=path)
+        load(optim_state := {key: template})
         # DCP keeps one rank's copy of non-tensor entries such as param_groups, and the ranks of a
         # pipeline hold different parameters: take the saved hyper-parameters, keep this rank's names.
         loaded = optim_state[key]
@@ -338,14 +348,33 @@ def consolidated_weights(checkpoint: str | os.PathLike, *,
     if problem:  # raised here only: this runs in one process, maybe one rank of a larger run
         raise check.CheckpointError(problem)
     if metadata is not None:
-        with tempfile.TemporaryDirectory() as tmp:
-            whole = Path(tmp) / "whole.pt"
-            dcp_to_torch_save(checkpoint, whole)
-            weights = torch.load(whole, map_location="cpu", weights_only=True)[MODEL_KEY]
+        try:
+            weights = _read_sharded_weights(checkpoint, metadata, weights_only)
+        except (Exception, CheckpointException) as error:
+            found = safe_dcp.refused_class(error)
+            if not found:
+                raise
+            raise check.CheckpointError(check.pickled_code_problem(checkpoint, found)) from None
     else:
         weights = saved.pop(MODEL_KEY)
     saved.pop(OPTIMIZERS_KEY, None)
     return with_aliases({name: tensor.contiguous() for name, tensor in weights.items()}, saved.get(TIED_KEY, {})), saved
+
+
+def _read_sharded_weights(path: Path, metadata: Any, weights_only: bool | None) -> dict[str, Any]:
+    """The whole model weights of a sharded checkpoint, read in this one process (not the optimizer states)."""
+    state: dict[str, Any] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        where = metadata.planner_data.get(key, (key,))
+        if where[0] == MODEL_KEY:  # a template DCP fills: an empty tensor of the saved shape, or a non-tensor entry
+            value = torch.empty(entry.size, dtype=entry.properties.dtype) if isinstance(
+                entry, TensorStorageMetadata) else None
+            set_element(state, where, value)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(state, storage_reader=safe_dcp.storage_reader(path, weights_only),
+                 planner=safe_dcp.load_planner(weights_only), no_dist=True)
+    return state.get(MODEL_KEY, {})
 
 
 def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike, *,
@@ -396,40 +425,23 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
     _remove(Path(path))
 
 
-def _numpy_globals() -> list[Any]:
-    """The NumPy types a checkpoint's RNG states pickle (``np.random.get_state()``: an array and its dtype)."""
-    import numpy as np
-
-    core = getattr(np, "_core", None) or np.core  # NumPy 2 / 1
-    return [np.ndarray, np.dtype, core.multiarray._reconstruct, core.multiarray.scalar,
-            *{type(np.dtype(t)) for t in (np.uint32, np.int32, np.int64, np.float32, np.float64, np.bool_)}]
-
-
 def read_metadata(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
     """A checkpoint file (a full checkpoint, or a sharded one's ``meta.pt``) unpickled.
 
     By default with ``weights_only=True`` (PyTorch's default since 2.6, and Lightning's): tensors, containers,
     builtins and the NumPy RNG state load; any other Python object, which could run code as it is unpickled,
-    is refused with a message that says so. ``weights_only=False`` (a strategy's ``checkpoint_weights_only=False``,
+    is refused with a message that names it. ``weights_only=False`` (a strategy's ``checkpoint_weights_only=False``,
     ``lightning-par-export --trust-pickled-code``) loads a file whose source you trust.
     """
     try:
         if weights_only is False:
             return torch.load(path, map_location="cpu", weights_only=False)
-        with torch.serialization.safe_globals(_numpy_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return safe_dcp.load_object(path)
+    except safe_dcp.PickledCodeError as error:
+        raise check.CheckpointError(check.pickled_code_problem(Path(path), error.found)) from None
     except pickle.UnpicklingError as error:
-        if "Weights only load failed" not in str(error):
-            raise check.CheckpointError(f"checkpoint {str(path)!r} is corrupt: {check.one_line(error)}; load an "
-                                        "earlier checkpoint") from None
-        found = "a Python object"
-        if "Unsupported global: GLOBAL " in str(error):
-            found = str(error).split("Unsupported global: GLOBAL ")[-1].split(" ")[0]
-        raise check.CheckpointError(
-            f"checkpoint {str(path)!r} holds {found}, which unpickling would have to construct and which can run "
-            "code: it was not loaded. If you trust the file's source, load it with weights_only=False (the "
-            "strategy's checkpoint_weights_only=False; lightning-par-export --trust-pickled-code)"
-        ) from None
+        raise check.CheckpointError(f"checkpoint {str(path)!r} is corrupt: {check.one_line(error)}; load an "
+                                    "earlier checkpoint") from None
     except (RuntimeError, EOFError, OSError) as error:  # torch's zip reader: a member cut short or damaged
         raise check.CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupt: {check.one_line(error)}; "
                                     "load an earlier checkpoint") from None

@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from lightning_par import safe_dcp
+
 __all__ = ["CheckpointError", "FORMAT", "FORMAT_KEY", "agree", "file_problem", "sharded_problem", "model_problem",
-           "one_line"]
+           "pickled_code_problem", "one_line"]
 
 # The layout of what lightning-par writes beside Lightning's own keys. A reader refuses a higher number with
 # a message instead of misreading it; raise it when a change would make older readers load something wrong.
@@ -55,8 +56,10 @@ def file_problem(path: Path) -> str | None:
             "file or directory that Lightning or lightning-par wrote")
 
 
-def sharded_problem(path: Path, *, meta_file: str) -> tuple[str | None, Metadata | None]:
-    """Why the directory ``path`` is not a complete sharded checkpoint (None if it is), and its DCP index."""
+def sharded_problem(path: Path, *, meta_file: str,
+                    weights_only: bool | None = None) -> tuple[str | None, Metadata | None]:
+    """Why the directory ``path`` is not a complete sharded checkpoint (None if it is), and its DCP index (read by
+    :mod:`lightning_par.safe_dcp` unless ``weights_only=False`` trusts the directory)."""
     if not (path / DCP_INDEX).is_file():
         found = sorted(p.name for p in path.iterdir())[:5]
         return (f"{str(path)!r} is a directory but not a sharded checkpoint: it has no .metadata (the index "
@@ -67,7 +70,9 @@ def sharded_problem(path: Path, *, meta_file: str) -> tuple[str | None, Metadata
                 "rank 0 writes): it is incomplete, or was not written by lightning-par; copy the whole "
                 "directory, or load an earlier checkpoint"), None
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = safe_dcp.storage_reader(path, weights_only).read_metadata()
+    except safe_dcp.PickledCodeError as error:
+        return pickled_code_problem(path / DCP_INDEX, error.found), None
     except Exception as error:  # noqa: BLE001 - any failure to read the index is the cause to report
         return (f"sharded checkpoint {str(path)!r}: its .metadata index cannot be read ({one_line(error)}); "
                 "it is corrupt: load an earlier checkpoint"), None
@@ -83,6 +88,13 @@ def sharded_problem(path: Path, *, meta_file: str) -> tuple[str | None, Metadata
             return (f"sharded checkpoint {str(path)!r}: the shard {name!r} is truncated ({shard.stat().st_size} "
                     f"bytes, its index needs {least}); load an earlier checkpoint"), metadata
     return None, metadata
+
+
+def pickled_code_problem(path: Path, found: str) -> str:
+    """The refusal of a checkpoint file whose pickle names ``found``, a class outside what a checkpoint is made of."""
+    return (f"checkpoint {str(path)!r} holds {found}, which unpickling would have to construct and which can run "
+            "code: it was not loaded. If you trust the file's source, load it with weights_only=False (the "
+            "strategy's checkpoint_weights_only=False; lightning-par-export --trust-pickled-code)")
 
 
 def saved_shapes(metadata: Metadata, prefix: str = _MODEL_PREFIX) -> dict[str, tuple[int, ...] | None]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -272,15 +273,17 @@ class Payload:
 
 
 def _resume_from(rank: int, world_size: int, paths: list[str], weights_only: bool,
-                 models: list[dict] | None = None) -> list[str]:
+                 models: list[dict] | None = None, layout: str = "data_parallel") -> list[str]:
     """Try ``fit(ckpt_path=path)`` for each path in one set of ranks (a model of ``models[i]`` hyper-parameters
-    for path i); return what each did: "loaded" or the error's message."""
+    for path i) under ``layout``; return what each did: "loaded" or the error's message."""
     from lightning_par import DataParallelStrategy
 
     outcomes = []
     for path, changes in zip(paths, models or [{}] * len(paths)):
+        strategy = (DataParallelStrategy(checkpoint_weights_only=weights_only) if layout == "data_parallel"
+                    else make_strategy(layout))
         trainer = lightning.Trainer(accelerator="cpu", devices=world_size, max_epochs=3, logger=False,
-                                    strategy=DataParallelStrategy(checkpoint_weights_only=weights_only),
+                                    strategy=strategy,
                                     enable_checkpointing=False, enable_progress_bar=False,
                                     enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
         try:
@@ -331,6 +334,53 @@ def test_a_checkpoint_carrying_pickled_code_is_refused(saved: Path, tmp_path: Pa
 
     assert run_distributed(_resume_from, 2, [str(full)], False)[0] == ["loaded"]  # trusted: it runs
     assert marker.read_text() == "the payload ran"
+
+
+def _with_pickled_payloads(sharded: Path, tmp_path: Path, marker: Path) -> tuple[Path, Path]:
+    """Two copies of a sharded checkpoint: one whose DCP index (.metadata) is a pickle that writes ``marker`` when
+    unpickled, one whose non-tensor entries (an optimizer's learning rate, an extra model entry) are."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    index = shutil.copytree(sharded, tmp_path / "payload-in-index.ckpt")
+    (index / ".metadata").write_bytes(pickle.dumps(Payload(str(marker))))
+    entries = shutil.copytree(sharded, tmp_path / "payload-in-entries.ckpt")
+    dcp_to_torch_save(entries, tmp_path / "whole.pt")  # our own, trusted
+    state = torch.load(tmp_path / "whole.pt", weights_only=False)
+    state["optimizer_0"]["param_groups"][0]["lr"] = Payload(str(marker))
+    state["state_dict"]["extra"] = Payload(str(marker))
+    for written in entries.glob("*.distcp"):
+        written.unlink()
+    dcp.save(state, checkpoint_id=entries, no_dist=True)
+    return index, entries
+
+
+def test_a_sharded_checkpoint_carrying_pickled_code_is_refused(saved: Path, tmp_path: Path) -> None:
+    """torch.distributed.checkpoint unpickles its .metadata index and every non-tensor entry with plain pickle;
+    lightning-par reads both so that only DCP's own classes (and weights_only=True's) are constructed. A payload in
+    either is refused by fit under the layout that saved it, by a resharding load (tensor parallel) and by
+    lightning-par-export, with the class named, and never runs."""
+    from lightning_par.checkpoint import main as export
+
+    _, sharded = _copy(saved, tmp_path)
+    marker = tmp_path / "payload-ran"
+    index, entries = _with_pickled_payloads(sharded, tmp_path, marker)
+    # the callable the payload's pickle names: pickle spells it pathlib.Path.write_text, torch.save getattr
+    refusal = r"holds (pathlib\.Path\.write_text|getattr), which unpickling would have to construct"
+    for layout in ("data_parallel", "tensor_parallel"):
+        for outcomes in run_distributed(_resume_from, 2, [str(index), str(entries), str(sharded)], True, None,
+                                        layout):
+            assert re.search(refusal, outcomes[0]) and repr(str(index / ".metadata")) in outcomes[0], outcomes[0]
+            assert re.search(refusal, outcomes[1]) and "weights_only=False" in outcomes[1], outcomes[1]
+            assert outcomes[2] == "loaded"
+    for path in (index, entries):
+        with pytest.raises(ValueError, match=refusal):
+            export([str(path), str(tmp_path / "out.pt")])
+    assert not marker.exists() and not (tmp_path / "out.pt").exists()
+    export([str(sharded), str(tmp_path / "out.pt")])  # the untouched directory still exports
+    assert (tmp_path / "out.pt").exists()
 
 
 def bad_checkpoints(full: Path, sharded: Path) -> list[tuple[Path, dict, str]]:

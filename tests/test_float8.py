@@ -84,7 +84,11 @@ def test_a_float8_linear_errs_as_e4m3_rounding_predicts(recipe: str) -> None:
     assert 2**-6 < error < 2**-3, error
 
 
-def _train(mode: str, steps: int = 40) -> torch.Tensor:
+def _train(mode: str, steps: int = 40, shadows: tuple[str, ...] = ()) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(the loss of each step, and for each recipe in ``shadows`` the loss a float8 copy of the model gives on the
+    same batch with the same weights) of AdamW training on the embedded corpus in bf16 autocast."""
+    import copy
+
     from lightning_par.data.corpus import load_stdlib_tokens
     from lightning_par.models import LlamaLM
     from lightning_par.parallel.float8 import apply_float8
@@ -96,33 +100,48 @@ def _train(mode: str, steps: int = 40) -> torch.Tensor:
     if mode != "bf16":
         apply_float8(model, derive_plan(model), mode, emulate=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
+    losses, same_weights = [], {recipe: [] for recipe in shadows}
     for step in range(steps):
         starts = (torch.arange(8) + step * 8) * 997
         batch = torch.stack([tokens[i:i + 65] for i in starts])
+        for recipe in shadows:
+            shadow = copy.deepcopy(model)
+            apply_float8(shadow, derive_plan(shadow), recipe, emulate=True)
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                same_weights[recipe].append(shadow.loss_fn(shadow(batch[:, :-1]), batch[:, 1:]).item())
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model.loss_fn(model(batch[:, :-1]), batch[:, 1:])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return torch.tensor(losses)
+    return torch.tensor(losses), {recipe: torch.tensor(values) for recipe, values in same_weights.items()}
 
 
 def test_float8_training_follows_bf16() -> None:
-    """40 AdamW steps of the reference model on the embedded corpus, loss 5.5 -> 2.7: float8 (either recipe) against
-    the same run in bf16 autocast. Measured: at most 1.8% (tensorwise) and 2.1% (rowwise) apart on any step, 0.5% and
-    0.3% over the last ten; bf16 itself is up to 0.9% from float32. The bounds are 2.5x those: 5% per step
-    (float8's matmuls err 5% RMS, and a step's loss averages 512 tokens' worth of that), 1.5% over the last ten steps,
-    a fiftieth of the 2.8 the loss fell: float8 must land where bf16 does, not merely train."""
-    bf16 = _train("bf16")
+    """40 AdamW steps of the reference model on the embedded corpus, loss 5.5 -> 2.7, in bf16 autocast against the
+    same run with float8 linears (either recipe). Two things are compared, neither of them one step of two
+    trajectories:
+
+    - float8's own error: at every step of the bf16 run, a float8 copy of the model with the same weights on the same
+      batch. Measured at most 0.37% from bf16 on any step (tensorwise; rowwise 0.30%), on three CPU kernel sets
+      (AMX; AVX-512 BF16 without AMX, ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``; ``ONEDNN_MAX_CPU_ISA=AVX2``). Bound
+      2%: float8's matmuls err 5% RMS, and a step's loss averages 512 tokens' worth of that.
+    - where training lands: the mean loss of the last ten steps of the float8 run against the bf16 run's. Measured
+      0.15-0.51% on the same three kernel sets (bf16 itself lands 0.2% from float32). Bound 2%, a fiftieth of the
+      2.8 the loss fell: float8 must land where bf16 does, not merely train.
+
+    One step of the two trajectories is not a measure of float8: the bf16 run's gradient norm spikes at step 23
+    (14.2 against about 1.2 elsewhere), where the loss is ten times as sensitive to the weights, so the two runs'
+    small difference in weights there shows up as 0.7% to 22% on that one step depending on the CPU's kernels."""
+    bf16, same_weights = _train("bf16", shadows=("tensorwise", "rowwise"))
     assert bf16[-10:].mean() < bf16[0] - 2.5  # the run trains
     for recipe in ("tensorwise", "rowwise"):
-        float8 = _train(recipe)
-        per_step = ((float8 - bf16).abs() / bf16).max().item()
-        last = ((float8[-10:] - bf16[-10:]).abs() / bf16[-10:]).mean().item()
-        print(f"float8 {recipe} vs bf16: per step {per_step:.1e}, last ten {last:.1e}")
-        assert per_step < 0.05 and last < 0.015, (recipe, per_step, last)
+        own_error = ((same_weights[recipe] - bf16).abs() / bf16).max().item()
+        float8, _ = _train(recipe)
+        lands = ((float8[-10:].mean() - bf16[-10:].mean()).abs() / bf16[-10:].mean()).item()
+        print(f"float8 {recipe} vs bf16: same weights {own_error:.1e} on the worst step, last ten {lands:.1e}")
+        assert own_error < 0.02 and lands < 0.02, (recipe, own_error, lands)
 
 
 def _gathered_bytes(rank: int, world_size: int, float8: str | None) -> tuple[int, list[str], int]:

@@ -16,6 +16,7 @@ PURE_MODULES = [
     "lightning_par.parallel.comm",
     "lightning_par.checkpoint",
     "lightning_par.checkpoint_validation",
+    "lightning_par.safe_dcp",
     "lightning_par.huggingface",
     "lightning_par.fault",
     "lightning_par.planner",
