@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from parity import assert_fails_on_every_rank, assert_layout_matches
+from parity import assert_fails_on_every_rank, assert_layout_matches, assert_parity
 from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
 
 from lightning_par.parallel.pipeline import balance, sizes_from_split_points, stage_indices
@@ -66,6 +66,81 @@ def test_pipeline_matches_single_process(world_size: int, kwargs: dict, accumula
                           functools.partial(make_strategy, pipeline_parallel_size=world_size, **kwargs),
                           world_size=world_size, dp=1, steps=STEPS, accumulate=accumulate, clip=clip,
                           rtol=PARITY_RTOL, label=f"pipeline_parallel {kwargs} ws={world_size}")
+
+
+# ------------------------------------------------------------------------------------ partial last batches
+EPOCHS, BATCH = 3, 4
+# 22 samples in batches of 4: five full batches an epoch and 2 left over, which 2 micro-batches cannot split
+# evenly into the shape the stages were built for; 6 validation samples leave a batch of 2.
+def _ragged_datamodule():
+    from lightning_par.data import TokenDataModule
+
+    return TokenDataModule(source="synthetic", vocab_size=64, seq_len=16, batch_size=BATCH, num_samples=22,
+                           num_val_samples=6)
+
+
+def _fit_epochs(rank: int, world_size: int, make_layout) -> tuple[list[float], dict | None, float]:
+    import lightning
+
+    from parity import RecordLoss
+
+    torch.manual_seed(1234)
+    recorder = RecordLoss()
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=make_layout(), max_epochs=EPOCHS,
+                                callbacks=[recorder], logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(make_module(), datamodule=_ragged_datamodule())
+    state = trainer.strategy.consolidated_state_dict()
+    return recorder.losses, state if rank == 0 else None, float(trainer.callback_metrics["val_loss"])
+
+
+def _reference_epochs() -> tuple[list[float], dict]:
+    """One process over the batches the layout trains: each epoch in the order of Lightning's DistributedSampler
+    (``randperm`` seeded by the epoch), full batches only."""
+    from parity import _optimizer_and_scheduler
+
+    datamodule = _ragged_datamodule()
+    datamodule.setup("fit")
+    dataset = datamodule.train_dataloader().dataset
+    torch.manual_seed(1234)
+    module = make_module()
+    optimizer, scheduler = _optimizer_and_scheduler(module.configure_optimizers())
+    losses = []
+    for epoch in range(EPOCHS):
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(epoch))
+        for start in range(0, len(dataset) - BATCH + 1, BATCH):
+            inputs, targets = module.split_batch(torch.stack([dataset[int(i)] for i in order[start:start + BATCH]]))
+            loss = module.loss_fn(module(inputs), targets)
+            loss.backward()
+            losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+    return losses, {name: value.detach().clone() for name, value in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("layout", ["pp2", "hybrid3d-pp2xtp2"])
+def test_pipelines_train_through_epochs_whose_last_batch_is_partial(layout: str) -> None:
+    """A loader that keeps the short last batch of an epoch (drop_last=False, the datamodules' and Lightning's
+    default) trains 3 epochs under a pipeline: the short batch is left out, as a fixed global batch does, and the
+    run matches one process fed the same full batches. Validation runs after every epoch (its short batch left out
+    too), and training after it still matches: the stages are prepared again for training after an evaluation."""
+    from harness import run_distributed
+    from parity import ParityRun
+
+    from lightning_par import Hybrid3DStrategy
+
+    make_layout = (functools.partial(make_strategy, pipeline_parallel_size=2, microbatches=2) if layout == "pp2"
+                   else functools.partial(Hybrid3DStrategy, pipeline_parallel_size=2, tensor_parallel_size=2,
+                                          microbatches=2))
+    world_size = 2 if layout == "pp2" else 4
+    ranks = run_distributed(_fit_epochs, world_size, make_layout)
+    losses, expected_state = _reference_epochs()
+    assert len(ranks[0][0]) == EPOCHS * 5 == len(losses)
+    actual = ParityRun(torch.tensor([r[0] for r in ranks], dtype=torch.float64).mean(0).tolist(), ranks[0][1])
+    loss_error, weight_error = assert_parity(actual, ParityRun(losses, expected_state), rtol=PARITY_RTOL)
+    print(f"{layout}, {EPOCHS} epochs of 22 samples in batches of 4: loss {loss_error:.1e}, weights {weight_error:.1e}")
+    assert all(r[2] == r[2] for r in ranks)  # validation ran and gave a number
 
 
 # ------------------------------------------------------------------------------------ bubble

@@ -82,7 +82,8 @@ def check_microbatches(n_microbatches: int, schedule: Schedule, pp: int, batch_s
                          f"stage), got microbatches={n_microbatches}; raise it to {2 * pp} or more")
     if batch_size is not None and batch_size % n_microbatches != 0:
         raise ValueError(f"a batch of {batch_size} samples does not split into microbatches={n_microbatches}; "
-                         f"use a batch size divisible by {n_microbatches}")
+                         f"use a batch size divisible by {n_microbatches}, and a loader that leaves out a partial "
+                         "last batch (DataLoader(drop_last=True))")
 
 
 # ------------------------------------------------------------------------------------ balancing

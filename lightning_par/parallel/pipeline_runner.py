@@ -65,7 +65,7 @@ class PipelineRunner:
         self._schedules: dict[str, Any] = {}
         # The micro-batch shape each schedule was first stepped with, and the one the stages last ran.
         self._schedule_shape: dict[str, tuple[int, ...]] = {}
-        self._stage_shape: tuple[int, ...] | None = None
+        self._stages_prepared_for: tuple[str, tuple[int, ...]] | None = None  # (schedule kind, micro-batch shape)
         self._pending: list[tuple[Tensor, Tensor]] = []
         self.bubble = BubbleMeter(stages, device or torch.device(mesh.device_type))
         self.bubble_fraction: float | None = None  # idle share of this rank's last training step
@@ -174,16 +174,18 @@ class PipelineRunner:
         """The ``"train"`` or ``"eval"`` schedule, prepared for this batch's micro-batch shape.
 
         PyTorch's pipeline stages size their receive buffers when a schedule first steps, for that step's
-        micro-batch shape, and keep them: a batch of another shape (validation batches of another size, the short
-        last batch of an epoch) would be received into buffers of the old one, silently, or hang. A schedule is
-        therefore built anew, and so prepares the stages again, whenever the shape differs from the one the stages
-        last ran. Every rank of a pipeline reads the same batch, so they all rebuild together.
+        micro-batch shape, and keep them: a batch of another shape (validation batches of another size) would be
+        received into buffers of the old one, silently, or hang. The buffers also follow the schedule that prepared
+        them: an evaluation's do not require gradients, so a training step received into them would send no
+        gradient back to the stages before it. A schedule is therefore built anew, and so prepares the stages again,
+        whenever the stages were last prepared by the other kind of schedule or for another shape. Every rank of a
+        pipeline reads the same batch, so they all rebuild together.
         """
         shape = (-(-inputs.shape[0] // self.config.pp_microbatches), *inputs.shape[1:])
-        if self._schedule_shape.get(kind) != shape or self._stage_shape != shape:
+        if self._schedule_shape.get(kind) != shape or self._stages_prepared_for != (kind, shape):
             self._schedules[kind] = self._make_schedule[kind]()
             self._schedule_shape[kind] = shape
-        self._stage_shape = shape
+        self._stages_prepared_for = (kind, shape)
         return self._schedules[kind]
 
 

@@ -34,6 +34,7 @@ from lightning_par.parallel.parallelized import Parallelized, parallelized_by_it
 from lightning_par.parallel.plan import ModelPlan, resolve_plan
 from lightning_par.strategies.arguments import rename_arguments
 from lightning_par.strategies.checkpointing import ShardedCheckpoints
+from lightning_par.strategies.full_batches import drop_partial_last_batch
 from lightning_par.strategies.setup_checks import check_module, sample_for_layout
 from lightning_par.strategies.resilience import share_rng_states
 
@@ -195,6 +196,14 @@ class MeshStrategy(ShardedCheckpoints):
                            sample_batch=sample_for_layout(self.lightning_module, config, plan, self.broadcast),
                            log=rank_zero_info, loss_fn=getattr(self.lightning_module, "loss_fn", None),
                            accumulate=trainer.accumulate_grad_batches)
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        if self.parallel_config.pp == 1:
+            return dataloader
+        trainer = self.lightning_module.trainer
+        split = trainer.state.stage.dataloader_prefix if trainer.state.stage else "training"
+        return drop_partial_last_batch(dataloader, split, rank_zero_info)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
