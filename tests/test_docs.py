@@ -90,6 +90,50 @@ def test_documented_command(document: str, command: str, monkeypatch: pytest.Mon
     _check_fit_command(words[1:])
 
 
+# The documents whose training commands tests/ runs for real, as written (each chain of a ```bash line, less the
+# ``pip install`` that CI itself ran first); a shorter run goes through the config itself, never an override here.
+RUN_AS_WRITTEN = ("README.md", "models.md")
+
+
+def training_chains() -> list[list[str]]:
+    """Each ```bash line of RUN_AS_WRITTEN that trains, as the commands of its ``&&`` chain after ``pip install``."""
+    chains = []
+    for document in (d for d in DOCUMENTS if d.name in RUN_AS_WRITTEN):
+        for block in re.findall(r"```bash\n(.*?)```", document.read_text(), flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                parts = [part.strip() for part in line.split(" #")[0].split("&&") if part.strip()]
+                if any(part.startswith("lightning-par fit") for part in parts):
+                    chains.append([part for part in parts if not part.startswith("pip ")])
+    return chains
+
+
+@pytest.mark.parametrize("chain", training_chains(), ids=lambda chain: " && ".join(chain)[:80])
+def test_training_command_runs_as_written(chain: list[str], tmp_path: Path) -> None:
+    """The command trains to its end, in a fresh directory that has the repository's configs and examples, and
+    leaves TensorBoard logs there (and the fine-tuned model directory its config exports)."""
+    import os
+    import subprocess
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for shipped in ("configs", "examples"):
+        (tmp_path / shipped).symlink_to(REPO / shipped)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(["bash", "-c", " && ".join(chain)], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    (run,) = [path.parent for path in (tmp_path / "lightning_logs").rglob("events.out.tfevents.*")]
+    events = EventAccumulator(str(run))
+    events.Reload()
+    assert "train_loss" in events.Tags()["scalars"], events.Tags()["scalars"]
+    if "finetune_hf.yaml" in chain[-1]:
+        import transformers
+
+        scalars = set(events.Tags()["scalars"])
+        assert {"val_loss", "perf/mfu", "memory/peak_gib_max", "train/grad_norm"} <= scalars, scalars
+        assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "finetuned") is not None
+
+
 def _check_fit_command(args: list[str]) -> None:
     from lightning_par.cli import ParallelCLI
 

@@ -134,14 +134,23 @@ class PipelineRunner:
         return carrier[0]
 
     def forward(self, inputs: Tensor) -> Tensor | None:
-        """The last stage's output of a forward-only pass (on its rank; None elsewhere)."""
+        """The last stage's output of a forward-only pass (on its rank; None elsewhere).
+
+        A batch that does not split into the micro-batches (an epoch's short last batch) is padded with copies of
+        its last sample to the next multiple and the output cut back: samples do not interact in a forward, so the
+        output of the batch's own samples is what it would have been."""
         config = self.config
+        samples, short = inputs.shape[0], -inputs.shape[0] % config.pp_microbatches
+        if short:
+            inputs = torch.cat([inputs, inputs[-1:].expand(short, *inputs.shape[1:])])
         if config.pp_schedule in V_SCHEDULES:
             # torch 2.13's ZB-V and DualPipeV run backward actions when asked to evaluate: forward_through_stages
             # stands in.
-            return forward_through_stages(self.stages, inputs, self.mesh, config.pp_schedule,
-                                          config.pp_virtual_stages)
-        return self._ready("eval", inputs).eval(*self._stage_inputs(inputs), tokens=inputs)
+            output = forward_through_stages(self.stages, inputs, self.mesh, config.pp_schedule,
+                                            config.pp_virtual_stages)
+        else:
+            output = self._ready("eval", inputs).eval(*self._stage_inputs(inputs), tokens=inputs)
+        return output[:samples] if output is not None else None
 
     # ------------------------------------------------------------------------------------------ helpers
     def _layers_own_loss(self, like: Tensor) -> Tensor | float:

@@ -199,11 +199,10 @@ class MeshStrategy(ShardedCheckpoints):
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
-        if self.parallel_config.pp == 1:
-            return dataloader
-        trainer = self.lightning_module.trainer
-        split = trainer.state.stage.dataloader_prefix if trainer.state.stage else "training"
-        return drop_partial_last_batch(dataloader, split, rank_zero_info)
+        # A pipeline trains on full batches only; its evaluation pads a short batch (PipelineRunner.forward).
+        if self.parallel_config.pp > 1 and self.lightning_module.trainer.training:
+            return drop_partial_last_batch(dataloader, rank_zero_info)
+        return dataloader
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -260,6 +259,14 @@ class MeshStrategy(ShardedCheckpoints):
             return loss
         with self.parallelized.loss_context():
             return super().training_step(*args, **kwargs)
+
+    @override
+    def on_validation_end(self) -> None:
+        # What fails next (a step, setting up the training data) is no longer part of the validation.
+        trainer = self.lightning_module.trainer
+        self._enter(f"training after step {trainer.global_step}" if trainer.state.fn == TrainerFn.FITTING
+                    else "after validation")
+        super().on_validation_end()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
