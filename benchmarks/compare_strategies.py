@@ -5,7 +5,7 @@
                                                           hybrid3d]
                                             [--devices 2] [--steps 60] [--rounds 2] [--dim 128 --layers 4]
                                             [--hybrid-tp 2 --hybrid-pp 2 --microbatches 4]
-                                            [--keep-gathered-blocks 0 --prefetch-blocks 0 --blocks-per-unit 1]
+                                            [--keep-gathered-blocks N --prefetch-blocks N --blocks-per-unit K]
 
 Each strategy trains the reference Llama model for ``--steps`` optimizer steps on ``--devices`` CPU
 processes (gloo); the first ``--warmup`` steps are not timed. Rounds alternate the order (A B C, C B A,
@@ -117,6 +117,10 @@ def run_one(strategy_name: str, args: argparse.Namespace, out: str) -> dict:
             "state_mib": max(r["state_mib"] for r in ranks), "tokens_per_step": ranks[0]["tokens_per_step"]}
 
 
+def _auto_or_int(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (tests/test_docs.py checks the documented invocations against it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,9 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--moe-experts", type=int, default=0, help="experts per block (0: dense model)")
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches per batch")
-    parser.add_argument("--keep-gathered-blocks", type=int, default=0, help="zero3: last blocks kept gathered")
-    parser.add_argument("--prefetch-blocks", type=int, default=0, help="zero3: blocks gathered ahead")
-    parser.add_argument("--blocks-per-unit", type=int, default=1, help="zero3: blocks gathered and reduced together")
+    parser.add_argument("--keep-gathered-blocks", type=_auto_or_int, default="auto",
+                        help="zero3: last blocks kept gathered (default: the strategy's choice)")
+    parser.add_argument("--prefetch-blocks", type=_auto_or_int, default="auto",
+                        help="zero3: blocks gathered ahead (default: the strategy's choice)")
+    parser.add_argument("--blocks-per-unit", type=_auto_or_int, default="auto",
+                        help="zero3: blocks gathered and reduced together (default: the strategy's choice)")
     parser.add_argument("--hybrid-tp", type=int, default=2, help="hybrid3d: tensor-parallel size")
     parser.add_argument("--hybrid-pp", type=int, default=2, help="hybrid3d: pipeline-parallel size")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=["lightning_ddp", "data_parallel"])

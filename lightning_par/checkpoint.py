@@ -286,6 +286,13 @@ def load_checkpoint(
     return checkpoint
 
 
+def checkpoint_problem(path: str | os.PathLike, *, weights_only: bool | None = None) -> str | None:
+    """Why the checkpoint at ``path`` cannot be read (missing, not a checkpoint, truncated, written by a newer
+    version, holding pickled code), or None: the checks :func:`load_checkpoint` runs before it reads a tensor, less
+    those against a model. One process, no collective."""
+    return _check_before_loading(Path(path), {}, 0, False, weights_only)[0]
+
+
 def _check_before_loading(path: Path, expected: dict[str, tuple[int, ...]], optimizers: int, strict: bool,
                           weights_only: bool | None) -> tuple[str | None, dict[str, Any], Any]:
     """(the problem found or None, the checkpoint's non-tensor entries, DCP's index for a sharded one)."""
@@ -492,6 +499,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "is_sharded_checkpoint",
+    "checkpoint_problem",
     "remove_checkpoint",
     "export_consolidated",
     "read_metadata",

@@ -19,6 +19,9 @@ from lightning_par.mesh import MESH_DIM_NAMES, ParallelMesh, build_device_mesh
 from lightning_par.stages import V_SCHEDULES, Schedule
 
 Size = Union[int, Literal["auto"]]
+# ZeRO-3's gather controls when nothing is scheduled: one block a unit, resharded after forward, FSDP2's own
+# lookahead. A strategy given "auto" for them chooses from the model (lightning_par.parallel.zero.choose_units).
+ZERO3_UNIT_DEFAULTS = {"keep_gathered_blocks": 0, "prefetch_blocks": 0, "blocks_per_unit": 1}
 # Each knob's values, declared once: the strategies' signatures (which LightningCLI reads) use these aliases, and
 # the checks below their values.
 Recompute = Literal["none", "full", "selective"]
@@ -279,7 +282,7 @@ class ParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-        for name, default in (("keep_gathered_blocks", 0), ("prefetch_blocks", 0), ("blocks_per_unit", 1)):
+        for name, default in ZERO3_UNIT_DEFAULTS.items():
             if getattr(self, name) != default and self.zero_stage != 3:
                 raise ValueError(f"{name}={getattr(self, name)!r} schedules ZeRO-3's parameter all-gathers, and "
                                  f"zero_stage={self.zero_stage} keeps parameters whole; use zero_stage=3 or "

@@ -74,6 +74,7 @@ class FaultMonitor:
         self.last_checkpoint: str | None = None
         self._published_at = 0.0
         self._failing = False  # this rank's own error path runs: leave the exit to it (and the deadline)
+        self.failed_first = False  # this rank's failure was the run's first (its traceback is the one to print)
         self._exit_at: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="lightning_par-heartbeat", daemon=True)
@@ -116,9 +117,9 @@ class FaultMonitor:
             own += f" with {type(exception).__name__}: {str(exception).splitlines()[0] if str(exception) else ''}"
         try:
             self._store.set(f"failure/{self.rank}", own)
-            self._store.add("failures", 1)
+            self.failed_first = self._store.add("failures", 1) == 1
         except Exception:  # noqa: BLE001 - the store may be the thing that is gone
-            pass
+            self.failed_first = True  # no peer can be asked: this rank's traceback may be the only one
         lines = [own]
         if communication:
             # Wait for heartbeats to tell the dead from the living: a rank killed a moment ago beat recently.

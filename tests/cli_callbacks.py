@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_par.models import LlamaLM
+
 
 class RecordEnvironment(lightning.Callback):
     """Writes which cluster environment and mesh each rank ended up with to ``$RECORD_DIR/rank<N>.json``."""
@@ -68,3 +70,9 @@ class TinyCausalTransformer(lightning.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate)
+
+
+class LlamaWithoutPipelineContract(LlamaLM):
+    """The reference model less the two methods a pipeline schedule calls (split_batch, loss_fn)."""
+
+    split_batch = loss_fn = None

@@ -107,11 +107,12 @@ def test_console_script_is_installed() -> None:
 def test_a_misspelled_strategy_gets_the_closest_names() -> None:
     """Checked when the command has read the config, before anything is built (Lightning's own message lists only
     its own names)."""
-    from lightning_par.cli import main
+    from lightning_par.cli import ParallelCLI
 
     with pytest.raises(ValueError, match=r"trainer.strategy='hybird3d' is not a strategy name: did you mean "
                                          r"'hybrid3d'\? lightning-par's strategies are auto_parallel, context_parallel, data_parallel"):
-        main(["fit", "--config", str(REPO / "configs" / "data_parallel.yaml"), "--trainer.strategy", "hybird3d"])
+        ParallelCLI(args=["fit", "--config", str(REPO / "configs" / "data_parallel.yaml"), "--trainer.strategy",
+                          "hybird3d"])
 
 
 def test_two_node_torchrun_rendezvous(tmp_path: Path) -> None:
@@ -194,10 +195,17 @@ def test_fit_help_shows_every_argument_of_every_strategy() -> None:
 
 
 def test_a_knob_value_outside_its_alias_is_refused_by_the_parser(capsys) -> None:
-    from lightning_par.cli import ParallelCLI
+    from lightning_par.cli import ParallelCLI, main
 
+    arguments = ["fit", "--config", str(REPO / "configs" / "hybrid3d.yaml"), "--print_config",
+                 "--trainer.strategy.init_args.activation_checkpointing=sometimes"]
     with pytest.raises(SystemExit) as exit_:
-        ParallelCLI(args=["fit", "--config", str(REPO / "configs" / "hybrid3d.yaml"), "--print_config",
-                          "--trainer.strategy.init_args.activation_checkpointing=sometimes"])
+        ParallelCLI(args=arguments)  # from Python: LightningCLI's own parser, its usage and exit
     assert exit_.value.code not in (0, None)
     assert "sometimes" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(arguments)  # the command: one line
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "lightning-par: error: --trainer.strategy.init_args.activation_checkpointing=sometimes: not one of 'none', "
+        "'full', 'selective'")

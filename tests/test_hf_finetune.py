@@ -15,7 +15,6 @@ from parity import assert_layout_matches
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
-REPO = Path(__file__).resolve().parents[1]
 PARITY_RTOL = 1e-5
 STEPS = 20
 LEARNING_RATE = 1e-3

@@ -434,10 +434,16 @@ class WithoutLossFn(SGDLlamaLM):
     loss_fn = None  # the contract's loss_fn is missing
 
 
-def test_a_module_outside_the_contract_is_told_what_is_missing() -> None:
-    assert_fails_on_every_rank(functools.partial(WithoutLossFn, **MODEL), make_datamodule,
+class WithoutContract(SGDLlamaLM):
+    loss_fn = split_batch = None  # neither of the contract's methods
+
+
+@pytest.mark.parametrize(("module", "missing"), [(WithoutLossFn, "loss_fn()"),
+                                                 (WithoutContract, "split_batch() and loss_fn()")])
+def test_a_module_outside_the_contract_is_told_what_is_missing(module: type, missing: str) -> None:
+    assert_fails_on_every_rank(functools.partial(module, **MODEL), make_datamodule,
                                functools.partial(make_strategy, microbatches=2), world_size=2,
-                               message="TypeError: pipeline parallel needs the LightningModule to define loss_fn()")
+                               message=f"TypeError: pipeline parallel needs {module.__name__} to define {missing};")
 
 
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])

@@ -319,6 +319,47 @@ def test_zero3_gathers_what_its_controls_say(knobs: dict, gathers: int, prefetch
         assert result == {"gathers": gathers, "forward_prefetch": prefetch}, result
 
 
+def test_zero3_units_are_chosen_from_the_blocks_and_the_memory() -> None:
+    """Units move about 25 MiB per collective (DDP's bucket), at least two of them; the last is kept gathered and one
+    is prefetched; an accelerator's memory bounds the three units gathered at once; a user's blocks_per_unit stays."""
+    from lightning_par.parallel.zero import choose_units
+
+    mib = 2**20
+    small = choose_units([3 * mib] * 8)  # 9 blocks would make 27 MiB, but then one unit: half the blocks
+    assert (small.blocks_per_unit, small.keep_gathered_blocks, small.prefetch_blocks) == (4, 4, 4)
+    assert choose_units([5 * mib] * 40).blocks_per_unit == 5  # 25 MiB
+    assert choose_units([30 * mib] * 8).blocks_per_unit == 1  # a block alone is large enough
+    # a tenth of 300 MiB holds three units of 3 blocks of 3 MiB, not of 4
+    assert choose_units([3 * mib] * 8, memory_bytes=300 * mib).blocks_per_unit == 3
+    assert choose_units([3 * mib] * 8, prefetch=False).prefetch_blocks == 0  # a pipeline schedule orders the blocks
+    assert choose_units([3 * mib] * 8, blocks_per_unit=3).keep_gathered_blocks == 3
+    assert "units of 4 blocks (12.0 MiB gathered" in small.describe()
+
+
+def _zero3_defaults(rank: int, world_size: int) -> dict:
+    import lightning
+
+    from lightning_par import ZeroStrategy
+    from lightning_par.models import LlamaLM
+
+    strategy = ZeroStrategy()
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                limit_val_batches=0)
+    trainer.fit(LlamaLM(vocab_size=64, dim=32, n_layers=6, n_heads=4, max_seq_len=16), datamodule=make_datamodule())
+    config = strategy.parallel_config
+    return {name: getattr(config, name) for name in ("blocks_per_unit", "keep_gathered_blocks", "prefetch_blocks")}
+
+
+def test_zero3_with_no_knobs_runs_the_units_it_chose() -> None:
+    """ZeroStrategy() leaves the gather controls to the model: 6 small blocks become units of 3, the last kept
+    gathered, one prefetched."""
+    from harness import run_distributed
+
+    for chosen in run_distributed(_zero3_defaults, 2):
+        assert chosen == {"blocks_per_unit": 3, "keep_gathered_blocks": 3, "prefetch_blocks": 3}, chosen
+
+
 def _background_reduce_scatters(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +47,50 @@ from lightning_par.parallel.experts import expert_modules, local_part
 from lightning_par.parallel.plan import ModelPlan
 from lightning_par.parallel.record import layout_record
 from lightning_par.parallel.ties import retie, tied_groups
+
+
+# DDP's default bucket (bucket_cap_mb=25): the size above which a collective's fixed cost (its launch, the hooks
+# around it, the ranks meeting) is small against moving the bytes.
+UNIT_BYTES = 25 * 2**20
+# Of the device's memory, what the gathered units may take at once (the running, the prefetched and the kept unit).
+GATHERED_MEMORY_SHARE = 0.1
+
+
+@dataclass(frozen=True)
+class UnitChoice:
+    """ZeRO-3's gather controls chosen for a model (see :func:`choose_units`)."""
+
+    blocks_per_unit: int
+    keep_gathered_blocks: int
+    prefetch_blocks: int
+    block_bytes: float  # a block's gathered parameters, the mean over the blocks
+
+    def describe(self) -> str:
+        mib = self.block_bytes / 2**20
+        plural = "s" if self.blocks_per_unit > 1 else ""
+        return (f"units of {self.blocks_per_unit} block{plural} ({self.blocks_per_unit * mib:.1f} MiB gathered, blocks of "
+                f"{mib:.1f} MiB against {UNIT_BYTES / 2**20:.0f} MiB that amortise a collective's fixed cost), the "
+                f"last {self.keep_gathered_blocks} kept gathered into backward, {self.prefetch_blocks} prefetched "
+                "ahead")
+
+
+def choose_units(block_bytes: Sequence[float], *, memory_bytes: float | None = None, prefetch: bool = True,
+                 blocks_per_unit: int | None = None) -> UnitChoice:
+    """Units of enough blocks that each all-gather and reduce-scatter moves about :data:`UNIT_BYTES` (a small block
+    pays a collective's fixed cost for few bytes; torch's DDP buckets gradients for the same reason), at least two
+    units so that one gathers while another computes, the last unit kept gathered into backward (which starts with
+    it) and one unit prefetched ahead (``prefetch=False`` under a pipeline schedule, which orders the blocks
+    itself). ``memory_bytes`` (an accelerator's): the three units gathered at once stay within
+    :data:`GATHERED_MEMORY_SHARE` of it. ``blocks_per_unit``: the user's, kept."""
+    if not block_bytes:
+        return UnitChoice(blocks_per_unit or 1, 0, 0, 0.0)
+    per_block = max(1.0, sum(block_bytes) / len(block_bytes))
+    units = blocks_per_unit
+    if units is None:
+        units = min(math.ceil(UNIT_BYTES / per_block), max(1, math.ceil(len(block_bytes) / 2)))
+        if memory_bytes:
+            units = max(1, min(units, int(GATHERED_MEMORY_SHARE * memory_bytes // (3 * per_block))))
+    return UnitChoice(units, units, units if prefetch else 0, per_block)
 
 
 def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *,
@@ -356,6 +402,8 @@ def _gradient_reducer(module: nn.Module) -> GradientReducer | None:
 
 
 __all__ = [
+    "choose_units",
+    "UnitChoice",
     "fully_shard_model",
     "materialize_meta_parameters",
     "shard_optimizer",

@@ -20,7 +20,7 @@ from typing import Any
 
 from lightning_par.planner.cluster import DEVICE_PRESETS, ClusterSpec
 from lightning_par.planner.memory import LIGHTNING_PRECISIONS
-from lightning_par.planner.model import MODEL_PRESETS, ModelSpec
+from lightning_par.planner.model import MODEL_PRESETS, ModelSpec, parameter_count
 from lightning_par.planner.report import explain, format_table
 from lightning_par.planner.runtime import plan_for_run
 from lightning_par.planner.search import TrainingSpec, plan_layouts
@@ -33,8 +33,9 @@ FIXED_ARGUMENTS = ("data_parallel_size", "tensor_parallel_size", "pipeline_paral
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-par plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, help="LightningCLI YAML (model, data, trainer, strategy)")
-    parser.add_argument("--nodes", type=int, help="number of nodes (default: trainer.num_nodes, or 1)")
-    parser.add_argument("--devices-per-node", type=int, help="devices per node (default: trainer.devices, or 8)")
+    parser.add_argument("--nodes", type=_positive, help="number of nodes (default: trainer.num_nodes, or 1)")
+    parser.add_argument("--devices-per-node", type=_positive,
+                        help="devices per node (default: trainer.devices, or 8)")
     parser.add_argument("--device", choices=sorted(DEVICE_PRESETS),
                         help="device preset (default: cpu for accelerator: cpu, else h100-80gb)")
     parser.add_argument("--model", choices=sorted(MODEL_PRESETS), help="a published architecture instead of the "
@@ -56,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--all", action="store_true", help="rank every layout the cost model understands, not only "
                         "those this version of lightning_par composes")
     return parser
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
 
 
 def _section(config: dict, name: str) -> dict:
@@ -149,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     loader_batch = per_rank and options.global_batch_size is None and options.micro_batch_size is None
     batch_text = (f"{per_rank} sequences per data-parallel rank" if loader_batch
                   else f"{global_batch} sequences per step")
-    print(f"Planning {model.name} ({model.total_params / 1e9:.2f} B parameters) on {cluster.nodes} x "
+    print(f"Planning {model.name} ({parameter_count(model.total_params)} parameters) on {cluster.nodes} x "
           f"{cluster.devices_per_node} {cluster.name}: {batch_text} x {seq_len} tokens, {precision}"
           + "".join(f", {name}" for name, on in speed.items() if on) + (f", fixed {fixed}" if fixed else ""))
     try:
@@ -166,6 +173,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"lightning-par plan: {error}") from None
     print(format_table(candidates, top=options.top))
     print(explain(candidates))
+    if device == "cpu":
+        print("Note: the cpu preset's peak and bandwidths are rough figures, not measured on this machine, so its "
+              "times and tokens/s are far from a run's; the auto_parallel strategy with calibrate: true measures them "
+              "before it plans (docs/planner.md).")
 
 
 __all__ = ["main", "model_from_yaml", "fixed_from_yaml"]

@@ -287,4 +287,12 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
                               moe_experts=8, moe_top_k=2, moe_layers=32),
 }
 
-__all__ = ["ModelSpec", "MODEL_PRESETS"]
+__all__ = ["ModelSpec", "MODEL_PRESETS", "parameter_count"]
+
+
+def parameter_count(count: float) -> str:
+    """``count`` parameters in the unit that reads (``803.9 K``, ``12.3 M``, ``70.55 B``)."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            return f"{count / size:.{2 if unit == 'B' else 1}f} {unit}"
+    return f"{count:.0f}"

@@ -34,7 +34,7 @@ from lightning_par.config import (
 )
 from lightning_par.planner.cluster import ClusterSpec, GiB
 from lightning_par.planner.memory import OPTIMIZERS, PRECISIONS, MemoryBreakdown, estimate_memory
-from lightning_par.planner.model import ModelSpec
+from lightning_par.planner.model import ModelSpec, parameter_count
 from lightning_par.planner.time import StepTime, estimate_step_time
 
 # The values config.py allows, in the order the search tries them (cheapest first).
@@ -364,7 +364,7 @@ def _nothing_fits(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     if max(training.micro_batch_sizes) > 1 or training.seq_len > 2048:
         helps.append("a smaller micro batch or shorter sequences")
     sizes = " x ".join(f"{k}={v}" for k, v in smallest.sizes().items() if v > 1) or "one device"
-    return (f"no layout of {model.name} ({model.total_params / 1e9:.1f} B parameters) fits {cluster.world_size} x "
+    return (f"no layout of {model.name} ({parameter_count(model.total_params)} parameters) fits {cluster.world_size} x "
             f"{cluster.name}: the smallest needs {need:.1f} GiB per device ({sizes}, zero_stage="
             f"{smallest.config.zero_stage}, activation_checkpointing={smallest.config.activation_checkpointing}), "
             f"the device has {cluster.memory_bytes / GiB:.1f} GiB ({have:.1f} GiB usable). What would help: "

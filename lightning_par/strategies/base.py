@@ -28,10 +28,11 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_par.config import Float8Recipe, ParallelConfig, Recompute
+from lightning_par.config import DTYPES, ZERO3_UNIT_DEFAULTS, Float8Recipe, ParallelConfig, Recompute
 from lightning_par.parallel.compose import parallelize
 from lightning_par.parallel.parallelized import Parallelized, parallelized_by_its_author
 from lightning_par.parallel.plan import ModelPlan, resolve_plan
+from lightning_par.parallel.zero import choose_units
 from lightning_par.strategies.arguments import rename_arguments
 from lightning_par.strategies.checkpointing import ShardedCheckpoints
 from lightning_par.strategies.full_batches import drop_partial_last_batch
@@ -110,6 +111,33 @@ class MeshStrategy(ShardedCheckpoints):
         self._plan = ModelPlan.from_dict(plan) if isinstance(plan, dict) else plan
         self._parallelized: Parallelized | None = None
 
+    def _unit_controls(self, **given: Any) -> dict[str, Any]:
+        """ZeRO-3's gather controls for the configuration: each given ``"auto"`` is remembered, to be chosen from the
+        model at set-up (:meth:`_choose_units`), and stands as its default until then."""
+        self._auto_units = {name for name, value in given.items() if value == "auto"}
+        return {name: ZERO3_UNIT_DEFAULTS[name] if value == "auto" else value for name, value in given.items()}
+
+    def _choose_units(self, module: nn.Module, plan: ModelPlan | None) -> None:
+        """Resolve the gather controls left ``"auto"`` for ZeRO-3 from the sizes of ``module``'s blocks and the
+        device's memory (``lightning_par.parallel.zero.choose_units``), and log the choice once."""
+        config, auto = self.parallel_config, getattr(self, "_auto_units", set())
+        if not auto or config.zero_stage != 3 or plan is None:
+            return
+        blocks = [block for block in module.get_submodule(plan.blocks).children()
+                  if next(block.parameters(), None) is not None]
+        # what a block's all-gather produces on a rank: its parameters in the compute dtype, less tensor parallel's split
+        compute_dtype = getattr(torch, DTYPES[config.param_dtype])
+        gathered = [sum(p.numel() * compute_dtype.itemsize for p in block.parameters()) / config.tp
+                    for block in blocks][: max(1, len(blocks) // config.pp)]
+        memory = (torch.cuda.get_device_properties(self.root_device).total_memory
+                  if self.root_device.type == "cuda" else None)
+        choice = choose_units(gathered, memory_bytes=memory, prefetch=config.pp == 1,
+                              blocks_per_unit=None if "blocks_per_unit" in auto else config.blocks_per_unit)
+        chosen = {name: getattr(choice, name) for name in auto}
+        self.parallel_config = dataclasses.replace(config, **chosen)
+        rank_zero_info(f"{type(self).__name__}: ZeRO-3 {choice.describe()} (chosen for "
+                       f"{', '.join(sorted(auto))}: set them to override)")
+
     @contextmanager
     def in_argument_names(self) -> Generator[None, None, None]:
         """Re-raise a ``ValueError`` about the layout in the names of this strategy's arguments
@@ -146,6 +174,8 @@ class MeshStrategy(ShardedCheckpoints):
         self._check_checkpoint_format()
         self._start_process_group()
         self._mesh = self.parallel_config.build_mesh(self.root_device.type)
+        rank_zero_info(f"{type(self).__name__}: {self.world_size} processes as {self.parallel_config.describe()}, "
+                       f"zero_stage={self.parallel_config.zero_stage}")
         if self._mesh.size("tp") > 1:
             share_rng_states(self._mesh.group("tp"), self.root_device)
         if self.lightning_module is not None:
@@ -191,6 +221,8 @@ class MeshStrategy(ShardedCheckpoints):
                            "the strategy applies no plan to it")
             return Parallelized.as_given(module, mesh, config)
         plan = resolve_plan(self._plan, module)
+        self._choose_units(module, plan)
+        config = self.parallel_config
         return parallelize(module, mesh, config, plan, training=training, device=self.root_device,
                            device_ids=None if self.root_device.type == "cpu" else [self.root_device.index],
                            sample_batch=sample_for_layout(self.lightning_module, config, plan, self.broadcast),

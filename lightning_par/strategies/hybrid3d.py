@@ -60,6 +60,8 @@ class Hybrid3DStrategy(MeshStrategy):
         keep_gathered_blocks: ZeRO-3: keep the last N blocks gathered from forward to backward.
         prefetch_blocks: ZeRO-3 without pipeline parallel: gather the next N blocks as a block starts.
         blocks_per_unit: ZeRO-3: gather and reduce every K consecutive blocks together (see ``ZeroStrategy``).
+            ``"auto"`` (the default of these three): chosen from the model's blocks at set-up, as ``ZeroStrategy``
+            does.
         param_dtype: ZeRO-3: the dtype blocks compute in, from fp32 shards (see ``ZeroStrategy``).
         reduce_dtype: ZeRO-3: the dtype of the gradient reduce-scatter (default: ``param_dtype``).
         cpu_offload: ZeRO-3: shards, gradients and optimizer states in host memory.
@@ -98,9 +100,9 @@ class Hybrid3DStrategy(MeshStrategy):
         virtual_stages: int = 2,
         pipeline_balance: PipelineBalance = "parameters",
         reshard_after_forward: bool = True,
-        keep_gathered_blocks: int = 0,
-        prefetch_blocks: int = 0,
-        blocks_per_unit: int = 1,
+        keep_gathered_blocks: Size = "auto",
+        prefetch_blocks: Size = "auto",
+        blocks_per_unit: Size = "auto",
         param_dtype: Dtype = "fp32",
         reduce_dtype: Optional[Dtype] = None,
         cpu_offload: bool = False,
@@ -124,8 +126,8 @@ class Hybrid3DStrategy(MeshStrategy):
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, cp_method=context_parallel_method,
             pp_schedule=pipeline_schedule, pp_microbatches=microbatches, pp_virtual_stages=virtual_stages,
             pp_balance=pipeline_balance, reshard_after_forward=reshard_after_forward,
-            keep_gathered_blocks=keep_gathered_blocks, prefetch_blocks=prefetch_blocks,
-            blocks_per_unit=blocks_per_unit, param_dtype=param_dtype,
+            **self._unit_controls(keep_gathered_blocks=keep_gathered_blocks, prefetch_blocks=prefetch_blocks,
+                                  blocks_per_unit=blocks_per_unit), param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
             sharded_accumulation=sharded_accumulation,
             ddp_bucket_cap_mb=bucket_cap_mb, ddp_static_graph=static_graph,

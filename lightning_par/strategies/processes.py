@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
+import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -34,7 +36,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
@@ -48,6 +50,8 @@ METRIC_GROUP = "dp_cp"
 
 # Set when a run raised: the exit handlers then leave the process group alone instead of waiting for peers.
 _RUN_FAILED = False
+# Set by the lightning-par command (cli.main): print the run's first failure here, once, with its traceback.
+ONE_TRACEBACK_VARIABLE = "LIGHTNING_PAR_ONE_TRACEBACK"
 _STOPPING_LAUNCHED_RANKS = False  # the exit handler that stops launched ranks is registered
 
 
@@ -118,6 +122,11 @@ class MeshProcesses(ParallelStrategy):
             # As torchrun does: processes sharing a machine's cores get a share each. With every process using
             # every core, configs/hybrid3d.yaml (8 ranks on 2 cores) took 79 s for 6 steps instead of 42 s.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if self.root_device.type == "cpu" and self.num_processes > cores:
+            rank_zero_warn(f"{self.num_processes} processes on a machine with {cores} CPU cores: they take turns on "
+                           "the cores, so a step is slower than with fewer processes (right for checking a layout, "
+                           "not for speed)")
         reset_seed()
         self.set_world_ranks()
 
@@ -159,6 +168,12 @@ class MeshProcesses(ParallelStrategy):
         if self._fault_monitor is not None:
             # Name the rank and the collective; from here this rank exits within the timeout.
             exception.add_note(self._fault_monitor.report(exception))
+            if os.environ.get(ONE_TRACEBACK_VARIABLE) and self._fault_monitor.failed_first:
+                # Under the command line the run's first failure is printed whole, at once (before tearing down:
+                # Lightning ends every rank when one exits), the other ranks print one line (cli.main).
+                traceback.print_exception(exception, file=sys.stderr)
+                sys.stderr.flush()
+                exception.lightning_par_traceback_printed = True
         super().on_exception(exception)
 
     @override

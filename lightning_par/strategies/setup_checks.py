@@ -25,10 +25,11 @@ def check_module(module: LightningModule, config: ParallelConfig, trainer: Train
     """Raise when ``module`` cannot be trained or run in ``config``'s layout (the pipeline's contract, something to
     train); warn about settings that cost what the user may not expect."""
     if config.pp > 1:
-        for name in ("split_batch", "loss_fn"):
-            if not callable(getattr(module, name, None)):
-                raise TypeError(f"pipeline parallel needs the LightningModule to define {name}(); the schedule "
-                                "runs split_batch -> forward -> loss_fn itself (see docs/pipeline_parallel.md)")
+        missing = [f"{name}()" for name in ("split_batch", "loss_fn") if not callable(getattr(module, name, None))]
+        if missing:
+            raise TypeError(f"pipeline parallel needs {type(module).__name__} to define {' and '.join(missing)}; the "
+                            "schedule runs split_batch(batch) -> (inputs, targets), forward(inputs) -> logits and "
+                            "loss_fn(logits, targets) itself (see docs/pipeline_parallel.md)")
         check_microbatches(config.pp_microbatches, config.pp_schedule, config.pp)
     if fitting and not any(p.requires_grad for p in module.parameters()):
         raise ValueError(f"{type(module).__name__} has no trainable parameters (it has none, or every one has "

@@ -1,0 +1,120 @@
+"""A mistake on the lightning-par command line is said in one line that leads with it.
+
+Each bad input below is given to the command as a user would; the first line of stderr must name the key or flag,
+the value and what would fit, with no jsonargparse union report and no advice to unpickle an untrusted file (the
+traceback comes with --verbose). A run that fails after its processes started prints one traceback, not one per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TP = "--trainer.strategy.init_args.tensor_parallel_size"
+PP = "--trainer.strategy.init_args.pipeline_parallel_size"
+SCHEDULE = "--trainer.strategy.init_args.pipeline_schedule"
+
+# (config, extra arguments, what the first line must say)
+BAD_INPUTS = {
+    "size -2": ("tensor_parallel", [f"{TP}=-2"], "tensor_parallel_size must be a positive integer, got -2"),
+    "size 0": ("tensor_parallel", [f"{TP}=0"], "tensor_parallel_size must be a positive integer, got 0"),
+    "size two": ("tensor_parallel", [f"{TP}=two"], f"{TP[2:]}=two: expected an integer"),
+    "size 2.5": ("tensor_parallel", [f"{TP}=2.5"], f"{TP[2:]}=2.5: expected an integer"),
+    "zero_stage 5": ("zero3", ["--trainer.strategy.init_args.zero_stage=5"], "zero_stage=5 is not one of (0, 1, 2, 3)"),
+    "pp x cp": ("hybrid3d", [f"{PP}=2", "--trainer.strategy.init_args.context_parallel_size=2"],
+                "pipeline_parallel_size=2 with context_parallel_size=2:"),
+    "schedule 1fb1": ("pipeline_parallel", [f"{SCHEDULE}=1fb1"], f"{SCHEDULE}=1fb1: not one of 'gpipe', '1f1b', "
+                      "'interleaved_1f1b', 'zbv', 'dualpipev'; did you mean '1f1b'?"),
+    "schedule GPipe": ("pipeline_parallel", [f"{SCHEDULE}=GPipe"], "did you mean 'gpipe'?"),
+    "argument typo": ("tensor_parallel", ["--trainer.strategy.init_args.tensor_paralel_size=2"],
+                      "--trainer.strategy.init_args.tensor_paralel_size: TensorParallelStrategy has no argument "
+                      "'tensor_paralel_size'; did you mean 'tensor_parallel_size'?"),
+    "model argument typo": ("data_parallel", ["--model.init_args.dimm=64"],
+                            "--model.init_args.dimm: LlamaLM has no argument 'dimm'; did you mean 'dim'?"),
+    "option typo": ("data_parallel", ["--trainer.max_stepz=3"],
+                    "--trainer.max_stepz=3: no such option; did you mean '--trainer.max_steps'?"),
+    "strategy name": ("data_parallel", ["--trainer.strategy=hybrid3"], "did you mean 'hybrid3d'?"),
+    "garbage checkpoint": ("data_parallel", ["--ckpt_path=garbage.ckpt"], "'garbage.ckpt' is not a checkpoint"),
+    "truncated checkpoint": ("data_parallel", ["--ckpt_path=truncated.ckpt"],
+                             "checkpoint 'truncated.ckpt' is truncated or corrupt"),
+    "missing checkpoint": ("data_parallel", ["--ckpt_path=missing.ckpt"], "checkpoint 'missing.ckpt' does not exist"),
+    "pickled checkpoint": ("data_parallel", ["--ckpt_path=pickled.ckpt"],
+                           "checkpoint 'pickled.ckpt' holds decimal.Decimal, which unpickling would have to "
+                           "construct"),
+}
+
+
+def _bad_checkpoints(directory: Path) -> None:
+    import decimal
+
+    import torch
+
+    (directory / "garbage.ckpt").write_bytes(b"garbage\n")
+    torch.save({"state_dict": {}, "hyper_parameters": {"x": decimal.Decimal("1.5")}}, directory / "pickled.ckpt")
+    whole = (directory / "pickled.ckpt").read_bytes()
+    (directory / "truncated.ckpt").write_bytes(whole[: len(whole) // 2])
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_a_bad_input_is_said_in_its_first_line(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture) -> None:
+    from lightning_par.cli import main
+
+    config, arguments, expected = BAD_INPUTS[case]
+    _bad_checkpoints(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LIGHTNING_PAR_VERBOSE", raising=False)
+    monkeypatch.setattr("sys.argv", ["lightning-par"])
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(REPO / "configs" / f"{config}.yaml"), *arguments])
+    assert exit_.value.code in (1, 2)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("lightning-par: error: ") and expected in lines[0], lines
+    assert len(lines) == 2 and "--verbose" in lines[1], lines
+    assert "Union subtypes" not in lines[0] and "weights_only` set to `False`" not in lines[0]
+
+
+def _command(*arguments: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO / "tests"), **env}
+    environment.pop("LIGHTNING_PAR_VERBOSE", None)
+    environment.update(env)
+    return subprocess.run([sys.executable, "-m", "lightning_par.cli", *arguments], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env=environment)
+
+
+def test_the_command_says_the_mistake_first_and_the_traceback_only_when_asked(tmp_path: Path) -> None:
+    config = ["fit", "--config", str(REPO / "configs" / "tensor_parallel.yaml"), f"{TP}=-2"]
+    quiet = _command(*config, cwd=tmp_path)
+    assert quiet.returncode == 1
+    assert quiet.stderr.splitlines()[0] == ("lightning-par: error: tensor_parallel_size must be a positive integer, "
+                                            "got -2"), quiet.stderr
+    assert "Traceback" not in quiet.stderr
+    for verbose in (_command(*config, "--verbose", cwd=tmp_path), _command(*config, cwd=tmp_path,
+                                                                            LIGHTNING_PAR_VERBOSE="1")):
+        assert verbose.returncode == 1 and "Traceback (most recent call last)" in verbose.stderr
+
+
+def test_a_failure_after_start_up_on_8_ranks_prints_one_traceback(tmp_path: Path) -> None:
+    """A model without the pipeline's methods, found by every one of 8 ranks after the process group started: the
+    first rank to fail prints its traceback (which names the missing methods), every other rank one line."""
+    result = _command("fit", "--config", str(REPO / "configs" / "pipeline_parallel.yaml"), "--trainer.devices=8",
+                      f"{PP}=8", "--trainer.strategy.init_args.microbatches=8", "--model.init_args.n_layers=8",
+                      "--model.class_path=cli_callbacks.LlamaWithoutPipelineContract", "--trainer.logger=false",
+                      "--trainer.enable_checkpointing=false", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.count("Traceback (most recent call last)") == 1, result.stderr[-6000:]
+    assert "needs LlamaWithoutPipelineContract to define split_batch() and loss_fn()" in result.stderr
+    # the first failure's own line closes its traceback; the other ranks' lines follow as they get to print them
+    # (Lightning ends every rank once one has exited)
+    summaries = [line for line in result.stderr.splitlines() if line.startswith("lightning-par: rank ")]
+    assert summaries and all("failed in set-up with TypeError" in line for line in summaries), summaries
+
+
+def test_docs_errors_lists_every_bad_input() -> None:
+    listed = (REPO / "docs" / "errors.md").read_text()
+    assert [case for case, (_, _, expected) in BAD_INPUTS.items() if expected not in listed] == []
