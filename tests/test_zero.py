@@ -320,8 +320,9 @@ def test_zero3_gathers_what_its_controls_say(knobs: dict, gathers: int, prefetch
 
 
 def test_zero3_units_are_chosen_from_the_blocks_and_the_memory() -> None:
-    """Units move about 25 MiB per collective (DDP's bucket), at least two of them; the last is kept gathered and one
-    is prefetched; an accelerator's memory bounds the three units gathered at once; a user's blocks_per_unit stays."""
+    """Units move about 25 MiB per collective (DDP's bucket), at least two of them; one is prefetched; the last units
+    are kept gathered as far as a tenth of the memory allows (the last alone when the memory is not known); a user's
+    blocks_per_unit stays."""
     from lightning_par.parallel.zero import choose_units
 
     mib = 2**20
@@ -331,9 +332,13 @@ def test_zero3_units_are_chosen_from_the_blocks_and_the_memory() -> None:
     assert choose_units([30 * mib] * 8).blocks_per_unit == 1  # a block alone is large enough
     # a tenth of 300 MiB holds three units of 3 blocks of 3 MiB, not of 4
     assert choose_units([3 * mib] * 8, memory_bytes=300 * mib).blocks_per_unit == 3
+    # memory enough for every block: all kept gathered into backward (no all-gather there), at most the blocks
+    assert choose_units([3 * mib] * 8, memory_bytes=12 * 2**30).keep_gathered_blocks == 8
+    # 10 blocks' worth: 2 units running and prefetched, one unit of 3 kept
+    assert choose_units([3 * mib] * 8, memory_bytes=300 * mib).keep_gathered_blocks == 3
     assert choose_units([3 * mib] * 8, prefetch=False).prefetch_blocks == 0  # a pipeline schedule orders the blocks
     assert choose_units([3 * mib] * 8, blocks_per_unit=3).keep_gathered_blocks == 3
-    assert "units of 4 blocks (12.0 MiB gathered" in small.describe()
+    assert "units of 4 blocks (12.0 MiB gathered" in small.describe() and "the last 4 blocks kept" in small.describe()
 
 
 def _zero3_defaults(rank: int, world_size: int) -> dict:
@@ -352,12 +357,12 @@ def _zero3_defaults(rank: int, world_size: int) -> dict:
 
 
 def test_zero3_with_no_knobs_runs_the_units_it_chose() -> None:
-    """ZeroStrategy() leaves the gather controls to the model: 6 small blocks become units of 3, the last kept
-    gathered, one prefetched."""
+    """ZeroStrategy() leaves the gather controls to the model: 6 small blocks become units of 3, all kept gathered
+    (a few KiB against the host's memory), one unit prefetched."""
     from harness import run_distributed
 
     for chosen in run_distributed(_zero3_defaults, 2):
-        assert chosen == {"blocks_per_unit": 3, "keep_gathered_blocks": 3, "prefetch_blocks": 3}, chosen
+        assert chosen == {"blocks_per_unit": 3, "keep_gathered_blocks": 6, "prefetch_blocks": 3}, chosen
 
 
 def _background_reduce_scatters(rank: int, world_size: int) -> dict:

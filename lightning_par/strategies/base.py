@@ -11,6 +11,7 @@ hold the rest: ``strategies/checkpointing.py`` (sharded and full checkpoints, re
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -129,8 +130,8 @@ class MeshStrategy(ShardedCheckpoints):
         compute_dtype = getattr(torch, DTYPES[config.param_dtype])
         gathered = [sum(p.numel() * compute_dtype.itemsize for p in block.parameters()) / config.tp
                     for block in blocks][: max(1, len(blocks) // config.pp)]
-        memory = (torch.cuda.get_device_properties(self.root_device).total_memory
-                  if self.root_device.type == "cuda" else None)
+        memory = (torch.cuda.get_device_properties(self.root_device).total_memory if self.root_device.type == "cuda"
+                  else _host_memory() / max(1, self.num_processes) if self.root_device.type == "cpu" else None)
         choice = choose_units(gathered, memory_bytes=memory, prefetch=config.pp == 1,
                               blocks_per_unit=None if "blocks_per_unit" in auto else config.blocks_per_unit)
         chosen = {name: getattr(choice, name) for name in auto}
@@ -352,3 +353,11 @@ class MeshStrategy(ShardedCheckpoints):
 
 def _parameters(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _host_memory() -> float:
+    """The machine's physical memory in bytes (0 where the system does not say)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
