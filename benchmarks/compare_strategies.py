@@ -5,7 +5,7 @@
                                                           hybrid3d]
                                             [--devices 2] [--steps 60] [--rounds 2] [--dim 128 --layers 4]
                                             [--hybrid-tp 2 --hybrid-pp 2 --microbatches 4]
-                                            [--keep-gathered-blocks N --prefetch-blocks N --blocks-per-unit K]
+                                            [--keep-gathered-blocks N|auto --prefetch-blocks N|auto --blocks-per-unit K|auto]
 
 Each strategy trains the reference Llama model for ``--steps`` optimizer steps on ``--devices`` CPU
 processes (gloo); the first ``--warmup`` steps are not timed. Rounds alternate the order (A B C, C B A,
@@ -134,12 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--moe-experts", type=int, default=0, help="experts per block (0: dense model)")
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches per batch")
-    parser.add_argument("--keep-gathered-blocks", type=_auto_or_int, default="auto",
-                        help="zero3: last blocks kept gathered (default: the strategy's choice)")
-    parser.add_argument("--prefetch-blocks", type=_auto_or_int, default="auto",
-                        help="zero3: blocks gathered ahead (default: the strategy's choice)")
-    parser.add_argument("--blocks-per-unit", type=_auto_or_int, default="auto",
-                        help="zero3: blocks gathered and reduced together (default: the strategy's choice)")
+    parser.add_argument("--keep-gathered-blocks", type=_auto_or_int, default=0,
+                        help="zero3: last blocks kept gathered (auto: the strategy chooses)")
+    parser.add_argument("--prefetch-blocks", type=_auto_or_int, default=0,
+                        help="zero3: blocks gathered ahead (auto: the strategy chooses)")
+    parser.add_argument("--blocks-per-unit", type=_auto_or_int, default=1,
+                        help="zero3: blocks gathered and reduced together (auto: the strategy chooses)")
     parser.add_argument("--hybrid-tp", type=int, default=2, help="hybrid3d: tensor-parallel size")
     parser.add_argument("--hybrid-pp", type=int, default=2, help="hybrid3d: pipeline-parallel size")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=["lightning_ddp", "data_parallel"])

@@ -320,7 +320,8 @@ def test_zero3_gathers_what_its_controls_say(knobs: dict, gathers: int, prefetch
 
 
 def test_zero3_units_are_chosen_from_the_blocks_and_the_memory() -> None:
-    """Units move about 25 MiB per collective (DDP's bucket), at least two of them; one is prefetched; the last units
+    """Units move about 25 MiB per collective (DDP's bucket), at least two of them where a gather overlaps compute on
+    a stream of its own; one is prefetched; the last units
     are kept gathered as far as a tenth of the memory allows (the last alone when the memory is not known); a user's
     blocks_per_unit stays."""
     from lightning_par.parallel.zero import choose_units
@@ -337,6 +338,7 @@ def test_zero3_units_are_chosen_from_the_blocks_and_the_memory() -> None:
     # 10 blocks' worth: 2 units running and prefetched, one unit of 3 kept
     assert choose_units([3 * mib] * 8, memory_bytes=300 * mib).keep_gathered_blocks == 3
     assert choose_units([3 * mib] * 8, prefetch=False).prefetch_blocks == 0  # a pipeline schedule orders the blocks
+    assert choose_units([3 * mib] * 8, overlap=False).blocks_per_unit == 8  # CPUs: no stream to overlap a gather on
     assert choose_units([3 * mib] * 8, blocks_per_unit=3).keep_gathered_blocks == 3
     assert "units of 4 blocks (12.0 MiB gathered" in small.describe() and "the last 4 blocks kept" in small.describe()
 
@@ -347,7 +349,7 @@ def _zero3_defaults(rank: int, world_size: int) -> dict:
     from lightning_par import ZeroStrategy
     from lightning_par.models import LlamaLM
 
-    strategy = ZeroStrategy()
+    strategy = ZeroStrategy(keep_gathered_blocks="auto", prefetch_blocks="auto", blocks_per_unit="auto")
     trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                 limit_val_batches=0)
@@ -356,13 +358,13 @@ def _zero3_defaults(rank: int, world_size: int) -> dict:
     return {name: getattr(config, name) for name in ("blocks_per_unit", "keep_gathered_blocks", "prefetch_blocks")}
 
 
-def test_zero3_with_no_knobs_runs_the_units_it_chose() -> None:
-    """ZeroStrategy() leaves the gather controls to the model: 6 small blocks become units of 3, all kept gathered
-    (a few KiB against the host's memory), one unit prefetched."""
+def test_zero3_runs_the_units_it_chose() -> None:
+    """Gather controls left "auto" are chosen from the model: on CPUs 6 small blocks become one unit, kept gathered
+    (a few KiB against the host's memory)."""
     from harness import run_distributed
 
     for chosen in run_distributed(_zero3_defaults, 2):
-        assert chosen == {"blocks_per_unit": 3, "keep_gathered_blocks": 6, "prefetch_blocks": 3}, chosen
+        assert chosen == {"blocks_per_unit": 6, "keep_gathered_blocks": 6, "prefetch_blocks": 6}, chosen
 
 
 def _background_reduce_scatters(rank: int, world_size: int) -> dict:

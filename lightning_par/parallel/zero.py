@@ -75,11 +75,13 @@ class UnitChoice:
 
 
 def choose_units(block_bytes: Sequence[float], *, memory_bytes: float | None = None, prefetch: bool = True,
-                 blocks_per_unit: int | None = None) -> UnitChoice:
+                 overlap: bool = True, blocks_per_unit: int | None = None) -> UnitChoice:
     """Units of enough blocks that each all-gather and reduce-scatter moves about :data:`UNIT_BYTES` (a small block
-    pays a collective's fixed cost for few bytes; torch's DDP buckets gradients for the same reason), at least two
-    units so that one gathers while another computes, and one unit prefetched ahead (``prefetch=False`` under a
-    pipeline schedule, which orders the blocks itself). Kept gathered from forward into backward: the last units, as
+    pays a collective's fixed cost for few bytes; torch's DDP buckets gradients for the same reason), and one unit
+    prefetched ahead (``prefetch=False`` under a pipeline schedule, which orders the blocks itself). ``overlap``
+    (an accelerator, whose collectives run on a stream of their own beside the compute): at least two units, so that
+    one gathers while another computes; on CPUs the collectives take their time from the same cores, and fewer units
+    cost less. Kept gathered from forward into backward: the last units, as
     many as the memory left allows, at least the last (backward starts with it), which saves their all-gathers in
     backward.
 
@@ -92,7 +94,7 @@ def choose_units(block_bytes: Sequence[float], *, memory_bytes: float | None = N
     budget = GATHERED_MEMORY_SHARE * memory_bytes / per_block if memory_bytes else None  # in blocks
     units = blocks_per_unit
     if units is None:
-        units = min(math.ceil(UNIT_BYTES / per_block), max(1, math.ceil(blocks / 2)))
+        units = min(math.ceil(UNIT_BYTES / per_block), max(1, math.ceil(blocks / 2)) if overlap else blocks)
         if budget is not None:
             units = max(1, min(units, int(budget // 3)))
     kept_units = max(1, int((budget - 2 * units) // units)) if budget is not None else 1

@@ -60,7 +60,7 @@ class Hybrid3DStrategy(MeshStrategy):
         keep_gathered_blocks: ZeRO-3: keep the last N blocks gathered from forward to backward.
         prefetch_blocks: ZeRO-3 without pipeline parallel: gather the next N blocks as a block starts.
         blocks_per_unit: ZeRO-3: gather and reduce every K consecutive blocks together (see ``ZeroStrategy``).
-            ``"auto"`` (the default of these three): chosen from the model's blocks at set-up, as ``ZeroStrategy``
+            ``"auto"`` (for any of these three): chosen from the model's blocks at set-up, as ``ZeroStrategy``
             does.
         param_dtype: ZeRO-3: the dtype blocks compute in, from fp32 shards (see ``ZeroStrategy``).
         reduce_dtype: ZeRO-3: the dtype of the gradient reduce-scatter (default: ``param_dtype``).
@@ -100,9 +100,9 @@ class Hybrid3DStrategy(MeshStrategy):
         virtual_stages: int = 2,
         pipeline_balance: PipelineBalance = "parameters",
         reshard_after_forward: bool = True,
-        keep_gathered_blocks: Size = "auto",
-        prefetch_blocks: Size = "auto",
-        blocks_per_unit: Size = "auto",
+        keep_gathered_blocks: Size = 0,
+        prefetch_blocks: Size = 0,
+        blocks_per_unit: Size = 1,
         param_dtype: Dtype = "fp32",
         reduce_dtype: Optional[Dtype] = None,
         cpu_offload: bool = False,
