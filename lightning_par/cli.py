@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import pickle
 import sys
 import traceback
 from pathlib import Path
@@ -29,6 +30,7 @@ from lightning_par.cli_errors import CommandLineError
 from lightning_par.strategies.processes import ONE_TRACEBACK_VARIABLE
 
 VERBOSE_FLAG, VERBOSE_VARIABLE = "--verbose", "LIGHTNING_PAR_VERBOSE"
+_LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc")
 
 
 class _Parser(LightningArgumentParser):
@@ -57,13 +59,20 @@ class ParallelCLI(LightningCLI):
         # strategy's load does (docs/errors.md), so a bad path gets the same message here.
         config = self.config.get(self.config.get("subcommand") or "", {})
         path = config.get("ckpt_path") if hasattr(config, "get") else None
-        if path:
-            trusted = False if _strategy_argument(config, "checkpoint_weights_only") is False else None
+        trusted = False if _strategy_argument(config, "checkpoint_weights_only") is False else None
+        # Lightning's own names for a checkpoint it finds ("last", "best", "hpc", "registry:..."): not paths yet
+        if path and str(path) not in _LIGHTNING_CHECKPOINT_NAMES and not str(path).startswith("registry"):
             problem = checkpoint.checkpoint_problem(Path(path), weights_only=trusted)
             if problem:
                 raise CheckpointError(problem)
-        with torch.serialization.safe_globals(safe_dcp.safe_globals()):
-            super()._parse_ckpt_path()
+        try:
+            with torch.serialization.safe_globals(safe_dcp.safe_globals()):
+                super()._parse_ckpt_path()
+        except pickle.UnpicklingError:
+            if trusted is not False:
+                raise
+            # A file trusted with checkpoint_weights_only=False: its hyper-parameters are not read here (LightningCLI
+            # reads them with weights_only=True); the strategy loads the whole file.
 
     def _set_seed(self) -> None:
         # Seeded quietly here and said after the classes are built, so that a mistake in them is the first line.
@@ -154,8 +163,8 @@ def main(args: Any = None) -> None:
 
 
 def _report(error: BaseException, verbose: bool) -> None:
-    """Print ``error`` for the user: the traceback when asked for or when it is the run's first failure (its
-    notes say where each rank was), else one line."""
+    """Print ``error`` for the user: the traceback when asked for, nothing more for the run's first failure (printed
+    whole when it happened), the one-line summary of a rank of a run that failed elsewhere first, else one line."""
     if getattr(error, "lightning_par_traceback_printed", False):
         return  # the run's first failure, printed whole when it happened (strategies/processes.py)
     if verbose:
