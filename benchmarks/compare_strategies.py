@@ -134,12 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--moe-experts", type=int, default=0, help="experts per block (0: dense model)")
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches per batch")
-    parser.add_argument("--keep-gathered-blocks", type=_auto_or_int, default=0,
-                        help="zero3: last blocks kept gathered (auto: the strategy chooses)")
-    parser.add_argument("--prefetch-blocks", type=_auto_or_int, default=0,
-                        help="zero3: blocks gathered ahead (auto: the strategy chooses)")
-    parser.add_argument("--blocks-per-unit", type=_auto_or_int, default=1,
-                        help="zero3: blocks gathered and reduced together (auto: the strategy chooses)")
+    parser.add_argument("--keep-gathered-blocks", type=_auto_or_int, default="auto",
+                        help="zero3: last blocks kept gathered (default auto: the strategy chooses)")
+    parser.add_argument("--prefetch-blocks", type=_auto_or_int, default="auto",
+                        help="zero3: blocks gathered ahead (default auto: the strategy chooses)")
+    parser.add_argument("--blocks-per-unit", type=_auto_or_int, default="auto",
+                        help="zero3: blocks gathered and reduced together (default auto: the strategy chooses)")
     parser.add_argument("--hybrid-tp", type=int, default=2, help="hybrid3d: tensor-parallel size")
     parser.add_argument("--hybrid-pp", type=int, default=2, help="hybrid3d: pipeline-parallel size")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=["lightning_ddp", "data_parallel"])

@@ -20,7 +20,7 @@ from lightning_par.stages import V_SCHEDULES, Schedule
 
 Size = Union[int, Literal["auto"]]
 # ZeRO-3's gather controls when nothing is scheduled: one block a unit, resharded after forward, FSDP2's own
-# lookahead. A strategy given "auto" for them chooses from the model (lightning_par.parallel.zero.choose_units).
+# lookahead. A strategy given "auto" for them chooses from the model (lightning_par.zero_units.choose_units).
 ZERO3_UNIT_DEFAULTS = {"keep_gathered_blocks": 0, "prefetch_blocks": 0, "blocks_per_unit": 1}
 # Each knob's values, declared once: the strategies' signatures (which LightningCLI reads) use these aliases, and
 # the checks below their values.

@@ -188,9 +188,11 @@ def _strategy(recipe: str, layout: dict):
 
 # recipe, world size, data-parallel size, pipeline micro-batches, layout
 LAYOUTS = {
-    # FSDP2 gathers float8 weights of tensor-parallel DTensors: scales from amaxes over both dimensions
+    # FSDP2 gathers float8 weights of tensor-parallel DTensors: scales from amaxes over both dimensions; the root
+    # prefetches the first block (its scales computed before the prefetch) and each block the next
     "tensorwise dp2 x tp2 zero3": ("tensorwise", 4, 2, 1,
-                                   dict(data_parallel_size=2, tensor_parallel_size=2, zero_stage=3)),
+                                   dict(data_parallel_size=2, tensor_parallel_size=2, zero_stage=3, blocks_per_unit=1,
+                                        keep_gathered_blocks=0, prefetch_blocks=1)),
     "rowwise pp2 x dp2": ("rowwise", 4, 2, 2, dict(data_parallel_size=2, pipeline_parallel_size=2, microbatches=2)),
 }
 

@@ -459,3 +459,26 @@ def test_a_refused_hugging_face_model_keeps_its_reason_through_from_module() -> 
                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
     with pytest.raises(ValueError, match="cannot describe 'HFCausalLM': its model has"):
         ModelSpec.from_module(module)
+
+
+def test_zero3_layouts_are_costed_with_the_units_a_strategy_chooses() -> None:
+    """The planner costs ZeRO-3 with the gather controls a strategy left at its defaults chooses on that cluster
+    (lightning_par.zero_units.choose_units): Llama 3.2 1B's blocks (120 MiB of bf16 each) are units of one on
+    H100s, the last kept gathered and one prefetched; the reference model's small blocks on a CPU are one unit,
+    kept gathered whole."""
+    from lightning_par.models.llama import LlamaConfig
+    from lightning_par.planner.search import chosen_units
+
+    def units(spec: ModelSpec, device: str, **config) -> tuple[int, int, int]:
+        cluster = ClusterSpec.from_preset(device, nodes=1, devices_per_node=8)
+        chosen = chosen_units(spec, cluster, ParallelConfig(**config))
+        return chosen.blocks_per_unit, chosen.keep_gathered_blocks, chosen.prefetch_blocks
+
+    assert units(ModelSpec.preset("llama3-1b"), "h100-80gb", dp_shard=8, zero_stage=3, param_dtype="bf16") == (1, 1, 1)
+    small = ModelSpec.from_llama_config(LlamaConfig(**MODEL))
+    assert units(small, "cpu", dp_shard=8, zero_stage=3) == (small.layers, small.layers, small.layers)
+    assert units(small, "cpu", dp_shard=4, pp=2, zero_stage=3) == (small.layers // 2, small.layers // 2, 0)
+    assert units(small, "cpu", dp_shard=8, zero_stage=2) == (1, 0, 0)  # only ZeRO-3 has units
+    training = TrainingSpec(global_batch_size=64, seq_len=SEQ_LEN, zero_stages=(3,))
+    best = plan_layouts(small, ClusterSpec.from_preset("cpu", nodes=1, devices_per_node=2), training)[0].config
+    assert (best.blocks_per_unit, best.keep_gathered_blocks) == (small.layers, small.layers), best

@@ -197,12 +197,14 @@ def _gradient_bytes(module: torch.nn.Module) -> int:
     from lightning_par.parallel.record import layout_record
 
     total = sum(_local_bytes(p.grad) for p in module.parameters())
-    for unit in module.modules():
-        if isinstance(unit, FSDPModule):
-            for group in unit._get_fsdp_state()._fsdp_param_groups:
-                for param in group.fsdp_params:
-                    total += _local_bytes(param.unsharded_accumulated_grad)
-                    total += _local_bytes(getattr(getattr(param, "_unsharded_param", None), "grad", None))
+    # The modules of a unit of several blocks share one FSDP2 state: count each state once.
+    states = {id(state): state for state in (unit._get_fsdp_state() for unit in module.modules()
+                                             if isinstance(unit, FSDPModule))}
+    for state in states.values():
+        for group in state._fsdp_param_groups:
+            for param in group.fsdp_params:
+                total += _local_bytes(param.unsharded_accumulated_grad)
+                total += _local_bytes(getattr(getattr(param, "_unsharded_param", None), "grad", None))
     record = layout_record(module)
     if record is not None and record.gradient_reducer is not None:
         total += sum(_local_bytes(t) for t in record.gradient_reducer._accumulated.values())
@@ -321,10 +323,9 @@ def test_zero3_gathers_what_its_controls_say(knobs: dict, gathers: int, prefetch
 
 def test_zero3_units_are_chosen_from_the_blocks_and_the_memory() -> None:
     """Units move about 25 MiB per collective (DDP's bucket), at least two of them where a gather overlaps compute on
-    a stream of its own; one is prefetched; the last units
-    are kept gathered as far as a tenth of the memory allows (the last alone when the memory is not known); a user's
-    blocks_per_unit stays."""
-    from lightning_par.parallel.zero import choose_units
+    a stream of its own; one is prefetched; the last unit is kept gathered, and on CPUs more, as far as a tenth of
+    the memory allows; a user's blocks_per_unit stays."""
+    from lightning_par.zero_units import choose_units
 
     mib = 2**20
     small = choose_units([3 * mib] * 8)  # 9 blocks would make 27 MiB, but then one unit: half the blocks
@@ -333,38 +334,58 @@ def test_zero3_units_are_chosen_from_the_blocks_and_the_memory() -> None:
     assert choose_units([30 * mib] * 8).blocks_per_unit == 1  # a block alone is large enough
     # a tenth of 300 MiB holds three units of 3 blocks of 3 MiB, not of 4
     assert choose_units([3 * mib] * 8, memory_bytes=300 * mib).blocks_per_unit == 3
-    # memory enough for every block: all kept gathered into backward (no all-gather there), at most the blocks
-    assert choose_units([3 * mib] * 8, memory_bytes=12 * 2**30).keep_gathered_blocks == 8
+    # on a CPU, memory enough for every block: all kept gathered into backward (no all-gather there), at most the
+    # blocks; on an accelerator the last unit alone (a kept unit is held at the activations' peak)
+    assert choose_units([3 * mib] * 8, memory_bytes=12 * 2**30, accelerator=False).keep_gathered_blocks == 8
+    assert choose_units([3 * mib] * 8, memory_bytes=12 * 2**30).keep_gathered_blocks == 4
     # 10 blocks' worth: 2 units running and prefetched, one unit of 3 kept
-    assert choose_units([3 * mib] * 8, memory_bytes=300 * mib).keep_gathered_blocks == 3
+    assert choose_units([3 * mib] * 8, memory_bytes=300 * mib, accelerator=False).keep_gathered_blocks == 3
     assert choose_units([3 * mib] * 8, prefetch=False).prefetch_blocks == 0  # a pipeline schedule orders the blocks
-    assert choose_units([3 * mib] * 8, overlap=False).blocks_per_unit == 8  # CPUs: no stream to overlap a gather on
+    assert choose_units([3 * mib] * 8, accelerator=False).blocks_per_unit == 8  # CPUs: no stream to overlap a gather on
     assert choose_units([3 * mib] * 8, blocks_per_unit=3).keep_gathered_blocks == 3
     assert "units of 4 blocks (12.0 MiB gathered" in small.describe() and "the last 4 blocks kept" in small.describe()
 
 
-def _zero3_defaults(rank: int, world_size: int) -> dict:
+SMALL_HOST = 2 * 2**20  # a host memory in which a tenth holds a few blocks of the model below
+
+
+def _zero3_defaults(rank: int, world_size: int, small_host_rank: int | None) -> dict:
     import lightning
 
     from lightning_par import ZeroStrategy
     from lightning_par.models import LlamaLM
+    from lightning_par.strategies import base
 
-    strategy = ZeroStrategy(keep_gathered_blocks="auto", prefetch_blocks="auto", blocks_per_unit="auto")
+    if rank == small_host_rank:  # this rank alone would choose otherwise
+        base._host_memory = lambda: SMALL_HOST
+    strategy = ZeroStrategy()
     trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                 limit_val_batches=0)
-    trainer.fit(LlamaLM(vocab_size=64, dim=32, n_layers=6, n_heads=4, max_seq_len=16), datamodule=make_datamodule())
+    model = LlamaLM(vocab_size=64, dim=32, n_layers=6, n_heads=4, max_seq_len=16)
+    trainer.fit(model, datamodule=make_datamodule())
     config = strategy.parallel_config
-    return {name: getattr(config, name) for name in ("blocks_per_unit", "keep_gathered_blocks", "prefetch_blocks")}
+    return {"chosen": {name: getattr(config, name) for name in ("blocks_per_unit", "keep_gathered_blocks",
+                                                                  "prefetch_blocks")},
+            "block_bytes": [4 * sum(p.numel() for p in block.parameters()) for block in model.model.layers.values()]}
 
 
-def test_zero3_runs_the_units_it_chose() -> None:
-    """Gather controls left "auto" are chosen from the model: on CPUs 6 small blocks become one unit, kept gathered
-    (a few KiB against the host's memory)."""
+def test_zero3_runs_the_units_it_chose_by_default() -> None:
+    """Gather controls are chosen from the model unless given: on CPUs 6 small blocks become one unit, kept gathered
+    (a few KiB against the host's memory). Every rank chooses from the least memory of any rank: one with little
+    memory makes every rank choose as it would."""
     from harness import run_distributed
 
-    for chosen in run_distributed(_zero3_defaults, 2):
-        assert chosen == {"blocks_per_unit": 6, "keep_gathered_blocks": 6, "prefetch_blocks": 6}, chosen
+    from lightning_par.zero_units import choose_units
+
+    for result in run_distributed(_zero3_defaults, 2, None):
+        assert result["chosen"] == {"blocks_per_unit": 6, "keep_gathered_blocks": 6, "prefetch_blocks": 6}, result
+    results = run_distributed(_zero3_defaults, 2, 1)
+    small = choose_units(results[0]["block_bytes"], memory_bytes=SMALL_HOST / 2, accelerator=False)
+    expected = {"blocks_per_unit": small.blocks_per_unit, "keep_gathered_blocks": small.keep_gathered_blocks,
+                "prefetch_blocks": small.prefetch_blocks}
+    assert expected["blocks_per_unit"] < 6, expected  # the small host alone chooses otherwise
+    assert [result["chosen"] for result in results] == [expected, expected], results
 
 
 def _background_reduce_scatters(rank: int, world_size: int) -> dict:

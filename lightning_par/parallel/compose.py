@@ -150,8 +150,10 @@ def parallelize(
             record.stages = build_stages(model, stages, mesh, device, sequence_parallel=config.sequence_parallel,
                                          shard_root=shard_root)
         if converted is not None and config.zero_stage == 3 and config.float8 == "tensorwise":  # float8 all-gather
-            network = model.get_submodule(network_prefix(plan).rstrip("."))
-            precompute_scales_before_forward([stage.submod for stage in record.stages] if stages else [network])
+            roots = ([(stage.submod, stage.submod) for stage in record.stages] if stages is not None
+                     else [(model, model.get_submodule(network_prefix(plan).rstrip(".")))])
+            for root, network in roots:
+                precompute_scales_before_forward(root, network)
         record.layout = layout
     materialize_meta_parameters(model, device)
     if stages is not None:

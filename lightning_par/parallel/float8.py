@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -157,23 +158,40 @@ def apply_float8(module: nn.Module, plan: ModelPlan | None, recipe: str | None, 
 
 
 class _PrecomputeScales:
-    """Forward pre-hook: the scales of every weight below the module that FSDP2 gathers in float8, from their
-    amaxes over all their shards in one all-reduce.
+    """Forward pre-hooks: the scales of every weight below a module that FSDP2 gathers in float8, from their amaxes
+    over all their shards in one all-reduce.
 
-    Without it torchao computes each weight's scale as FSDP2 gathers it, over the data-parallel shards only: a
+    Without them torchao computes each weight's scale as FSDP2 gathers it, over the data-parallel shards only: a
     tensor-parallel weight would get one scale per tensor-parallel piece, and the run would round otherwise than
     one process does. Before every forward, not after the optimizer step as torchtitan does, so that weights loaded
-    from a checkpoint or changed by the user are never multiplied with stale scales."""
+    from a checkpoint or changed by the user are never multiplied with stale scales.
 
-    def __call__(self, module: nn.Module, args: tuple) -> None:
+    Installed before FSDP2's root pre-forward hook (whose prefetch gathers the first blocks with the scales at
+    hand) and on the network the root runs, for a training step that calls the network directly; once a forward."""
+
+    def __init__(self) -> None:
+        self.fresh = False  # computed by the root's hook for the network's forward now running
+
+    def before_root(self, module: nn.Module, args: tuple) -> None:
         _torchao_float8().precompute_float8_dynamic_scale_for_fsdp(module)
+        self.fresh = True
+
+    def before_network(self, module: nn.Module, args: tuple) -> None:
+        if not self.fresh:
+            _torchao_float8().precompute_float8_dynamic_scale_for_fsdp(module)
+
+    def after_network(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.fresh = False
 
 
-def precompute_scales_before_forward(roots: list[nn.Module]) -> None:
-    """Install :class:`_PrecomputeScales` on each module that runs a forward of float8 layers FSDP2 gathers in
-    float8 (the model, or each pipeline stage)."""
-    for root in roots:
-        root.register_forward_pre_hook(_PrecomputeScales())
+def precompute_scales_before_forward(root: nn.Module, network: nn.Module) -> None:
+    """Install :class:`_PrecomputeScales` on an FSDP2 ``root`` (the model, or a pipeline stage) whose float8 layers
+    FSDP2 gathers in float8, and on the ``network`` below it that runs them (the root itself where it is one)."""
+    hooks = _PrecomputeScales()
+    root.register_forward_pre_hook(hooks.before_root, prepend=True)  # FSDP2's own hook was prepended before
+    if network is not root:
+        network.register_forward_pre_hook(hooks.before_network)
+        network.register_forward_hook(hooks.after_network, always_call=True)
 
 
 __all__ = ["FLOAT8_RECIPES", "Float8Conversion", "apply_float8", "check_float8_device", "float8_candidates",

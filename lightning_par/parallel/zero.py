@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,58 +45,6 @@ from lightning_par.parallel.experts import expert_modules, local_part
 from lightning_par.parallel.plan import ModelPlan
 from lightning_par.parallel.record import layout_record
 from lightning_par.parallel.ties import retie, tied_groups
-
-
-# DDP's default bucket (bucket_cap_mb=25): the size above which a collective's fixed cost (its launch, the hooks
-# around it, the ranks meeting) is small against moving the bytes.
-UNIT_BYTES = 25 * 2**20
-# Of a rank's memory, what gathered units may take at once (the running, the prefetched and the kept ones).
-GATHERED_MEMORY_SHARE = 0.1
-
-
-@dataclass(frozen=True)
-class UnitChoice:
-    """ZeRO-3's gather controls chosen for a model (see :func:`choose_units`)."""
-
-    blocks_per_unit: int
-    keep_gathered_blocks: int
-    prefetch_blocks: int
-    block_bytes: float  # a block's gathered parameters, the mean over the blocks
-
-    def describe(self) -> str:
-        mib = self.block_bytes / 2**20
-        plural = "s" if self.blocks_per_unit > 1 else ""
-        return (f"units of {self.blocks_per_unit} block{plural} ({self.blocks_per_unit * mib:.1f} MiB gathered, blocks "
-                f"of {mib:.1f} MiB against {UNIT_BYTES / 2**20:.0f} MiB that amortise a collective's fixed cost), the "
-                f"last {self.keep_gathered_blocks} blocks kept gathered into backward, {self.prefetch_blocks} "
-                "prefetched ahead")
-
-
-def choose_units(block_bytes: Sequence[float], *, memory_bytes: float | None = None, prefetch: bool = True,
-                 overlap: bool = True, blocks_per_unit: int | None = None) -> UnitChoice:
-    """Units of enough blocks that each all-gather and reduce-scatter moves about :data:`UNIT_BYTES` (a small block
-    pays a collective's fixed cost for few bytes; torch's DDP buckets gradients for the same reason), and one unit
-    prefetched ahead (``prefetch=False`` under a pipeline schedule, which orders the blocks itself). ``overlap``
-    (an accelerator, whose collectives run on a stream of their own beside the compute): at least two units, so that
-    one gathers while another computes; on CPUs the collectives take their time from the same cores, and fewer units
-    cost less. Kept gathered from forward into backward: the last units, as
-    many as the memory left allows, at least the last (backward starts with it), which saves their all-gathers in
-    backward.
-
-    ``memory_bytes`` (a rank's device memory, or its share of the host's): the gathered units, the running and the
-    prefetched one and those kept, stay within :data:`GATHERED_MEMORY_SHARE` of it (unknown: the last unit alone is
-    kept). ``blocks_per_unit``: the user's, kept."""
-    if not block_bytes:
-        return UnitChoice(blocks_per_unit or 1, 0, 0, 0.0)
-    blocks, per_block = len(block_bytes), max(1.0, sum(block_bytes) / len(block_bytes))
-    budget = GATHERED_MEMORY_SHARE * memory_bytes / per_block if memory_bytes else None  # in blocks
-    units = blocks_per_unit
-    if units is None:
-        units = min(math.ceil(UNIT_BYTES / per_block), max(1, math.ceil(blocks / 2)) if overlap else blocks)
-        if budget is not None:
-            units = max(1, min(units, int(budget // 3)))
-    kept_units = max(1, int((budget - 2 * units) // units)) if budget is not None else 1
-    return UnitChoice(units, min(blocks, kept_units * units), units if prefetch else 0, per_block)
 
 
 def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *,
@@ -410,8 +356,6 @@ def _gradient_reducer(module: nn.Module) -> GradientReducer | None:
 
 
 __all__ = [
-    "choose_units",
-    "UnitChoice",
     "fully_shard_model",
     "materialize_meta_parameters",
     "shard_optimizer",

@@ -70,6 +70,7 @@ class ClusterSpec:
     inter_node_bus_efficiency: float = 1.0
     optimizer_rate: float | None = None  # parameters/s an AdamW step updates; None: the step is not costed
     collective_overlap: float | None = None  # share of compute that hides collectives; None: time.COLLECTIVE_OVERLAP
+    accelerator: bool = True  # collectives on streams of their own beside the compute; False: CPUs
 
     def __post_init__(self) -> None:
         for field in ("nodes", "devices_per_node", "memory_bytes"):
@@ -174,7 +175,7 @@ DEVICE_PRESETS: dict[str, dict[str, Any]] = {
     # the machine, 10 Gb/s Ethernet between machines. Nothing published to calibrate against: raw figures.
     # No float8 units: torch._scaled_mm's CPU kernel is a reference (~1,000x slower than a matmul).
     "cpu": dict(memory_bytes=16 * GiB, peak_flops=1e12, peak_flops_fp32=1e12, intra_node_bandwidth=10e9,
-                inter_node_bandwidth=1.25e9),
+                inter_node_bandwidth=1.25e9, accelerator=False),
 }
 
 

@@ -17,6 +17,7 @@ tensor parallel inside a node, pipeline across nodes, data parallel for the rest
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -28,14 +29,17 @@ from lightning_par.config import (
     PP_SCHEDULES,
     RECOMPUTE_MODES,
     STRATEGY_ARGUMENTS,
+    ZERO3_UNIT_DEFAULTS,
     ZERO_STAGES,
     ParallelConfig,
     divisors,
 )
 from lightning_par.planner.cluster import ClusterSpec, GiB
-from lightning_par.planner.memory import OPTIMIZERS, PRECISIONS, MemoryBreakdown, estimate_memory
+from lightning_par.planner.memory import (OPTIMIZERS, PRECISIONS, MemoryBreakdown, block_local_params, estimate_memory,
+                                          rank_stages)
 from lightning_par.planner.model import ModelSpec, parameter_count
 from lightning_par.planner.time import StepTime, estimate_step_time
+from lightning_par.zero_units import choose_units
 
 # The values config.py allows, in the order the search tries them (cheapest first).
 CHECKPOINTING = tuple(sorted(RECOMPUTE_MODES, key=("none", "selective", "full").index))
@@ -313,6 +317,20 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, con
                      mfu=time.mfu(cluster, training.precision))
 
 
+def chosen_units(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig) -> ParallelConfig:
+    """``config`` with ZeRO-3's gather controls as a strategy left at its defaults chooses them for ``model`` on
+    ``cluster`` (``lightning_par.zero_units.choose_units``), so that what is costed is what runs."""
+    if config.zero_stage != 3:
+        return config
+    stages = rank_stages(model, config)[0]
+    gather_bytes = 2 if config.param_dtype in ("bf16", "fp16") else 4
+    blocks = [block_local_params(model, config, moe) * gather_bytes
+              for moe, count in ((False, stages.n_dense), (True, stages.n_moe)) for _ in range(count)]
+    choice = choose_units(blocks, memory_bytes=cluster.memory_bytes, prefetch=config.pp == 1,
+                          accelerator=cluster.accelerator)
+    return dataclasses.replace(config, **{name: getattr(choice, name) for name in ZERO3_UNIT_DEFAULTS})
+
+
 def plan_layouts(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *,
                  fixed: dict[str, Any] | None = None, top: int | None = None,
                  composable: Callable[[ParallelConfig], bool] | None = None,
@@ -332,7 +350,8 @@ def plan_layouts(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     allowed = [(c, m, b) for c, m, b in layouts if composable(c)]
     if not allowed:
         raise ValueError(_nothing_possible(model, cluster, training, fixed, found=len(layouts)))
-    candidates = [evaluate(model, cluster, training, c, m, b) for c, m, b in allowed]
+    candidates = [evaluate(model, cluster, training, chosen_units(model, cluster, c), m, b)
+                  for c, m, b in allowed]
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: (c.time.total, c.memory.total))
     if not fitting:
         raise ValueError(_nothing_fits(model, cluster, training, candidates))
@@ -371,4 +390,5 @@ def _nothing_fits(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
             + "; ".join(helps))
 
 
-__all__ = ["TrainingSpec", "Candidate", "plan_layouts", "enumerate_layouts", "evaluate", "normalize_fixed"]
+__all__ = ["TrainingSpec", "Candidate", "plan_layouts", "enumerate_layouts", "evaluate", "normalize_fixed",
+           "chosen_units"]

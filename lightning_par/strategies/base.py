@@ -33,12 +33,12 @@ from lightning_par.config import DTYPES, ZERO3_UNIT_DEFAULTS, Float8Recipe, Para
 from lightning_par.parallel.compose import parallelize
 from lightning_par.parallel.parallelized import Parallelized, parallelized_by_its_author
 from lightning_par.parallel.plan import ModelPlan, resolve_plan
-from lightning_par.parallel.zero import choose_units
 from lightning_par.strategies.arguments import rename_arguments
 from lightning_par.strategies.checkpointing import ShardedCheckpoints
 from lightning_par.strategies.full_batches import drop_partial_last_batch
 from lightning_par.strategies.setup_checks import check_module, sample_for_layout
 from lightning_par.strategies.resilience import share_rng_states
+from lightning_par.zero_units import choose_units
 
 
 class MeshStrategy(ShardedCheckpoints):
@@ -120,13 +120,9 @@ class MeshStrategy(ShardedCheckpoints):
 
     def _choose_units(self, module: nn.Module, plan: ModelPlan | None) -> None:
         """Resolve the gather controls left ``"auto"`` for ZeRO-3 from the sizes of ``module``'s blocks and the
-        device's memory (``lightning_par.parallel.zero.choose_units``), and log the choice once."""
+        device's memory (``lightning_par.zero_units.choose_units``), and log the choice once."""
         config, auto = self.parallel_config, getattr(self, "_auto_units", set())
         if not auto or config.zero_stage != 3 or plan is None:
-            return
-        if config.float8 is not None:  # measured 5e-5 to 2e-3 off one float8 process with chosen units (docs/zero.md)
-            rank_zero_info(f"{type(self).__name__}: float8={config.float8!r}: ZeRO-3 keeps one block a unit, resharded "
-                           f"after forward, for {', '.join(sorted(auto))}")
             return
         blocks = [block for block in module.get_submodule(plan.blocks).children()
                   if next(block.parameters(), None) is not None]
@@ -134,15 +130,25 @@ class MeshStrategy(ShardedCheckpoints):
         compute_dtype = getattr(torch, DTYPES[config.param_dtype])
         gathered = [sum(p.numel() * compute_dtype.itemsize for p in block.parameters()) / config.tp
                     for block in blocks][: max(1, len(blocks) // config.pp)]
-        memory = (torch.cuda.get_device_properties(self.root_device).total_memory if self.root_device.type == "cuda"
-                  else _host_memory() / max(1, self.num_processes) if self.root_device.type == "cpu" else None)
-        choice = choose_units(gathered, memory_bytes=memory, prefetch=config.pp == 1,
-                              overlap=self.root_device.type != "cpu",
+        choice = choose_units(gathered, memory_bytes=self._least_memory(), prefetch=config.pp == 1,
+                              accelerator=self.root_device.type != "cpu",
                               blocks_per_unit=None if "blocks_per_unit" in auto else config.blocks_per_unit)
         chosen = {name: getattr(choice, name) for name in auto}
         self.parallel_config = dataclasses.replace(config, **chosen)
         rank_zero_info(f"{type(self).__name__}: ZeRO-3 {choice.describe()} (chosen for "
                        f"{', '.join(sorted(auto))}: set them to override)")
+
+    def _least_memory(self) -> float | None:
+        """A rank's device memory (on a CPU its share of the host's; None where unknown), the least over every rank:
+        ranks must choose the same units, whose collectives FSDP2 runs together, and a mixed cluster's differ."""
+        device = self.root_device
+        memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+                  else _host_memory() / max(1, self.num_processes) if device.type == "cpu" else 0.0)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            least = torch.tensor([memory], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
+            memory = least.item()
+        return memory or None
 
     @contextmanager
     def in_argument_names(self) -> Generator[None, None, None]:

@@ -29,7 +29,7 @@ class ZeroStrategy(MeshStrategy):
         blocks_per_unit: stage 3 only. Gather and reduce every K consecutive blocks together, as one FSDP2 unit:
             K times fewer collectives and hooks, for K blocks gathered at once (see ``lightning_par.parallel.zero``).
             ``"auto"`` (for any of these three): chosen from the size of the model's blocks and the rank's memory at
-            set-up, and logged (``lightning_par.parallel.zero.choose_units``).
+            set-up, and logged (``lightning_par.zero_units.choose_units``).
         param_dtype: stage 3 only. Compute in ``bf16``/``fp16`` from fp32 shards (mixed precision);
             for stages 1-2 use ``Trainer(precision="bf16-mixed")``.
         reduce_dtype: stage 3 only. Dtype of the gradient reduce-scatter (default: ``param_dtype``;
@@ -44,8 +44,8 @@ class ZeroStrategy(MeshStrategy):
 
     def __init__(self, zero_stage: int = 3, data_parallel_size: Size = "auto", replicate_size: int = 1,
                  reshard_after_forward: bool = True, param_dtype: Dtype = "fp32", reduce_dtype: Optional[Dtype] = None,
-                 cpu_offload: bool = False, sharded_accumulation: bool = False, keep_gathered_blocks: Size = 0,
-                 prefetch_blocks: Size = 0, blocks_per_unit: Size = 1, **kwargs: Any) -> None:
+                 cpu_offload: bool = False, sharded_accumulation: bool = False, keep_gathered_blocks: Size = "auto",
+                 prefetch_blocks: Size = "auto", blocks_per_unit: Size = "auto", **kwargs: Any) -> None:
         self.argument_names = argument_names("dp_shard" if replicate_size == 1 else None)
         units = self._unit_controls(keep_gathered_blocks=keep_gathered_blocks, prefetch_blocks=prefetch_blocks,
                                     blocks_per_unit=blocks_per_unit)
