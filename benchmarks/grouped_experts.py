@@ -1,4 +1,4 @@
-"""Grouped experts against the per-expert loop, side by side in one process (issue 20, item 4).
+"""Grouped experts against the per-expert loop, side by side in one process.
 
 One mixture-of-experts layer (``lightning_par.models.moe.MoEFeedForward``), forward and backward, with its local
 experts run as one grouped GEMM per projection (``torch._grouped_mm``) and as one matmul per expert; the two are

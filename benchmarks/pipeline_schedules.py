@@ -15,7 +15,7 @@ across pp. ``--rounds`` runs the schedules that many times in turn (alternating,
 hits all of them) and pools the timed steps.
 
 ``zbv_torch_split`` is ZB-V with PyTorch's own split of backward into input and weight gradients instead of the
-linear layers' deferred weight gradients (``lightning_par/parallel/weight_grad.py``). ``--profile`` adds, per rank
+linear layers' deferred weight gradients (``lightning_par/parallel/pipeline/weight_grad.py``). ``--profile`` adds, per rank
 and timed step, the compute of each kind of pipeline action (F forward, B whole backward, I input-gradient half,
 W weight-gradient half) in thread CPU time, which another process on the same cores does not inflate as much as
 wall time, the point-to-point sends and receives (count, MiB) and the time spent waiting for them.
@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
+BENCHMARKED = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
 VARIANTS = {"zbv_torch_split": "zbv"}  # benchmarked by name, not by default: a schedule run another way
 ACTIONS = ("F", "B", "I", "W")
 
@@ -104,7 +104,7 @@ def backward_split(args: argparse.Namespace, iterations: int = 40) -> None:
     from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
 
     from lightning_par.models.llama import LlamaConfig, Transformer
-    from lightning_par.parallel.weight_grad import DeferredWeightGradients
+    from lightning_par.parallel.pipeline.weight_grad import DeferredWeightGradients
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -176,7 +176,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     profile = ActionProfile() if args.profile else None
     if args.worker_schedule in VARIANTS:  # zbv_torch_split
-        from lightning_par.parallel.pipeline_runner import PipelineRunner
+        from lightning_par.parallel.pipeline.runner import PipelineRunner
 
         PipelineRunner.defer_weight_gradients = False
 
@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (tests/test_docs.py checks the documented invocations against it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES + tuple(VARIANTS), default=list(SCHEDULES))
+    parser.add_argument("--schedules", nargs="+", choices=BENCHMARKED + tuple(VARIANTS), default=list(BENCHMARKED))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--backward-split", action="store_true")
     parser.add_argument("--worker-pp", type=int)
-    parser.add_argument("--worker-schedule", choices=SCHEDULES + tuple(VARIANTS))
+    parser.add_argument("--worker-schedule", choices=BENCHMARKED + tuple(VARIANTS))
     parser.add_argument("--out")
     return parser
 
@@ -253,7 +253,7 @@ def worker_command(pp: int, schedule: str, out: str, shared: list[str]) -> list[
 
 
 def main() -> None:
-    from lightning_par.parallel.bubble import simulated_bubble
+    from lightning_par.parallel.pipeline.bubble import simulated_bubble
 
     args = build_parser().parse_args()
     if args.worker_schedule:

@@ -2,7 +2,7 @@
 
 Importing this package makes the strategy names (``Trainer(strategy="data_parallel")``) known to Lightning.
 It does so without importing Lightning itself: ``lightning_par.config``, ``lightning_par.parallel`` and
-``lightning_par.planner`` must stay usable without it (DESIGN.md). If Lightning is already imported the
+``lightning_par.planner`` must stay usable without it (docs/architecture.md). If Lightning is already imported the
 names are registered now; otherwise they are registered the moment ``lightning.pytorch`` finishes
 importing. Public classes are loaded on first access (PEP 562).
 """

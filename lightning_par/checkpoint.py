@@ -9,12 +9,11 @@ place only when every rank has finished, so a crash mid-save never leaves someth
   qualified name and global shape, a sharded checkpoint can be loaded under another layout.
 - full: one ``torch.save`` file written by rank 0 holding whole tensors, loadable by plain PyTorch.
 
-The functions here are collectives: every rank calls them. No lightning import (DESIGN.md).
+The functions here are collectives: every rank calls them. No lightning import (docs/architecture.md).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import pickle
 import shutil
@@ -43,7 +42,7 @@ from torch.optim import Optimizer
 
 from lightning_par import checkpoint_validation as check
 from lightning_par import safe_dcp
-from lightning_par.parallel.ties import tied_aliases
+from lightning_par.parallel.modules import tied_aliases
 
 MODEL_KEY = "state_dict"  # Lightning's own key for the model weights
 # {alias: name} of tied parameters (a head tied to the embedding): saved once under the first name, restored on
@@ -157,7 +156,7 @@ def save_checkpoint(
                          "they need the sharded format (save_distributed_checkpoint=True)")
     checkpoint = {**checkpoint, check.FORMAT_KEY: check.FORMAT}
     final = Path(path)
-    staging = _staging_path(final)
+    staging = staging_path(final)
     rank = _rank()
     tensors = {}
     if sharded:
@@ -178,10 +177,10 @@ def save_checkpoint(
         on_rank_zero(prepare)
         if sharded and asynchronous:
             written = dcp.async_save(tensors, checkpoint_id=staging, process_group=process_group)
-            return _then_move_into_place(written, staging, final, move=rank == 0)
+            return _thenmove_into_place(written, staging, final, move=rank == 0)
         if sharded:
             dcp.save(tensors, checkpoint_id=staging)
-        on_rank_zero(lambda: _move_into_place(staging, final))
+        on_rank_zero(lambda: move_into_place(staging, final))
     except (Exception, CheckpointException) as error:
         raise CheckpointSaveError(_save_failed(final, error)) from error
     return None
@@ -220,7 +219,7 @@ def on_rank_zero(action: Callable[[], None]) -> None:
         raise RankZeroFailed(failure)
 
 
-def _then_move_into_place(written: Future, staging: Path, final: Path, *, move: bool) -> Future:
+def _thenmove_into_place(written: Future, staging: Path, final: Path, *, move: bool) -> Future:
     # DCP's future completes on rank 0 after every rank has written and rank 0 has added the metadata.
     in_place: Future = Future()
 
@@ -228,7 +227,7 @@ def _then_move_into_place(written: Future, staging: Path, final: Path, *, move: 
         try:
             done.result()
             if move:
-                _move_into_place(staging, final)
+                move_into_place(staging, final)
             in_place.set_result(final)
         except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
             failed = CheckpointSaveError(_save_failed(final, error))
@@ -278,12 +277,18 @@ def load_checkpoint(
             for optimizer, state in zip(optimizers, checkpoint.pop(OPTIMIZERS_KEY, [])):
                 _load_optimizer_state(module, optimizer, state, full=True)
     except (Exception, CheckpointException) as error:
-        found = safe_dcp.refused_class(error)
-        if found:  # a non-tensor entry that weights_only=True refused (DCP raises it on every rank)
-            raise check.CheckpointError(check.pickled_code_problem(path, found)) from None
+        _refuse_pickled_code(error, path)
         raise check.CheckpointError(f"loading checkpoint {str(path)!r} failed: {check.one_line(error)}") from error
     checkpoint.pop(OPTIMIZERS_KEY, None)
     return checkpoint
+
+
+def _refuse_pickled_code(error: BaseException, path: str | os.PathLike) -> None:
+    """Raise the refusal of a non-tensor entry that ``weights_only=True`` would not unpickle, if ``error`` is one
+    (DCP raises it on every rank)."""
+    found = safe_dcp.refused_class(error)
+    if found:
+        raise check.CheckpointError(check.pickled_code_problem(Path(path), found)) from None
 
 
 def checkpoint_problem(path: str | os.PathLike, *, weights_only: bool | None = None) -> str | None:
@@ -358,10 +363,8 @@ def consolidated_weights(checkpoint: str | os.PathLike, *,
         try:
             weights = _read_sharded_weights(checkpoint, metadata, weights_only)
         except (Exception, CheckpointException) as error:
-            found = safe_dcp.refused_class(error)
-            if not found:
-                raise
-            raise check.CheckpointError(check.pickled_code_problem(checkpoint, found)) from None
+            _refuse_pickled_code(error, checkpoint)
+            raise
     else:
         weights = saved.pop(MODEL_KEY)
     saved.pop(OPTIMIZERS_KEY, None)
@@ -395,36 +398,11 @@ def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike
     """
     output = Path(output)
     weights, _ = consolidated_weights(checkpoint, weights_only=weights_only)
-    staging = _staging_path(output)
+    staging = staging_path(output)
     staging.parent.mkdir(parents=True, exist_ok=True)
     torch.save(weights, staging)
-    _move_into_place(staging, output)
+    move_into_place(staging, output)
     return weights
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``lightning-par-export CHECKPOINT OUTPUT [--format hf]``: see :func:`export_consolidated` and
-    :func:`lightning_par.huggingface.export_huggingface`."""
-    parser = argparse.ArgumentParser(prog="lightning-par-export", description=export_consolidated.__doc__.split("\n")[0])
-    parser.add_argument("checkpoint", help="a sharded checkpoint directory or a full checkpoint file")
-    parser.add_argument("output", help="where to write: the {name: tensor} file (pt), or the model directory (hf)")
-    parser.add_argument("--format", choices=("pt", "hf"), default="pt",
-                        help="pt: one torch.save file of whole tensors; hf: a Hugging Face model directory "
-                             "(config.json and safetensors) of an HFCausalLM checkpoint, for from_pretrained")
-    parser.add_argument("--trust-pickled-code", action="store_true",
-                        help="unpickle Python objects in the checkpoint's metadata (only for a file whose source you "
-                             "trust: unpickling can run code)")
-    args = parser.parse_args(argv)
-    trusted = False if args.trust_pickled_code else None
-    if args.format == "hf":
-        from lightning_par.huggingface import export_huggingface
-
-        export_huggingface(args.checkpoint, args.output, weights_only=trusted)
-        print(f"wrote a Hugging Face model directory to {args.output}")
-        return
-    weights = export_consolidated(args.checkpoint, args.output, weights_only=trusted)
-    count = sum(t.numel() for t in weights.values())
-    print(f"wrote {len(weights)} tensors ({count:,} parameters) to {args.output}")
 
 
 def remove_checkpoint(path: str | os.PathLike) -> None:
@@ -460,12 +438,12 @@ def read_metadata(path: str | os.PathLike, weights_only: bool | None = None) -> 
 STAGING_DIR = ".lightning_par-staging"
 
 
-def _staging_path(final: Path) -> Path:
+def staging_path(final: Path) -> Path:
     """Where ``final`` is written before it is renamed into place (never loaded, cleaned by the next save)."""
     return final.parent / STAGING_DIR / final.name
 
 
-def _move_into_place(staging: Path, final: Path) -> None:
+def move_into_place(staging: Path, final: Path) -> None:
     if final.is_dir():
         retired = staging.with_name(f"{final.name}.old")
         _remove(retired)
@@ -491,6 +469,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+
 __all__ = [
     "RankZeroFailed",
     "on_rank_zero",
@@ -505,6 +484,3 @@ __all__ = [
     "read_metadata",
 ]
 
-
-if __name__ == "__main__":
-    main()

@@ -7,7 +7,7 @@ not with whatever the unpickler or DCP's reader meets first (``invalid literal f
 ``torch.load`` returned. :func:`agree` makes every rank raise the same :class:`CheckpointError` (the first
 rank's problem, in rank order), so no rank goes on into a collective its peers will never join.
 
-No lightning import (DESIGN.md).
+No lightning import (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ processes and returns a copy with every ``"auto"`` resolved; ``build_mesh()`` tu
 :class:`~lightning_par.mesh.ParallelMesh`. Nothing here talks to other ranks before the sizes are known
 to fit, so a bad layout fails with the same ``ValueError`` on every rank instead of hanging a collective.
 
-This module never imports lightning (see DESIGN.md, dependency direction).
+This module never imports lightning (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class ParallelConfig:
     ``pp_balance`` configure pipeline parallel (``lightning_par.parallel.pipeline``).
     ``loss_parallel`` keeps the head's logits split over the vocabulary under tensor parallel and computes
     the cross-entropy on the shards. ``cp_method`` is how context parallel attends across the sequence slices
-    (``ulysses`` all-to-all or ``ring``; see ``lightning_par.parallel.sequence``).
+    (``ulysses`` all-to-all or ``ring``; see ``lightning_par.parallel.context``).
     ``zero_stage`` shards model states over the data-parallel ranks (0: plain DDP; 1: optimizer states;
     2: + gradients; 3: + parameters, FSDP2), ``reshard_after_forward`` is the stage-3 trade of memory for
     one all-gather per block (``keep_gathered_blocks``: for the last N blocks only), ``prefetch_blocks`` how many

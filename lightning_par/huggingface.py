@@ -24,9 +24,9 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from lightning_par import checkpoint_validation as check
-from lightning_par.checkpoint import _move_into_place, _staging_path, consolidated_weights, with_aliases
-from lightning_par.parallel.ties import tied_aliases
-from lightning_par.parallel.zero import materialize_meta_parameters
+from lightning_par.checkpoint import move_into_place, staging_path, consolidated_weights, with_aliases
+from lightning_par.parallel.modules import tied_aliases
+from lightning_par.parallel.modules import materialize_meta_parameters
 
 __all__ = ["load_huggingface_weights", "export_huggingface", "save_huggingface", "model_config",
            "config_from_arguments", "TOKENIZER_FILES"]
@@ -121,12 +121,12 @@ def save_huggingface(weights: dict[str, torch.Tensor], config: Any, output: str 
         raise check.CheckpointError(problem)
     model.load_state_dict({name: weights[name] for name in expected}, assign=True)
     model.tie_weights()
-    staging = _staging_path(output)
+    staging = staging_path(output)
     if staging.exists():
         shutil.rmtree(staging)
     model.save_pretrained(staging, max_shard_size=max_shard_size)
     for name in TOKENIZER_FILES if tokenizer_from else ():
         if (Path(tokenizer_from) / name).is_file():
             shutil.copy(Path(tokenizer_from) / name, staging / name)
-    _move_into_place(staging, output)
+    move_into_place(staging, output)
     return output

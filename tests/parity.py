@@ -1,6 +1,6 @@
 """Numerical parity: K steps under a layout vs the same K steps in one plain PyTorch process.
 
-Every strategy proves itself with this helper (DESIGN.md, Testing). Both runs start from the same seed
+Every strategy proves itself with this helper (docs/architecture.md, "Testing"). Both runs start from the same seed
 and consume the same global batches:
 
 - the layout run is a real ``Trainer.fit`` on ``world_size`` gloo ranks. Lightning shards the training

@@ -1,4 +1,4 @@
-"""async_tp=True (issue 20, item 5): torch's micro-pipelined tensor parallel where symmetric memory exists (CUDA),
+"""async_tp=True: torch's micro-pipelined tensor parallel where symmetric memory exists (CUDA),
 refused with the reason everywhere else and without the techniques it rewrites."""
 
 from __future__ import annotations

@@ -362,7 +362,7 @@ def test_a_sharded_checkpoint_carrying_pickled_code_is_refused(saved: Path, tmp_
     lightning-par reads both so that only DCP's own classes (and weights_only=True's) are constructed. A payload in
     either is refused by fit under the layout that saved it, by a resharding load (tensor parallel) and by
     lightning-par-export, with the class named, and never runs."""
-    from lightning_par.checkpoint import main as export
+    from lightning_par.export import main as export
 
     _, sharded = _copy(saved, tmp_path)
     marker = tmp_path / "payload-ran"
@@ -457,7 +457,7 @@ def _fit_planned(rank: int, world_size: int, directory: str, accumulate: int, se
 
 
 def test_auto_parallel_replans_on_resume_with_fewer_ranks(tmp_path: Path) -> None:
-    """Issue 19, item 8: a run planned for 4 ranks is checkpointed mid-epoch and resumed on 2. The planner plans
+    """A run planned for 4 ranks is checkpointed mid-epoch and resumed on 2. The planner plans
     again for 2 ranks (the same global batch, by accumulating 2 batches), the sharded checkpoint reshards weights
     and AdamW states into that layout, and the data resumes at the sample where the checkpoint was taken: the
     weights after the last step are those of the uninterrupted 4-rank run."""

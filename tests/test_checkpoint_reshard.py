@@ -70,7 +70,7 @@ def _fit(rank: int, world_size: int, directory: str, strategy: str, seed: int, c
          max_epochs: int = 1, tied: bool = False) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_par.parallel.ties import clean_name
+    from lightning_par.parallel.modules import clean_name
 
     torch.manual_seed(seed)
     recorder = RecordLoss()

@@ -1,4 +1,4 @@
-"""compile=True: every block compiled in place after sharding (issue 20, item 1). Parity with the uncompiled single
+"""compile=True: every block compiled in place after sharding. Parity with the uncompiled single
 process, and checkpoint names that do not change."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import torch
 from parity import assert_fails_on_every_rank, assert_layout_matches
 from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule, make_module
 
-from lightning_par.parallel.sequence import causal_score_blocks, check_sequence_length, local_positions
+from lightning_par.parallel.context import causal_score_blocks, check_sequence_length, local_positions
 
 PARITY_RTOL = 1e-5
 
@@ -47,7 +47,7 @@ def _attention_against_whole(rank: int, world_size: int, method: str, kv_heads: 
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from lightning_par.parallel.sequence import ring_attention, ulysses_attention
+    from lightning_par.parallel.context import ring_attention, ulysses_attention
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)

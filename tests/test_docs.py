@@ -152,3 +152,52 @@ def _check_script_arguments(script: Path, args: list[str]) -> None:
         module.build_parser().parse_args(args)
     else:
         assert len(args) >= 1, f"{script.name} takes arguments"
+
+
+# Paths the documents and docstrings name that are not in this repository, with the reason.
+NOT_HERE = {
+    "benchmarks/llama3_h100_202412_torchtitan.md": "torchtitan's file, cited with its repository",
+    "benchmarks/X.py": "a placeholder in this file's docstring",
+    "docs/X.py": "a placeholder in this file's docstring",
+}
+DOTTED_NAME = re.compile(r"\blightning_par(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+FILE_PATH = re.compile(r"(?<![\w/.-])((?:lightning_par|docs|tests|benchmarks|configs|\.ci|parallel|strategies|planner"
+                       r"|callbacks|models|data)/[\w./-]*\.(?:py|md|yaml|sh|toml|json|svg|txt))\b")
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``dotted`` is a module of the package, or a name in one (an attribute path below the longest
+    importable prefix)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attribute in parts[cut:]:
+            if not hasattr(found, attribute):
+                return False
+            found = getattr(found, attribute)
+        return True
+    return False
+
+
+def test_every_module_and_path_named_in_the_docs_and_docstrings_exists() -> None:
+    """Every dotted name under ``lightning_par`` and every repository path (``docs/zero.md``, ``parallel/zero.py``,
+    ``tests/test_zero.py::...``) that a document, docstring or comment names is there."""
+    import warnings
+
+    sources = [*DOCUMENTS, *sorted((REPO / "lightning_par").rglob("*.py")), *sorted((REPO / "tests").glob("*.py")),
+               *sorted((REPO / "benchmarks").rglob("*.py"))]
+    missing = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for source in sources:
+            text = source.read_text()
+            named = source.relative_to(REPO)
+            missing += [f"{named}: {name}" for name in sorted(set(DOTTED_NAME.findall(text)))
+                        if not _resolves(name)]
+            missing += [f"{named}: {path}" for path in sorted(set(FILE_PATH.findall(text)))
+                        if path not in NOT_HERE and not (REPO / path).exists()
+                        and not (REPO / "lightning_par" / path).exists()]
+    assert not missing, "named but not there:\n" + "\n".join(missing)

@@ -1,4 +1,4 @@
-"""float8 training (issue 20, item 2): what is converted and why not, the error against high precision, and
+"""float8 training: what is converted and why not, the error against high precision, and
 layouts that multiply exactly as one float8 process does.
 
 Float8 rounds each operand to 3 mantissa bits (e4m3: unit roundoff u = 2^-4) with a scale from the amax of the

@@ -114,7 +114,7 @@ def test_every_knob_reaches_the_layout() -> None:
 
 def test_context_parallel_refuses_mixture_of_experts_layers() -> None:
     from lightning_par.parallel.plan import derive_plan
-    from lightning_par.parallel.sequence import apply_context_parallel
+    from lightning_par.parallel.context import apply_context_parallel
 
     class TwoWayContext:  # the one question apply_context_parallel asks before it refuses
         def size(self, name: str) -> int:

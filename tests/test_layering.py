@@ -1,4 +1,4 @@
-"""Layering (DESIGN.md): the pure layers never import lightning; importing lightning_par registers names."""
+"""Layering (docs/architecture.md): the pure layers never import lightning; importing lightning_par registers names."""
 
 from __future__ import annotations
 
@@ -58,3 +58,74 @@ def test_the_planner_needs_nothing_of_the_techniques() -> None:
             "devices_per_node=8), batch_size_per_rank=1, seq_len=4096); "
             "print(sorted(m for m in sys.modules if m.startswith('lightning_par.parallel')))")
     assert _run(code) == "[]"
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Each module of lightning_par and the modules of lightning_par it imports, anywhere in its file (a function's
+    deferred import as well: a circle through one is still a circle)."""
+    import ast
+    from pathlib import Path
+
+    import lightning_par
+
+    root = Path(lightning_par.__file__).parent
+    names = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for module, path in names.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package up
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                for alias in node.names:  # `from package import module` names the module
+                    imported.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in names else base)
+        graph[module] = {name for name in imported if name in names and name != module}
+    return graph
+
+
+def test_the_package_imports_form_no_circle() -> None:
+    """No module of lightning_par reaches itself through its imports, except through the package files
+    (``__init__.py``) that gather their own modules' names, which Python loads first either way."""
+    graph = _package_imports()
+    gathering = {module for module, imported in graph.items() if any(m.startswith(module + ".") for m in imported)}
+
+    def circle_from(start: str) -> list[str] | None:
+        path, seen = [start], set()
+
+        def visit(module: str) -> list[str] | None:
+            for target in sorted(graph[module] - gathering):
+                if target == start:
+                    return path + [start]
+                if target not in seen:
+                    seen.add(target)
+                    path.append(target)
+                    if (found := visit(target)) is not None:
+                        return found
+                    path.pop()
+            return None
+
+        return visit(start)
+
+    circles = [circle for module in sorted(graph) if module not in gathering
+               if (circle := circle_from(module)) is not None]
+    assert not circles, "import circles: " + "; ".join(" -> ".join(circle) for circle in circles)
+
+
+def test_moved_modules_import_by_their_old_names_with_a_warning() -> None:
+    out = _run("import warnings; warnings.simplefilter('always'); "
+               "import lightning_par.parallel\n"
+               "with warnings.catch_warnings(record=True) as caught:\n"
+               "    warnings.simplefilter('always')\n"
+               "    from lightning_par.parallel.ties import clean_name, StageTies\n"
+               "    from lightning_par.parallel.sequence import apply_context_parallel\n"
+               "    from lightning_par.parallel.zero import materialize_meta_parameters\n"
+               "print(len([w for w in caught if issubclass(w.category, FutureWarning)]), clean_name.__module__, "
+               "StageTies.__module__)")
+    assert out.split()[-3:] == ["4", "lightning_par.parallel.modules", "lightning_par.parallel.pipeline.ties"], out

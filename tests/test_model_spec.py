@@ -1,4 +1,4 @@
-"""Issue 19, item 7 (b): the planner's ModelSpec read off a module without a configuration
+"""The planner's ModelSpec read off a module without a configuration
 (lightning_par.strategies.model_spec), checked against the configuration-read spec where there is one."""
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def _train_by_hand(rank: int, world_size: int) -> dict:
     from lightning_par.config import ParallelConfig
     from lightning_par.models.llama import LlamaConfig, Transformer
     from lightning_par.parallel import derive_plan, parallelize
-    from lightning_par.parallel.ties import clean_name
+    from lightning_par.parallel.modules import clean_name
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

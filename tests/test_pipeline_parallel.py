@@ -10,7 +10,7 @@ import torch
 from parity import assert_fails_on_every_rank, assert_layout_matches, assert_parity
 from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
 
-from lightning_par.parallel.pipeline import balance, sizes_from_split_points, stage_indices
+from lightning_par.parallel.pipeline.split import balance, sizes_from_split_points, stage_indices
 
 PARITY_RTOL = 1e-5
 # 8 blocks: 2 stages per rank at pp=4 (interleaved, ZB-V) still get one block each.
@@ -212,9 +212,9 @@ def _schedule_step(rank: int, world_size: int, schedules: tuple[str, ...], micro
     import torch.distributed as dist
 
     from lightning_par.config import ParallelConfig
-    from lightning_par.parallel.bubble import BubbleMeter
+    from lightning_par.parallel.pipeline.bubble import BubbleMeter
     from lightning_par.parallel.compose import parallelize
-    from lightning_par.parallel.pipeline import build_schedule
+    from lightning_par.parallel.pipeline.split import build_schedule
     from lightning_par.parallel.plan import derive_plan
 
     dist.init_process_group("gloo")
@@ -248,7 +248,7 @@ def test_pipeline_bubble_matches_theory() -> None:
     (benchmarks/pipeline_schedules.py), not a test."""
     from harness import run_distributed
 
-    from lightning_par.parallel.bubble import simulated_bubble
+    from lightning_par.parallel.pipeline.bubble import simulated_bubble
 
     p, m, v = 2, 4, 2
     schedules = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
@@ -288,7 +288,7 @@ def _peak_saved_activation_bytes(rank: int, world_size: int, schedule: str, micr
 
     from lightning_par.config import ParallelConfig
     from lightning_par.parallel.compose import parallelize
-    from lightning_par.parallel.pipeline import build_schedule
+    from lightning_par.parallel.pipeline.split import build_schedule
     from lightning_par.parallel.plan import derive_plan
 
     dist.init_process_group("gloo")
@@ -339,7 +339,7 @@ def test_1f1b_keeps_fewer_activations_than_gpipe() -> None:
 def test_profile_balancing_beats_parameter_counts_on_uneven_blocks() -> None:
     """A large vocabulary makes the embedding heavy in parameters but cheap to run, and the head expensive
     to run: counting parameters starves the first stage, timing the blocks does not."""
-    from lightning_par.parallel.pipeline import parameter_costs, profile_costs
+    from lightning_par.parallel.pipeline.split import parameter_costs, profile_costs
     from lightning_par.parallel.plan import derive_plan
 
     torch.manual_seed(0)

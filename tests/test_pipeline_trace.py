@@ -8,7 +8,7 @@ import torch
 import zoo
 from torch import nn
 
-from lightning_par.parallel.pipeline_trace import trace_network
+from lightning_par.parallel.pipeline.trace import trace_network
 from lightning_par.parallel.plan import derive_plan
 
 
@@ -68,7 +68,7 @@ class _Block(nn.Module):
 def test_code_between_blocks_keeps_stages_from_starting_there() -> None:
     """Code between two blocks runs inside a stage, but no stage may start right after it: the split that would
     is refused, naming the split points that avoid it."""
-    from lightning_par.parallel.pipeline import _check_boundaries
+    from lightning_par.parallel.pipeline.split import _check_boundaries
 
     trace = trace_network(_Network("between"), ["blocks.0", "blocks.1"], torch.zeros(1, 4, dtype=torch.long))
     assert trace.changed == {1}

@@ -1,4 +1,4 @@
-"""Deferred weight gradients (lightning_par/parallel/weight_grad.py), in one process: the linear layers' weight
+"""Deferred weight gradients (lightning_par/parallel/pipeline/weight_grad.py), in one process: the linear layers' weight
 gradients wait for the W action and then equal autograd's; outside a schedule's backward nothing is deferred.
 Parity of whole ZB-V and DualPipeV runs, which defer by default, is in tests/test_pipeline_parallel.py."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_par.models.llama import LlamaConfig, Transformer
-from lightning_par.parallel.weight_grad import DeferredLinear, DeferredWeightGradients
+from lightning_par.parallel.pipeline.weight_grad import DeferredLinear, DeferredWeightGradients
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,6 +120,6 @@ def test_benchmark_workers_parse_their_command_line() -> None:
     spec.loader.exec_module(script)
     parser = script.build_parser()
     args = parser.parse_args(["--pp", "2", "--steps", "6", "--profile"])
-    for schedule in (*script.SCHEDULES, *script.VARIANTS):
+    for schedule in (*script.BENCHMARKED, *script.VARIANTS):
         worker = parser.parse_args(script.worker_command(2, schedule, "out", script.shared_arguments(args))[2:])
         assert (worker.worker_pp, worker.worker_schedule, worker.steps, worker.profile) == (2, schedule, 6, True)

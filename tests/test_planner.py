@@ -212,8 +212,8 @@ def test_model_spec_counts_match_the_reference_model() -> None:
 
 
 def test_pipeline_stages_are_the_balancers() -> None:
-    """The planner splits blocks over stages exactly as lightning_par.parallel.pipeline.balance does by parameters."""
-    from lightning_par.parallel.pipeline import balance
+    """The planner splits blocks over stages exactly as lightning_par.parallel.pipeline.split.balance does by parameters."""
+    from lightning_par.parallel.pipeline.split import balance
     from lightning_par.planner.memory import rank_stages
 
     for name in ("llama3-70b", "llama3-1b", "mixtral-8x7b"):

@@ -1,4 +1,4 @@
-"""Issue 19, item 7: the planner calibrated on this machine's ranks (lightning_par.planner.measure).
+"""The planner calibrated on this machine's ranks (lightning_par.planner.measure).
 
 No test here passes or fails on wall-clock time: the probes run, but their clock is a fake one (every timed call
 "takes" a chosen number of seconds), or the timings are given outright. What is checked is the mechanism: the

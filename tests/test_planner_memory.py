@@ -1,4 +1,4 @@
-"""The planner's model-state memory against measurement for the compositions of issue 19.
+"""The planner's model-state memory against measurement for the compositions the strategies run.
 
 Acceptance: "The planner's memory model matches measurement within 5% for the new compositions on CPU ranks":
 pipeline x ZeRO-1, pipeline x ZeRO-3 (each stage an FSDP2 root), experts x ZeRO-3 (experts split over ``ep`` and
@@ -27,7 +27,7 @@ MODEL = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=16)
 MOE = dict(moe_experts=4, moe_top_k=2)
 SEQ_LEN, BATCH = 16, 4  # BATCH: samples per data-parallel rank and optimizer step
 STEPS = 2  # the optimizer creates its states on the first step; counted after the second
-TOLERANCE = 0.05  # the issue's bound, per term and per pipeline rank
+TOLERANCE = 0.05  # the bound, per term and per pipeline rank
 TERMS = ("parameters", "gradients", "optimizer_states")
 
 
@@ -204,7 +204,7 @@ def _predict(name: str) -> tuple[MemoryBreakdown, tuple[MemoryBreakdown, ...]]:
 
 
 def test_planner_model_states_match_measurement_for_the_new_compositions() -> None:
-    """ACCEPTANCE (issue 19): parameters, gradients and optimizer states within 5% of the planner's, for each
+    """Parameters, gradients and optimizer states within 5% of the planner's, for each
     composition: on every pipeline rank (the most any of its data-parallel ranks holds against the planner's breakdown
     of that pipeline rank), and on the most loaded rank (the most any rank holds against the planner's answer, its
     heaviest pipeline rank). Measured: every term within 0.2%."""

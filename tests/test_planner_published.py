@@ -1,4 +1,4 @@
-"""The planner held to published training runs (issue 19): torchtitan's Llama 3.1 benchmarks, Megatron-LM's
+"""The planner held to published training runs: torchtitan's Llama 3.1 benchmarks, Megatron-LM's
 PTD-P and ZeRO-3 runs (Narayanan et al. 2021, table 2) and Megatron-Core's Mixtral 8x7B.
 
 Each run is costed with its own layout (``PublishedRun.candidate``: the published sizes, schedule and
@@ -15,7 +15,7 @@ from lightning_par.planner import ClusterSpec, ModelSpec, TrainingSpec, format_t
 from lightning_par.planner.published import PUBLISHED_RUNS, PublishedRun, published_table
 
 REPO = Path(__file__).resolve().parents[1]
-TOLERANCE = 0.2  # issue 19: every prediction within +-20% of the published figure
+TOLERANCE = 0.2  # every prediction within +-20% of the published figure
 
 
 @pytest.mark.parametrize("run", PUBLISHED_RUNS, ids=[run.name for run in PUBLISHED_RUNS])
@@ -55,7 +55,7 @@ def test_docs_table_is_the_predictions() -> None:
 
 
 def test_405b_on_512_h100_pipelines_across_nodes() -> None:
-    """Issue 19's acceptance run. Inter-node FSDP of Llama 3 405B over 128 ranks gathers its share of 405B
+    """Inter-node FSDP of Llama 3 405B over 128 ranks gathers its share of 405B
     parameters for every micro-batch at InfiniBand's bus bandwidth; a pipeline sends one micro-batch's hidden
     states per stage boundary and reduces gradients once. The first layout is a pipeline whose optimizer states are
     sharded over its data-parallel ranks (ZeRO-1, Megatron's distributed optimizer: gradients reduced to their
@@ -77,7 +77,7 @@ def test_405b_on_512_h100_pipelines_across_nodes() -> None:
 
 
 def test_table_step_column_is_in_the_unit_it_names() -> None:
-    """Item 7: the step column's header names its unit (ms for a small CPU run, s for a large one) and the figures
+    """The step column's header names its unit (ms for a small CPU run, s for a large one) and the figures
     are in it."""
     tiny = ModelSpec(vocab_size=256, hidden=128, layers=4, heads=4, kv_heads=2, ffn_hidden=512)
     cases = ((tiny, ClusterSpec.from_preset("cpu", devices_per_node=2), TrainingSpec(global_batch_size=4, seq_len=64),

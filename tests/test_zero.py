@@ -185,7 +185,7 @@ def test_model_state_bytes_per_rank_follow_the_zero_paper(stage: int, world_size
     for rank, counts in enumerate(per_rank):
         measured = (counts["params"] + counts["grads"] + counts["optimizer"]) / counts["numel"]
         print(f"stage {stage} N={world_size} rank {rank}: {measured:.2f} bytes/param (paper {expected:.2f}) {counts}")
-        # The issue allows 10% (tensors that do not split evenly); measured: within 0.1%.
+        # Allowed: 10% (tensors that do not split evenly); measured: within 0.1%.
         assert measured == pytest.approx(expected, rel=0.10), (rank, counts)
 
 
@@ -354,10 +354,10 @@ def _zero3_defaults(rank: int, world_size: int, small_host_rank: int | None) -> 
 
     from lightning_par import ZeroStrategy
     from lightning_par.models import LlamaLM
-    from lightning_par.strategies import base
+    from lightning_par.strategies import unit_controls
 
     if rank == small_host_rank:  # this rank alone would choose otherwise
-        base._host_memory = lambda: SMALL_HOST
+        unit_controls.host_memory = lambda: SMALL_HOST
     strategy = ZeroStrategy()
     trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

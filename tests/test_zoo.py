@@ -93,7 +93,7 @@ def _train_every_model(rank: int, world_size: int, layout: str, models: tuple[st
 
     import lightning
 
-    from lightning_par.parallel.ties import clean_name
+    from lightning_par.parallel.modules import clean_name
 
     class Messages(logging.Handler):
         def __init__(self) -> None:
@@ -193,7 +193,7 @@ def test_zoo_trains_like_one_process_or_is_refused(layout: str) -> None:
 def _built_on_meta(rank: int, world_size: int, layout: str, models: tuple[str, ...]) -> dict:
     import lightning
 
-    from lightning_par.parallel.ties import clean_name
+    from lightning_par.parallel.modules import clean_name
 
     results = {}
     for name in models:

@@ -26,7 +26,7 @@ over fp32 weights: Lightning's ``bf16-mixed``; AdamW ``foreach`` with LlamaLM's 
 - ``lp_data_parallel``, ``lp_zero3``, ``lp_hybrid3d``: lightning-par strategies at world size 1 (NCCL on CUDA,
   gloo on CPU), every size 1; ``lp_data_parallel_compile`` and ``lp_zero3_compile`` with the strategies' own
   ``compile=True`` (each block compiled in place after sharding).
-- ``bubble``: ``parallel/bubble.py``'s BubbleMeter on a real pipeline at world size 1 (lightning-par's
+- ``bubble``: ``parallel/pipeline/bubble.py``'s BubbleMeter on a real pipeline at world size 1 (lightning-par's
   ``PipelineRunner``, interleaved 1F1B, two stages on the one rank; CUDA events on the GPU), and the event timing
   alone on a known workload, checked against host timing.
 
@@ -553,9 +553,9 @@ def _bubble_pipeline(a: dict, device) -> dict:
 
     from lightning_par.config import ParallelConfig
     from lightning_par.models import LlamaLM
-    from lightning_par.parallel.bubble import simulated_bubble
-    from lightning_par.parallel.pipeline import build_stages, split_pipeline
-    from lightning_par.parallel.pipeline_runner import PipelineRunner
+    from lightning_par.parallel.pipeline.bubble import simulated_bubble
+    from lightning_par.parallel.pipeline.split import build_stages, split_pipeline
+    from lightning_par.parallel.pipeline.runner import PipelineRunner
     from lightning_par.parallel.plan import derive_plan
 
     config = ParallelConfig(pp=1, dp_shard=1, pp_schedule="interleaved_1f1b", pp_virtual_stages=2,
@@ -592,7 +592,7 @@ def _bubble_pipeline(a: dict, device) -> dict:
     sane = (all(finite(f) and 0.0 <= f < 1.0 for f in fractions) and all(finite(b) and b > 0 for b in busy)
             and all(b <= s * 1.05 for b, s in zip(busy, steps)) and len(actions) == expected_actions
             and all(finite(x) for x in losses) and (device.type != "cuda" or len(meter._events) > 0))
-    return {"path": "PipelineRunner (lightning_par.parallel.pipeline_runner), interleaved_1f1b, "
+    return {"path": "PipelineRunner (lightning_par.parallel.pipeline.runner), interleaved_1f1b, "
                     f"{len(stages)} stages on 1 rank, {a['microbatches']} micro-batches",
             "timing": "CUDA events" if meter._cuda else "host perf_counter",
             "cuda_events_recorded": len(meter._events), "bubble_fraction": statistics.median(fractions),
@@ -607,7 +607,7 @@ def _bubble_direct(device) -> dict:
     report must match the host's synchronised time of the same work."""
     import torch
 
-    from lightning_par.parallel.bubble import BubbleMeter
+    from lightning_par.parallel.pipeline.bubble import BubbleMeter
 
     size = 4096 if device.type == "cuda" else 128
     x = torch.randn(size, size, device=device, dtype=torch.bfloat16)

@@ -8,7 +8,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_par.mesh import ParallelMesh
-from lightning_par.parallel.pipeline_runner import PipelineRunner
+from lightning_par.parallel.pipeline.runner import PipelineRunner
 
 _GROUP: dist.ProcessGroup | None = None
 _WORLD: object = None  # the default group _GROUP was made in (a new process group needs a new one)

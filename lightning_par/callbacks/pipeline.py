@@ -15,7 +15,7 @@ __all__ = ["PipelineBubbleMonitor"]
 class PipelineBubbleMonitor(Callback):
     """Logs ``pipeline/bubble_fraction_mean`` and ``pipeline/bubble_fraction_max`` over the ranks: the share
     of the last training step each rank's stages sat idle (filling and draining the pipeline, and waiting
-    for transfers), measured by the pipeline runner (see :mod:`lightning_par.parallel.bubble`). Logs nothing
+    for transfers), measured by the pipeline runner (see :mod:`lightning_par.parallel.pipeline.bubble`). Logs nothing
     without pipeline parallelism."""
 
     @override

@@ -101,7 +101,7 @@ class MoEFeedForward(nn.Module):
     its loss. Under pipeline parallel the loss function sees only the last stage's output; there a runner sets
     :attr:`loss_scale_in_backward` (the factor its loss function applies to a micro-batch's loss), and the layer
     adds the gradient of its weighted losses in backward itself and appends their values to
-    :attr:`losses_in_backward` (the pipeline-runner protocol, ``parallel/pipeline_runner.py``).
+    :attr:`losses_in_backward` (the pipeline-runner protocol, ``parallel/pipeline/runner.py``).
     """
 
     def __init__(self, dim: int, hidden_size: int, n_experts: int, top_k: int = 2,

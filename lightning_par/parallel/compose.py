@@ -39,17 +39,19 @@ from lightning_par.parallel.compile import apply_compile
 from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas
 from lightning_par.parallel.experts import apply_expert_parallel
 from lightning_par.parallel.float8 import apply_float8, check_float8_device, precompute_scales_before_forward
-from lightning_par.parallel.pipeline import build_stages, check_microbatches, split_pipeline
+from lightning_par.parallel.pipeline.split import StageLayout, build_stages, check_microbatches, split_pipeline
 from lightning_par.parallel.plan import ModelPlan, network_prefix
 from lightning_par.parallel.plan_check import check_plan
 from lightning_par.parallel.recompute import apply_activation_checkpointing
-from lightning_par.parallel.sequence import apply_context_parallel, check_sequence_length
+from lightning_par.parallel.context import apply_context_parallel, check_sequence_length
 from lightning_par.parallel.parallelized import Parallelized
-from lightning_par.parallel.pipeline_runner import PipelineRunner
+from lightning_par.parallel.pipeline.runner import PipelineRunner
 from lightning_par.parallel.record import layout_record
 from lightning_par.parallel.tensor import apply_tensor_parallel, split_summary
-from lightning_par.parallel.ties import StageTies, clean_name, tied_groups
-from lightning_par.parallel.zero import fully_shard_model, materialize_meta_parameters
+from lightning_par.parallel.modules import clean_name, tied_groups
+from lightning_par.parallel.pipeline.ties import StageTies
+from lightning_par.parallel.modules import materialize_meta_parameters
+from lightning_par.parallel.zero import fully_shard_model
 
 
 def check_batch_fits(config: ParallelConfig, *, batch_size: int | None, seq_len: int | None) -> None:
@@ -144,7 +146,8 @@ def parallelize(
                                            reduce_dtype=_dtype(config.reduce_dtype), cpu_offload=config.cpu_offload,
                                            root=stages is None, keep_gathered_blocks=config.keep_gathered_blocks,
                                            prefetch_blocks=config.prefetch_blocks,
-                                           blocks_per_unit=config.blocks_per_unit)
+                                           blocks_per_unit=config.blocks_per_unit,
+                                           stage_blocks=None if stages is None else _stage_blocks(model, stages))
         record = layout_record(model, create=True)
         if stages is not None:  # 1, completed: each stage's view of the blocks as they now are
             record.stages = build_stages(model, stages, mesh, device, sequence_parallel=config.sequence_parallel,
@@ -195,6 +198,12 @@ def _check_fsdp_roots(model: nn.Module, config: ParallelConfig) -> None:
 
 def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, DTYPES[name])
+
+
+def _stage_blocks(model: nn.Module, layout: StageLayout) -> list[list[nn.Module]]:
+    """This rank's blocks, one list per stage it holds."""
+    network = model.get_submodule(layout.network)
+    return [[network.get_submodule(name) for name in owned] for _, (owned, _) in sorted(layout.stages.items())]
 
 
 __all__ = ["parallelize", "check_batch_fits"]

@@ -61,7 +61,7 @@ def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, plan: 
     and are called as ``experts(hidden_states, top_k_index, top_k_weights)`` (Hugging Face's Mixtral, Qwen-MoE,
     OLMoE in transformers 5).
 
-    Expert parallel borrows its ranks from ``dp_shard x cp`` (DESIGN.md, :meth:`ParallelMesh.experts`):
+    Expert parallel borrows its ranks from ``dp_shard x cp`` (docs/architecture.md, :meth:`ParallelMesh.experts`):
     consecutive groups of ``ep`` ranks hold one copy of all experts between them, and the groups replicate each
     other. Expert weights become DTensors split along the expert dimension (so checkpoints reshard), ignored by
     DDP. With ``reduce_gradients`` their gradients, which the all-to-alls already summed over the tokens of the

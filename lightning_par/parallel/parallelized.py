@@ -24,10 +24,10 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel import data, zero
 from lightning_par.parallel.clip import clip_grad_norm_, gradient_norm
 from lightning_par.parallel.foreach import foreach_over_dtensors
-from lightning_par.parallel.pipeline_runner import PipelineRunner
+from lightning_par.parallel.pipeline.runner import PipelineRunner
 from lightning_par.parallel.record import layout_record
 from lightning_par.parallel.tensor import vocab_parallel_loss
-from lightning_par.parallel.ties import StageTies
+from lightning_par.parallel.pipeline.ties import StageTies
 
 __all__ = ["Parallelized", "parallelized_by_its_author"]
 

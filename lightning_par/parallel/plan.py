@@ -1,7 +1,7 @@
 """ModelPlan: where a decoder transformer keeps its blocks, attention, MLP, embedding and head.
 
 Tensor, pipeline, sequence and expert parallelism all need to know the shape of the model. A plan
-comes, in order of precedence, from (DESIGN.md):
+comes, in order of precedence, from (docs/architecture.md):
 
 1. the model itself (a ``parallelize(mesh, config)`` hook: the strategy then applies nothing itself);
 2. a declarative plan (constructor argument or YAML): :meth:`ModelPlan.from_dict`;

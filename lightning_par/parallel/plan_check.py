@@ -36,10 +36,10 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_par.mesh import ParallelMesh
-from lightning_par.parallel.pipeline_trace import first_tensor
+from lightning_par.parallel.modules import first_tensor
 from lightning_par.parallel.plan import SPLIT_STYLES, ModelPlan, is_projection, network_prefix
 from lightning_par.parallel.replica import Vocabulary, small_replica
-from lightning_par.parallel.ties import clean_name
+from lightning_par.parallel.modules import clean_name
 
 # A faithful split differs from the whole model by rounding only: ~1e-15 in float64, ~1e-7 where a model
 # computes a norm in float32 whatever its dtype (Gemma), ~1e-6 in float32 (models whose kernels have no float64

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_par.parallel.ties import clean_name
-from lightning_par.parallel.zero import materialize_meta_parameters
+from lightning_par.parallel.modules import clean_name
+from lightning_par.parallel.modules import materialize_meta_parameters
 
 
 def small_replica(module: nn.Module, blocks: str, device: torch.device, dtype: torch.dtype, *,

@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_par.config import divisors
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.plan import SPLIT_STYLES, ModelPlan, is_conv1d, is_projection, projection_features
-from lightning_par.parallel.ties import retie, tied_groups
+from lightning_par.parallel.modules import retie, tied_groups
 
 
 class PrepareFirstInput(ParallelStyle):

@@ -25,8 +25,7 @@ Over N data-parallel ranks:
 from __future__ import annotations
 
 import inspect
-import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -44,14 +43,14 @@ from lightning_par.parallel.background_reduce import SUPPORTED, BackgroundReduce
 from lightning_par.parallel.experts import expert_modules, local_part
 from lightning_par.parallel.plan import ModelPlan
 from lightning_par.parallel.record import layout_record
-from lightning_par.parallel.ties import retie, tied_groups
 
 
 def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *,
                       reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
                       reduce_dtype: torch.dtype | None = None, cpu_offload: bool = False,
-                      root: bool = True, keep_gathered_blocks: int = 0,
-                      prefetch_blocks: int = 0, blocks_per_unit: int = 1) -> Callable[[nn.Module], None]:
+                      root: bool = True, keep_gathered_blocks: int = 0, prefetch_blocks: int = 0,
+                      blocks_per_unit: int = 1,
+                      stage_blocks: Sequence[Sequence[nn.Module]] | None = None) -> Callable[[nn.Module], None]:
     """ZeRO-3: shard every block of ``plan`` with FSDP2, then the root (embedding, norm, head, the rest).
 
     Without a plan the whole model is one unit: still sharded at rest, but gathered whole for forward.
@@ -66,6 +65,9 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | N
     fp32); gradients are reduced in ``reduce_dtype``. ``cpu_offload`` keeps shards, gradients and
     optimizer states in host memory and copies each block to the accelerator when it runs (on a CPU run
     everything already lives there, and FSDP2's offload needs an accelerator, so it is skipped).
+
+    ``stage_blocks``: under pipeline parallel, this rank's blocks by stage; a unit never spans two stages (each
+    stage is a root of its own).
 
     Returns the function that shards a root with the same settings. With ``root=False`` the module itself is
     left to the caller: under pipeline parallel each pipeline stage is a root (torchtitan's PP x FSDP), and
@@ -99,10 +101,13 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | N
     if plan is not None:
         blocks = [block for block in module.get_submodule(plan.blocks).children()
                   if next(block.parameters(), None) is not None]  # not the stand-ins for other pipeline ranks' blocks
-        units = [blocks[first:first + blocks_per_unit] for first in range(0, len(blocks), blocks_per_unit)]
-        kept_from = len(blocks) - keep_gathered_blocks  # a unit stays gathered when all its blocks are kept ones
-        for index, unit in enumerate(units):
-            shard(unit, fsdp_mesh, reshard_after_forward and index * blocks_per_unit < kept_from)
+        runs = [blocks] if stage_blocks is None else [[b for b in blocks if any(b is s for s in stage)]
+                                                      for stage in stage_blocks]
+        units = [run[first:first + blocks_per_unit] for run in runs for first in range(0, len(run), blocks_per_unit)]
+        kept_from, position = len(blocks) - keep_gathered_blocks, 0  # a unit stays gathered when its blocks are kept
+        for unit in units:
+            shard(unit, fsdp_mesh, reshard_after_forward and position < kept_from)
+            position += len(unit)
         heads = [unit[0] for unit in units]  # (each stands for its unit in FSDP2's prefetch lists)
         prefetch_units = -(-prefetch_blocks // blocks_per_unit)
         if prefetch_units and root:
@@ -132,39 +137,6 @@ def prefetch_ahead(units: list[nn.Module], depth: int, *, background: bool = Fal
         unit.set_modules_to_backward_prefetch(units[max(index - depth, 0):index][::-1])
         if background:
             unit._set_unshard_async_op(True)
-
-
-def materialize_meta_parameters(module: nn.Module, device: torch.device) -> bool:
-    """Allocate parameters created on the meta device and initialise them; return whether there were any.
-
-    Called after sharding under ZeRO-3, so each rank allocates only its shards and a model larger than
-    one device is never whole anywhere. Initialisation uses the model's own ``init_weights()`` where a
-    module defines one (the reference model does: scaled init, rotary tables) and Lightning's convention,
-    ``reset_parameters()``, for modules outside those.
-    """
-    if not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
-        return False
-    ties = tied_groups(module)
-    module.to_empty(device=device)
-    retie(module, ties)  # to_empty allocates each module's parameters on their own: a tied head would come apart
-    covered: set[nn.Module] = set()
-    with torch.no_grad():
-        for sub in module.modules():
-            if sub in covered:
-                continue
-            if callable(getattr(sub, "init_weights", None)):
-                try:
-                    sub.init_weights()
-                except AttributeError as error:
-                    raise ValueError(
-                        f"{type(sub).__name__}.init_weights() failed on the model as this rank holds it ({error}): "
-                        "under pipeline parallel a stage holds stand-ins for the parts other stages run; make "
-                        "init_weights() skip parts without the weights it initialises"
-                    ) from error
-                covered.update(sub.modules())
-            elif callable(getattr(sub, "reset_parameters", None)):
-                sub.reset_parameters()
-    return True
 
 
 def _fsdp_mesh(mesh: ParallelMesh) -> Any:
@@ -355,9 +327,17 @@ def _gradient_reducer(module: nn.Module) -> GradientReducer | None:
     return record.gradient_reducer if record is not None else None
 
 
+
+def __getattr__(name: str) -> object:
+    if name == "materialize_meta_parameters":  # moved to the module helpers; the old name for one release
+        from lightning_par.parallel._moved import moved_name
+
+        return moved_name(__name__, ("lightning_par.parallel.modules",), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "fully_shard_model",
-    "materialize_meta_parameters",
     "shard_optimizer",
     "GradientReducer",
     "no_gradient_sync",

@@ -2,7 +2,7 @@
 
 The ``cpu`` preset is a data sheet for a CPU nobody measured (1 TFLOP/s, 10 GB/s): on the 2-core machine this
 project is developed on it predicted 184k tokens/s for ``configs/data_parallel.yaml``, which trains at about
-10k (issue 19, item 7). A CPU's achievable rates depend on its cores, its vector units, the threads each rank
+10k. A CPU's achievable rates depend on its cores, its vector units, the threads each rank
 gets and the load of the other ranks on the same cores, none of which a preset can know. So the ranks measure
 them, all at once (the load training will see), in the quantities the step-time model
 (:mod:`lightning_par.planner.time`) divides by:

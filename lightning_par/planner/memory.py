@@ -14,7 +14,7 @@ until the last backward, so the gradient saving of stages 2 and 3 only holds wit
 Tensor parallel (Shoeybi et al. 2019, "Megatron-LM") divides the attention and MLP matrices and the
 vocabulary of the embedding and head by ``tp``; norms stay whole. Pipeline parallel (Narayanan et al. 2021,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM") gives each rank its
-stages' blocks, balanced by parameters like ``lightning_par.parallel.pipeline.balance`` (the embedding on the
+stages' blocks, balanced by parameters like ``lightning_par.parallel.pipeline.split.balance`` (the embedding on the
 first stage, final norm and head on the last; a tied head is a copy of the embedding on the last stage), and each
 stage's model states are sharded by ZeRO over the stage's own data-parallel ranks: ZeRO-1 partitions a stage's
 optimizer states, ZeRO-3 makes each stage an FSDP2 root. The schedule's micro-batches accumulate gradients like

@@ -1,4 +1,4 @@
-"""Published training runs the planner's models are held to (issue 19; the table in docs/planner.md).
+"""Published training runs the planner's models are held to (the table in docs/planner.md).
 
 Each :class:`PublishedRun` is one figure from a public benchmark, with the layout that produced it fixed exactly
 (``ParallelConfig``, micro-batches), costed through :func:`~lightning_par.planner.search.evaluate` on a device

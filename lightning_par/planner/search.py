@@ -43,7 +43,8 @@ from lightning_par.zero_units import choose_units
 
 # The values config.py allows, in the order the search tries them (cheapest first).
 CHECKPOINTING = tuple(sorted(RECOMPUTE_MODES, key=("none", "selective", "full").index))
-SCHEDULES = tuple(sorted(PP_SCHEDULES, key=("1f1b", "interleaved_1f1b", "zbv", "dualpipev", "gpipe").index))
+SCHEDULE_PREFERENCE = tuple(sorted(PP_SCHEDULES,
+                                   key=("1f1b", "interleaved_1f1b", "zbv", "dualpipev", "gpipe").index))
 
 # Names a user may fix, with the strategies' argument names (config.STRATEGY_ARGUMENTS) as aliases.
 _ALIASES = {argument: name for name, argument in STRATEGY_ARGUMENTS.items()}
@@ -66,7 +67,7 @@ class TrainingSpec:
     precision: str = "bf16-mixed"
     optimizer: str = "adamw"
     activation_checkpointing: tuple[str, ...] = CHECKPOINTING
-    pp_schedules: tuple[str, ...] = SCHEDULES
+    pp_schedules: tuple[str, ...] = SCHEDULE_PREFERENCE
     zero_stages: tuple[int, ...] = ZERO_STAGES
     cp_methods: tuple[str, ...] = CP_METHODS
     pp_virtual_stages: tuple[int, ...] = (2,)
@@ -88,9 +89,9 @@ class TrainingSpec:
         if unknown or not self.activation_checkpointing:
             raise ValueError(f"TrainingSpec.activation_checkpointing={self.activation_checkpointing!r}: choose from "
                              f"{CHECKPOINTING}")
-        unknown = set(self.pp_schedules) - set(SCHEDULES)
+        unknown = set(self.pp_schedules) - set(SCHEDULE_PREFERENCE)
         if unknown:
-            raise ValueError(f"TrainingSpec.pp_schedules: {sorted(unknown)} not in {SCHEDULES}")
+            raise ValueError(f"TrainingSpec.pp_schedules: {sorted(unknown)} not in {SCHEDULE_PREFERENCE}")
 
     @property
     def micro_batch_sizes(self) -> tuple[int, ...]:

@@ -3,15 +3,15 @@
 One :class:`~lightning_par.config.ParallelConfig`, one named device mesh, one call into
 :func:`lightning_par.parallel.compose.parallelize`, whose handle (``Parallelized``) the strategy asks at every step:
 the module to run, the pipeline runner, gradient sync, the optimizer's sharding, the gradient norm's groups, the
-loss context. Subclasses only translate their constructor arguments into a ``ParallelConfig``. The layers below
-hold the rest: ``strategies/checkpointing.py`` (sharded and full checkpoints, resume) and
+loss context. Subclasses translate their constructor arguments into a ``ParallelConfig`` (``Hybrid3DStrategy`` also
+plans the sizes left ``"auto"``, in ``_choose_layout``). The layers below hold the rest: ``strategies/steps.py``
+(each step through the handle), ``strategies/checkpointing.py`` (sharded and full checkpoints, resume) and
 ``strategies/processes.py`` (process start-up, fault monitor, collectives).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -23,25 +23,23 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_par.config import DTYPES, ZERO3_UNIT_DEFAULTS, Float8Recipe, ParallelConfig, Recompute
+from lightning_par.config import Float8Recipe, ParallelConfig, Recompute
 from lightning_par.parallel.compose import parallelize
 from lightning_par.parallel.parallelized import Parallelized, parallelized_by_its_author
 from lightning_par.parallel.plan import ModelPlan, resolve_plan
 from lightning_par.strategies.arguments import rename_arguments
-from lightning_par.strategies.checkpointing import ShardedCheckpoints
 from lightning_par.strategies.full_batches import drop_partial_last_batch
 from lightning_par.strategies.setup_checks import check_module, sample_for_layout
+from lightning_par.strategies.steps import StepsThroughTheHandle
 from lightning_par.strategies.resilience import share_rng_states
-from lightning_par.zero_units import choose_units
+from lightning_par.strategies.unit_controls import resolve_units, split_auto
 
 
-class MeshStrategy(ShardedCheckpoints):
+class MeshStrategy(StepsThroughTheHandle):
     """Base of every lightning_par strategy: one ``ParallelConfig``, one mesh, one ``parallelize`` call.
 
     Args:
@@ -78,6 +76,8 @@ class MeshStrategy(ShardedCheckpoints):
     #: ParallelConfig field -> the argument of this strategy that sets it, so that errors speak the user's terms
     #: (none here: a MeshStrategy is given the ParallelConfig itself).
     argument_names: dict[str, str] = {}
+    #: ZeRO-3's gather controls given "auto", chosen at set-up (:meth:`_unit_controls`).
+    _auto_units: set[str] = set()
 
     @classmethod
     @override
@@ -113,42 +113,10 @@ class MeshStrategy(ShardedCheckpoints):
         self._parallelized: Parallelized | None = None
 
     def _unit_controls(self, **given: Any) -> dict[str, Any]:
-        """ZeRO-3's gather controls for the configuration: each given ``"auto"`` is remembered, to be chosen from the
-        model at set-up (:meth:`_choose_units`), and stands as its default until then."""
-        self._auto_units = {name for name, value in given.items() if value == "auto"}
-        return {name: ZERO3_UNIT_DEFAULTS[name] if value == "auto" else value for name, value in given.items()}
-
-    def _choose_units(self, module: nn.Module, plan: ModelPlan | None) -> None:
-        """Resolve the gather controls left ``"auto"`` for ZeRO-3 from the sizes of ``module``'s blocks and the
-        device's memory (``lightning_par.zero_units.choose_units``), and log the choice once."""
-        config, auto = self.parallel_config, getattr(self, "_auto_units", set())
-        if not auto or config.zero_stage != 3 or plan is None:
-            return
-        blocks = [block for block in module.get_submodule(plan.blocks).children()
-                  if next(block.parameters(), None) is not None]
-        # what a block's all-gather produces on a rank: its parameters in the compute dtype, less tensor parallel's split
-        compute_dtype = getattr(torch, DTYPES[config.param_dtype])
-        gathered = [sum(p.numel() * compute_dtype.itemsize for p in block.parameters()) / config.tp
-                    for block in blocks][: max(1, len(blocks) // config.pp)]
-        choice = choose_units(gathered, memory_bytes=self._least_memory(), prefetch=config.pp == 1,
-                              accelerator=self.root_device.type != "cpu",
-                              blocks_per_unit=None if "blocks_per_unit" in auto else config.blocks_per_unit)
-        chosen = {name: getattr(choice, name) for name in auto}
-        self.parallel_config = dataclasses.replace(config, **chosen)
-        rank_zero_info(f"{type(self).__name__}: ZeRO-3 {choice.describe()} (chosen for "
-                       f"{', '.join(sorted(auto))}: set them to override)")
-
-    def _least_memory(self) -> float | None:
-        """A rank's device memory (on a CPU its share of the host's; None where unknown), the least over every rank:
-        ranks must choose the same units, whose collectives FSDP2 runs together, and a mixed cluster's differ."""
-        device = self.root_device
-        memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
-                  else _host_memory() / max(1, self.num_processes) if device.type == "cpu" else 0.0)
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            least = torch.tensor([memory], dtype=torch.float64, device=device)
-            torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
-            memory = least.item()
-        return memory or None
+        """ZeRO-3's gather controls for the configuration: each given ``"auto"`` stands as its default until
+        set-up chooses it from the model (``lightning_par.strategies.unit_controls``)."""
+        values, self._auto_units = split_auto(given)
+        return values
 
     @contextmanager
     def in_argument_names(self) -> Generator[None, None, None]:
@@ -165,11 +133,6 @@ class MeshStrategy(ShardedCheckpoints):
     def on_exception(self, exception: BaseException) -> None:
         rename_arguments(exception, self.argument_names)  # in the names of this strategy's arguments, not the mesh's
         super().on_exception(exception)
-
-    @property
-    def parallelized(self) -> Parallelized:
-        """What ``parallelize()`` made of the model: the handle every step asks (from set-up on)."""
-        return self._made(self._parallelized, "parallelized", "when the model is set up (setup)")
 
     @property
     @override
@@ -233,8 +196,9 @@ class MeshStrategy(ShardedCheckpoints):
                            "the strategy applies no plan to it")
             return Parallelized.as_given(module, mesh, config)
         plan = resolve_plan(self._plan, module)
-        self._choose_units(module, plan)
-        config = self.parallel_config
+        self.parallel_config = config = resolve_units(config, self._auto_units, module, plan,
+                                                      self.root_device, self.num_processes,
+                                                      log=lambda line: rank_zero_info(f"{type(self).__name__}: {line}"))
         return parallelize(module, mesh, config, plan, training=training, device=self.root_device,
                            device_ids=None if self.root_device.type == "cpu" else [self.root_device.index],
                            sample_batch=sample_for_layout(self.lightning_module, config, plan, self.broadcast),
@@ -286,75 +250,6 @@ class MeshStrategy(ShardedCheckpoints):
             return  # allocated on the device by parallelize()
         self.model.to(self.root_device)
 
-    # ------------------------------------------------------------------------------ steps
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._enter(f"training step {self.lightning_module.trainer.global_step}")
-        super().on_train_batch_start(batch, batch_idx)
-
-    # Under pipeline parallel the runner runs the stages (the model's split_batch -> forward -> loss_fn) and every
-    # rank logs the same loss; training_step, validation_step and test_step of the module are not called.
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.parallelized.pipeline is not None:
-            inputs, targets = self.lightning_module.split_batch(args[0])
-            loss = self.parallelized.pipeline.train_step(inputs, targets, list(self.lightning_module.parameters()))
-            self.lightning_module.log("train_loss", loss, prog_bar=True, sync_dist=True)
-            return loss
-        with self.parallelized.loss_context():
-            return super().training_step(*args, **kwargs)
-
-    @override
-    def on_validation_end(self) -> None:
-        # What fails next (a step, setting up the training data) is no longer part of the validation.
-        trainer = self.lightning_module.trainer
-        self._enter(f"training after step {trainer.global_step}" if trainer.state.fn == TrainerFn.FITTING
-                    else "after validation")
-        super().on_validation_end()
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._enter("validation")
-        return self._evaluation_step("val_loss", super().validation_step, args, kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step("test_loss", super().test_step, args, kwargs)
-
-    def _evaluation_step(self, name: str, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        if self.parallelized.pipeline is not None:
-            loss = self.parallelized.pipeline.evaluate(*self.lightning_module.split_batch(args[0]))
-            self.lightning_module.log(name, loss, prog_bar=name == "val_loss", sync_dist=True)
-            return loss
-        with self.parallelized.loss_context():
-            return step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.parallelized.pipeline is not None:  # the batch is the model's input; every rank gets the logits
-            return self.parallelized.pipeline.predict(args[0])
-        # Predictions leave the strategy whole: vocabulary-sharded logits are gathered.
-        return apply_to_collection(super().predict_step(*args, **kwargs), DTensor, DTensor.full_tensor)
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self.parallelized.pipeline is not None:  # the schedule ran backward in training_step: take its gradients
-            self.parallelized.pipeline.take_gradients()
-            self.post_backward(closure_loss)
-            return closure_loss
-        with self.parallelized.loss_context():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        with self.parallelized.no_sync():
-            yield
-
-    @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        self.parallelized.after_backward()
-
     @override
     def teardown(self) -> None:
         if self._parallelized is not None:
@@ -364,11 +259,3 @@ class MeshStrategy(ShardedCheckpoints):
 
 def _parameters(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _host_memory() -> float:
-    """The machine's physical memory in bytes (0 where the system does not say)."""
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0.0

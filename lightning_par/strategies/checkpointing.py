@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par import checkpoint as ckpt
-from lightning_par.parallel.ties import tied_aliases
+from lightning_par.parallel.modules import tied_aliases
 from lightning_par.strategies.processes import MeshProcesses
 from lightning_par.strategies.resilience import (
     RNG_STATES_KEY,

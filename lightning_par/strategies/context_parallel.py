@@ -19,7 +19,7 @@ class ContextParallelStrategy(MeshStrategy):
     """Context parallelism: every sequence is split over ``context_parallel_size`` ranks.
 
     The blocks run on ``T / context_parallel_size`` tokens per rank; attention reaches the other ranks'
-    tokens by the chosen ``context_parallel_method`` (see ``lightning_par.parallel.sequence``). The remaining ranks
+    tokens by the chosen ``context_parallel_method`` (see ``lightning_par.parallel.context``). The remaining ranks
     (``world_size / context_parallel_size``) are data parallel; gradients are averaged over data and
     context ranks together, by DDP (``zero_stage=0``) or FSDP2 (``zero_stage=3``).
 
@@ -28,7 +28,7 @@ class ContextParallelStrategy(MeshStrategy):
         context_parallel_method: ``ulysses`` (all-to-all of heads and sequence; heads must divide by
             ``context_parallel_size``) or ``ring`` (key/value blocks passed round the ranks, causal load
             balancing; the sequence length must divide by ``2 x context_parallel_size``).
-        data_parallel_size: ``"auto"``: every remaining rank.
+        data_parallel_size: ranks that read different samples; ``"auto"``: every remaining rank.
         zero_stage: 0 (DDP over data and context ranks) or 3 (FSDP2 shards over them).
     """
 

@@ -17,7 +17,8 @@ class DataParallelStrategy(MeshStrategy):
     only on the last micro-batch before each optimizer step.
 
     Args:
-        data_parallel_size: number of model replicas; ``"auto"`` uses every process.
+        data_parallel_size: ranks that read different samples (in every strategy; here each holds a whole replica
+            of the model); ``"auto"`` uses every process.
         bucket_cap_mb: gradient bucket size of the all-reduce (larger: fewer, bigger messages).
         static_graph: tell DDP the set of used parameters never changes (enables more overlap).
         find_unused_parameters: allow parameters that receive no gradient in a step (costs a graph walk).

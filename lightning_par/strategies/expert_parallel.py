@@ -21,7 +21,7 @@ class ExpertParallelStrategy(MeshStrategy):
     Args:
         expert_parallel_size: ranks that share one copy of the experts (must divide the data-parallel
             size and every MoE block's number of experts).
-        data_parallel_size: ``"auto"``: every process.
+        data_parallel_size: ranks that read different samples; ``"auto"``: every process.
     """
 
     strategy_name = "expert_parallel"

@@ -46,8 +46,9 @@ class Hybrid3DStrategy(MeshStrategy):
         context_parallel_size: ranks that split each sequence.
         expert_parallel_size: ranks the experts of an MoE layer are spread over, taken from the data- and
             context-parallel ranks (does not multiply the world size).
-        zero_stage: 0 (gradients averaged), 1-2 (optimizer states / gradients sharded; data parallel only)
-            or 3 (FSDP2; with tensor and context parallel).
+        zero_stage: 0 (gradients averaged), 1 (optimizer states sharded; composes with tensor and pipeline parallel),
+            2 (gradients too; plain data parallel only) or 3 (FSDP2; with tensor, context, expert and pipeline
+            parallel).
         replicate_size: HSDP under ``zero_stage=3``: shard within groups, replicate across them.
         sequence_parallel: with tensor parallel, keep activations between regions split along the sequence.
         loss_parallel: with tensor parallel, cross-entropy on vocabulary-sharded logits.
@@ -60,8 +61,8 @@ class Hybrid3DStrategy(MeshStrategy):
         keep_gathered_blocks: ZeRO-3: keep the last N blocks gathered from forward to backward.
         prefetch_blocks: ZeRO-3 without pipeline parallel: gather the next N blocks as a block starts.
         blocks_per_unit: ZeRO-3: gather and reduce every K consecutive blocks together (see ``ZeroStrategy``).
-            ``"auto"`` (for any of these three): chosen from the model's blocks at set-up, as ``ZeroStrategy``
-            does.
+            ``"auto"`` (the default, for any of these three): chosen from the model's blocks at set-up, as
+            ``ZeroStrategy`` does.
         param_dtype: ZeRO-3: the dtype blocks compute in, from fp32 shards (see ``ZeroStrategy``).
         reduce_dtype: ZeRO-3: the dtype of the gradient reduce-scatter (default: ``param_dtype``).
         cpu_offload: ZeRO-3: shards, gradients and optimizer states in host memory.

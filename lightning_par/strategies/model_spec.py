@@ -3,7 +3,7 @@
 ``ModelSpec.from_module`` reads a LlamaConfig-like or Hugging Face-like ``.config``; a user's own module (a
 nanoGPT, a stack of ``nn.TransformerEncoderLayer``) has none. :func:`derive_model_spec` describes it from what it
 is made of, located by its :class:`~lightning_par.parallel.plan.ModelPlan` (the plan tensor and pipeline parallel
-use; DESIGN.md, "How a model tells the strategy its shape"):
+use; docs/architecture.md, "How a model tells the strategy its shape"):
 
 * ``vocab_size`` and ``hidden``: the embedding's table; ``layers``: the plan's blocks; ``tie_embeddings``: the head's
   weight is the embedding's (the same ``Parameter``).

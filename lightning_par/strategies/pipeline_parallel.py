@@ -20,7 +20,7 @@ class PipelineParallelStrategy(MeshStrategy):
     are not called): ``split_batch(batch) -> (inputs, targets)``, ``forward(inputs) -> logits`` through a network
     submodule that holds the blocks, embedding and head, and ``loss_fn(logits, targets) -> mean loss``. The
     strategy logs ``train_loss`` / ``val_loss`` / ``test_loss``, the same value on every rank
-    (``lightning_par.parallel.pipeline_runner``).
+    (``lightning_par.parallel.pipeline.runner``).
 
     Args:
         pipeline_parallel_size: number of ranks the stages are spread over.

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from lightning_par.config import ParallelConfig
 from lightning_par.parallel.compose import check_batch_fits
-from lightning_par.parallel.pipeline import check_microbatches
+from lightning_par.parallel.pipeline.split import check_microbatches
 from lightning_par.parallel.plan import ModelPlan
 
 __all__ = ["check_module", "data_of_this_run", "first_batch", "sample_for_layout"]

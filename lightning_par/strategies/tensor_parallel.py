@@ -20,7 +20,7 @@ class TensorParallelStrategy(MeshStrategy):
     Args:
         tensor_parallel_size: ranks that split each layer (keep them inside a node: they all-reduce twice
             per block in forward and backward).
-        data_parallel_size: ``"auto"``: every remaining rank.
+        data_parallel_size: ranks that read different samples; ``"auto"``: every remaining rank.
         sequence_parallel: keep norm/residual activations split along the sequence between the
             tensor-parallel regions (all-gather + reduce-scatter instead of all-reduce; the sequence length
             must be divisible by ``tensor_parallel_size``).

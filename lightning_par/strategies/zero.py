@@ -15,9 +15,10 @@ class ZeroStrategy(MeshStrategy):
     """ZeRO (Rajbhandari et al. 2020): shard model states over the data-parallel ranks.
 
     Args:
-        zero_stage: 1 shards optimizer states, 2 also gradients, 3 also parameters (FSDP2, one unit per
-            transformer block from the model plan). See ``lightning_par.parallel.zero``.
-        data_parallel_size: number of data-parallel ranks; ``"auto"`` uses every process.
+        zero_stage: 1 shards optimizer states, 2 also gradients, 3 also parameters (FSDP2, units of the
+            transformer blocks of the model plan: ``blocks_per_unit``). See ``lightning_par.parallel.zero``.
+        data_parallel_size: ranks that read different samples (``replicate_size x`` sharded ranks); ``"auto"``
+            uses every process.
         replicate_size: HSDP. Shard inside groups of ``data_parallel_size / replicate_size`` ranks and
             replicate across the groups (e.g. shard within a node, replicate across nodes).
         reshard_after_forward: stage 3 only. ``False`` keeps each block's gathered parameters from
@@ -28,8 +29,8 @@ class ZeroStrategy(MeshStrategy):
             backward (0: FSDP2's own lookahead of one block in backward).
         blocks_per_unit: stage 3 only. Gather and reduce every K consecutive blocks together, as one FSDP2 unit:
             K times fewer collectives and hooks, for K blocks gathered at once (see ``lightning_par.parallel.zero``).
-            ``"auto"`` (for any of these three): chosen from the size of the model's blocks and the rank's memory at
-            set-up, and logged (``lightning_par.zero_units.choose_units``).
+            ``"auto"`` (the default, for any of these three): chosen from the size of the model's blocks and the
+            least memory of any rank at set-up, and logged (``lightning_par.zero_units.choose_units``).
         param_dtype: stage 3 only. Compute in ``bf16``/``fp16`` from fp32 shards (mixed precision);
             for stages 1-2 use ``Trainer(precision="bf16-mixed")``.
         reduce_dtype: stage 3 only. Dtype of the gradient reduce-scatter (default: ``param_dtype``;

@@ -7,9 +7,9 @@ micro-batches and accumulated batches, so the summed gradients are those of the 
 schedule produced are kept aside (:meth:`take_gradients` hands them back), because a trainer may zero gradients
 between its step and its backward. Evaluation runs the stages forward only; the loss, computed on the last stage,
 is broadcast over the pipeline group so every rank reports the same value. The runner also measures the bubble
-(``parallel/bubble.py``) and counts the bytes the stages send (``parallel/comm.py``). Under the schedules that
+(``parallel/pipeline/bubble.py``) and counts the bytes the stages send (``parallel/comm.py``). Under the schedules that
 split backward into input- and weight-gradient halves (ZB-V, DualPipeV) the linear layers' weight gradients are
-set aside for the weight half (``parallel/weight_grad.py``) rather than left to PyTorch's generic split.
+set aside for the weight half (``parallel/pipeline/weight_grad.py``) rather than left to PyTorch's generic split.
 
 A layer that adds a loss of its own (a mixture-of-experts router's load-balancing loss) cannot hand it to the loss
 function, which sees only the last stage's output. Such a layer takes part in a protocol: it has the attributes
@@ -29,10 +29,10 @@ from torch import Tensor
 
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
-from lightning_par.parallel.bubble import BubbleMeter
+from lightning_par.parallel.pipeline.bubble import BubbleMeter
 from lightning_par.parallel.comm import PipelineSends
-from lightning_par.parallel.pipeline import build_schedule, check_microbatches, forward_through_stages, last_stage_rank
-from lightning_par.parallel.weight_grad import DeferredWeightGradients
+from lightning_par.parallel.pipeline.split import build_schedule, check_microbatches, forward_through_stages, last_stage_rank
+from lightning_par.parallel.pipeline.weight_grad import DeferredWeightGradients
 from lightning_par.stages import V_SCHEDULES
 
 __all__ = ["PipelineRunner"]

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_par.parallel.ties import clean_name
+from lightning_par.parallel.modules import clean_name, first_tensor
 
 
 @dataclass(frozen=True)
@@ -80,19 +80,6 @@ class NetworkTrace:
         if name in self.shared:
             stages.update(range(n_stages))
         return stages
-
-
-def first_tensor(output: Any) -> tuple[Tensor | None, int | None, int]:
-    """(tensor, index, length) of the first tensor of a module output: a tensor, a tuple/list, or a
-    ``ModelOutput`` (index None: the output is the tensor)."""
-    if isinstance(output, Tensor):
-        return output, None, 1
-    items = output.to_tuple() if hasattr(output, "to_tuple") else output
-    if isinstance(items, (tuple, list)):
-        for index, item in enumerate(items):
-            if isinstance(item, Tensor):
-                return item, index, len(items)
-    return None, None, 0
 
 
 def _tensors(value: Any) -> Iterable[Tensor]:
@@ -309,4 +296,4 @@ def _hidden_output(calls: list[dict[str, Any]], block_names: list[str]) -> tuple
     return index, length
 
 
-__all__ = ["Call", "NetworkTrace", "StandIn", "first_tensor", "output_item", "trace_network"]
+__all__ = ["Call", "NetworkTrace", "StandIn", "output_item", "trace_network"]

@@ -11,7 +11,7 @@ where the stages are and builds them from the model plan.
 
 How a stage is made, without model-specific code: every stage runs the network's own forward (the module
 holding the plan's blocks), with the blocks it does not own skipped. What runs outside the blocks is found
-by tracing one forward (``lightning_par.parallel.pipeline_trace``): stage 0 runs the code before the first
+by tracing one forward (``lightning_par.parallel.pipeline.trace``): stage 0 runs the code before the first
 block (embedding, positions, scaling); a later stage runs the same code on stand-ins that hold no weights
 (zeros for an embedding), only for the tensors every block takes beside the hidden states (rotary tables,
 masks), and a hook swaps its first block's hidden-state input for the activations it received; a stage
@@ -19,7 +19,7 @@ that is not the last stops right after its last block, so the final norm, the he
 them (soft-capping) run once, on the last stage. Every stage receives the micro-batch's tokens as a keyword
 argument for that purpose. Parameter names do not change, so optimizers and checkpoints see the usual names,
 each rank holding only its stages' parameters; a parameter several stages use (a head tied to the
-embedding) is held by each of them and kept equal (``lightning_par.parallel.ties.StageTies``).
+embedding) is held by each of them and kept equal (``lightning_par.parallel.pipeline.ties.StageTies``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from lightning_par.mesh import ParallelMesh
-from lightning_par.parallel.pipeline_trace import (
+from lightning_par.parallel.pipeline.trace import (
     Call,
     NetworkTrace,
     StandIn,
@@ -58,10 +58,10 @@ from lightning_par.parallel.pipeline_trace import (
 )
 from lightning_par.parallel.plan import ModelPlan, network_prefix
 from lightning_par.parallel.replica import small_replica
-from lightning_par.parallel.ties import clean_name
+from lightning_par.parallel.modules import clean_name
 from lightning_par.stages import Schedule, balance, stage_indices, stages_per_rank
 
-SCHEDULES: dict[str, type] = {
+TORCH_SCHEDULES: dict[str, type] = {  # each schedule of config.PP_SCHEDULES: torch's class
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -192,7 +192,7 @@ class StandInModule(nn.Module):
     the same names, without computing with them.
     """
 
-    holds_only = True  # lightning_par.parallel.ties.retie: holds tied parameters, never computes with them
+    holds_only = True  # lightning_par.parallel.modules.retie: holds tied parameters, never computes with them
 
     def __init__(self, spec: StandIn, parameters: dict[str, nn.Parameter] | None = None) -> None:
         super().__init__()
@@ -562,15 +562,24 @@ def build_schedule(stages: list[PipelineStage], schedule: Schedule, n_microbatch
                    loss_fn: Callable[[Tensor, Tensor], Tensor] | None,
                    ) -> PipelineScheduleSingle | PipelineScheduleMulti:
     """PyTorch's schedule over ``stages``; ``loss_fn`` already carries the 1/micro-batches scaling."""
-    cls = SCHEDULES[schedule]
+    cls = TORCH_SCHEDULES[schedule]
     if issubclass(cls, PipelineScheduleSingle):
         return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
+
+def __getattr__(name: str) -> object:
+    if name == "SCHEDULES":  # renamed (one word for one table: config.PP_SCHEDULES); the old name for one release
+        warnings.warn(f"{__name__}.SCHEDULES is now TORCH_SCHEDULES; the old name goes in the next release",
+                      FutureWarning, stacklevel=2)
+        return TORCH_SCHEDULES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "BALANCE_METHODS",
-    "SCHEDULES",
+    "TORCH_SCHEDULES",
     "SkippedBlock",
     "StandInModule",
     "StageLayout",

@@ -1,0 +1,54 @@
+"""Modules of ``lightning_par.parallel`` that moved: importing one by its old name still works for one release, and
+warns with the new name (``FutureWarning``, which Python shows by default)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+import warnings
+
+# old module -> the modules its public names now live in
+MOVED = {
+    "lightning_par.parallel.sequence": ("lightning_par.parallel.context",),
+    "lightning_par.parallel.pipeline_trace": ("lightning_par.parallel.pipeline.trace", "lightning_par.parallel.modules"),
+    "lightning_par.parallel.pipeline_runner": ("lightning_par.parallel.pipeline.runner",),
+    "lightning_par.parallel.bubble": ("lightning_par.parallel.pipeline.bubble",),
+    "lightning_par.parallel.weight_grad": ("lightning_par.parallel.pipeline.weight_grad",),
+    "lightning_par.parallel.ties": ("lightning_par.parallel.pipeline.ties", "lightning_par.parallel.modules"),
+}
+
+
+def moved_name(old: str, new_modules: tuple[str, ...], name: str) -> object:
+    """``name`` from the first of ``new_modules`` that has it, with a warning naming where it is now."""
+    for new in new_modules:
+        module = importlib.import_module(new)
+        if hasattr(module, name):
+            warnings.warn(f"{old}.{name} moved to {new}.{name}; the old name goes in the next release",
+                          FutureWarning, stacklevel=3)
+            return getattr(module, name)
+    raise AttributeError(f"module {old!r} has no attribute {name!r}")
+
+
+class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname: str, path: object, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        return importlib.machinery.ModuleSpec(fullname, self) if fullname in MOVED else None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = types.ModuleType(spec.name, f"Moved to {', '.join(MOVED[spec.name])}.")
+        module.__getattr__ = lambda name: moved_name(spec.name, MOVED[spec.name], name)  # type: ignore[method-assign]
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+def install() -> None:
+    """Let the old module names import (once per process)."""
+    if not any(isinstance(finder, _MovedFinder) for finder in sys.meta_path):
+        sys.meta_path.append(_MovedFinder())
+
+
+__all__ = ["MOVED", "install", "moved_name"]

@@ -1,0 +1,18 @@
+"""Pipeline parallel, one file per part:
+
+- ``split.py``: where the stages are and how each is built from the model plan (the schedules are
+  ``torch.distributed.pipelining``'s; stage arithmetic and the schedule table in ``lightning_par.stages``);
+- ``trace.py``: what the network does outside its blocks, from one traced forward;
+- ``runner.py``: a training or evaluation step through the stages;
+- ``weight_grad.py``: the weight-gradient half of backward, deferred (zero-bubble schedules);
+- ``bubble.py``: the idle share of each rank, measured;
+- ``ties.py``: parameters several stages hold, kept equal.
+"""
+
+from lightning_par.parallel.pipeline.split import *  # noqa: F401,F403  (the names of ``split``, as before)
+from lightning_par.parallel.pipeline.split import __all__  # noqa: F401
+from lightning_par.parallel.pipeline import split as _split
+
+
+def __getattr__(name: str) -> object:
+    return getattr(_split, name)  # split's renamed names, with their warnings
