@@ -9,9 +9,10 @@ from lightning_par.checkpoint import export_consolidated
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``lightning-par-export CHECKPOINT OUTPUT [--format hf]``: see :func:`lightning_par.checkpoint.export_consolidated` and
-    :func:`lightning_par.huggingface.export_huggingface`."""
-    parser = argparse.ArgumentParser(prog="lightning-par-export", description=export_consolidated.__doc__.split("\n")[0])
+    """``lightning-par-export CHECKPOINT OUTPUT [--format hf]``: see
+    :func:`lightning_par.checkpoint.export_consolidated` and :func:`lightning_par.huggingface.export_huggingface`."""
+    parser = argparse.ArgumentParser(prog="lightning-par-export",
+                                     description=export_consolidated.__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="a sharded checkpoint directory or a full checkpoint file")
     parser.add_argument("output", help="where to write: the {name: tensor} file (pt), or the model directory (hf)")
     parser.add_argument("--format", choices=("pt", "hf"), default="pt",

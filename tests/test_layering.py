@@ -83,7 +83,8 @@ def _package_imports() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:  # relative: from the package up
-                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
                 for alias in node.names:  # `from package import module` names the module
                     imported.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in names else base)
         graph[module] = {name for name in imported if name in names and name != module}

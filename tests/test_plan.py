@@ -212,11 +212,11 @@ def test_hugging_face_plans_are_translated(config: dict, expected: dict) -> None
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
-def test_the_plan_checks_replica_cuts_the_vocabulary(model_type: str) -> None:
-    """The plan check's replica keeps a few rows per rank of a large embedding and linear head (tied ones stay
+def test_the_plan_checks_copy_cuts_the_vocabulary(model_type: str) -> None:
+    """The plan check's copy keeps a few rows per rank of a large embedding and linear head (tied ones stay
     tied; the remainder modulo tp is kept), and the cut model runs; a head of another kind is left whole."""
     transformers = pytest.importorskip("transformers")
-    from lightning_par.parallel.replica import Vocabulary, small_replica
+    from lightning_par.parallel.model_copy import Vocabulary, small_copy
 
     arguments = {"llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                tie_word_embeddings=True),
@@ -225,11 +225,11 @@ def test_the_plan_checks_replica_cuts_the_vocabulary(model_type: str) -> None:
     model = transformers.AutoModelForCausalLM.from_config(config)
     plan = derive_plan(model)
     vocabulary = Vocabulary.to_cut(model, plan.embedding, plan.head, rows=16 * 2 + 1001 % 2)
-    replica = small_replica(model, plan.blocks, torch.device("cpu"), torch.float64, vocabulary=vocabulary)
-    embedding = replica.get_submodule(plan.embedding)
+    model_copy = small_copy(model, plan.blocks, torch.device("cpu"), torch.float64, vocabulary=vocabulary)
+    embedding = model_copy.get_submodule(plan.embedding)
     assert embedding.weight.shape == (33, 32) and model.get_submodule(plan.embedding).weight.shape == (1001, 32)
-    assert replica.get_submodule(plan.head).weight is embedding.weight
-    assert replica(torch.arange(8).reshape(1, 8)).logits.shape == (1, 8, 33)
+    assert model_copy.get_submodule(plan.head).weight is embedding.weight
+    assert model_copy(torch.arange(8).reshape(1, 8)).logits.shape == (1, 8, 33)
     assert Vocabulary.to_cut(model, plan.embedding, plan.head, rows=2000) is None  # no larger than the model's
     assert Vocabulary.to_cut(model, plan.blocks, None, rows=8) is None  # not an embedding
     model.lm_head = transformers.pytorch_utils.Conv1D(1001, 32)

@@ -13,22 +13,27 @@ import warnings
 # old module -> the modules its public names now live in
 MOVED = {
     "lightning_par.parallel.sequence": ("lightning_par.parallel.context",),
-    "lightning_par.parallel.pipeline_trace": ("lightning_par.parallel.pipeline.trace", "lightning_par.parallel.modules"),
+    "lightning_par.parallel.pipeline_trace": ("lightning_par.parallel.pipeline.trace",
+                                              "lightning_par.parallel.modules"),
     "lightning_par.parallel.pipeline_runner": ("lightning_par.parallel.pipeline.runner",),
     "lightning_par.parallel.bubble": ("lightning_par.parallel.pipeline.bubble",),
     "lightning_par.parallel.weight_grad": ("lightning_par.parallel.pipeline.weight_grad",),
     "lightning_par.parallel.ties": ("lightning_par.parallel.pipeline.ties", "lightning_par.parallel.modules"),
+    "lightning_par.parallel.replica": ("lightning_par.parallel.small_copy",),
 }
+# (old module, old name) -> the name it has now
+RENAMED = {("lightning_par.parallel.replica", "small_replica"): "small_copy"}
 
 
 def moved_name(old: str, new_modules: tuple[str, ...], name: str) -> object:
     """``name`` from the first of ``new_modules`` that has it, with a warning naming where it is now."""
+    now = RENAMED.get((old, name), name)
     for new in new_modules:
         module = importlib.import_module(new)
-        if hasattr(module, name):
-            warnings.warn(f"{old}.{name} moved to {new}.{name}; the old name goes in the next release",
+        if hasattr(module, now):
+            warnings.warn(f"{old}.{name} moved to {new}.{now}; the old name goes in the next release",
                           FutureWarning, stacklevel=3)
-            return getattr(module, name)
+            return getattr(module, now)
     raise AttributeError(f"module {old!r} has no attribute {name!r}")
 
 
@@ -51,4 +56,4 @@ def install() -> None:
         sys.meta_path.append(_MovedFinder())
 
 
-__all__ = ["MOVED", "install", "moved_name"]
+__all__ = ["MOVED", "RENAMED", "install", "moved_name"]

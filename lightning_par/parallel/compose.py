@@ -2,7 +2,7 @@
 
 The order matters and is the same as torchtitan's, after a check of the plan:
 
-0. the plan, checked     -- a tensor-parallel plan runs on a small replica, whole and split, and what it
+0. the plan, checked     -- a tensor-parallel plan runs on a small copy, whole and split, and what it
                             cannot compute alike is refused or, for a derived plan, gathered (plan_check);
    then float8           -- the blocks' linear layers become torchao's Float8Linear, before anything shards
                             them, so that tensor parallel splits and FSDP2 gathers float8 layers (float8);

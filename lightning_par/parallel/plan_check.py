@@ -6,7 +6,7 @@ model's ``split(n_embd)`` then fails, or a ``chunk(3)`` silently pairs the wrong
 whole projection width (OLMo 2) cannot run on one rank's slice; a per-head norm (Qwen3, Gemma 3) runs fine
 but receives each rank's share of the gradient only. Names cannot tell these apart. So the plan is run:
 
-- a small copy of the model is made (``lightning_par.parallel.replica``: no weights are copied, one block of
+- a small copy of the model is made (``lightning_par.parallel.small_copy``: no weights are copied, one block of
   each kind, the embedding and head cut to a few rows per rank where the model allows, random values that
   every rank draws alike);
 - it runs forward and backward on one sample of the data, whole, then split with the plan (in evaluation
@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.modules import first_tensor
 from lightning_par.parallel.plan import SPLIT_STYLES, ModelPlan, is_projection, network_prefix
-from lightning_par.parallel.replica import Vocabulary, small_replica
+from lightning_par.parallel.model_copy import Vocabulary, small_copy
 from lightning_par.parallel.modules import clean_name
 
 # A faithful split differs from the whole model by rounding only: ~1e-15 in float64, ~1e-7 where a model
@@ -74,7 +74,7 @@ def check_plan(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, inputs: T
     notes: list[str] = []
     candidate = plan
     device = torch.device(mesh.device_type)
-    vocabulary, sample, dtype = _replica_settings(module, plan, inputs[:1], mesh.size("tp"), device)
+    vocabulary, sample, dtype = _copy_settings(module, plan, inputs[:1], mesh.size("tp"), device)
     for _ in range(4 * max(1, len(_regions(module, plan))) + 4):
         outcome = _run(module, mesh, candidate, sample, dtype=dtype, sequence_parallel=sequence_parallel,
                        loss_parallel=loss_parallel, apply=apply, vocabulary=vocabulary)
@@ -159,18 +159,18 @@ def _refusal(plan: ModelPlan, outcome: _Outcome, tp: int, sequence_parallel: boo
 
 
 # ------------------------------------------------------------------------------------------- one run
-def _network(replica: nn.Module, plan: ModelPlan) -> nn.Module:
+def _network(model_copy: nn.Module, plan: ModelPlan) -> nn.Module:
     prefix = network_prefix(plan)
-    return replica.get_submodule(prefix.rstrip(".")) if prefix else replica
+    return model_copy.get_submodule(prefix.rstrip(".")) if prefix else model_copy
 
 
-# Rows per tensor-parallel rank of the replica's embedding and head: enough for every split to hold several.
+# Rows per tensor-parallel rank of the copy's embedding and head: enough for every split to hold several.
 _VOCABULARY_ROWS_PER_RANK = 16
 
 
-def _replica_settings(module: nn.Module, plan: ModelPlan, inputs: Tensor, tp: int,
+def _copy_settings(module: nn.Module, plan: ModelPlan, inputs: Tensor, tp: int,
                       device: torch.device) -> tuple[Vocabulary | None, Tensor, torch.dtype]:
-    """How the replica is made, found by running it: its vocabulary cut (or None), the sample it runs on (token ids
+    """How the copy is made, found by running it: its vocabulary cut (or None), the sample it runs on (token ids
     below the cut) and its dtype. Local, without collectives, so every rank finds the same.
 
     The embedding and head are cut to a few rows per rank, with the model's remainder modulo ``tp`` (a vocabulary
@@ -183,8 +183,8 @@ def _replica_settings(module: nn.Module, plan: ModelPlan, inputs: Tensor, tp: in
         sample = inputs % vocabulary.rows
         for dtype in (torch.float64, torch.float32):
             try:
-                replica = small_replica(module, plan.blocks, device, dtype, vocabulary=vocabulary)
-                logits, _, _ = first_tensor(_network(replica, plan)(_as(sample, device, dtype)))
+                model_copy = small_copy(module, plan.blocks, device, dtype, vocabulary=vocabulary)
+                logits, _, _ = first_tensor(_network(model_copy, plan)(_as(sample, device, dtype)))
             except Exception:  # noqa: BLE001 - a dtype without kernels, or whatever the cut model raises
                 continue
             if plan.head is None or logits.shape[-1] == vocabulary.rows:
@@ -206,8 +206,8 @@ def _vocabulary_candidate(module: nn.Module, plan: ModelPlan, inputs: Tensor, tp
 def _dtype_that_runs(module: nn.Module, plan: ModelPlan, inputs: Tensor, device: torch.device) -> torch.dtype:
     """float64 where the whole model runs in it, else float32."""
     try:
-        replica = small_replica(module, plan.blocks, device, torch.float64)
-        _network(replica, plan)(_as(inputs, device, torch.float64))
+        model_copy = small_copy(module, plan.blocks, device, torch.float64)
+        _network(model_copy, plan)(_as(inputs, device, torch.float64))
         return torch.float64
     except RuntimeError:
         return torch.float32
@@ -222,13 +222,13 @@ def _run(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, inputs: Tensor,
          sequence_parallel: bool, loss_parallel: bool, apply: Callable[..., nn.Module],
          vocabulary: Vocabulary | None) -> _Outcome:
     device = torch.device(mesh.device_type)
-    replica = small_replica(module, plan.blocks, device, dtype, vocabulary=vocabulary)
-    network = _network(replica, plan)
-    regions = _regions(replica, plan)
+    model_copy = small_copy(module, plan.blocks, device, dtype, vocabulary=vocabulary)
+    network = _network(model_copy, plan)
+    regions = _regions(model_copy, plan)
     inputs = _as(inputs, device, dtype)
     def run(record: dict[str, Tensor], stack: list[str]) -> Tensor:
         handles = []
-        for name, sub in replica.named_modules():
+        for name, sub in model_copy.named_modules():
             if not name:
                 continue
             handles.append(sub.register_forward_pre_hook(
@@ -248,16 +248,16 @@ def _run(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, inputs: Tensor,
 
     expected: dict[str, Tensor] = {}
     run(expected, [])
-    expected_grads = {clean_name(n): p.grad.detach().clone() for n, p in replica.named_parameters()
+    expected_grads = {clean_name(n): p.grad.detach().clone() for n, p in model_copy.named_parameters()
                       if p.grad is not None}
-    replica.zero_grad(set_to_none=True)
+    model_copy.zero_grad(set_to_none=True)
 
     group = mesh.group("tp")
     actual: dict[str, Tensor] = {}
     stack: list[str] = []
     outcome = _Outcome()
     # Sizes that do not split raise here, with a message that already says what would fit.
-    apply(replica, mesh, plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    apply(model_copy, mesh, plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     try:
         run(actual, stack)
     except Exception as error:  # noqa: BLE001 - what the split model raises is the reason it is refused
@@ -266,7 +266,7 @@ def _run(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, inputs: Tensor,
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         outcome = _Outcome(region=region, module=innermost, reason=f"it raises {type(error).__name__}: {first_line}")
     if outcome.reason is None:
-        outcome = _compare(replica, expected, actual, expected_grads, regions, group)
+        outcome = _compare(model_copy, expected, actual, expected_grads, regions, group)
     return _agree(outcome, group)
 
 
@@ -311,7 +311,7 @@ def _leave(stack: list[str], name: str, record: dict[str, Tensor], output: Any, 
             record[name] = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
 
-def _compare(replica: nn.Module, expected: dict[str, Tensor], actual: dict[str, Tensor],
+def _compare(model_copy: nn.Module, expected: dict[str, Tensor], actual: dict[str, Tensor],
              expected_grads: dict[str, Tensor], regions: list[str], group: dist.ProcessGroup) -> _Outcome:
     for name in [*regions, "logits"]:
         if name in expected and not _close(actual.get(name), expected[name]):
@@ -328,7 +328,7 @@ def _compare(replica: nn.Module, expected: dict[str, Tensor], actual: dict[str, 
     # Gradients that are zero in exact arithmetic (a key bias: softmax ignores a constant added to every key)
     # are rounding noise on both sides: compare them against the size of the gradients, not their own.
     floor = 1e-6 * max((g.abs().max().item() for g in expected_grads.values()), default=0.0)
-    for name, parameter in replica.named_parameters():
+    for name, parameter in model_copy.named_parameters():
         name = clean_name(name)
         grad = parameter.grad
         want = expected_grads.get(name)

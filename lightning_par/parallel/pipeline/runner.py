@@ -31,7 +31,8 @@ from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.pipeline.bubble import BubbleMeter
 from lightning_par.parallel.comm import PipelineSends
-from lightning_par.parallel.pipeline.split import build_schedule, check_microbatches, forward_through_stages, last_stage_rank
+from lightning_par.parallel.pipeline.split import (build_schedule, check_microbatches, forward_through_stages,
+                                                  last_stage_rank)
 from lightning_par.parallel.pipeline.weight_grad import DeferredWeightGradients
 from lightning_par.stages import V_SCHEDULES
 

@@ -57,7 +57,7 @@ from lightning_par.parallel.pipeline.trace import (
     trace_network,
 )
 from lightning_par.parallel.plan import ModelPlan, network_prefix
-from lightning_par.parallel.replica import small_replica
+from lightning_par.parallel.model_copy import small_copy
 from lightning_par.parallel.modules import clean_name
 from lightning_par.stages import Schedule, balance, stage_indices, stages_per_rank
 
@@ -496,12 +496,12 @@ def _check_boundaries(blocks: list[str], sizes: list[int], changed: frozenset[in
 
 def _trace(module: nn.Module, plan: ModelPlan, sample: Tensor) -> NetworkTrace:
     """What the network does outside its blocks (``pipeline_trace``), traced on one sample. A model built on the
-    meta device (``Trainer.init_module(empty_init=True)``) cannot run: its trace runs on a small replica with its
+    meta device (``Trainer.init_module(empty_init=True)``) cannot run: its trace runs on a small copy with its
     first blocks (code such as a causal mask built from the data needs real values)."""
     prefix = network_prefix(plan)
     root = module
     if any(p.is_meta for p in module.parameters()):
-        root = small_replica(module, plan.blocks, sample.device, torch.float32, min_blocks=2)
+        root = small_copy(module, plan.blocks, sample.device, torch.float32, min_blocks=2)
     network = root.get_submodule(prefix.rstrip(".")) if prefix else root
     return trace_network(network, plan.block_names(root), sample, root=root)
 

@@ -2,14 +2,14 @@
 
 Checking a tensor-parallel plan runs the model whole and split; tracing what a network does outside its
 blocks runs it once. Neither needs the model's own weights or all of its blocks, and a model built on the
-meta device (``Trainer.init_module(empty_init=True)``) has no weights to run. :func:`small_replica` deep-copies
+meta device (``Trainer.init_module(empty_init=True)``) has no weights to run. :func:`small_copy` deep-copies
 the model with every parameter swapped for a meta tensor (so nothing is copied), keeps the first blocks that
 hold one block of each structure (a dense and an MoE block, say), allocates it, and fills every parameter with
-random values drawn from its name: every rank builds the same replica. It runs without the hooks users put on
+random values drawn from its name: every rank builds the same copy. It runs without the hooks users put on
 the model, in evaluation mode (no dropout draws), and is never trained.
 
 The vocabulary can be cut too (``vocabulary``): an embedding and a linear head of 128 K rows would make even one
-block's replica gigabytes in float64, on every rank, at set-up; a few rows per rank split them the same way.
+block's copy gigabytes in float64, on every rank, at set-up; a few rows per rank split them the same way.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from lightning_par.parallel.modules import clean_name
 from lightning_par.parallel.modules import materialize_meta_parameters
 
 
-def small_replica(module: nn.Module, blocks: str, device: torch.device, dtype: torch.dtype, *,
+def small_copy(module: nn.Module, blocks: str, device: torch.device, dtype: torch.dtype, *,
                   min_blocks: int = 1, vocabulary: Vocabulary | None = None) -> nn.Module:
     """``module`` rebuilt on ``device`` in ``dtype`` with the blocks under ``blocks`` (a dotted name) shortened to
     one of each kind, at least ``min_blocks`` of them, and random weights every rank draws alike; with
@@ -40,21 +40,21 @@ def small_replica(module: nn.Module, blocks: str, device: torch.device, dtype: t
         for name, parameter in sub.named_parameters(recurse=False):
             if id(parameter) not in memo:
                 memo[id(parameter)] = nn.Parameter(torch.empty_like(parameter, device="meta"))
-    replica = copy.deepcopy(module, memo)
-    replica.eval()
-    _drop_hooks(replica)
-    _keep_one_block_of_each_kind(replica, blocks, min_blocks)
+    model_copy = copy.deepcopy(module, memo)
+    model_copy.eval()
+    _drop_hooks(model_copy)
+    _keep_one_block_of_each_kind(model_copy, blocks, min_blocks)
     if vocabulary is not None:
-        vocabulary.cut(replica)
-    if any(b.is_meta for b in replica.buffers()):
+        vocabulary.cut(model_copy)
+    if any(b.is_meta for b in model_copy.buffers()):
         # Built on the meta device: buffers (rotary tables, masks) are computed as training will compute them.
-        materialize_meta_parameters(replica, device)
+        materialize_meta_parameters(model_copy, device)
     else:
-        _allocate(replica, device)
-    replica.to(dtype=dtype)
+        _allocate(model_copy, device)
+    model_copy.to(dtype=dtype)
     with torch.no_grad():
         seen: set[int] = set()
-        for name, parameter in replica.named_parameters(remove_duplicate=False):
+        for name, parameter in model_copy.named_parameters(remove_duplicate=False):
             if id(parameter) in seen:
                 continue
             seen.add(id(parameter))
@@ -64,13 +64,13 @@ def small_replica(module: nn.Module, blocks: str, device: torch.device, dtype: t
             values = values / max(parameter.shape[-1], 1) ** 0.5 if parameter.dim() >= 2 else 1.0 + 0.1 * values
             parameter.copy_(values.to(parameter.device))
             parameter.requires_grad_(True)
-    return replica
+    return model_copy
 
 
 @dataclass(frozen=True)
 class Vocabulary:
     """The embedding (an ``nn.Embedding``) and the head (an ``nn.Linear`` with a row per token, or None) to cut to
-    ``rows`` rows in a replica."""
+    ``rows`` rows in a copy."""
 
     embedding: str
     head: str | None
@@ -91,9 +91,9 @@ class Vocabulary:
                 return None
         return cls(embedding, head, rows)
 
-    def cut(self, replica: nn.Module) -> None:
-        """Swap the (meta) embedding and head parameters of ``replica`` for ones of ``rows`` rows, tie kept."""
-        table = replica.get_submodule(self.embedding)
+    def cut(self, model_copy: nn.Module) -> None:
+        """Swap the (meta) embedding and head parameters of ``copy`` for ones of ``rows`` rows, tie kept."""
+        table = model_copy.get_submodule(self.embedding)
         old = table.weight
         table.weight = nn.Parameter(torch.empty(self.rows, table.embedding_dim, dtype=old.dtype, device="meta"))
         table.num_embeddings = self.rows
@@ -101,7 +101,7 @@ class Vocabulary:
             table.padding_idx = None
         if self.head is None:
             return
-        projection = replica.get_submodule(self.head)
+        projection = model_copy.get_submodule(self.head)
         if projection.weight is old:
             projection.weight = table.weight
         else:
@@ -112,12 +112,12 @@ class Vocabulary:
         projection.out_features = self.rows
 
 
-def _drop_hooks(replica: nn.Module) -> None:
+def _drop_hooks(model_copy: nn.Module) -> None:
     """The copy runs without the hooks users put on the model (monitors that record or assume a layout), except
     those that compute a weight (``weight_norm``)."""
     from torch.nn.utils.weight_norm import WeightNorm
 
-    for sub in replica.modules():
+    for sub in model_copy.modules():
         kept = {k: h for k, h in sub._forward_pre_hooks.items() if isinstance(h, WeightNorm)}
         sub._forward_pre_hooks.clear()
         sub._forward_pre_hooks.update(kept)
@@ -125,10 +125,10 @@ def _drop_hooks(replica: nn.Module) -> None:
             hooks.clear()
 
 
-def _allocate(replica: nn.Module, device: torch.device) -> None:
-    """Real tensors for the meta parameters of ``replica`` (tied ones stay tied), its buffers moved as they are."""
+def _allocate(model_copy: nn.Module, device: torch.device) -> None:
+    """Real tensors for the meta parameters of ``copy`` (tied ones stay tied), its buffers moved as they are."""
     allocated: dict[int, nn.Parameter] = {}
-    for sub in replica.modules():
+    for sub in model_copy.modules():
         for name, parameter in list(sub._parameters.items()):
             if parameter is None:
                 continue
@@ -136,15 +136,15 @@ def _allocate(replica: nn.Module, device: torch.device) -> None:
                 allocated[id(parameter)] = nn.Parameter(torch.empty(parameter.shape, dtype=parameter.dtype,
                                                                     device=device))
             sub._parameters[name] = allocated[id(parameter)]
-    for sub in replica.modules():
+    for sub in model_copy.modules():
         for name, buffer in list(sub._buffers.items()):
             if buffer is not None:
                 sub._buffers[name] = buffer.to(device)
 
 
-def _keep_one_block_of_each_kind(replica: nn.Module, blocks: str, min_blocks: int) -> None:
+def _keep_one_block_of_each_kind(model_copy: nn.Module, blocks: str, min_blocks: int) -> None:
     """Shorten the blocks to the first ones that contain one block of each structure (dense and MoE blocks)."""
-    container = replica.get_submodule(blocks)
+    container = model_copy.get_submodule(blocks)
     if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
         return
     kinds: dict[tuple, int] = {}
@@ -157,4 +157,4 @@ def _keep_one_block_of_each_kind(replica: nn.Module, blocks: str, min_blocks: in
         del container._modules[key]
 
 
-__all__ = ["Vocabulary", "small_replica"]
+__all__ = ["Vocabulary", "small_copy"]
