@@ -216,7 +216,7 @@ def test_the_plan_checks_copy_cuts_the_vocabulary(model_type: str) -> None:
     """The plan check's copy keeps a few rows per rank of a large embedding and linear head (tied ones stay
     tied; the remainder modulo tp is kept), and the cut model runs; a head of another kind is left whole."""
     transformers = pytest.importorskip("transformers")
-    from lightning_par.parallel.model_copy import Vocabulary, small_copy
+    from lightning_par.parallel.small_copy import Vocabulary, small_copy
 
     arguments = {"llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                tie_word_embeddings=True),

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.modules import first_tensor
 from lightning_par.parallel.plan import SPLIT_STYLES, ModelPlan, is_projection, network_prefix
-from lightning_par.parallel.model_copy import Vocabulary, small_copy
+from lightning_par.parallel.small_copy import Vocabulary, small_copy
 from lightning_par.parallel.modules import clean_name
 
 # A faithful split differs from the whole model by rounding only: ~1e-15 in float64, ~1e-7 where a model

@@ -57,7 +57,7 @@ from lightning_par.parallel.pipeline.trace import (
     trace_network,
 )
 from lightning_par.parallel.plan import ModelPlan, network_prefix
-from lightning_par.parallel.model_copy import small_copy
+from lightning_par.parallel.small_copy import small_copy
 from lightning_par.parallel.modules import clean_name
 from lightning_par.stages import Schedule, balance, stage_indices, stages_per_rank
 
