@@ -205,7 +205,7 @@ def test_export_consolidated_loads_in_plain_pytorch(tmp_path: Path, strategy: st
 
     trained = run_distributed(_fit, 2, str(tmp_path / "run"), (strategy, sharded), 0, None)[0]["state"]
     exported = tmp_path / "model.pt"
-    command = [sys.executable, "-m", "lightning_par.checkpoint", str(tmp_path / "run" / "last.ckpt"), str(exported)]
+    command = [sys.executable, "-m", "lightning_par.export", str(tmp_path / "run" / "last.ckpt"), str(exported)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "tensors" in result.stdout
