@@ -22,7 +22,8 @@ MOVED = {
     "lightning_par.parallel.replica": ("lightning_par.parallel.small_copy",),
 }
 # (old module, old name) -> the name it has now
-RENAMED = {("lightning_par.parallel.replica", "small_replica"): "small_copy"}
+RENAMED = {("lightning_par.parallel.replica", "small_replica"): "small_copy",
+           ("lightning_par.parallel.pipeline.split", "SCHEDULES"): "TORCH_SCHEDULES"}
 
 
 def moved_name(old: str, new_modules: tuple[str, ...], name: str) -> object:

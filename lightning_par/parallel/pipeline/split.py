@@ -571,9 +571,9 @@ def build_schedule(stages: list[PipelineStage], schedule: Schedule, n_microbatch
 
 def __getattr__(name: str) -> object:
     if name == "SCHEDULES":  # renamed (one word for one table: config.PP_SCHEDULES); the old name for one release
-        warnings.warn(f"{__name__}.SCHEDULES is now TORCH_SCHEDULES; the old name goes in the next release",
-                      FutureWarning, stacklevel=2)
-        return TORCH_SCHEDULES
+        from lightning_par.parallel._moved import moved_name
+
+        return moved_name(__name__, (__name__,), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
