@@ -3,6 +3,7 @@
     python benchmarks/pipeline_schedules.py [--pp 2 4] [--steps 20] [--microbatches 8] [--layers 8] [--rounds 1]
     python benchmarks/pipeline_schedules.py --pp 2 --schedules 1f1b zbv_torch_split zbv --rounds 3 --profile
     python benchmarks/pipeline_schedules.py --pp 2 --backward-split
+    python benchmarks/pipeline_schedules.py --pp 2 4 --orders orders.json
 
 Each (pp, schedule) trains the reference Llama model with ``pipeline_parallel`` on ``pp`` CPU processes
 (gloo) for ``--steps`` optimizer steps, the same global batch for all; the first ``--warmup`` steps are
@@ -20,7 +21,8 @@ and timed step, the compute of each kind of pipeline action (F forward, B whole 
 W weight-gradient half) in thread CPU time, which another process on the same cores does not inflate as much as
 wall time, the point-to-point sends and receives (count, MiB) and the time spent waiting for them.
 ``--backward-split`` times one ZB-V stage's backward in one process instead, the ways of splitting it alternating
-(see :func:`backward_split`). docs/performance.md reads the results.
+(see :func:`backward_split`). ``--orders FILE`` writes what every rank ran in the last step, in order, for
+``docs/plot_schedules.py`` to draw. docs/performance.md reads the results.
 """
 
 from __future__ import annotations
@@ -233,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--backward-split", action="store_true")
+    parser.add_argument("--orders", help="write each schedule's recorded order of actions per rank to this JSON file")
     parser.add_argument("--worker-pp", type=int)
     parser.add_argument("--worker-schedule", choices=BENCHMARKED + tuple(VARIANTS))
     parser.add_argument("--out")
@@ -269,7 +272,7 @@ def main() -> None:
           f"microbatches={args.microbatches}, {args.steps - args.warmup} timed steps x {args.rounds} round(s)")
     print(f"{'pp':>3} {'schedule':<18}{'step (ms)':>10}{'tokens/s':>10}{'vs ' + first:>{max(10, len(first) + 4)}}"
           f"{'bubble':>8}{'implied':>9}")
-    profiles = []
+    profiles, orders = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for pp in args.pp:
             runs: dict[str, list[list[dict]]] = {schedule: [] for schedule in args.schedules}
@@ -292,11 +295,17 @@ def main() -> None:
                 print(f"{pp:>3} {schedule:<18}{medians[schedule] * 1e3:>10.1f}{tokens / medians[schedule]:>10.0f}"
                       f"{medians[first] / medians[schedule]:>{max(10, len(first) + 4)}.2f}{measured:>8.3f}"
                       f"{implied:>9.3f}")
+                orders.append({"pp": pp, "schedule": schedule, "n_stages": rounds[-1][0]["n_stages"],
+                               "actions": [record["actions"] for record in rounds[-1]]})
                 if args.profile:
                     profiles += [(pp, schedule, rank, [ranks[rank]["profile"] for ranks in rounds])
                                  for rank in range(pp)]
     if profiles:
         print_profiles(profiles)
+    if args.orders:
+        Path(args.orders).write_text(json.dumps(orders))
+        print(f"wrote the recorded orders to {args.orders} (draw them: python docs/plot_schedules.py {args.orders} "
+              "OUT.png)")
 
 
 def print_profiles(profiles: list) -> None:

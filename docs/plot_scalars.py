@@ -1,9 +1,10 @@
-"""Draw TensorBoard scalars of a run as one SVG of small line charts (no plotting library needed).
+"""Draw the TensorBoard scalars of a run as a grid of small line charts, one per tag against the step (matplotlib).
 
-    python docs/plot_scalars.py lightning_logs/hybrid3d/version_0 docs/img/monitoring.svg
+    pip install -e ".[docs]"
+    python docs/plot_scalars.py lightning_logs/hybrid3d/version_0 docs/img/monitoring.png
 
-Reads every scalar whose tag starts with one of the monitoring prefixes (perf/, memory/, comm/,
-pipeline/, train/, moe/) and draws one chart per tag against the step, in a grid.
+Reads every scalar whose tag starts with one of the monitoring prefixes (perf/, memory/, comm/, pipeline/,
+train/, moe/; docs/monitoring.md says what each means).
 """
 
 from __future__ import annotations
@@ -11,49 +12,57 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 PREFIXES = ("perf/", "memory/", "comm/", "pipeline/", "train/", "moe/")
-WIDTH, HEIGHT, COLUMNS, PAD = 240, 130, 4, 28
+COLUMNS = 4
 
 
-def chart(tag: str, points: list[tuple[int, float]], x: int, y: int) -> str:
-    steps, values = [p[0] for p in points], [p[1] for p in points]
-    low, high = min(values), max(values)
-    span_x, span_y = max(1, max(steps) - min(steps)), (high - low) or abs(high) or 1.0
-    inner_w, inner_h = WIDTH - 2 * PAD, HEIGHT - 2 * PAD
-    line = " ".join(f"{x + PAD + (s - min(steps)) / span_x * inner_w:.1f},"
-                    f"{y + PAD + inner_h - (v - low) / span_y * inner_h:.1f}" for s, v in points)
-    return (f'<rect x="{x + PAD}" y="{y + PAD}" width="{inner_w}" height="{inner_h}" fill="none" stroke="#ccc"/>'
-            f'<text x="{x + PAD}" y="{y + PAD - 8}" font-size="11">{tag}</text>'
-            f'<text x="{x + 2}" y="{y + PAD + 4}" font-size="8">{high:.3g}</text>'
-            f'<text x="{x + 2}" y="{y + PAD + inner_h}" font-size="8">{low:.3g}</text>'
-            f'<text x="{x + WIDTH - PAD - 20}" y="{y + HEIGHT - PAD + 12}" font-size="8">step {max(steps)}</text>'
-            f'<polyline points="{line}" fill="none" stroke="#1f77b4" stroke-width="1.5"/>')
+def read_scalars(run: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Every monitoring scalar of the TensorBoard run directory ``run``: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run))
+    events.Reload()
+    return {tag: [(event.step, event.value) for event in events.Scalars(tag)]
+            for tag in sorted(events.Tags()["scalars"]) if tag.startswith(PREFIXES)}
+
+
+def draw_scalars(scalars: dict[str, list[tuple[int, float]]], output: str | Path) -> None:
+    """One line chart per tag of ``scalars``, ``COLUMNS`` to a row, written to ``output`` (PNG, SVG or PDF)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    rows = (len(scalars) + COLUMNS - 1) // COLUMNS
+    figure, axes = plt.subplots(rows, COLUMNS, figsize=(3.2 * COLUMNS, 2.2 * rows), squeeze=False)
+    for ax, (tag, points) in zip(axes.flat, scalars.items()):
+        ax.plot([step for step, _ in points], [value for _, value in points], linewidth=1.2)
+        ax.set_title(tag, fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.set_xlabel("step", fontsize=7)
+    for ax in axes.flat[len(scalars):]:
+        ax.set_visible(False)
+    figure.tight_layout()
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=110)
+    plt.close(figure)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_docs.py checks the documented invocations against it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run", help="a TensorBoard run directory (holding events.out.tfevents.*)")
-    parser.add_argument("output", help="the SVG file to write")
+    parser.add_argument("output", help="the image to write (.png, .svg or .pdf)")
     return parser
 
 
-def main() -> None:
-    args = build_parser().parse_args()
-    events = EventAccumulator(args.run)
-    events.Reload()
-    tags = sorted(tag for tag in events.Tags()["scalars"] if tag.startswith(PREFIXES))
-    if not tags:
-        raise SystemExit(f"no monitoring scalars in {args.run}")
-    rows = (len(tags) + COLUMNS - 1) // COLUMNS
-    charts = [chart(tag, [(e.step, e.value) for e in events.Scalars(tag)], (i % COLUMNS) * WIDTH,
-                    (i // COLUMNS) * HEIGHT) for i, tag in enumerate(tags)]
-    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{COLUMNS * WIDTH}" height="{rows * HEIGHT}" '
-           f'font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>{"".join(charts)}</svg>')
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(svg)
-    print(f"wrote {len(tags)} charts to {args.output}")
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    scalars = read_scalars(args.run)
+    if not scalars:
+        raise SystemExit(f"no monitoring scalars ({', '.join(PREFIXES)}) in {args.run}")
+    draw_scalars(scalars, args.output)
+    print(f"wrote {len(scalars)} charts to {args.output}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "ParallelConfig": "lightning_par.config",
     "ParallelMesh": "lightning_par.mesh",
-    "ModelPlan": "lightning_par.parallel.plan",
+    "ModelMap": "lightning_par.parallel.model_map",
     "MeshStrategy": "lightning_par.strategies",
     "DataParallelStrategy": "lightning_par.strategies",
     "ZeroStrategy": "lightning_par.strategies",
@@ -35,12 +35,19 @@ _LAZY = {
     "LlamaConfig": "lightning_par.models",
     "TokenDataModule": "lightning_par.data",
 }
+_RENAMED = {"ModelPlan": "ModelMap"}
 __all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _RENAMED:  # old names, for one release
+        import warnings
+
+        warnings.warn(f"lightning_par.{name} is now lightning_par.{_RENAMED[name]}; the old name goes in the next "
+                      "release", FutureWarning, stacklevel=2)
+        return __getattr__(_RENAMED[name])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -160,11 +160,11 @@ def _set(key: str, value: Any) -> Callable[[dict], None]:
     return change
 
 
-def _plan(spec: dict, **changes: Any) -> Callable[[], Any]:
+def _model_map(spec: dict, **changes: Any) -> Callable[[], Any]:
     def make() -> Any:
-        from lightning_par.parallel.plan import ModelPlan
+        from lightning_par.parallel.model_map import ModelMap
 
-        ModelPlan.from_dict(spec).check(_module(**changes))
+        ModelMap.from_dict(spec).check(_module(**changes))
 
     return make
 
@@ -414,15 +414,15 @@ BAD_INPUTS: list[BadInput] = [
              "mean 'zero3' or 'zero2' or 'zero1'?", _cli_strategy("zero")),
     BadInput("`lightning-par fit --trainer.strategy dpp`", "trainer.strategy='dpp' is not a strategy name: did you mean "
              "'ddp'?", _cli_strategy("dpp")),
-    # ------------------------------------------------------------------ plans and models
-    BadInput("`plan: {blocks: model.nope}`", "ModelPlan.blocks='model.nope' is not a module of LlamaLM",
-             _plan({"blocks": "model.nope"})),
-    BadInput("`plan: {blocks: model.layers, tensor_parallel: ...}`",
-             "unknown ModelPlan keys ['tensor_parallel']; expected blocks, embedding, final_norm, head, styles, "
-             "split_points", _plan({"blocks": "model.layers", "tensor_parallel": {}})),
-    BadInput("`plan: {blocks: model.layers, styles: {attention.wq: colwize}}`",
-             "ModelPlan style 'colwize' for 'attention.wq' is not one of",
-             _plan({"blocks": "model.layers", "styles": {"attention.wq": "colwize"}})),
+    # ------------------------------------------------------------------ model maps and models
+    BadInput("`model_map: {blocks: model.nope}`", "ModelMap.blocks='model.nope' is not a module of LlamaLM",
+             _model_map({"blocks": "model.nope"})),
+    BadInput("`model_map: {blocks: model.layers, tensor_parallel: ...}`",
+             "unknown ModelMap keys ['tensor_parallel']; expected blocks, embedding, final_norm, head, styles, "
+             "split_points", _model_map({"blocks": "model.layers", "tensor_parallel": {}})),
+    BadInput("`model_map: {blocks: model.layers, styles: {attention.wq: colwize}}`",
+             "ModelMap style 'colwize' for 'attention.wq' is not one of",
+             _model_map({"blocks": "model.layers", "styles": {"attention.wq": "colwize"}})),
     BadInput("`LlamaLM(dim=30, n_heads=4)`", "LlamaConfig.dim (30) must be divisible by n_heads (4)",
              _call("lightning_par.models:LlamaLM", dim=30, n_heads=4)),
     BadInput("`TokenDataModule(source='nowhere')`", "source='nowhere' is not one of ['stdlib', 'synthetic']",

@@ -166,7 +166,7 @@ def test_print_config_shows_every_strategy_argument(name: str) -> None:
     for init in (getattr(importlib.import_module(module), cls).__init__, MeshStrategy.__init__):
         expected |= {p for p, parameter in inspect.signature(init).parameters.items()
                      if p not in ("self", "parallel_config") and parameter.kind is not inspect.Parameter.VAR_KEYWORD}
-    assert {"plan", "save_distributed_checkpoint", "timeout"} <= expected
+    assert {"model_map", "save_distributed_checkpoint", "timeout"} <= expected
     assert expected <= set(strategy["init_args"]), expected - set(strategy["init_args"])
 
 

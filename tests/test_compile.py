@@ -16,17 +16,17 @@ COMPILE_RTOL = 1e-5
 
 def test_compiled_blocks_keep_their_names_and_compute_alike() -> None:
     from lightning_par.parallel.compile import apply_compile
-    from lightning_par.parallel.plan import derive_plan
+    from lightning_par.parallel.model_map import derive_model_map
 
     torch.manual_seed(0)
     eager = SGDLlamaLM(**MODEL)
     compiled = SGDLlamaLM(**MODEL)
     compiled.load_state_dict(eager.state_dict())
-    apply_compile(compiled, derive_plan(compiled))
+    apply_compile(compiled, derive_model_map(compiled))
     assert list(compiled.state_dict()) == list(eager.state_dict())  # no `_orig_mod.`: checkpoints interchange
     tokens = torch.randint(0, MODEL["vocab_size"], (2, 16))
     torch.testing.assert_close(compiled(tokens), eager(tokens), rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="compile=True compiles each transformer block, and no model plan"):
+    with pytest.raises(ValueError, match="compile=True compiles each transformer block, and no model map"):
         apply_compile(torch.nn.Linear(2, 2), None)
 
 

@@ -162,7 +162,7 @@ NOT_HERE = {
 }
 DOTTED_NAME = re.compile(r"\blightning_par(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 FILE_PATH = re.compile(r"(?<![\w/.-])((?:lightning_par|docs|tests|benchmarks|configs|\.ci|parallel|strategies|planner"
-                       r"|callbacks|models|data)/[\w./-]*\.(?:py|md|yaml|sh|toml|json|svg|txt))\b")
+                       r"|callbacks|models|data)/[\w./-]*\.(?:py|md|yaml|sh|toml|json|svg|png|txt))\b")
 
 
 def _resolves(dotted: str) -> bool:
@@ -201,3 +201,44 @@ def test_every_module_and_path_named_in_the_docs_and_docstrings_exists() -> None
                         if path not in NOT_HERE and not (REPO / path).exists()
                         and not (REPO / "lightning_par" / path).exists()]
     assert not missing, "named but not there:\n" + "\n".join(missing)
+
+
+def _docs_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "docs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_scalar_charts_draw_the_monitoring_tags_of_a_run(tmp_path: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step in range(5):
+        writer.add_scalar("perf/tokens_per_sec", 100.0 + step, step)
+        writer.add_scalar("train/loss", 5.0 - step, step)
+        writer.add_scalar("epoch", 0, step)  # not a monitoring tag
+    writer.close()
+    plot = _docs_script("plot_scalars")
+    scalars = plot.read_scalars(tmp_path / "run")
+    assert sorted(scalars) == ["perf/tokens_per_sec", "train/loss"]
+    assert [value for _, value in scalars["train/loss"]] == [5.0, 4.0, 3.0, 2.0, 1.0]
+    plot.main([str(tmp_path / "run"), str(tmp_path / "charts.png")])
+    assert (tmp_path / "charts.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_schedule_chart_draws_every_recorded_action(tmp_path: Path) -> None:
+    """GPipe and 1F1B orders as BubbleMeter records them (pp=2, 3 micro-batches): one box per action; an order
+    that cannot run is refused rather than drawn."""
+    gpipe = [[[rank, "F", m] for m in range(3)] + [[rank, "B", m] for m in range(3)] for rank in range(2)]
+    one_f_one_b = [[[0, "F", 0], [0, "F", 1], [0, "B", 0], [0, "F", 2], [0, "B", 1], [0, "B", 2]],
+                   [[1, "F", 0], [1, "B", 0], [1, "F", 1], [1, "B", 1], [1, "F", 2], [1, "B", 2]]]
+    runs = [{"pp": 2, "schedule": name, "n_stages": 2, "actions": actions}
+            for name, actions in (("gpipe", gpipe), ("1f1b", one_f_one_b))]
+    plot = _docs_script("plot_schedules")
+    assert plot.draw_schedules(runs, tmp_path / "schedules.png") == 24
+    assert (tmp_path / "schedules.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    backwards_first = [[[0, "B", 0], [0, "F", 0]], [[1, "F", 0], [1, "B", 0]]]
+    with pytest.raises(ValueError, match="deadlock"):
+        plot.draw_schedules([{"pp": 2, "schedule": "broken", "n_stages": 2, "actions": backwards_first}],
+                            tmp_path / "broken.png")

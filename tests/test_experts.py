@@ -121,14 +121,14 @@ def test_bad_routing_is_a_clear_error(kwargs: dict, message: str) -> None:
 
 def test_reference_model_with_experts() -> None:
     from lightning_par.models import LlamaLM
-    from lightning_par.parallel.plan import derive_plan
+    from lightning_par.parallel.model_map import derive_model_map
 
     torch.manual_seed(0)
     module = LlamaLM(vocab_size=64, dim=32, n_layers=3, n_heads=4, max_seq_len=16, moe_experts=4, moe_top_k=2,
                      moe_layers=[1, 2])
     assert [type(layer.mlp).__name__ for layer in module.model.layers.values()] == \
         ["FeedForward", "MoEFeedForward", "MoEFeedForward"]
-    assert derive_plan(module).style_of("model.layers.1.mlp.experts") == "experts"
+    assert derive_model_map(module).style_of("model.layers.1.mlp.experts") == "experts"
     inputs, targets = module.split_batch(torch.randint(0, 64, (2, 17)))
     logits = module(inputs)
     plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))

@@ -29,9 +29,9 @@ class Float8SGDLlamaLM(SGDLlamaLM):
     def __init__(self, recipe: str, **kwargs) -> None:
         super().__init__(**kwargs)
         from lightning_par.parallel.float8 import apply_float8
-        from lightning_par.parallel.plan import derive_plan
+        from lightning_par.parallel.model_map import derive_model_map
 
-        apply_float8(self, derive_plan(self), recipe, emulate=True)
+        apply_float8(self, derive_model_map(self), recipe, emulate=True)
 
 
 def test_block_linears_are_converted_and_the_rest_is_kept_with_the_reason() -> None:
@@ -39,14 +39,14 @@ def test_block_linears_are_converted_and_the_rest_is_kept_with_the_reason() -> N
 
     from lightning_par.models import LlamaLM
     from lightning_par.parallel.float8 import apply_float8
-    from lightning_par.parallel.plan import derive_plan
+    from lightning_par.parallel.model_map import derive_model_map
 
     torch.manual_seed(0)
     # dim 48 with 2 of 4 heads for keys and values: k_proj and v_proj are 48 x 24, which does not tile by 16.
     model = LlamaLM(vocab_size=64, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, moe_experts=4,
                     moe_layers=[1])
     names = list(model.state_dict())
-    report = apply_float8(model, derive_plan(model), "tensorwise", emulate=True)
+    report = apply_float8(model, derive_model_map(model), "tensorwise", emulate=True)
     assert list(model.state_dict()) == names  # Float8Linear is an nn.Linear: checkpoints interchange
     converted = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert converted == set(report.converted) and len(converted) == 2 + 3 + 2  # q o, gate up down; block 1's q o
@@ -61,8 +61,8 @@ def test_block_linears_are_converted_and_the_rest_is_kept_with_the_reason() -> N
     odd = LlamaLM(vocab_size=64, dim=40, n_layers=1, n_heads=4, n_kv_heads=4, max_seq_len=16)
     with pytest.raises(ValueError, match=r"float8='rowwise' found no linear layer to convert .*40 x 40 is not a "
                                          r"multiple of 16"):
-        apply_float8(odd, derive_plan(odd), "rowwise", emulate=True)
-    with pytest.raises(ValueError, match="no model plan says where the blocks are"):
+        apply_float8(odd, derive_model_map(odd), "rowwise", emulate=True)
+    with pytest.raises(ValueError, match="no model map says where the blocks are"):
         apply_float8(torch.nn.Linear(16, 16), None, "tensorwise")
 
 
@@ -72,13 +72,13 @@ def test_a_float8_linear_errs_as_e4m3_rounding_predicts(recipe: str) -> None:
     data fill the range, which leaves about u / sqrt(3) ~ 3.6% RMS per operand and 5.1% on a product of two; the
     output of a layer on Gaussian data must show that much error (it is really rounded) and not more than 2u."""
     from lightning_par.parallel.float8 import apply_float8
-    from lightning_par.parallel.plan import ModelPlan
+    from lightning_par.parallel.model_map import ModelMap
 
     torch.manual_seed(0)
     exact = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(256, 256)))
     rounded = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(256, 256)))
     rounded.load_state_dict(exact.state_dict())
-    apply_float8(rounded, ModelPlan(blocks="0"), recipe, emulate=True)
+    apply_float8(rounded, ModelMap(blocks="0"), recipe, emulate=True)
     inputs = torch.randn(64, 256)
     error = float((rounded(inputs) - exact(inputs)).norm() / exact(inputs).norm())
     assert 2**-6 < error < 2**-3, error
@@ -92,13 +92,13 @@ def _train(mode: str, steps: int = 40, shadows: tuple[str, ...] = ()) -> tuple[t
     from lightning_par.data.corpus import load_stdlib_tokens
     from lightning_par.models import LlamaLM
     from lightning_par.parallel.float8 import apply_float8
-    from lightning_par.parallel.plan import derive_plan
+    from lightning_par.parallel.model_map import derive_model_map
 
     tokens = load_stdlib_tokens("train", max_bytes=400_000).long()
     torch.manual_seed(0)
     model = LlamaLM(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
     if mode != "bf16":
-        apply_float8(model, derive_plan(model), mode, emulate=True)
+        apply_float8(model, derive_model_map(model), mode, emulate=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses, same_weights = [], {recipe: [] for recipe in shadows}
     for step in range(steps):
@@ -106,7 +106,7 @@ def _train(mode: str, steps: int = 40, shadows: tuple[str, ...] = ()) -> tuple[t
         batch = torch.stack([tokens[i:i + 65] for i in starts])
         for recipe in shadows:
             shadow = copy.deepcopy(model)
-            apply_float8(shadow, derive_plan(shadow), recipe, emulate=True)
+            apply_float8(shadow, derive_model_map(shadow), recipe, emulate=True)
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
                 same_weights[recipe].append(shadow.loss_fn(shadow(batch[:, :-1]), batch[:, 1:]).item())
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -155,15 +155,15 @@ def _gathered_bytes(rank: int, world_size: int, float8: str | None) -> tuple[int
     from lightning_par.parallel.comm import CommunicationCounter
     from lightning_par.parallel.compose import parallelize
     from lightning_par.parallel.float8 import float8_candidates
-    from lightning_par.parallel.plan import derive_plan
+    from lightning_par.parallel.model_map import derive_model_map
 
     torch.manual_seed(0)
     model = SGDLlamaLM(**MODEL)
-    plan = derive_plan(model)
-    converted = float8_candidates(model, plan).converted
+    model_map = derive_model_map(model)
+    converted = float8_candidates(model, model_map).converted
     config = ParallelConfig(dp_shard=2, zero_stage=3, float8=float8, float8_emulate=float8 is not None).validate(2)
     mesh = config.build_mesh("cpu")
-    handle = parallelize(model, mesh, config, plan)
+    handle = parallelize(model, mesh, config, model_map)
     counter = CommunicationCounter(mesh)
     handle.module(torch.randint(0, MODEL["vocab_size"], (2, 16)))
     moved = counter.read()["dp"]
@@ -230,21 +230,21 @@ def test_every_zoo_architecture_runs_its_converted_layers_or_is_refused() -> Non
     zoo = pytest.importorskip("zoo")
     pytest.importorskip("transformers")
     from lightning_par.parallel.float8 import apply_float8
-    from lightning_par.parallel.plan import ModelPlan, resolve_plan
+    from lightning_par.parallel.model_map import ModelMap, resolve_model_map
 
     batch = torch.randint(0, zoo.VOCAB, (4, zoo.SEQ_LEN + 1))
     for name in zoo.MODELS:
         torch.manual_seed(0)
         model = zoo.make_model(name)
         given = zoo.PLANS.get(name)
-        plan = ModelPlan.from_dict(given) if given else resolve_plan(None, model)
+        model_map = ModelMap.from_dict(given) if given else resolve_model_map(None, model)
         inputs, targets = model.split_batch(batch)
         exact = model.loss_fn(model(inputs), targets).item()
         if name == "gpt2":
             with pytest.raises(ValueError, match="found no linear layer to convert .*Conv1D, not an nn.Linear"):
-                apply_float8(model, plan, "tensorwise", emulate=True)
+                apply_float8(model, model_map, "tensorwise", emulate=True)
             continue
-        report = apply_float8(model, plan, "tensorwise", emulate=True)
+        report = apply_float8(model, model_map, "tensorwise", emulate=True)
         called: set[str] = set()
         for layer in report.converted:
             model.get_submodule(layer).register_forward_hook(lambda m, a, o, layer=layer: called.add(layer))

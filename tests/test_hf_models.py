@@ -1,5 +1,5 @@
 """Third-party models: a Hugging Face Llama inside an ordinary LightningModule, parallelized from the
-derived plan with no model-specific code, matches one process (tiny config, random weights, no download)."""
+derived map with no model-specific code, matches one process (tiny config, random weights, no download)."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_hugging_face_llama_matches_single_process(world_size: int, strategy: st
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_hugging_face_mixtral_under_expert_parallel_matches_single_process(world_size: int) -> None:
-    """Mixtral's experts (stacked 3-D weights) split over ep ranks by the derived plan."""
+    """Mixtral's experts (stacked 3-D weights) split over ep ranks by the derived map."""
     assert_layout_matches(make_mixtral, make_datamodule,
                           functools.partial(make_strategy, "ExpertParallelStrategy", expert_parallel_size=world_size),
                           world_size=world_size, dp=world_size, steps=STEPS, rtol=PARITY_RTOL,

@@ -158,7 +158,7 @@ def _memory_status(field: str) -> int:
 def _load_peak(rank: int, world_size: int, directory: str, layout: str) -> dict:
     """How far this rank's allocated memory rises while the pretrained weights are read into the shards the layout
     allocated (``load``), and from set-up to the first batch (``set_up``: the layout applied, the tensor-parallel
-    plan checked, the shards allocated, the weights read), and its share of the parameters. Allocated = anonymous
+    styles checked, the shards allocated, the weights read), and its share of the parameters. Allocated = anonymous
     resident memory, sampled by a thread: the safetensors are memory-mapped, and their pages are the kernel's page
     cache, shared by the ranks, not memory a rank holds."""
     import threading
@@ -215,7 +215,7 @@ def test_loading_reads_into_the_shards_without_holding_the_model(tmp_path: Path,
     safetensors into them raises its allocated memory by at most one tensor (the slice DCP reads through) plus
     16 MiB, where a rank that read the whole model would add all 144 MiB, and from set-up to the first batch it
     grows by at most its share, one tensor and 48 MiB of everything else set-up allocates; under tensor parallel,
-    plus the plan check's replica: one block in float64, its gradients and their copy (its embedding and head
+    plus the tensor-parallel check's replica: one block in float64, its gradients and their copy (its embedding and head
     are cut to a few rows)."""
     arguments = dict(LARGE)
     config = transformers.AutoConfig.for_model(arguments.pop("model_type"), **arguments)

@@ -113,7 +113,7 @@ def test_every_knob_reaches_the_layout() -> None:
 
 
 def test_context_parallel_refuses_mixture_of_experts_layers() -> None:
-    from lightning_par.parallel.plan import derive_plan
+    from lightning_par.parallel.model_map import derive_model_map
     from lightning_par.parallel.context import apply_context_parallel
 
     class TwoWayContext:  # the one question apply_context_parallel asks before it refuses
@@ -122,7 +122,7 @@ def test_context_parallel_refuses_mixture_of_experts_layers() -> None:
 
     model = make_moe_module().model
     with pytest.raises(ValueError, match=r"cp=2 with mixture-of-experts layers \('layers.0.mlp.experts', ...\)"):
-        apply_context_parallel(model, TwoWayContext(), derive_plan(model))
+        apply_context_parallel(model, TwoWayContext(), derive_model_map(model))
 
 
 def test_sizes_that_do_not_fill_the_world_fail_on_every_rank() -> None:

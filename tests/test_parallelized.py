@@ -78,7 +78,7 @@ def _train_by_hand(rank: int, world_size: int) -> dict:
 
     from lightning_par.config import ParallelConfig
     from lightning_par.models.llama import LlamaConfig, Transformer
-    from lightning_par.parallel import derive_plan, parallelize
+    from lightning_par.parallel import derive_model_map, parallelize
     from lightning_par.parallel.modules import clean_name
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -100,7 +100,7 @@ def _train_by_hand(rank: int, world_size: int) -> dict:
         mine = tokens.chunk(config.dp)[mesh.local_rank("dp")]
         halves = mine.chunk(2)  # two accumulated batches of this rank's share
         sample = (halves[0][:, :-1], halves[0][:, 1:])
-        handle = parallelize(model, mesh, config, derive_plan(model), sample_batch=sample, loss_fn=loss_fn,
+        handle = parallelize(model, mesh, config, derive_model_map(model), sample_batch=sample, loss_fn=loss_fn,
                              accumulate=2)
         parameters = list(handle.inner.parameters())
         optimizer = handle.shard_optimizer(torch.optim.SGD(parameters, lr=0.5))
@@ -155,7 +155,7 @@ def _after_backward_messages(rank: int, world_size: int, cap_mb: float) -> dict:
 
     from lightning_par.config import ParallelConfig
     from lightning_par.models.llama import LlamaConfig, Transformer
-    from lightning_par.parallel import derive_plan, parallelize
+    from lightning_par.parallel import derive_model_map, parallelize
 
     dist.init_process_group("gloo")
     config = ParallelConfig(dp_shard=2, tp=2, ddp_bucket_cap_mb=cap_mb).validate(world_size)
@@ -163,7 +163,7 @@ def _after_backward_messages(rank: int, world_size: int, cap_mb: float) -> dict:
     torch.manual_seed(0)
     model = Transformer(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16))
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))  # one batch: tp ranks agree
-    handle = parallelize(model, mesh, config, derive_plan(model), sample_batch=(tokens[:, :-1], tokens[:, 1:]))
+    handle = parallelize(model, mesh, config, derive_model_map(model), sample_batch=(tokens[:, :-1], tokens[:, 1:]))
     with handle.loss_context():
         F.cross_entropy(handle.module(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
     sent, original = [], dist.all_reduce

@@ -52,7 +52,7 @@ def test_balance_minimises_the_largest_stage() -> None:
         (4, dict(pipeline_schedule="1f1b", microbatches=4), 1, 0.05),
         (4, dict(pipeline_schedule="zbv", microbatches=4), 1, None),
         (2, dict(pipeline_schedule="1f1b", microbatches=2, pipeline_balance="profile"), 1, None),
-        (2, dict(pipeline_schedule="gpipe", microbatches=4, plan=SPLIT_AFTER_3), 1, None),
+        (2, dict(pipeline_schedule="gpipe", microbatches=4, model_map=SPLIT_AFTER_3), 1, None),
         (2, dict(pipeline_schedule="dualpipev", microbatches=4), 2, 0.05),  # at least one micro-batch per stage
     ],
     # pp=4 for the schedules whose order depends most on the number of stages (1F1B's warm-up, ZB-V's V);
@@ -215,7 +215,7 @@ def _schedule_step(rank: int, world_size: int, schedules: tuple[str, ...], micro
     from lightning_par.parallel.pipeline.bubble import BubbleMeter
     from lightning_par.parallel.compose import parallelize
     from lightning_par.parallel.pipeline.split import build_schedule
-    from lightning_par.parallel.plan import derive_plan
+    from lightning_par.parallel.model_map import derive_model_map
 
     dist.init_process_group("gloo")
     results = {}
@@ -225,7 +225,7 @@ def _schedule_step(rank: int, world_size: int, schedules: tuple[str, ...], micro
         module = SleepModule()
         tokens = torch.randint(0, 16, (microbatches, 5))
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        stages = parallelize(module, mesh, config.validate(world_size), derive_plan(module), training=False,
+        stages = parallelize(module, mesh, config.validate(world_size), derive_model_map(module), training=False,
                              sample_batch=(inputs, targets)).stages
         runner = build_schedule(stages, schedule, microbatches, module.loss_fn)
         meter = BubbleMeter(stages, torch.device("cpu"))
@@ -289,7 +289,7 @@ def _peak_saved_activation_bytes(rank: int, world_size: int, schedule: str, micr
     from lightning_par.config import ParallelConfig
     from lightning_par.parallel.compose import parallelize
     from lightning_par.parallel.pipeline.split import build_schedule
-    from lightning_par.parallel.plan import derive_plan
+    from lightning_par.parallel.model_map import derive_model_map
 
     dist.init_process_group("gloo")
     config = ParallelConfig(pp=world_size, dp_shard=1, pp_schedule=schedule, pp_microbatches=microbatches)
@@ -297,7 +297,7 @@ def _peak_saved_activation_bytes(rank: int, world_size: int, schedule: str, micr
     torch.manual_seed(0)
     module = make_module()
     inputs, targets = module.split_batch(torch.randint(0, 64, (microbatches, 17)))
-    stages = parallelize(module, mesh, config.validate(world_size), derive_plan(module), training=False,
+    stages = parallelize(module, mesh, config.validate(world_size), derive_model_map(module), training=False,
                          sample_batch=(inputs, targets)).stages
     runner = build_schedule(stages, schedule, microbatches, module.loss_fn)
     live = {"now": 0, "peak": 0}
@@ -340,13 +340,13 @@ def test_profile_balancing_beats_parameter_counts_on_uneven_blocks() -> None:
     """A large vocabulary makes the embedding heavy in parameters but cheap to run, and the head expensive
     to run: counting parameters starves the first stage, timing the blocks does not."""
     from lightning_par.parallel.pipeline.split import parameter_costs, profile_costs
-    from lightning_par.parallel.plan import derive_plan
+    from lightning_par.parallel.model_map import derive_model_map
 
     torch.manual_seed(0)
     module = SGDLlamaLM(**{**MODEL, "n_layers": 24, "vocab_size": 8192})
-    plan = derive_plan(module)
+    model_map = derive_model_map(module)
     inputs, targets = module.split_batch(torch.randint(0, 8192, (4, 17)))
-    measured = profile_costs(module, plan, module, module.loss_fn, inputs, targets)
+    measured = profile_costs(module, model_map, module, module.loss_fn, inputs, targets)
 
     def slowest_stage(sizes: list[int]) -> float:  # in measured seconds
         blocks, first, last = measured
@@ -354,7 +354,7 @@ def test_profile_balancing_beats_parameter_counts_on_uneven_blocks() -> None:
         return max(sum(blocks[a:a + n]) + (first if s == 0 else 0.0) + (last if s == len(sizes) - 1 else 0.0)
                    for s, (a, n) in enumerate(zip(starts, sizes)))
 
-    counted = parameter_costs(module, plan)
+    counted = parameter_costs(module, model_map)
     by_parameters = balance(counted[0], 4, first=counted[1], last=counted[2])
     by_profile = balance(measured[0], 4, first=measured[1], last=measured[2])
     ratio = slowest_stage(by_profile) / slowest_stage(by_parameters)
@@ -419,7 +419,7 @@ def test_validation_and_predict_run_forward_only_and_match(schedule: str) -> Non
     [
         (dict(pipeline_schedule="1f1b", microbatches=1), 4, "schedule '1f1b' needs at least pipeline_parallel_size=2 micro-batches"),
         (dict(pipeline_schedule="gpipe", microbatches=3), 4, "a batch of 4 samples does not split into microbatches=3"),
-        (dict(pipeline_schedule="zbv", microbatches=2, plan=None), 4, "4 pipeline stages (pipeline_parallel_size=2 x 2 per rank for 'zbv') need "
+        (dict(pipeline_schedule="zbv", microbatches=2, model_map=None), 4, "4 pipeline stages (pipeline_parallel_size=2 x 2 per rank for 'zbv') need "
                                                              "at least 4 blocks, the model has 2"),
     ],
     ids=["too-few-microbatches", "batch", "blocks"],

@@ -9,15 +9,15 @@ import zoo
 from torch import nn
 
 from lightning_par.parallel.pipeline.trace import trace_network
-from lightning_par.parallel.plan import derive_plan
+from lightning_par.parallel.model_map import derive_model_map
 
 
 def test_roles_of_nanogpt() -> None:
     """Learned positions and the tied embedding run before the first block (stage 0); the final norm and the
     head, which is the embedding again, after the last (the last stage): the tie spans both."""
     module = zoo.make_model("nanogpt")
-    plan = derive_plan(module)
-    trace = trace_network(module.model, plan.block_names(module), torch.zeros(1, 8, dtype=torch.long), root=module)
+    model_map = derive_model_map(module)
+    trace = trace_network(module.model, model_map.block_names(module), torch.zeros(1, 8, dtype=torch.long), root=module)
     assert {"model.transformer.wte.weight", "model.transformer.wpe.weight"} <= trace.prelude
     assert {"model.transformer.ln_f.weight", "model.lm_head.weight", "model.transformer.wte.weight"} <= trace.postlude
     assert not trace.shared
@@ -31,8 +31,8 @@ def test_block_arguments_of_a_hugging_face_model_are_computed_on_every_stage() -
     tables and masks every block receives come from the tokens' shape, not from the hidden states."""
     pytest.importorskip("transformers")
     module = zoo.make_model("gemma2")
-    plan = derive_plan(module)
-    trace = trace_network(module.model, plan.block_names(module), torch.zeros(1, 8, dtype=torch.long), root=module)
+    model_map = derive_model_map(module)
+    trace = trace_network(module.model, model_map.block_names(module), torch.zeros(1, 8, dtype=torch.long), root=module)
     assert "model.model.embed_tokens.weight" in trace.prelude and "model.model.norm.weight" in trace.postlude
     assert trace.block_call.argument in (0, "hidden_states")
 
@@ -97,8 +97,8 @@ def test_the_trace_runs_on_the_meta_device() -> None:
     """A model built with Trainer.init_module(empty_init=True) is traced without allocating it."""
     with torch.device("meta"):
         module = zoo.make_model("nanogpt")
-    plan = derive_plan(module)
-    trace = trace_network(module.model, plan.block_names(module), torch.zeros(1, 8, dtype=torch.long, device="meta"),
+    model_map = derive_model_map(module)
+    trace = trace_network(module.model, model_map.block_names(module), torch.zeros(1, 8, dtype=torch.long, device="meta"),
                           root=module)
     assert "model.transformer.wpe.weight" in trace.prelude
 

@@ -60,7 +60,7 @@ def _measure_layouts(rank: int, world_size: int, layouts: dict[str, dict]) -> di
 
     from lightning_par.models.llama import LlamaConfig, Transformer
     from lightning_par.parallel.compose import parallelize
-    from lightning_par.parallel.plan import derive_plan
+    from lightning_par.parallel.model_map import derive_model_map
     from lightning_par.parallel.tensor import vocab_parallel_loss
 
     def local(t):
@@ -77,7 +77,7 @@ def _measure_layouts(rank: int, world_size: int, layouts: dict[str, dict]) -> di
         torch.manual_seed(0)
         model = Transformer(LlamaConfig(**MODEL))
         mesh = config.build_mesh("cpu")
-        handle = parallelize(model, mesh, config, derive_plan(model))
+        handle = parallelize(model, mesh, config, derive_model_map(model))
         module, inner = handle.module, handle.inner
         optimizer = handle.shard_optimizer(torch.optim.AdamW(inner.parameters(), lr=1e-3))
         batch = GLOBAL_BATCH // config.dp
@@ -159,13 +159,13 @@ def test_activation_derivation_holds_in_every_precision(precision: str, checkpoi
     import torch.nn.functional as F
 
     from lightning_par.models.llama import LlamaConfig, Transformer
-    from lightning_par.parallel.plan import derive_plan
+    from lightning_par.parallel.model_map import derive_model_map
     from lightning_par.parallel.recompute import apply_activation_checkpointing
 
     torch.manual_seed(0)
     config = LlamaConfig(**MODEL)
     model = Transformer(config).to(torch.bfloat16 if precision == "bf16-true" else torch.float32)
-    apply_activation_checkpointing(model, derive_plan(model), mode=checkpointing)
+    apply_activation_checkpointing(model, derive_model_map(model), mode=checkpointing)
     weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     tokens = torch.randint(0, MODEL["vocab_size"], (GLOBAL_BATCH, SEQ_LEN + 1))
     saved = []

@@ -109,7 +109,7 @@ class _GradientPeak:
         self.peak = max(self.peak, _gradient_bytes(self.modules))
 
 
-def _when_each_block_starts_backward(module: Any, plan: Any, record: Callable[[], None]) -> list:
+def _when_each_block_starts_backward(module: Any, model_map: Any, record: Callable[[], None]) -> list:
     """Call ``record()`` as the backward of every block of ``module`` begins: inside a pipeline schedule, between the
     backwards of its micro-batches, is when a stage holds the most gradient. (A hook on the block's output gradient,
     added before the pipeline's own forward hooks, one of which ends a stage's forward by raising.)"""
@@ -120,7 +120,7 @@ def _when_each_block_starts_backward(module: Any, plan: Any, record: Callable[[]
         if tensor.requires_grad:
             tensor.register_hook(lambda grad: record())
 
-    return [module.get_submodule(name).register_forward_hook(attach, prepend=True) for name in plan.block_names(module)]
+    return [module.get_submodule(name).register_forward_hook(attach, prepend=True) for name in model_map.block_names(module)]
 
 
 def _measure(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str, int]]:
@@ -135,7 +135,7 @@ def _measure(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str
 
     from lightning_par.models import LlamaLM
     from lightning_par.parallel.compose import parallelize
-    from lightning_par.parallel.plan import resolve_plan
+    from lightning_par.parallel.model_map import resolve_model_map
 
     dist.init_process_group("gloo")
     results = {}
@@ -149,8 +149,8 @@ def _measure(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str
         batches = [torch.randint(0, MODEL["vocab_size"], (BATCH // case.accumulate, SEQ_LEN + 1), generator=generator)
                    for _ in range(STEPS * case.accumulate)]
         sample = module.split_batch(batches[0][: BATCH // config.pp_microbatches])
-        plan = resolve_plan(None, module)
-        handle = parallelize(module, mesh, config, plan, sample_batch=sample, loss_fn=module.loss_fn,
+        model_map = resolve_model_map(None, module)
+        handle = parallelize(module, mesh, config, model_map, sample_batch=sample, loss_fn=module.loss_fn,
                              accumulate=case.accumulate)
         inner = handle.inner
         modules = [inner, *(stage.submod for stage in handle.stages)]
@@ -161,7 +161,7 @@ def _measure(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str
         # next. Inside a backward FSDP2 holds one more unit whole until its reduce-scatter, a transient the planner
         # counts among its communication buffers, not its gradients. A pipeline schedule runs all micro-batches of a
         # batch at once: it is looked inside, as each block's backward begins.
-        hooks = _when_each_block_starts_backward(inner, plan, record) if handle.pipeline is not None else []
+        hooks = _when_each_block_starts_backward(inner, model_map, record) if handle.pipeline is not None else []
         for step in range(STEPS):
             for micro in range(case.accumulate):
                 inputs, targets = module.split_batch(batches[step * case.accumulate + micro])

@@ -9,7 +9,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPO
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_par.models import LlamaConfig, Transformer
-from lightning_par.parallel.plan import derive_plan
+from lightning_par.parallel.model_map import derive_model_map
 from lightning_par.parallel.recompute import apply_activation_checkpointing
 
 CONFIG = LlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=16)
@@ -19,7 +19,7 @@ def _model(mode: str, every: int = 1) -> nn.Module:
     torch.manual_seed(0)
     root = nn.Module()
     root.model = Transformer(CONFIG)
-    return apply_activation_checkpointing(root, derive_plan(root), mode=mode, every=every)
+    return apply_activation_checkpointing(root, derive_model_map(root), mode=mode, every=every)
 
 
 class _CountMatmuls(TorchDispatchMode):
@@ -89,6 +89,6 @@ def test_bad_arguments(mode: str, every: int, message: str) -> None:
         _model(mode, every)
 
 
-def test_no_plan_is_a_clear_error() -> None:
+def test_no_model_map_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="needs to know where the transformer blocks are"):
         apply_activation_checkpointing(nn.Linear(2, 2), None, mode="full")

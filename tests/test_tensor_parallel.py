@@ -133,7 +133,7 @@ def _one_block_step(rank: int, world_size: int, sequence_parallel: bool) -> dict
 
     from lightning_par.config import ParallelConfig
     from lightning_par.models.llama import LlamaConfig, Transformer
-    from lightning_par.parallel.plan import derive_plan
+    from lightning_par.parallel.model_map import derive_model_map
     from lightning_par.parallel.tensor import apply_tensor_parallel
 
     dist.init_process_group("gloo")
@@ -175,7 +175,7 @@ def _one_block_step(rank: int, world_size: int, sequence_parallel: bool) -> dict
     x = torch.randn(B, T, C)
     _, whole_bytes = block_step(Transformer(config), x.clone().requires_grad_())
     model = Transformer(config)
-    apply_tensor_parallel(model, mesh, derive_plan(model), sequence_parallel=sequence_parallel)
+    apply_tensor_parallel(model, mesh, derive_model_map(model), sequence_parallel=sequence_parallel)
     if sequence_parallel:  # between blocks the activations are DTensors split along the sequence
         local = x.chunk(world_size, dim=1)[dist.get_rank()].clone().requires_grad_()
         block_input = DTensor.from_local(local, mesh["tp"], (Shard(1),), run_check=False)
@@ -230,13 +230,13 @@ def test_sequence_parallel_halves_the_saved_activations_of_a_block() -> None:
 )
 def test_layers_that_do_not_split_are_named(config: dict, message: str) -> None:
     from lightning_par.models.llama import LlamaConfig, Transformer
-    from lightning_par.parallel.plan import derive_plan
+    from lightning_par.parallel.model_map import derive_model_map
     from lightning_par.parallel.tensor import check_tensor_parallel
 
     model = Transformer(LlamaConfig(**{**dict(vocab_size=64, dim=32, n_layers=1, n_heads=4, max_seq_len=16),
                                        **config}))
     with pytest.raises(ValueError, match=message):
-        check_tensor_parallel(model, derive_plan(model), 4)
+        check_tensor_parallel(model, derive_model_map(model), 4)
 
 
 class SelfParallelizedLlama(SGDLlamaLM):
@@ -248,12 +248,12 @@ class SelfParallelizedLlama(SGDLlamaLM):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
-        plan = {"attention.q_proj": ColwiseParallel(), "attention.k_proj": ColwiseParallel(),
+        model_map = {"attention.q_proj": ColwiseParallel(), "attention.k_proj": ColwiseParallel(),
                 "attention.v_proj": ColwiseParallel(), "attention.o_proj": RowwiseParallel(),
                 "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                 "mlp.down_proj": RowwiseParallel()}
         for block in self.model.layers.values():
-            parallelize_module(block, tp_mesh, plan)
+            parallelize_module(block, tp_mesh, model_map)
             fully_shard(block, mesh=dp_mesh)
         fully_shard(self.model, mesh=dp_mesh)
 

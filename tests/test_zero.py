@@ -98,7 +98,7 @@ def _meta_init(rank: int, world_size: int, strategy: str) -> dict:
 @pytest.mark.parametrize("strategy", ["zero3", "data_parallel", "tensor_parallel", "pipeline_parallel"])
 def test_meta_device_initialization(strategy: str) -> None:
     """Trainer.init_module(empty_init=True): no weights until the strategy places them (after sharding). Tensor
-    parallel checks its plan and pipeline parallel traces the network without allocating the model."""
+    parallel checks its model map and pipeline parallel traces the network without allocating the model."""
     from harness import run_distributed
 
     for result in run_distributed(_meta_init, 2, strategy):
@@ -286,12 +286,12 @@ def _gathers_per_step(rank: int, world_size: int, knobs: dict) -> dict:
     from lightning_par.models import LlamaLM
     from lightning_par.parallel.comm import flight_recorder_trace
     from lightning_par.parallel.compose import parallelize
-    from lightning_par.parallel.plan import derive_plan
+    from lightning_par.parallel.model_map import derive_model_map
 
     torch.manual_seed(0)
     model = LlamaLM(vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=16)
     config = ParallelConfig(dp_shard=2, zero_stage=3, **knobs).validate(2)
-    handle = parallelize(model, config.build_mesh("cpu"), config, derive_plan(model))
+    handle = parallelize(model, config.build_mesh("cpu"), config, derive_model_map(model))
     before = len(flight_recorder_trace()["entries"])
     tokens = torch.randint(0, 64, (2, 17))
     model.loss_fn(handle.module(tokens[:, :-1]), tokens[:, 1:]).backward()
@@ -397,7 +397,7 @@ def _background_reduce_scatters(rank: int, world_size: int) -> dict:
     from lightning_par.models import LlamaLM
     from lightning_par.parallel.background_reduce import BackgroundReduceScatter
     from lightning_par.parallel.compose import parallelize
-    from lightning_par.parallel.plan import derive_plan
+    from lightning_par.parallel.model_map import derive_model_map
 
     dist.init_process_group("gloo")
     in_flight: list[int] = []
@@ -412,7 +412,7 @@ def _background_reduce_scatters(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = LlamaLM(vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=16)
     config = ParallelConfig(dp_shard=world_size, zero_stage=3).validate(world_size)
-    handle = parallelize(model, config.build_mesh("cpu"), config, derive_plan(model))
+    handle = parallelize(model, config.build_mesh("cpu"), config, derive_model_map(model))
     torch.manual_seed(rank)
     tokens = torch.randint(0, 64, (2, 17))
 

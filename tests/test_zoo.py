@@ -30,32 +30,32 @@ def make_datamodule():
                            num_samples=256, num_val_samples=8)
 
 
-def make_strategy(layout: str, plan: dict | None = None):
+def make_strategy(layout: str, model_map: dict | None = None):
     import lightning_par
 
     if layout == "tp2":
-        return lightning_par.TensorParallelStrategy(tensor_parallel_size=2, plan=plan)
+        return lightning_par.TensorParallelStrategy(tensor_parallel_size=2, model_map=model_map)
     if layout == "tp2-sp":
         return lightning_par.TensorParallelStrategy(tensor_parallel_size=2, sequence_parallel=True, loss_parallel=True,
-                                                    plan=plan)
+                                                    model_map=model_map)
     if layout == "pp2":
         return lightning_par.PipelineParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="1f1b", microbatches=2,
-                                                      plan=plan)
+                                                      model_map=model_map)
     if layout == "dp2xtp2":
-        return lightning_par.Hybrid3DStrategy(data_parallel_size=2, tensor_parallel_size=2, plan=plan)
+        return lightning_par.Hybrid3DStrategy(data_parallel_size=2, tensor_parallel_size=2, model_map=model_map)
     if layout == "pp2xdp2-zero3":
         return lightning_par.Hybrid3DStrategy(pipeline_parallel_size=2, data_parallel_size=2, zero_stage=3,
-                                              microbatches=2, plan=plan)
+                                              microbatches=2, model_map=model_map)
     if layout == "dp2-zero3-float8":  # FSDP2 gathers float8 weights, scales from one amax all-reduce
         return lightning_par.Hybrid3DStrategy(data_parallel_size=2, zero_stage=3, float8="tensorwise",
-                                              float8_emulate=True, plan=plan)
+                                              float8_emulate=True, model_map=model_map)
     if layout == "dp2-zero2":  # gradients reduced to owners in buckets; parameters in one flat bucket per owner
-        return lightning_par.ZeroStrategy(zero_stage=2, plan=plan)
+        return lightning_par.ZeroStrategy(zero_stage=2, model_map=model_map)
     if layout == "ep2-zero3":  # both blocks one FSDP2 unit, around the experts' own units
-        return lightning_par.Hybrid3DStrategy(expert_parallel_size=2, zero_stage=3, blocks_per_unit=2, plan=plan)
+        return lightning_par.Hybrid3DStrategy(expert_parallel_size=2, zero_stage=3, blocks_per_unit=2, model_map=model_map)
     if layout == "pp2xtp2-sp":
         return lightning_par.Hybrid3DStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
-                                              microbatches=2, plan=plan)
+                                              microbatches=2, model_map=model_map)
     raise ValueError(layout)
 
 
@@ -80,11 +80,11 @@ REFUSED: dict[tuple[str, str], str] = {
 def float8_model(name: str) -> torch.nn.Module:
     """Zoo model ``name`` with the layers of its blocks in float8, as the strategy converts them, in one process."""
     from lightning_par.parallel.float8 import apply_float8
-    from lightning_par.parallel.plan import ModelPlan, resolve_plan
+    from lightning_par.parallel.model_map import ModelMap, resolve_model_map
 
     model = zoo.make_model(name)
     given = zoo.PLANS.get(name)
-    apply_float8(model, ModelPlan.from_dict(given) if given else resolve_plan(None, model), "tensorwise", emulate=True)
+    apply_float8(model, ModelMap.from_dict(given) if given else resolve_model_map(None, model), "tensorwise", emulate=True)
     return model
 
 
@@ -127,17 +127,17 @@ def _train_every_model(rank: int, world_size: int, layout: str, models: tuple[st
         state = trainer.strategy.consolidated_state_dict()
         # Each distinct parameter under its first name, at its whole size: a tie lost would add a name.
         sizes = {clean_name(n): p.numel() for n, p in module.named_parameters()}
-        plan_lines = [line for line in log.lines if "tensor-parallel plan" in line or "tensor parallel (tp=" in line]
+        plan_lines = [line for line in log.lines if "tensor-parallel split" in line or "tensor parallel (tp=" in line]
         results[name] = ("trained", recorder.losses, state if rank == 0 else None, sizes, plan_lines)
     return results
 
 
 def rank_zero_plan(outcomes: list) -> str | None:
-    """The plan's source and split, as rank 0 logged them: ``huggingface: colwise 11, rowwise 4, vocab 1``."""
+    """The map's source and split, as rank 0 logged them: ``huggingface: colwise 11, rowwise 4, vocab 1``."""
     import re
 
     lines = outcomes[0][4]
-    source = next((m.group(1) for line in lines if (m := re.search(r"plan \((\w+)\) checked", line))), None)
+    source = next((m.group(1) for line in lines if (m := re.search(r"split \((\w+)\) checked", line))), None)
     split = next((line.split("on this rank: ")[1] for line in lines if "on this rank: " in line), None)
     return f"{source}: {split}" if source and split else None
 
@@ -178,11 +178,11 @@ def test_zoo_trains_like_one_process_or_is_refused(layout: str) -> None:
         if sum(sizes.values()) != single:
             failures.append(f"{name}: {sum(sizes.values())} parameters under {layout}, {single} in one process")
         if "tp" in layout and rank_zero_plan(outcomes) is None:
-            failures.append(f"{name}: no log line says where the tensor-parallel plan came from and what it split")
+            failures.append(f"{name}: no log line says where the tensor-parallel split came from and what it split")
         try:
             loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
-            plan = rank_zero_plan(outcomes) or ""
-            table.append(f"{name:12s} loss {loss_error:.1e}  weights {weight_error:.1e}  {plan}")
+            model_map = rank_zero_plan(outcomes) or ""
+            table.append(f"{name:12s} loss {loss_error:.1e}  weights {weight_error:.1e}  {model_map}")
         except AssertionError as error:
             failures.append(f"{name}: {error}")
             table.append(f"{name:12s} DIFFERS: {str(error)[:120]}")
@@ -214,7 +214,7 @@ def _built_on_meta(rank: int, world_size: int, layout: str, models: tuple[str, .
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_models_built_on_the_meta_device(layout: str) -> None:
-    """Trainer.init_module(empty_init=True): the plan check and the pipeline trace run on a small replica, the
+    """Trainer.init_module(empty_init=True): the tensor-parallel check and the pipeline trace run on a small replica, the
     model's own initialisation runs after the split, and a tied head stays tied (on the last stage too)."""
     import math
 

@@ -11,7 +11,7 @@ learned positions, parallel residuals, q/k norms per head and over the whole wid
 biases, MoE with shared experts and multi-head latent attention, plus a hand-written nanoGPT and three
 models of plain torch blocks: ``nn.MultiheadAttention`` (left whole by tensor parallel), projections no
 naming rule recognises (refused by tensor parallel), and projections directly in the block (split from an
-explicit plan).
+explicit map).
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ class TorchBlock(nn.Module):
 
 class FlatBlock(nn.Module):
     """Every projection directly in the block, no attention or MLP module, named so no rule recognises them: it
-    trains under tensor parallel from an explicit plan (:data:`PLANS`)."""
+    trains under tensor parallel from an explicit map (:data:`PLANS`)."""
 
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
@@ -209,7 +209,7 @@ class TorchLM(SGDModule):
         return self.model(inputs)
 
 
-# Explicit plans (the strategy's ``plan`` argument, as in YAML) for models no rule recognises.
+# Explicit model maps (the strategy's ``model_map`` argument, as in YAML) for models no rule recognises.
 PLANS: dict[str, dict] = {
     "flat_block": {"blocks": "model.blocks", "embedding": "model.embed", "final_norm": "model.norm",
                    "head": "model.head",

@@ -556,7 +556,7 @@ def _bubble_pipeline(a: dict, device) -> dict:
     from lightning_par.parallel.pipeline.bubble import simulated_bubble
     from lightning_par.parallel.pipeline.split import build_stages, split_pipeline
     from lightning_par.parallel.pipeline.runner import PipelineRunner
-    from lightning_par.parallel.plan import derive_plan
+    from lightning_par.parallel.model_map import derive_model_map
 
     config = ParallelConfig(pp=1, dp_shard=1, pp_schedule="interleaved_1f1b", pp_virtual_stages=2,
                             pp_microbatches=a["microbatches"]).validate(1)
@@ -567,7 +567,7 @@ def _bubble_pipeline(a: dict, device) -> dict:
     batch = next(iter(loader(a))).to(device)
     inputs, targets = batch[:, :-1], batch[:, 1:]
     micro = a["batch_size"] // a["microbatches"]
-    layout = split_pipeline(module, mesh, derive_plan(module), schedule=config.pp_schedule,
+    layout = split_pipeline(module, mesh, derive_model_map(module), schedule=config.pp_schedule,
                             virtual_stages=config.pp_virtual_stages, balance_by="parameters", device=device,
                             sample_batch=(inputs[:micro], targets[:micro]))
     stages = build_stages(module, layout, mesh, device)

@@ -18,7 +18,7 @@ it without special cases:
   after ``to_empty``.
 
 Submodule names match Hugging Face's Llama (``q_proj``, ``gate_proj``, ``embed_tokens``, ...) so that
-one automatic plan covers both.
+one automatic map covers both.
 """
 
 from __future__ import annotations

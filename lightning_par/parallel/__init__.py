@@ -9,14 +9,19 @@ from lightning_par.parallel.data import apply_data_parallel
 from lightning_par.parallel.experts import apply_expert_parallel
 from lightning_par.parallel.pipeline.split import split_pipeline
 from lightning_par.parallel.pipeline.trace import trace_network
-from lightning_par.parallel.plan import ModelPlan, derive_plan, huggingface_plan
-from lightning_par.parallel.plan_check import check_plan
+from lightning_par.parallel.model_map import ModelMap, derive_model_map, huggingface_model_map
+from lightning_par.parallel.model_map_check import check_model_map
 from lightning_par.parallel.clip import clip_grad_norm_
 from lightning_par.parallel.context import apply_context_parallel
 from lightning_par.parallel.tensor import apply_tensor_parallel, vocab_parallel_loss
 from lightning_par.parallel.zero import fully_shard_model, shard_optimizer
 
 _moved.install()
+
+
+def __getattr__(name: str) -> object:
+    return _moved.renamed_attribute(__name__, name)  # old names, for one release
+
 
 __all__ = [
     "parallelize",
@@ -31,9 +36,9 @@ __all__ = [
     "fully_shard_model",
     "shard_optimizer",
     "clip_grad_norm_",
-    "ModelPlan",
-    "derive_plan",
-    "huggingface_plan",
-    "check_plan",
+    "ModelMap",
+    "derive_model_map",
+    "huggingface_model_map",
+    "check_model_map",
     "trace_network",
 ]

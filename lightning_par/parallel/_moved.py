@@ -20,10 +20,18 @@ MOVED = {
     "lightning_par.parallel.weight_grad": ("lightning_par.parallel.pipeline.weight_grad",),
     "lightning_par.parallel.ties": ("lightning_par.parallel.pipeline.ties", "lightning_par.parallel.modules"),
     "lightning_par.parallel.replica": ("lightning_par.parallel.small_copy",),
+    "lightning_par.parallel.plan": ("lightning_par.parallel.model_map",),
+    "lightning_par.parallel.plan_check": ("lightning_par.parallel.model_map_check",),
 }
 # (old module, old name) -> the name it has now
 RENAMED = {("lightning_par.parallel.replica", "small_replica"): "small_copy",
-           ("lightning_par.parallel.pipeline.split", "SCHEDULES"): "TORCH_SCHEDULES"}
+           ("lightning_par.parallel.pipeline.split", "SCHEDULES"): "TORCH_SCHEDULES",
+           **{(old, name): new for old in ("lightning_par.parallel.plan", "lightning_par.parallel")
+              for name, new in (("ModelPlan", "ModelMap"), ("derive_plan", "derive_model_map"),
+                                ("huggingface_plan", "huggingface_model_map"), ("resolve_plan", "resolve_model_map"),
+                                ("PLAN_SOURCES", "MAP_SOURCES"))},
+           **{(old, "check_plan"): "check_model_map"
+              for old in ("lightning_par.parallel.plan_check", "lightning_par.parallel")}}
 
 
 def moved_name(old: str, new_modules: tuple[str, ...], name: str) -> object:
@@ -36,6 +44,13 @@ def moved_name(old: str, new_modules: tuple[str, ...], name: str) -> object:
                           FutureWarning, stacklevel=3)
             return getattr(module, now)
     raise AttributeError(f"module {old!r} has no attribute {name!r}")
+
+
+def renamed_attribute(module: str, name: str) -> object:
+    """For a module's ``__getattr__``: the new name's object when ``name`` is an old name of ``module``."""
+    if (module, name) not in RENAMED:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    return moved_name(module, (module,), name)
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -57,4 +72,4 @@ def install() -> None:
         sys.meta_path.append(_MovedFinder())
 
 
-__all__ = ["MOVED", "RENAMED", "install", "moved_name"]
+__all__ = ["MOVED", "RENAMED", "install", "moved_name", "renamed_attribute"]

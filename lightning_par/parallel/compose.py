@@ -1,9 +1,9 @@
 """parallelize(): the one place that fixes the order in which techniques are applied.
 
-The order matters and is the same as torchtitan's, after a check of the plan:
+The order matters and is the same as torchtitan's, after a check of the model map:
 
-0. the plan, checked     -- a tensor-parallel plan runs on a small copy, whole and split, and what it
-                            cannot compute alike is refused or, for a derived plan, gathered (plan_check);
+0. the model map, checked     -- a tensor-parallel split runs on a small copy, whole and split, and what it
+                            cannot compute alike is refused or, for a derived map, gathered (model_map_check);
    then float8           -- the blocks' linear layers become torchao's Float8Linear, before anything shards
                             them, so that tensor parallel splits and FSDP2 gathers float8 layers (float8);
 1. pipeline split        -- a stage must exist before its layers are sharded; what runs outside the blocks is
@@ -40,8 +40,8 @@ from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas
 from lightning_par.parallel.experts import apply_expert_parallel
 from lightning_par.parallel.float8 import apply_float8, check_float8_device, precompute_scales_before_forward
 from lightning_par.parallel.pipeline.split import StageLayout, build_stages, check_microbatches, split_pipeline
-from lightning_par.parallel.plan import ModelPlan, network_prefix
-from lightning_par.parallel.plan_check import check_plan
+from lightning_par.parallel.model_map import ModelMap, network_prefix
+from lightning_par.parallel.model_map_check import check_model_map
 from lightning_par.parallel.recompute import apply_activation_checkpointing
 from lightning_par.parallel.context import apply_context_parallel, check_sequence_length
 from lightning_par.parallel.parallelized import Parallelized
@@ -76,7 +76,7 @@ def parallelize(
     model: nn.Module,
     mesh: ParallelMesh,
     config: ParallelConfig,
-    plan: ModelPlan | None = None,
+    model_map: ModelMap | None = None,
     *,
     training: bool = True,
     device: torch.device | None = None,
@@ -89,13 +89,13 @@ def parallelize(
     """Apply every technique ``config`` asks for to ``model`` over ``mesh``; return the handle of the result
     (:class:`~lightning_par.parallel.parallelized.Parallelized`: the module to run and what a training loop asks).
 
-    ``plan`` locates blocks, attention and MLP for the model-parallel techniques and the ZeRO-3 units.
+    ``model_map`` locates blocks, attention and MLP for the model-parallel techniques and the ZeRO-3 units.
     With ``training=False`` (validate/test/predict) no gradient machinery is installed; replicas are made
     equal by a broadcast instead (ZeRO-3 still shards: that is what lets the model fit). Parameters
     created on the meta device are allocated on ``device`` (after sharding, under ZeRO-3).
-    ``sample_batch`` (inputs, targets; one micro-batch of the data) is what the tensor-parallel plan is checked
-    on (``plan_check``), what pipeline parallel traces to place the code outside the blocks, and what balancing
-    by profile times the blocks on; without it the plan is applied unchecked. ``log`` receives what was split
+    ``sample_batch`` (inputs, targets; one micro-batch of the data) is what the tensor-parallel split is checked
+    on (``model_map_check``), what pipeline parallel traces to place the code outside the blocks, and what balancing
+    by profile times the blocks on; without it the model map is applied unchecked. ``log`` receives what was split
     and what the check changed. Under pipeline parallel, the handle's runner computes ``loss_fn(logits, targets)``
     (the model's mean loss) for batches of which ``accumulate`` make one optimizer step.
     """
@@ -114,34 +114,36 @@ def parallelize(
     stages = None
     if applied is None:
         _check_fsdp_roots(model, config)
-        if config.tp > 1 and plan is not None and sample_batch is not None:  # 0: the plan, checked
-            plan, notes = check_plan(model, mesh, plan, sample_batch[0], sequence_parallel=config.sequence_parallel,
-                                     loss_parallel=config.loss_parallel, apply=apply_tensor_parallel)
+        if config.tp > 1 and model_map is not None and sample_batch is not None:  # 0: the model map, checked
+            model_map, notes = check_model_map(model, mesh, model_map, sample_batch[0],
+                                               sequence_parallel=config.sequence_parallel,
+                                               loss_parallel=config.loss_parallel, apply=apply_tensor_parallel)
             if log is not None:
-                log(f"tensor-parallel plan ({plan.source}) checked on a sample: " + ("; ".join(notes) or "as planned"))
+                log(f"tensor-parallel split ({model_map.source}) checked on a sample: "
+                    + ("; ".join(notes) or "as given"))
         if config.float8 is not None and not config.float8_emulate:
             check_float8_device(device, config.float8, log=log)
-        converted = apply_float8(model, plan, config.float8, emulate=config.float8_emulate,  # 0, float8
+        converted = apply_float8(model, model_map, config.float8, emulate=config.float8_emulate,  # 0, float8
                                  fsdp_all_gather=config.zero_stage == 3)
         if converted is not None and log is not None:
             log(converted.describe())
         if config.pp > 1:  # 1
-            stages = split_pipeline(model, mesh, plan, schedule=config.pp_schedule,
+            stages = split_pipeline(model, mesh, model_map, schedule=config.pp_schedule,
                                     virtual_stages=config.pp_virtual_stages, balance_by=config.pp_balance,
                                     device=device, sample_batch=sample_batch)
-        apply_tensor_parallel(model, mesh, plan, sequence_parallel=config.sequence_parallel,  # 2
+        apply_tensor_parallel(model, mesh, model_map, sequence_parallel=config.sequence_parallel,  # 2
                               loss_parallel=config.loss_parallel)
-        if config.tp > 1 and log is not None and plan is not None:
-            log(f"tensor parallel (tp={config.tp}) split, on this rank: {split_summary(model, plan)}")
-        apply_context_parallel(model, mesh, plan, method=config.cp_method)  # 3
-        apply_expert_parallel(model, mesh, config.ep, plan, reduce_gradients=config.zero_stage != 3)  # 4
-        apply_activation_checkpointing(model, plan, mode=config.activation_checkpointing,  # 5
+        if config.tp > 1 and log is not None and model_map is not None:
+            log(f"tensor parallel (tp={config.tp}) split, on this rank: {split_summary(model, model_map)}")
+        apply_context_parallel(model, mesh, model_map, method=config.cp_method)  # 3
+        apply_expert_parallel(model, mesh, config.ep, model_map, reduce_gradients=config.zero_stage != 3)  # 4
+        apply_activation_checkpointing(model, model_map, mode=config.activation_checkpointing,  # 5
                                        every=config.activation_checkpointing_every)
-        apply_compile(model, plan, enabled=config.compile)  # 6
+        apply_compile(model, model_map, enabled=config.compile)  # 6
         shard_root = None
         if config.zero_stage == 3:  # 7: shard, then allocate only the shards of a meta-device model
             # Under pipeline parallel each stage is a root, sharded when it is built.
-            shard_root = fully_shard_model(model, mesh, plan, reshard_after_forward=config.reshard_after_forward,
+            shard_root = fully_shard_model(model, mesh, model_map, reshard_after_forward=config.reshard_after_forward,
                                            param_dtype=_dtype(config.param_dtype),
                                            reduce_dtype=_dtype(config.reduce_dtype), cpu_offload=config.cpu_offload,
                                            root=stages is None, keep_gathered_blocks=config.keep_gathered_blocks,
@@ -154,7 +156,7 @@ def parallelize(
                                          shard_root=shard_root)
         if converted is not None and config.zero_stage == 3 and config.float8 == "tensorwise":  # float8 all-gather
             roots = ([(stage.submod, stage.submod) for stage in record.stages] if stages is not None
-                     else [(model, model.get_submodule(network_prefix(plan).rstrip(".")))])
+                     else [(model, model.get_submodule(network_prefix(model_map).rstrip(".")))])
             for root, network in roots:
                 precompute_scales_before_forward(root, network)
         record.layout = layout

@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_par.config import CP_METHODS, ContextParallelMethod
 from lightning_par.mesh import ParallelMesh
-from lightning_par.parallel.plan import ModelPlan
+from lightning_par.parallel.model_map import ModelMap
 
 Method = ContextParallelMethod  # ulysses or ring, as config.py names them
 
@@ -308,25 +308,25 @@ class ContextParallelBlock:
         return _GatherSequence.apply(output, self.group, self.method)
 
 
-def apply_context_parallel(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *,
+def apply_context_parallel(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap | None, *,
                            method: Method = "ulysses") -> nn.Module:
-    """Split every sequence over the ``cp`` dimension of ``mesh`` inside the blocks ``plan`` names (in place)."""
+    """Split every sequence over the ``cp`` dimension of ``mesh`` inside the blocks ``model_map`` names (in place)."""
     cp = mesh.size("cp")
     if cp == 1:
         return module
     if method not in CP_METHODS:
         raise ValueError(f"context parallel method {method!r} is not one of {CP_METHODS}")
-    if plan is None:
-        raise ValueError(f"cp={cp} needs to know where the blocks are, and no model plan was found: give the "
-                         "strategy a plan (plan: {blocks: ...}) or use a standard decoder layout")
-    routed = [name for name, sub in module.named_modules() if plan.style_of(name) == "experts"]
+    if model_map is None:
+        raise ValueError(f"cp={cp} needs to know where the blocks are, and no model map was found: give the "
+                         "strategy a model map (model_map: {blocks: ...}) or use a standard decoder layout")
+    routed = [name for name, sub in module.named_modules() if model_map.style_of(name) == "experts"]
     if routed:
         # Capacity and the load-balancing loss are computed per sequence (GShard, Switch): on a slice of each
         # sequence they would be different numbers, and training would silently differ.
         raise ValueError(f"cp={cp} with mixture-of-experts layers ({routed[0]!r}, ...): the router's capacity and "
                          "load-balancing loss are per sequence, and context parallel gives each rank a slice of it; "
                          "use data and expert parallel (and tensor parallel for attention) for MoE models")
-    names = plan.block_names(module)
+    names = model_map.block_names(module)
     for index, name in enumerate(names):
         block = module.get_submodule(name)
         # An instance attribute shadows the class's forward; the parameter names (and checkpoints) stay.

@@ -3,7 +3,7 @@
 
 Two kinds of MoE layer are split: those that route their own tokens once they are given an expert group (an
 ``expert_group`` attribute, ``n_experts`` and stacked ``experts``: ``lightning_par.models.moe.MoEFeedForward``),
-and the modules a model plan marks ``experts`` that hold their experts as stacked 3-D weights (Hugging Face's
+and the modules a model map marks ``experts`` that hold their experts as stacked 3-D weights (Hugging Face's
 Mixtral, Qwen-MoE, OLMoE), whose forward is wrapped. The layer itself (router, capacity, auxiliary losses) is a
 model's part and lives in ``lightning_par.models.moe``.
 """
@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_par.config import divisors
 from lightning_par.mesh import ParallelMesh
-from lightning_par.parallel.plan import ModelPlan
+from lightning_par.parallel.model_map import ModelMap
 
 
 def dispatch_and_combine(tokens: Tensor, experts_of_tokens: Tensor, experts: Callable[[Tensor, list[int]], Tensor],
@@ -52,12 +52,12 @@ def dispatch_and_combine(tokens: Tensor, experts_of_tokens: Tensor, experts: Cal
     return torch.zeros_like(returned).index_add(0, order, returned)  # back into the tokens' order
 
 
-def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, plan: ModelPlan | None = None, *,
+def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, model_map: ModelMap | None = None, *,
                           reduce_gradients: bool = True) -> nn.Module:
     """Split the experts of every MoE layer in ``module`` over ``ep`` ranks (in place).
 
     MoE layers are those that route their own tokens (:func:`routes_its_tokens`: this project's
-    ``MoEFeedForward``), and the modules ``plan`` marks ``experts`` that hold their experts as stacked 3-D weights
+    ``MoEFeedForward``), and the modules ``model_map`` marks ``experts`` that hold their experts as stacked 3-D weights
     and are called as ``experts(hidden_states, top_k_index, top_k_weights)`` (Hugging Face's Mixtral, Qwen-MoE,
     OLMoE in transformers 5).
 
@@ -72,7 +72,7 @@ def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, plan: 
     ours = [m for m in module.modules() if routes_its_tokens(m)]
     split_by_ours = {id(layer.experts) for layer in ours}
     theirs = [m for name, m in module.named_modules()
-              if plan is not None and plan.style_of(name) == "experts" and id(m) not in split_by_ours
+              if model_map is not None and model_map.style_of(name) == "experts" and id(m) not in split_by_ours
               and _stacked_experts(m) is not None]
     if ep == 1 or not (ours or theirs):
         return module

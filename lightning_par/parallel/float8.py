@@ -12,7 +12,7 @@ output, the weights the optimizer sees and the checkpoint names stay as they wer
 * ``rowwise``: one scale per row of each operand (per token, per output feature), all in ``e4m3``: more
   accurate where rows differ in range, gathered in the parameter dtype (torchao casts after the gather).
 
-What is converted: the ``nn.Linear`` layers inside the plan's blocks. What is not, and why, is returned and
+What is converted: the ``nn.Linear`` layers inside the map's blocks. What is not, and why, is returned and
 logged: the head and embeddings (outside the blocks: the logits are where low precision hurts most), a
 mixture-of-experts router (a rounding must not change which expert a token goes to), layers whose sizes are not
 multiples of 16 (``_scaled_mm``'s tiles), GPT-2's ``Conv1D`` and stacked expert weights (not ``nn.Linear``).
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from lightning_par.config import FLOAT8_RECIPES
-from lightning_par.parallel.plan import ModelPlan, is_conv1d
+from lightning_par.parallel.model_map import ModelMap, is_conv1d
 
 # Linear layers that route tokens to experts: a changed rounding would change the routing, not just a product.
 ROUTER_NAMES = ("router", "gate")
@@ -101,18 +101,19 @@ def check_float8_device(device: torch.device, recipe: str, log: Callable[[str], 
             "matmul; float8_emulate=True rounds to float8 at matmul speed")
 
 
-def float8_candidates(module: nn.Module, plan: ModelPlan) -> Float8Conversion:
+def float8_candidates(module: nn.Module, model_map: ModelMap) -> Float8Conversion:
     """Which linear layers of the blocks :func:`apply_float8` would convert, and why the others are not."""
-    if plan is None:
-        raise ValueError("float8 converts the linear layers of the transformer blocks, and no model plan says where "
-                         "the blocks are: give the strategy a plan (plan: {blocks: ...}) or use a standard decoder")
+    if model_map is None:
+        raise ValueError("float8 converts the linear layers of the transformer blocks, and no model map says where "
+                         "the blocks are: give the strategy a model map (model_map: {blocks: ...}) or use a standard "
+                         "decoder")
     report = Float8Conversion(recipe="")
-    blocks = module.get_submodule(plan.blocks)
+    blocks = module.get_submodule(model_map.blocks)
     float8_linear = _torchao_float8().float8_linear.Float8Linear
     # nn.MultiheadAttention reads its out_proj's weight in a functional call, never calling the layer.
     read_directly = {id(m.out_proj) for m in blocks.modules() if isinstance(m, nn.MultiheadAttention)}
     for name, child in blocks.named_modules():
-        full = f"{plan.blocks}.{name}"
+        full = f"{model_map.blocks}.{name}"
         if isinstance(child, float8_linear):
             report.converted.append(full)  # by the user, with torchao: trained in float8 as it is
         elif is_conv1d(child):
@@ -132,7 +133,7 @@ def float8_candidates(module: nn.Module, plan: ModelPlan) -> Float8Conversion:
     return report
 
 
-def apply_float8(module: nn.Module, plan: ModelPlan | None, recipe: str | None, *, emulate: bool = False,
+def apply_float8(module: nn.Module, model_map: ModelMap | None, recipe: str | None, *, emulate: bool = False,
                  fsdp_all_gather: bool = False) -> Float8Conversion | None:
     """Swap the blocks' eligible ``nn.Linear`` layers of ``module`` for torchao's ``Float8Linear`` (in place, same
     parameters and names); returns what was converted and what was not (None when ``recipe`` is None).
@@ -142,18 +143,18 @@ def apply_float8(module: nn.Module, plan: ModelPlan | None, recipe: str | None, 
     if recipe is None:
         return None
     config = float8_linear_config(recipe, emulate=emulate, fsdp_all_gather=fsdp_all_gather)
-    report = float8_candidates(module, plan)
+    report = float8_candidates(module, model_map)
     report.recipe = recipe
     if not report.converted:
         kept = "; ".join(f"{name}: {why}" for name, why in report.skipped.items()) or "no nn.Linear in them"
-        raise ValueError(f"float8={recipe!r} found no linear layer to convert in the blocks {plan.blocks!r} ({kept}); "
-                         "set float8=None")
+        raise ValueError(f"float8={recipe!r} found no linear layer to convert in the blocks {model_map.blocks!r} "
+                         f"({kept}); set float8=None")
     torchao_float8 = _torchao_float8()
     converted_already = torchao_float8.float8_linear.Float8Linear
     chosen = {name for name in report.converted if not isinstance(module.get_submodule(name), converted_already)}
     torchao_float8.convert_to_float8_training(
-        module.get_submodule(plan.blocks), config=config,
-        module_filter_fn=lambda _layer, name: f"{plan.blocks}.{name}" in chosen)
+        module.get_submodule(model_map.blocks), config=config,
+        module_filter_fn=lambda _layer, name: f"{model_map.blocks}.{name}" in chosen)
     return report
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-# Wrappers that must not appear in the names a checkpoint or a plan uses.
+# Wrappers that must not appear in the names a checkpoint or a model map uses.
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
@@ -70,7 +70,7 @@ def retie(module: nn.Module, groups: Iterable[tuple[str, ...]]) -> None:
             plain = sorted(set(computing) - set(split))
             raise ValueError(f"{group[0]!r} is tied to {', '.join(repr(n) for n in group[1:])}, but tensor parallel "
                              f"splits {sorted(split)} and leaves {plain} whole: one tensor cannot be both; give "
-                             "every user the same split in the plan (an embedding 'vocab' with a head 'colwise') "
+                             "every user the same split in the model map (an embedding 'vocab' with a head 'colwise') "
                              "or leave them all 'replicate'")
         layouts = {(tuple(t.placements), t.device_mesh, tuple(t.shape)) for t in split.values()}
         if len(layouts) > 1:

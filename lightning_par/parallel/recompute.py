@@ -8,7 +8,7 @@
   Activation Recomputation in Large Transformer Models").
 
 ``every`` checkpoints one block in ``every`` (1: all of them), trading memory for recompute time.
-Blocks come from the model plan; the wrapper keeps parameter names (checkpoint wrappers strip their own
+Blocks come from the model map; the wrapper keeps parameter names (checkpoint wrappers strip their own
 prefix from state dicts), so checkpoints stay compatible with and without recomputation.
 """
 
@@ -22,7 +22,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from lightning_par.config import RECOMPUTE_MODES
-from lightning_par.parallel.plan import ModelPlan
+from lightning_par.parallel.model_map import ModelMap
 
 # Ops whose outputs selective recomputation keeps: the expensive ones. Everything else is recomputed.
 _SAVED_OPS = {
@@ -41,21 +41,21 @@ def _keep_matmul_outputs(ctx: object, op: object, *args: object, **kwargs: objec
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(module: nn.Module, plan: ModelPlan | None, *, mode: str = "full",
+def apply_activation_checkpointing(module: nn.Module, model_map: ModelMap | None, *, mode: str = "full",
                                    every: int = 1) -> nn.Module:
-    """Wrap the blocks of ``plan`` in ``module`` for recomputation; returns ``module`` (changed in place)."""
+    """Wrap the blocks of ``model_map`` in ``module`` for recomputation; returns ``module`` (changed in place)."""
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"activation_checkpointing={mode!r} is not one of {RECOMPUTE_MODES}")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"activation_checkpointing_every must be a positive integer, got {every!r}")
     if mode == "none":
         return module
-    if plan is None:
+    if model_map is None:
         raise ValueError(
             f"activation_checkpointing={mode!r} needs to know where the transformer blocks are, and no model "
-            "plan was found: give the strategy a plan (plan: {blocks: ...}) or use a standard decoder layout"
+            "map was found: give the strategy a model map (model_map: {blocks: ...}) or use a standard decoder layout"
         )
-    container = module.get_submodule(plan.blocks)
+    container = module.get_submodule(model_map.blocks)
     for index, (name, block) in enumerate(list(container.named_children())):
         if index % every != 0 or next(block.parameters(), None) is None:
             continue  # not this one, or nothing to recompute (a pipeline stage's pass-through)

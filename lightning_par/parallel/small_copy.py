@@ -1,6 +1,6 @@
 """A small real copy of a model: the same modules, one block of each kind, random weights, no weight copied.
 
-Checking a tensor-parallel plan runs the model whole and split; tracing what a network does outside its
+Checking a tensor-parallel split runs the model whole and split; tracing what a network does outside its
 blocks runs it once. Neither needs the model's own weights or all of its blocks, and a model built on the
 meta device (``Trainer.init_module(empty_init=True)``) has no weights to run. :func:`small_copy` deep-copies
 the model with every parameter swapped for a meta tensor (so nothing is copied), keeps the first blocks that

@@ -7,9 +7,9 @@ and its own slice of the MLP hidden units, and one all-reduce per pair restores 
 The embedding is split by vocabulary rows (each rank looks up the tokens it holds, an all-reduce sums
 them) and the head by vocabulary columns (an all-gather assembles the logits, or, with loss parallel,
 the logits stay split and the cross-entropy is computed on the shards). Which module gets which style
-comes from the model plan (``colwise``, ``rowwise``, ``colwise_gather``, ``rowwise_split``, ``vocab``,
-``sequence``, ``per_shard``; see ``lightning_par.parallel.plan``), checked against the model's computation
-before training (``lightning_par.parallel.plan_check``). ``nn.Linear`` and GPT-2's ``Conv1D`` (weight stored
+comes from the model map (``colwise``, ``rowwise``, ``colwise_gather``, ``rowwise_split``, ``vocab``,
+``sequence``, ``per_shard``; see ``lightning_par.parallel.model_map``), checked against the model's computation
+before training (``lightning_par.parallel.model_map_check``). ``nn.Linear`` and GPT-2's ``Conv1D`` (weight stored
 as (in, out)) are both split.
 """
 
@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_par.config import divisors
 from lightning_par.mesh import ParallelMesh
-from lightning_par.parallel.plan import SPLIT_STYLES, ModelPlan, is_conv1d, is_projection, projection_features
+from lightning_par.parallel.model_map import SPLIT_STYLES, ModelMap, is_conv1d, is_projection, projection_features
 from lightning_par.parallel.modules import retie, tied_groups
 
 
@@ -44,7 +44,7 @@ class PrepareFirstInput(ParallelStyle):
     """Lay out a module's first input, passed by position or by keyword, as ``desired`` (a DTensor).
 
     PyTorch's ``PrepareModuleInput`` needs to know whether the caller passes the input by position; this
-    style accepts both, so the same plan fits modules called as ``attn(x)`` and as ``attn(hidden_states=x)``
+    style accepts both, so the same styles fit modules called as ``attn(x)`` and as ``attn(hidden_states=x)``
     (Hugging Face).
     """
 
@@ -157,9 +157,9 @@ class Replicated(ParallelStyle):
             replicated)
 
 
-def tensor_parallel_styles(module: nn.Module, plan: ModelPlan, *, sequence_parallel: bool = False,
+def tensor_parallel_styles(module: nn.Module, model_map: ModelMap, *, sequence_parallel: bool = False,
                            vocab_parallel_logits: bool = False) -> dict[str, ParallelStyle]:
-    """The DTensor style of every module the plan splits (see :data:`~lightning_par.parallel.plan.STYLES`).
+    """The DTensor style of every module the model map splits (see :data:`~lightning_par.parallel.model_map.STYLES`).
 
     With ``sequence_parallel`` (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
     Transformer Models") the activations between the tensor-parallel regions stay split along the
@@ -175,14 +175,14 @@ def tensor_parallel_styles(module: nn.Module, plan: ModelPlan, *, sequence_paral
     between = Shard(1) if sequence_parallel else Replicate()
     styles: dict[str, ParallelStyle] = {}
     regions: dict[str, list[tuple[str, str]]] = {}  # module holding split layers -> (layer, style)
-    blocks = plan.blocks + "."
+    blocks = model_map.blocks + "."
     for name, sub in module.named_modules():
-        style = plan.style_of(name)
+        style = model_map.style_of(name)
         if style == "vocab" and isinstance(sub, nn.Embedding):
             # Rows are the vocabulary: each rank embeds the tokens it holds; the partial sums are reduced.
             styles[name] = Rowwise(input_layouts=Replicate(), output_layouts=between,
                                    use_local_output=not sequence_parallel)
-        elif style in ("colwise", "colwise_gather") and is_projection(sub) and name == plan.head:
+        elif style in ("colwise", "colwise_gather") and is_projection(sub) and name == model_map.head:
             # The vocabulary-sharded logits are gathered so that any loss function sees them whole, unless the
             # loss runs on the shards (loss parallel).
             styles[name] = (Colwise(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
@@ -193,11 +193,11 @@ def tensor_parallel_styles(module: nn.Module, plan: ModelPlan, *, sequence_paral
             styles[name] = SequenceParallel()
         elif style == "per_shard":
             styles[name] = PerShard()
-        elif (sequence_parallel and style in (None, "replicate") and not name.startswith(blocks) and name != plan.blocks
-              and next(sub.parameters(recurse=False), None) is not None):
+        elif (sequence_parallel and style in (None, "replicate") and not name.startswith(blocks)
+              and name != model_map.blocks and next(sub.parameters(recurse=False), None) is not None):
             styles[name] = Replicated()
     for parent, layers in regions.items():
-        once = _takes_input_once(module, parent, plan)
+        once = _takes_input_once(module, parent, model_map)
         for name, style in layers:
             if style in ("colwise", "colwise_gather"):
                 # Split heads stay local; a gathered output is whole (for code that slices it by global sizes).
@@ -215,32 +215,32 @@ def tensor_parallel_styles(module: nn.Module, plan: ModelPlan, *, sequence_paral
     return styles
 
 
-def _takes_input_once(module: nn.Module, parent: str, plan: ModelPlan) -> bool:
+def _takes_input_once(module: nn.Module, parent: str, model_map: ModelMap) -> bool:
     """Whether the split layers' module can receive its input as one replicated DTensor: it is not a block (whose
     norms and residual need the plain activations) and every parameter in it belongs to a split layer or to a
     ``per_shard`` module, so nothing else in it meets that DTensor."""
-    if not parent or parent == plan.blocks or parent.rpartition(".")[0] == plan.blocks:
+    if not parent or parent == model_map.blocks or parent.rpartition(".")[0] == model_map.blocks:
         return False
     for name, sub in module.get_submodule(parent).named_modules():
         if next(sub.parameters(recurse=False), None) is None:
             continue
-        style = plan.style_of(f"{parent}.{name}" if name else parent)
+        style = model_map.style_of(f"{parent}.{name}" if name else parent)
         if not (style == "per_shard" or (style in SPLIT_STYLES and is_projection(sub))):
             return False
     return True
 
 
-def check_tensor_parallel(module: nn.Module, plan: ModelPlan | None, tp: int) -> None:
+def check_tensor_parallel(module: nn.Module, model_map: ModelMap | None, tp: int) -> None:
     """Raise ``ValueError`` when ``module`` cannot be split ``tp`` ways, naming the size and what fits."""
     if tp == 1:
         return
-    if plan is None:
+    if model_map is None:
         raise ValueError(
-            f"tp={tp} needs to know which layers to split, and no model plan was found: give the strategy a plan "
-            "(plan: {blocks: ..., styles: {...}}) or use a standard decoder layout (see docs/models.md)"
+            f"tp={tp} needs to know which layers to split, and no model map was found: give the strategy a model map "
+            "(model_map: {blocks: ..., styles: {...}}) or use a standard decoder layout (see docs/models.md)"
         )
     for name, sub in module.named_modules():
-        style = plan.style_of(name)
+        style = model_map.style_of(name)
         if style not in (*SPLIT_STYLES, "vocab"):
             continue
         inside = [n for n, m in module.named_modules() if isinstance(m, nn.MultiheadAttention) and
@@ -269,9 +269,9 @@ def check_tensor_parallel(module: nn.Module, plan: ModelPlan | None, tp: int) ->
                              f"fit this layer: {fits}")
 
 
-def apply_tensor_parallel(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *,
+def apply_tensor_parallel(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap | None, *,
                           sequence_parallel: bool = False, loss_parallel: bool = False) -> nn.Module:
-    """Split the layers of ``module`` that ``plan`` marks over the ``tp`` dimension of ``mesh`` (in place).
+    """Split the layers of ``module`` that ``model_map`` marks over the ``tp`` dimension of ``mesh`` (in place).
 
     Under ``sequence_parallel`` the sequence length of every batch must be divisible by ``tp``. Under
     ``loss_parallel`` the head's logits stay split over the vocabulary: run the loss inside
@@ -280,29 +280,29 @@ def apply_tensor_parallel(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan
     tp = mesh.size("tp")
     if tp == 1:
         return module
-    check_tensor_parallel(module, plan, tp)
-    assert plan is not None
-    styles = tensor_parallel_styles(module, plan, sequence_parallel=sequence_parallel,
+    check_tensor_parallel(module, model_map, tp)
+    assert model_map is not None
+    styles = tensor_parallel_styles(module, model_map, sequence_parallel=sequence_parallel,
                                     vocab_parallel_logits=loss_parallel)
     ties = tied_groups(module)
     parallelize_module(module, mesh["tp"], styles)
     # parallelize_module gives each module its own DTensors: a head tied to the embedding would become a copy.
     retie(module, ties)
     for name, sub in module.named_modules():
-        if plan.style_of(name) == "vocab" and isinstance(sub, nn.Embedding) and isinstance(sub.weight, DTensor):
+        if model_map.style_of(name) == "vocab" and isinstance(sub, nn.Embedding) and isinstance(sub.weight, DTensor):
             sub.weight.register_hook(_KeepPlacements(sub.weight.placements))
-    if sequence_parallel and plan.embedding is not None:
+    if sequence_parallel and model_map.embedding is not None:
         # Before the embedding's collective, on every rank alike: a sequence that does not split would
         # otherwise fail deep inside DTensor with shapes that do not mention the cause.
-        module.get_submodule(plan.embedding).register_forward_pre_hook(_SequenceLengthCheck(tp))
+        module.get_submodule(model_map.embedding).register_forward_pre_hook(_SequenceLengthCheck(tp))
     return module
 
 
-def split_summary(module: nn.Module, plan: ModelPlan) -> str:
+def split_summary(module: nn.Module, model_map: ModelMap) -> str:
     """How many parameter tensors each style split, e.g. ``colwise 8, rowwise 4, vocab 1``."""
     counts: dict[str, int] = {}
     for name, sub in module.named_modules():
-        style = plan.style_of(name)
+        style = model_map.style_of(name)
         tensors = [p for p in sub.parameters(recurse=False) if isinstance(p, DTensor)]
         if style is not None and tensors:
             counts[style] = counts.get(style, 0) + len(tensors)

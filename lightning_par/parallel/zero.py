@@ -11,7 +11,7 @@ Over N data-parallel ranks:
   to the rank that owns their parameters, in buckets, as backward produces them, and dropped elsewhere
   (DeepSpeed's stage 2: parameters stay whole all the time). Same sharded optimizer.
 - stage 3 shards the parameters as well: ``16/N``. FSDP2's ``fully_shard`` per transformer block (from
-  the model plan) plus the root: a block's parameters are all-gathered just before it runs and freed
+  the model map) plus the root: a block's parameters are all-gathered just before it runs and freed
   after (``reshard_after_forward=False`` keeps them until backward instead, trading memory for one
   all-gather; ``keep_gathered_blocks=N`` does so for the last N blocks only, which backward needs first).
   ``prefetch_blocks=N`` issues the all-gathers of the next N blocks when a block starts, in forward and in
@@ -41,19 +41,19 @@ from torch.optim import Optimizer
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.background_reduce import SUPPORTED, BackgroundReduceScatter
 from lightning_par.parallel.experts import expert_modules, local_part
-from lightning_par.parallel.plan import ModelPlan
+from lightning_par.parallel.model_map import ModelMap
 from lightning_par.parallel.record import layout_record
 
 
-def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *,
+def fully_shard_model(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap | None, *,
                       reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
                       reduce_dtype: torch.dtype | None = None, cpu_offload: bool = False,
                       root: bool = True, keep_gathered_blocks: int = 0, prefetch_blocks: int = 0,
                       blocks_per_unit: int = 1,
                       stage_blocks: Sequence[Sequence[nn.Module]] | None = None) -> Callable[[nn.Module], None]:
-    """ZeRO-3: shard every block of ``plan`` with FSDP2, then the root (embedding, norm, head, the rest).
+    """ZeRO-3: shard every block of ``model_map`` with FSDP2, then the root (embedding, norm, head, the rest).
 
-    Without a plan the whole model is one unit: still sharded at rest, but gathered whole for forward.
+    Without a model map the whole model is one unit: still sharded at rest, but gathered whole for forward.
     Experts split by expert parallel are units of their own, sharded over the ranks that hold the same experts
     (:meth:`ParallelMesh.experts`; torchtitan's EP x FSDP), while the rest of their block is sharded over all of
     ``dp_shard x cp``.
@@ -98,8 +98,8 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | N
             # gloo has no pre-multiplied sum: sum, then divide. (Not with one shard: FSDP2 then divides while
             # copying instead of reduce-scattering, and would divide a second time.)
             experts.set_force_sum_reduction_for_comms(True)
-    if plan is not None:
-        blocks = [block for block in module.get_submodule(plan.blocks).children()
+    if model_map is not None:
+        blocks = [block for block in module.get_submodule(model_map.blocks).children()
                   if next(block.parameters(), None) is not None]  # not the stand-ins for other pipeline ranks' blocks
         runs = [blocks] if stage_blocks is None else [[b for b in blocks if any(b is s for s in stage)]
                                                       for stage in stage_blocks]
@@ -119,7 +119,7 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | N
 
     if root:
         shard_root(module)
-        if plan is not None and prefetch_units:  # the first blocks gather while the embedding runs
+        if model_map is not None and prefetch_units:  # the first blocks gather while the embedding runs
             module.set_modules_to_forward_prefetch(heads[:prefetch_units])
     return shard_root
 

@@ -12,6 +12,7 @@ plans the sizes left ``"auto"``, in ``_choose_layout``). The layers below hold t
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -30,7 +31,7 @@ from typing_extensions import override
 from lightning_par.config import Float8Recipe, ParallelConfig, Recompute
 from lightning_par.parallel.compose import parallelize
 from lightning_par.parallel.parallelized import Parallelized, parallelized_by_its_author
-from lightning_par.parallel.plan import ModelPlan, resolve_plan
+from lightning_par.parallel.model_map import ModelMap, resolve_model_map
 from lightning_par.strategies.arguments import rename_arguments
 from lightning_par.strategies.full_batches import drop_partial_last_batch
 from lightning_par.strategies.setup_checks import check_module, sample_for_layout
@@ -55,9 +56,10 @@ class MeshStrategy(StepsThroughTheHandle):
             (by default the config's, False).
         async_tp: overlap sequence parallel's collectives with the matmuls beside them in the compiled blocks
             (torch's micro-pipelined tensor parallel; CUDA only); needs tensor and sequence parallel and compile.
-        plan: where the model keeps its blocks (a :class:`ModelPlan` or its dict form from YAML); derived
+        model_map: where the model keeps its blocks (a :class:`ModelMap` or its dict form from YAML); derived
             from the model when omitted. A LightningModule that defines ``parallelize(mesh, config)``
             parallelizes itself instead (it returns the module to train, or None if it changed itself).
+        plan: the old name of ``model_map`` (warns; goes in the next release).
         save_distributed_checkpoint: write sharded DCP directories (reshardable across layouts) instead
             of one full file gathered on rank 0. With Lightning's ``AsyncCheckpointIO`` plugin
             (``Trainer(plugins=[AsyncCheckpointIO()])``) they are written in the background while training
@@ -89,7 +91,7 @@ class MeshStrategy(StepsThroughTheHandle):
                  activation_checkpointing: Recompute | None = None, activation_checkpointing_every: int | None = None,
                  compile: bool | None = None, float8: Float8Recipe | None = None,
                  float8_emulate: bool | None = None, async_tp: bool | None = None,
-                 plan: ModelPlan | dict[str, Any] | None = None,
+                 model_map: ModelMap | dict[str, Any] | None = None, plan: ModelMap | dict[str, Any] | None = None,
                  save_distributed_checkpoint: bool = True, checkpoint_weights_only: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  **lightning_arguments: Any) -> None:
@@ -109,7 +111,13 @@ class MeshStrategy(StepsThroughTheHandle):
                 raise ValueError(f"pp={self.parallel_config.pp}: each rank saves its own stages, so checkpoints are "
                                  "sharded; save_distributed_checkpoint=False is not supported - export a single file "
                                  "with lightning-par-export instead")
-        self._plan = ModelPlan.from_dict(plan) if isinstance(plan, dict) else plan
+        if plan is not None:
+            warnings.warn("the strategy argument `plan` is now `model_map` (YAML: `model_map: {blocks: ...}`); "
+                          "`plan` goes in the next release", FutureWarning, stacklevel=2)
+            if model_map is not None:
+                raise ValueError("give the model map once: as model_map (plan is its old name), not both")
+            model_map = plan
+        self._model_map = ModelMap.from_dict(model_map) if isinstance(model_map, dict) else model_map
         self._parallelized: Parallelized | None = None
 
     def _unit_controls(self, **given: Any) -> dict[str, Any]:
@@ -193,15 +201,15 @@ class MeshStrategy(StepsThroughTheHandle):
             # Lightning's ModelParallelStrategy idiom: configure_model() split and sharded the model itself on
             # self.device_mesh["tensor_parallel"] / ["data_parallel"]. It is trained as it is.
             rank_zero_info(f"{type(self).__name__}: the LightningModule parallelized itself in configure_model(); "
-                           "the strategy applies no plan to it")
+                           "the strategy applies no model map to it")
             return Parallelized.as_given(module, mesh, config)
-        plan = resolve_plan(self._plan, module)
-        self.parallel_config = config = resolve_units(config, self._auto_units, module, plan,
+        model_map = resolve_model_map(self._model_map, module)
+        self.parallel_config = config = resolve_units(config, self._auto_units, module, model_map,
                                                       self.root_device, self.num_processes,
                                                       log=lambda line: rank_zero_info(f"{type(self).__name__}: {line}"))
-        return parallelize(module, mesh, config, plan, training=training, device=self.root_device,
+        return parallelize(module, mesh, config, model_map, training=training, device=self.root_device,
                            device_ids=None if self.root_device.type == "cpu" else [self.root_device.index],
-                           sample_batch=sample_for_layout(self.lightning_module, config, plan, self.broadcast),
+                           sample_batch=sample_for_layout(self.lightning_module, config, model_map, self.broadcast),
                            log=rank_zero_info, loss_fn=getattr(self.lightning_module, "loss_fn", None),
                            accumulate=trainer.accumulate_grad_batches)
 

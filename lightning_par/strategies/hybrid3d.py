@@ -167,7 +167,7 @@ class Hybrid3DStrategy(MeshStrategy):
         if not self._save_distributed_checkpoint:
             fixed.setdefault("pp", 1)  # a full-file checkpoint cannot hold a pipeline
         # The architecture: model_spec if given, else the module's configuration, else read off its parameters.
-        spec = self._model_spec or module_spec(module, self._plan)
+        spec = self._model_spec or module_spec(module, self._model_map)
         precision = _planner_precision(trainer.precision)
         if self._calibrate:
             cluster = self._measured_cluster(cluster, spec, batch_size=batch_size, seq_len=seq_len,
@@ -268,7 +268,7 @@ class AutoParallelStrategy(Hybrid3DStrategy):
             every rank times a large matmul, one block of the model (its projections, attention and element-wise
             ops) on one micro-batch, and an all-reduce, and all plan with the slowest rank's rates
             (``lightning_par.planner.measure``; about a second on a CPU). ``device`` keeps what is not measured.
-            Off by default: a measured plan depends on the machine's load, a data-sheet plan is reproducible.
+            Off by default: a measured layout depends on the machine's load, a data-sheet layout is reproducible.
         model_spec: the architecture (a preset name or ``ModelSpec``'s sizes); by default read from the model's
             configuration, or, for a module without one, off its parameters
             (``lightning_par.strategies.model_spec``).
@@ -278,7 +278,7 @@ class AutoParallelStrategy(Hybrid3DStrategy):
         context_parallel_size: ``"auto"`` (default) or fixed.
         expert_parallel_size: ``"auto"`` (default) or fixed.
         zero_stage: ``"auto"`` (default) or fixed (0-3).
-        plan: where the model keeps its blocks (derived for standard decoders; see docs/architecture.md).
+        model_map: where the model keeps its blocks (derived for standard decoders; see docs/architecture.md).
         save_distributed_checkpoint: sharded DCP directory (default); ``False`` keeps the planner away from
             pipeline parallel.
     """

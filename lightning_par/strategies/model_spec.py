@@ -2,10 +2,10 @@
 
 ``ModelSpec.from_module`` reads a LlamaConfig-like or Hugging Face-like ``.config``; a user's own module (a
 nanoGPT, a stack of ``nn.TransformerEncoderLayer``) has none. :func:`derive_model_spec` describes it from what it
-is made of, located by its :class:`~lightning_par.parallel.plan.ModelPlan` (the plan tensor and pipeline parallel
-use; docs/architecture.md, "How a model tells the strategy its shape"):
+is made of, located by its :class:`~lightning_par.parallel.model_map.ModelMap` (the map tensor and pipeline
+parallel use; docs/architecture.md, "How a model tells the strategy its shape"):
 
-* ``vocab_size`` and ``hidden``: the embedding's table; ``layers``: the plan's blocks; ``tie_embeddings``: the head's
+* ``vocab_size`` and ``hidden``: the embedding's table; ``layers``: the map's blocks; ``tie_embeddings``: the head's
   weight is the embedding's (the same ``Parameter``).
 * attention: the block's ``nn.MultiheadAttention``, or its q/k/v (separate or fused) and output projections, found
   by the names decoder families use. Projection shapes give widths, not heads: a head count or head width must come
@@ -15,7 +15,7 @@ use; docs/architecture.md, "How a model tells the strategy its shape"):
 * feed-forward: the block's other projections. The one that returns to the model width is ``down``; the ones that
   leave it hold one (plain: GPT-2's fc/proj) or two (gated: SwiGLU's gate and up, Shazeer 2020) ``ffn_hidden``-wide
   outputs.
-* mixture of experts: the module named ``experts`` (the plan's ``experts`` style); its experts are a ``ModuleList``
+* mixture of experts: the module named ``experts`` (the map's ``experts`` style); its experts are a ``ModuleList``
   or parameters stacked on a first dimension of ``moe_experts``; ``moe_top_k`` from the MoE module's attribute
   (``top_k``, ``num_experts_per_tok``, ...).
 
@@ -31,7 +31,8 @@ from typing import Any
 
 from torch import nn
 
-from lightning_par.parallel.plan import ModelPlan, derive_plan, huggingface_plan, is_projection, projection_features
+from lightning_par.parallel.model_map import (ModelMap, derive_model_map, huggingface_model_map, is_projection,
+                                              projection_features)
 from lightning_par.planner.model import _HF_COUNT_TOLERANCE, ModelSpec, UnknownConfig
 
 # Projection names by role inside an attention module (Llama/Mistral/Qwen q_proj..., Meta's wq..., BERT-style query...,
@@ -53,7 +54,7 @@ class CannotDescribe(ValueError):
     """The module's architecture is not one ModelSpec can state (the message says which part and why)."""
 
 
-def module_spec(module: nn.Module, plan: ModelPlan | None = None) -> ModelSpec:
+def module_spec(module: nn.Module, model_map: ModelMap | None = None) -> ModelSpec:
     """The planner's spec of ``module``: from its configuration when it carries one ``ModelSpec.from_module``
     reads, else derived from its parameters (:func:`derive_model_spec`). A configuration that is read and
     refused keeps its own reason."""
@@ -61,42 +62,42 @@ def module_spec(module: nn.Module, plan: ModelPlan | None = None) -> ModelSpec:
         return ModelSpec.from_module(module)
     except UnknownConfig as no_config:
         try:
-            return derive_model_spec(module, plan)
+            return derive_model_spec(module, model_map)
         except CannotDescribe as reason:
             raise ValueError(f"{no_config} The planner also tried to read the architecture off the module's "
                              f"parameters and could not: {reason}") from reason
 
 
-def derive_model_spec(module: nn.Module, plan: ModelPlan | None = None) -> ModelSpec:
-    """Describe ``module`` from its parameters and its plan (derived when not given); raises
+def derive_model_spec(module: nn.Module, model_map: ModelMap | None = None) -> ModelSpec:
+    """Describe ``module`` from its parameters and its model map (derived when not given); raises
     :class:`CannotDescribe` with the reason when it cannot, or when the description's parameter count is more
     than 2 % off the module's."""
     name = type(module).__name__
-    if plan is None:
-        plan = huggingface_plan(module) or derive_plan(module)
-    if plan is None:
+    if model_map is None:
+        model_map = huggingface_model_map(module) or derive_model_map(module)
+    if model_map is None:
         raise CannotDescribe(f"{name} has no list of transformer blocks the planner recognises (a ModuleList or "
                              "ModuleDict of identical modules holding linear layers)")
-    blocks = list(module.get_submodule(plan.blocks).children())
-    if plan.embedding is None:
-        raise CannotDescribe(f"{name} has no token embedding (nn.Embedding) outside its blocks {plan.blocks!r}: "
+    blocks = list(module.get_submodule(model_map.blocks).children())
+    if model_map.embedding is None:
+        raise CannotDescribe(f"{name} has no token embedding (nn.Embedding) outside its blocks {model_map.blocks!r}: "
                              "the vocabulary size is unknown")
-    embedding = module.get_submodule(plan.embedding)
+    embedding = module.get_submodule(model_map.embedding)
     vocab, hidden = int(embedding.num_embeddings), int(embedding.embedding_dim)
-    head = module.get_submodule(plan.head) if plan.head else None
+    head = module.get_submodule(model_map.head) if model_map.head else None
     # No head module: the logits come from the embedding's table (e.g. F.linear(h, embed.weight)): tied.
     tied = head is None or getattr(head, "weight", None) is embedding.weight
 
-    attention = _attention(blocks[0], hidden, f"{plan.blocks}.0")
+    attention = _attention(blocks[0], hidden, f"{model_map.blocks}.0")
     experts = [_experts_name(block) for block in blocks]
     moe_blocks = [(i, block, name) for i, (block, name) in enumerate(zip(blocks, experts)) if name is not None]
     dense = [(i, block) for i, (block, name) in enumerate(zip(blocks, experts)) if name is None]
-    ffn_hidden, matrices = (_feed_forward(dense[0][1], hidden, f"{plan.blocks}.{dense[0][0]}") if dense
+    ffn_hidden, matrices = (_feed_forward(dense[0][1], hidden, f"{model_map.blocks}.{dense[0][0]}") if dense
                             else (None, None))
     moe: dict[str, Any] = {}
     if moe_blocks:
         index, block, experts_name = moe_blocks[0]
-        moe = _mixture(block, experts_name, hidden, f"{plan.blocks}.{index}", matrices)
+        moe = _mixture(block, experts_name, hidden, f"{model_map.blocks}.{index}", matrices)
         matrices = matrices or moe.pop("ffn_matrices")
         moe.pop("ffn_matrices", None)
         moe["moe_layers"] = len(moe_blocks)

@@ -29,10 +29,10 @@ class PipelineParallelStrategy(MeshStrategy):
         microbatches: micro-batches per batch (the batch size must divide by it; 1F1B-type schedules need
             at least ``pipeline_parallel_size``, ``dualpipev`` twice that).
         virtual_stages: stages per rank for ``interleaved_1f1b``.
-        pipeline_balance: how blocks are assigned to stages without split points in the plan: ``parameters``
+        pipeline_balance: how blocks are assigned to stages without split points in the model map: ``parameters``
             (equal parameter counts, embedding and head included) or ``profile`` (measured forward +
             backward time per block, embedding and head/loss).
-        plan: where the model keeps its blocks; ``split_points`` names the blocks that start stages.
+        model_map: where the model keeps its blocks; ``split_points`` names the blocks that start stages.
         save_distributed_checkpoint: must be true (each rank saves its stages; ``lightning-par-export``
             consolidates).
     """

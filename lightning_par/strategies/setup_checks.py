@@ -16,7 +16,7 @@ from torch import Tensor
 from lightning_par.config import ParallelConfig
 from lightning_par.parallel.compose import check_batch_fits
 from lightning_par.parallel.pipeline.split import check_microbatches
-from lightning_par.parallel.plan import ModelPlan
+from lightning_par.parallel.model_map import ModelMap
 
 __all__ = ["check_module", "data_of_this_run", "first_batch", "sample_for_layout"]
 
@@ -87,16 +87,16 @@ def first_batch(module: LightningModule, config: ParallelConfig,
     return inputs, targets
 
 
-def sample_for_layout(module: LightningModule, config: ParallelConfig, plan: ModelPlan | None,
+def sample_for_layout(module: LightningModule, config: ParallelConfig, model_map: ModelMap | None,
                       broadcast: Callable[[Any], Any]) -> tuple[Tensor, Tensor | None] | None:
-    """The first batch where the layout runs the model at set-up (checking a tensor-parallel plan, cutting pipeline
-    stages) or splits batches (context parallel), else None. Raises when a tensor-parallel plan needs one and the
+    """The first batch where the layout runs the model at set-up (checking a tensor-parallel split, cutting pipeline
+    stages) or splits batches (context parallel), else None. Raises when a tensor-parallel split needs one and the
     data gives none the model contract can read."""
     if config.tp == 1 and config.pp == 1 and config.cp == 1:
         return None
     sample = first_batch(module, config, broadcast)
-    if config.tp > 1 and plan is not None and sample is None:
-        raise ValueError(f"tp={config.tp}: the tensor-parallel plan is checked on one sample of the data before "
+    if config.tp > 1 and model_map is not None and sample is None:
+        raise ValueError(f"tp={config.tp}: the tensor-parallel split is checked on one sample of the data before "
                          "training, and none could be taken: define split_batch(batch) -> (inputs, targets) on the "
                          "LightningModule, or use batches of token tensors, of (inputs, ...) tuples or of dicts with "
                          "'input_ids' (see docs/models.md)")

@@ -28,7 +28,7 @@ class TensorParallelStrategy(MeshStrategy):
             shards (never gathering (B, T, vocab) logits). ``F.cross_entropy``/``F.nll_loss`` in the
             LightningModule work unchanged and return plain tensors; other uses of the logits see a
             DTensor (``logits.full_tensor()`` gathers them).
-        plan: which layers are column-/row-wise (derived for standard decoders; see docs/architecture.md).
+        model_map: which layers are column-/row-wise (derived for standard decoders; see docs/architecture.md).
     """
 
     strategy_name = "tensor_parallel"

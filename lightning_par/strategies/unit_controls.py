@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_par.config import DTYPES, ZERO3_UNIT_DEFAULTS, ParallelConfig
-from lightning_par.parallel.plan import ModelPlan
+from lightning_par.parallel.model_map import ModelMap
 from lightning_par.zero_units import choose_units
 
 
@@ -23,14 +23,14 @@ def split_auto(given: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
     return {name: ZERO3_UNIT_DEFAULTS[name] if name in auto else value for name, value in given.items()}, auto
 
 
-def resolve_units(config: ParallelConfig, auto: set[str], module: nn.Module, plan: ModelPlan | None,
+def resolve_units(config: ParallelConfig, auto: set[str], module: nn.Module, model_map: ModelMap | None,
                   device: torch.device, processes: int, *, log: Callable[[str], None]) -> ParallelConfig:
     """``config`` with the controls named in ``auto`` chosen for ZeRO-3 from the sizes of ``module``'s blocks and
-    the memory (logged once); unchanged without ZeRO-3, a plan or anything left auto. Collective when it chooses:
+    the memory (logged once); unchanged without ZeRO-3, a model map or anything left auto. Collective when it chooses:
     every rank must call it alike."""
-    if not auto or config.zero_stage != 3 or plan is None:
+    if not auto or config.zero_stage != 3 or model_map is None:
         return config
-    blocks = [block for block in module.get_submodule(plan.blocks).children()
+    blocks = [block for block in module.get_submodule(model_map.blocks).children()
               if next(block.parameters(), None) is not None]
     # what a block's all-gather produces on a rank: its parameters in the compute dtype, less tensor parallel's split
     compute_dtype = getattr(torch, DTYPES[config.param_dtype])

@@ -16,7 +16,7 @@ class ZeroStrategy(MeshStrategy):
 
     Args:
         zero_stage: 1 shards optimizer states, 2 also gradients, 3 also parameters (FSDP2, units of the
-            transformer blocks of the model plan: ``blocks_per_unit``). See ``lightning_par.parallel.zero``.
+            transformer blocks of the model map: ``blocks_per_unit``). See ``lightning_par.parallel.zero``.
         data_parallel_size: ranks that read different samples (``replicate_size x`` sharded ranks); ``"auto"``
             uses every process.
         replicate_size: HSDP. Shard inside groups of ``data_parallel_size / replicate_size`` ranks and

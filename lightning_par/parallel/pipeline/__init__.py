@@ -1,6 +1,6 @@
 """Pipeline parallel, one file per part:
 
-- ``split.py``: where the stages are and how each is built from the model plan (the schedules are
+- ``split.py``: where the stages are and how each is built from the model map (the schedules are
   ``torch.distributed.pipelining``'s; stage arithmetic and the schedule table in ``lightning_par.stages``);
 - ``trace.py``: what the network does outside its blocks, from one traced forward;
 - ``runner.py``: a training or evaluation step through the stages;

@@ -8,10 +8,10 @@ calls of the rank's ``PipelineStage`` objects (``forward_one_chunk``, ``backward
 bound ``(p - 1) / (m + p - 1)`` (Huang et al. 2019; Narayanan et al. 2021) describes, plus whatever
 point-to-point transfers add. On CUDA the compute is timed with events on the stream, not on the host.
 
-The meter also records the order in which the rank ran its compute (``actions``). :func:`simulated_bubble`
-replays the recorded orders of every rank with fixed costs per action, which gives the bubble the
-schedule implies independent of machine load: that is what tests assert, while the measured fraction is
-what a run reports.
+The meter also records the order in which the rank ran its compute (``actions``). :func:`simulated_timeline`
+replays the recorded orders of every rank with fixed costs per action, and :func:`simulated_bubble` reads the
+bubble the schedule implies off it, independent of machine load: that is what tests assert, while the measured
+fraction is what a run reports. ``docs/plot_schedules.py`` draws the timeline.
 
 Pure PyTorch: no lightning import.
 """
@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Action", "BubbleMeter", "simulated_bubble"]
+__all__ = ["Action", "BubbleMeter", "simulated_bubble", "simulated_timeline"]
 
 _COMPUTE = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
@@ -94,27 +94,25 @@ class BubbleMeter:
         return min(1.0, max(0.0, 1.0 - self._busy / step)) if step > 0 else 0.0
 
 
-def simulated_bubble(actions: dict[int, list[Action]], n_stages: int,
-                     costs: dict[str, float] | None = None) -> dict[int, float]:
-    """The idle fraction of every rank when each runs its recorded ``actions`` in order with fixed costs.
+def simulated_timeline(actions: dict[int, list[Action]], n_stages: int,
+                       costs: dict[str, float] | None = None) -> dict[int, list[tuple[float, float, Action]]]:
+    """When each rank's recorded ``actions`` run, in order, with fixed costs: per rank ``(start, end, action)``.
 
     A forward of stage ``s`` waits for the forward of ``s - 1`` on the same micro-batch; a backward (``B``
-    or ``I``) of ``s`` waits for the backward of ``s + 1`` (the last stage: for its own forward). Transfers
-    cost nothing. With the default costs (F = I = W = 1, B = I + W) GPipe and 1F1B leave
-    ``(p - 1) / (m + p - 1)`` of the step idle and interleaved 1F1B ``(p - 1) / (v m + p - 1)`` (Narayanan et
-    al. 2021). Raises ``ValueError`` when the orders deadlock (a schedule that cannot run).
+    or ``I``) of ``s`` waits for the backward of ``s + 1`` (the last stage: for its own forward); a ``W`` for
+    its own stage's backward. Transfers cost nothing; by default F = I = W = 1 and B = I + W. Raises
+    ``ValueError`` when the orders deadlock (a schedule that cannot run).
     """
     costs = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0, **(costs or {})}
     done: dict[tuple[int, str, int], float] = {}  # (stage, F or backward, micro-batch) -> finish time
     clock = {rank: 0.0 for rank in actions}
-    busy = {rank: 0.0 for rank in actions}
-    position = {rank: 0 for rank in actions}
+    timeline: dict[int, list[tuple[float, float, Action]]] = {rank: [] for rank in actions}
     remaining = sum(len(a) for a in actions.values())
     while remaining:
         progressed = False
         for rank, sequence in actions.items():
-            while position[rank] < len(sequence):
-                stage, kind, micro = sequence[position[rank]]
+            while len(timeline[rank]) < len(sequence):
+                stage, kind, micro = sequence[len(timeline[rank])]
                 if kind == "F":
                     needs = [(stage - 1, "F", micro)] if stage > 0 else []
                 elif kind in ("B", "I"):
@@ -125,14 +123,25 @@ def simulated_bubble(actions: dict[int, list[Action]], n_stages: int,
                     break
                 start = max([clock[rank], *(done[need] for need in needs)])
                 clock[rank] = start + costs[kind]
-                busy[rank] += costs[kind]
+                timeline[rank].append((start, clock[rank], (stage, kind, micro)))
                 done[(stage, "F" if kind == "F" else ("W" if kind == "W" else "bwd"), micro)] = clock[rank]
-                position[rank] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = {rank: sequence[position[rank]] for rank, sequence in actions.items()
-                     if position[rank] < len(sequence)}
+            stuck = {rank: sequence[len(timeline[rank])] for rank, sequence in actions.items()
+                     if len(timeline[rank]) < len(sequence)}
             raise ValueError(f"the recorded pipeline orders deadlock: ranks wait on {stuck}")
-    makespan = max(clock.values())
-    return {rank: 1.0 - busy[rank] / makespan for rank in actions}
+    return timeline
+
+
+def simulated_bubble(actions: dict[int, list[Action]], n_stages: int,
+                     costs: dict[str, float] | None = None) -> dict[int, float]:
+    """The idle fraction of every rank when each runs its recorded ``actions`` in order with fixed costs
+    (:func:`simulated_timeline`). With the default costs GPipe and 1F1B leave ``(p - 1) / (m + p - 1)`` of the
+    step idle and interleaved 1F1B ``(p - 1) / (v m + p - 1)`` (Narayanan et al. 2021).
+    """
+    timeline = simulated_timeline(actions, n_stages, costs)
+    makespan = max((runs[-1][1] for runs in timeline.values() if runs), default=0.0)
+    if makespan == 0:
+        return {rank: 0.0 for rank in actions}
+    return {rank: 1.0 - sum(end - start for start, end, _ in runs) / makespan for rank, runs in timeline.items()}

@@ -7,10 +7,10 @@ rank ``v`` smaller stages (rank ``r`` holds stages ``r, r + pp, ...``), dividing
 ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism") places two stages per rank in a V (rank ``r``
 holds ``r`` and ``2pp - 1 - r``) and fills the bubble with the weight-gradient halves of backward. The
 schedules and stage communication are PyTorch's ``torch.distributed.pipelining``; this module decides
-where the stages are and builds them from the model plan.
+where the stages are and builds them from the model map.
 
 How a stage is made, without model-specific code: every stage runs the network's own forward (the module
-holding the plan's blocks), with the blocks it does not own skipped. What runs outside the blocks is found
+holding the map's blocks), with the blocks it does not own skipped. What runs outside the blocks is found
 by tracing one forward (``lightning_par.parallel.pipeline.trace``): stage 0 runs the code before the first
 block (embedding, positions, scaling); a later stage runs the same code on stand-ins that hold no weights
 (zeros for an embedding), only for the tensors every block takes beside the hidden states (rotary tables,
@@ -56,7 +56,7 @@ from lightning_par.parallel.pipeline.trace import (
     output_item,
     trace_network,
 )
-from lightning_par.parallel.plan import ModelPlan, network_prefix
+from lightning_par.parallel.model_map import ModelMap, network_prefix
 from lightning_par.parallel.small_copy import small_copy
 from lightning_par.parallel.modules import clean_name
 from lightning_par.stages import Schedule, balance, stage_indices, stages_per_rank
@@ -104,16 +104,16 @@ def sizes_from_split_points(block_names: list[str], split_points: Sequence[str],
     return [b - a for a, b in zip(starts, starts[1:])]
 
 
-def parameter_costs(module: nn.Module, plan: ModelPlan) -> tuple[list[float], float, float]:
+def parameter_costs(module: nn.Module, model_map: ModelMap) -> tuple[list[float], float, float]:
     """(per-block, first-stage extra, last-stage extra) costs as parameter counts."""
     def count(name: str | None) -> float:
         return 0.0 if name is None else float(sum(p.numel() for p in module.get_submodule(name).parameters()))
 
-    blocks = [count(name) for name in plan.block_names(module)]
-    return blocks, count(plan.embedding), count(plan.final_norm) + count(plan.head)
+    blocks = [count(name) for name in model_map.block_names(module)]
+    return blocks, count(model_map.embedding), count(model_map.final_norm) + count(model_map.head)
 
 
-def profile_costs(module: nn.Module, plan: ModelPlan, forward: Callable[[Tensor], Tensor],
+def profile_costs(module: nn.Module, model_map: ModelMap, forward: Callable[[Tensor], Tensor],
                   loss_fn: Callable[[Tensor, Tensor], Tensor], inputs: Tensor, targets: Tensor,
                   *, repeats: int = 3) -> tuple[list[float], float, float]:
     """(per-block, first-stage extra, last-stage extra) costs as measured forward + backward seconds.
@@ -123,7 +123,7 @@ def profile_costs(module: nn.Module, plan: ModelPlan, forward: Callable[[Tensor]
     ``repeats`` runs. Blocks of a standard model cost the same; the embedding and the head (a
     vocabulary-sized matmul and softmax) often do not, which parameter counts miss.
     """
-    names = {"embedding": plan.embedding, "head": plan.head, **{n: n for n in plan.block_names(module)}}
+    names = {"embedding": model_map.embedding, "head": model_map.head, **{n: n for n in model_map.block_names(module)}}
     timings: dict[str, float] = {}
     handles = []
     for key, name in names.items():
@@ -146,7 +146,7 @@ def profile_costs(module: nn.Module, plan: ModelPlan, forward: Callable[[Tensor]
             for handle in handles:
                 handle.remove()
             module.zero_grad(set_to_none=True)
-    blocks = [best.get(n, 0.0) for n in plan.block_names(module)]
+    blocks = [best.get(n, 0.0) for n in model_map.block_names(module)]
     return blocks, best.get("embedding", 0.0), best.get("head", 0.0)
 
 
@@ -321,7 +321,7 @@ def _outside_runs(trace: NetworkTrace, name: str, module: nn.Module, n_stages: i
     return {0}  # used nowhere in the forward: kept once
 
 
-def cut_network(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, trace: NetworkTrace, *, schedule: Schedule,
+def cut_network(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, trace: NetworkTrace, *, schedule: Schedule,
                 virtual_stages: int, sizes: list[int]) -> StageLayout:
     """Drop from the network inside ``module`` every part this rank's stages do not run (in place).
 
@@ -332,9 +332,9 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, trace: N
     """
     pp, pp_rank = mesh.size("pp"), mesh.local_rank("pp")
     n_stages = len(sizes)
-    prefix = network_prefix(plan)
+    prefix = network_prefix(model_map)
     network = module.get_submodule(prefix.rstrip(".")) if prefix else module
-    blocks = plan.block_names(module)
+    blocks = model_map.block_names(module)
     starts = [sum(sizes[:s]) for s in range(n_stages)]
     block_stage = {name: s for s in range(n_stages) for name in blocks[starts[s]:starts[s] + sizes[s]]}
     rank_of = {s: r for r in range(pp) for s in stage_indices(r, pp, schedule, virtual_stages)}
@@ -440,7 +440,7 @@ def _set(network: nn.Module, name: str, value: nn.Module) -> None:
     parent._modules[leaf] = value
 
 
-def split_pipeline(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None, *, schedule: Schedule,
+def split_pipeline(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap | None, *, schedule: Schedule,
                    virtual_stages: int, balance_by: str, device: torch.device,
                    sample_batch: tuple[Tensor, Tensor] | None = None) -> StageLayout:
     """Balance the blocks over ``pp x stages per rank`` stages and cut this rank's parts out (in place).
@@ -448,26 +448,26 @@ def split_pipeline(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None
     ``module`` must meet the model contract: ``module(inputs) -> logits`` and
     ``module.loss_fn(logits, targets)``. ``sample_batch`` (inputs, targets; one micro-batch) is traced once
     (its first sample) to find what runs outside the blocks, and ``balance_by="profile"`` times it. Split points
-    in ``plan`` win over balancing.
+    in ``model_map`` win over balancing.
     """
     pp = mesh.size("pp")
-    if plan is None:
-        raise ValueError(f"pp={pp} needs to know where the blocks are, and no model plan was found: give the "
-                         "strategy a plan (plan: {blocks: ..., embedding: ..., head: ...})")
+    if model_map is None:
+        raise ValueError(f"pp={pp} needs to know where the blocks are, and no model map was found: give the "
+                         "strategy a model map (model_map: {blocks: ..., embedding: ..., head: ...})")
     if sample_batch is None:
         raise ValueError(f"pp={pp} traces the network once on a sample of the data to place what runs outside the "
                          "blocks, and no data was found: train with a datamodule or dataloaders")
     n_stages = pp * stages_per_rank(schedule, virtual_stages)
-    blocks = plan.block_names(module)
+    blocks = model_map.block_names(module)
     if len(blocks) < n_stages:
         raise ValueError(f"{n_stages} pipeline stages (pp={pp} x {n_stages // pp} per rank for {schedule!r}) need "
                          f"at least {n_stages} blocks, the model has {len(blocks)}")
-    trace = _trace(module, plan, sample_batch[0][:1].to(device))
-    if plan.split_points:
-        sizes = sizes_from_split_points(blocks, plan.split_points, n_stages)
+    trace = _trace(module, model_map, sample_batch[0][:1].to(device))
+    if model_map.split_points:
+        sizes = sizes_from_split_points(blocks, model_map.split_points, n_stages)
     else:
         if balance_by == "profile":
-            costs, first, last = profile_costs(module, plan, module, module.loss_fn,
+            costs, first, last = profile_costs(module, model_map, module, module.loss_fn,
                                                *(t.to(device) for t in sample_batch))
             # Every rank must cut at the same places: agree on the mean of the measured costs.
             measured = torch.tensor([*costs, first, last], dtype=torch.float64)
@@ -475,10 +475,10 @@ def split_pipeline(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan | None
             measured /= torch.distributed.get_world_size()
             costs, first, last = measured[:-2].tolist(), float(measured[-2]), float(measured[-1])
         else:
-            costs, first, last = parameter_costs(module, plan)
+            costs, first, last = parameter_costs(module, model_map)
         sizes = balance(costs, n_stages, first=first, last=last)
     _check_boundaries(blocks, sizes, trace.changed)
-    return cut_network(module, mesh, plan, trace, schedule=schedule, virtual_stages=virtual_stages, sizes=sizes)
+    return cut_network(module, mesh, model_map, trace, schedule=schedule, virtual_stages=virtual_stages, sizes=sizes)
 
 
 def _check_boundaries(blocks: list[str], sizes: list[int], changed: frozenset[int]) -> None:
@@ -490,20 +490,20 @@ def _check_boundaries(blocks: list[str], sizes: list[int], changed: frozenset[in
         allowed = [blocks[i] for i in range(1, len(blocks)) if i not in changed]
         raise ValueError(f"pipeline parallel: between {blocks[index - 1]!r} and {blocks[index]!r} the network changes "
                          "the hidden states, and a stage would start there, skipping that code. Choose the stages' "
-                         f"first blocks elsewhere with the plan's split_points (any of {allowed[:8]}"
+                         f"first blocks elsewhere with the map's split_points (any of {allowed[:8]}"
                          f"{' ...' if len(allowed) > 8 else ''}), or move that code into a block")
 
 
-def _trace(module: nn.Module, plan: ModelPlan, sample: Tensor) -> NetworkTrace:
+def _trace(module: nn.Module, model_map: ModelMap, sample: Tensor) -> NetworkTrace:
     """What the network does outside its blocks (``pipeline_trace``), traced on one sample. A model built on the
     meta device (``Trainer.init_module(empty_init=True)``) cannot run: its trace runs on a small copy with its
     first blocks (code such as a causal mask built from the data needs real values)."""
-    prefix = network_prefix(plan)
+    prefix = network_prefix(model_map)
     root = module
     if any(p.is_meta for p in module.parameters()):
-        root = small_copy(module, plan.blocks, sample.device, torch.float32, min_blocks=2)
+        root = small_copy(module, model_map.blocks, sample.device, torch.float32, min_blocks=2)
     network = root.get_submodule(prefix.rstrip(".")) if prefix else root
-    return trace_network(network, plan.block_names(root), sample, root=root)
+    return trace_network(network, model_map.block_names(root), sample, root=root)
 
 
 def last_stage_rank(pp: int, schedule: Schedule, virtual_stages: int) -> int:
@@ -570,11 +570,9 @@ def build_schedule(stages: list[PipelineStage], schedule: Schedule, n_microbatch
 
 
 def __getattr__(name: str) -> object:
-    if name == "SCHEDULES":  # renamed (one word for one table: config.PP_SCHEDULES); the old name for one release
-        from lightning_par.parallel._moved import moved_name
+    from lightning_par.parallel._moved import renamed_attribute  # old names, for one release
 
-        return moved_name(__name__, (__name__,), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return renamed_attribute(__name__, name)
 
 
 __all__ = [

@@ -218,7 +218,7 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
 
     missing = [block_names[i] for i, call in enumerate(calls) if "output" not in call]
     if missing or blocks_started != sorted(blocks_started):
-        raise ValueError(f"pipeline parallel: the network's forward must run every block of the plan once, in "
+        raise ValueError(f"pipeline parallel: the network's forward must run every block of the model map once, in "
                          f"order; it skipped {missing}" if missing else "it ran them out of order")
     output_index, output_length = _hidden_output(calls, block_names)
     hidden_out = [output_item(call["output"], output_index) for call in calls]

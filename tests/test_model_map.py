@@ -1,4 +1,4 @@
-"""ModelPlan: derived for the reference model and for Hugging Face Llama naming; declarative form checked."""
+"""ModelMap: derived for the reference model and for Hugging Face Llama naming; declarative form checked."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_par.models import LlamaConfig, Transformer
-from lightning_par.parallel.plan import ModelPlan, derive_plan
+from lightning_par.parallel.model_map import ModelMap, derive_model_map
 
 
 class _HFAttention(nn.Module):
@@ -50,70 +50,70 @@ class HFLlamaLike(nn.Module):
         self.lm_head = nn.Linear(dim, vocab, bias=False)
 
 
-def test_plan_of_reference_model() -> None:
+def test_model_map_of_reference_model() -> None:
     model = nn.Module()
     model.model = Transformer(LlamaConfig(dim=16, n_layers=3, n_heads=2))
-    plan = derive_plan(model)
-    assert plan is not None
-    assert (plan.blocks, plan.embedding, plan.final_norm, plan.head) == (
+    model_map = derive_model_map(model)
+    assert model_map is not None
+    assert (model_map.blocks, model_map.embedding, model_map.final_norm, model_map.head) == (
         "model.layers", "model.embed_tokens", "model.norm", "model.lm_head")
-    assert plan.block_names(model) == ["model.layers.0", "model.layers.1", "model.layers.2"]
-    assert plan.style_of("model.layers.2.attention.q_proj") == "colwise"
-    assert plan.style_of("model.layers.0.attention.o_proj") == "rowwise"
-    assert plan.style_of("model.layers.1.mlp.gate_proj") == "colwise"
-    assert plan.style_of("model.layers.1.mlp.down_proj") == "rowwise"
-    assert plan.style_of("model.layers.1.attention_norm") == "sequence"
-    assert plan.style_of("model.embed_tokens") == "vocab"
-    plan.check(model)
+    assert model_map.block_names(model) == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert model_map.style_of("model.layers.2.attention.q_proj") == "colwise"
+    assert model_map.style_of("model.layers.0.attention.o_proj") == "rowwise"
+    assert model_map.style_of("model.layers.1.mlp.gate_proj") == "colwise"
+    assert model_map.style_of("model.layers.1.mlp.down_proj") == "rowwise"
+    assert model_map.style_of("model.layers.1.attention_norm") == "sequence"
+    assert model_map.style_of("model.embed_tokens") == "vocab"
+    model_map.check(model)
 
 
-def test_plan_of_hugging_face_llama_naming() -> None:
+def test_model_map_of_hugging_face_llama_naming() -> None:
     model = HFLlamaLike()
-    plan = derive_plan(model)
-    assert plan is not None
-    assert (plan.blocks, plan.embedding, plan.final_norm, plan.head) == (
+    model_map = derive_model_map(model)
+    assert model_map is not None
+    assert (model_map.blocks, model_map.embedding, model_map.final_norm, model_map.head) == (
         "model.layers", "model.embed_tokens", "model.norm", "lm_head")
-    assert plan.style_of("model.layers.1.self_attn.k_proj") == "colwise"
-    assert plan.style_of("model.layers.1.mlp.up_proj") == "colwise"
-    assert plan.style_of("model.layers.2.self_attn.o_proj") == "rowwise"
-    assert plan.style_of("model.layers.0.post_attention_layernorm") == "sequence"
+    assert model_map.style_of("model.layers.1.self_attn.k_proj") == "colwise"
+    assert model_map.style_of("model.layers.1.mlp.up_proj") == "colwise"
+    assert model_map.style_of("model.layers.2.self_attn.o_proj") == "rowwise"
+    assert model_map.style_of("model.layers.0.post_attention_layernorm") == "sequence"
 
 
-def test_no_plan_for_a_model_without_blocks() -> None:
-    assert derive_plan(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))) is None
+def test_no_model_map_for_a_model_without_blocks() -> None:
+    assert derive_model_map(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))) is None
 
 
-def test_declarative_plan_from_yaml_dict() -> None:
+def test_declarative_model_map_from_yaml_dict() -> None:
     spec = {"blocks": "model.layers", "embedding": "model.embed_tokens", "head": "lm_head",
             "styles": {"model.layers.*.self_attn.q_proj": "colwise"}, "split_points": ["model.layers.2"]}
-    plan = ModelPlan.from_dict(spec)
-    plan.check(HFLlamaLike())
-    assert plan.split_points == ("model.layers.2",)
+    model_map = ModelMap.from_dict(spec)
+    model_map.check(HFLlamaLike())
+    assert model_map.split_points == ("model.layers.2",)
 
 
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
         ({"embedding": "x"}, "needs 'blocks'"),
-        ({"blocks": "model.layers", "heads": "lm_head"}, r"unknown ModelPlan keys \['heads'\]"),
+        ({"blocks": "model.layers", "heads": "lm_head"}, r"unknown ModelMap keys \['heads'\]"),
         ({"blocks": "model.layers", "styles": {"*.q_proj": "columnwise"}}, "style 'columnwise' for '\\*.q_proj'"),
     ],
 )
-def test_bad_declarative_plans(spec: dict, message: str) -> None:
+def test_bad_declarative_model_maps(spec: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        ModelPlan.from_dict(spec)
+        ModelMap.from_dict(spec)
 
 
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ({"blocks": "model.blocks"}, r"ModelPlan.blocks='model.blocks' is not a module of HFLlamaLike"),
+        ({"blocks": "model.blocks"}, r"ModelMap.blocks='model.blocks' is not a module of HFLlamaLike"),
         ({"blocks": "model.layers", "styles": {"*.wq": "colwise"}}, r"pattern '\*.wq' matches no module"),
     ],
 )
-def test_plan_checked_against_the_model(spec: dict, message: str) -> None:
+def test_model_map_checked_against_the_model(spec: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        ModelPlan.from_dict(spec).check(HFLlamaLike())
+        ModelMap.from_dict(spec).check(HFLlamaLike())
 
 
 class Conv1D(nn.Module):
@@ -148,34 +148,34 @@ class _Network(nn.Module):
         self.lm_head = nn.Linear(8, 50, bias=False)
 
 
-def test_derived_plan_splits_conv1d_and_fused_projections() -> None:
-    """GPT-2's Conv1D layers are projections; a fused q/k/v is marked column-wise like the rest (the plan check
+def test_derived_model_map_splits_conv1d_and_fused_projections() -> None:
+    """GPT-2's Conv1D layers are projections; a fused q/k/v is marked column-wise like the rest (the tensor-parallel check
     decides whether it can stay split or must be gathered)."""
-    plan = derive_plan(_Network())
-    assert plan is not None and plan.source == "derived"
-    assert (plan.blocks, plan.embedding, plan.final_norm, plan.head) == ("h", "wte", "ln_f", "lm_head")
-    assert plan.style_of("h.1.attn.c_attn") == "colwise" and plan.style_of("h.1.attn.c_proj") == "rowwise"
-    assert plan.style_of("h.0.mlp.c_fc") == "colwise" and plan.style_of("h.0.mlp.c_proj") == "rowwise"
+    model_map = derive_model_map(_Network())
+    assert model_map is not None and model_map.source == "derived"
+    assert (model_map.blocks, model_map.embedding, model_map.final_norm, model_map.head) == ("h", "wte", "ln_f", "lm_head")
+    assert model_map.style_of("h.1.attn.c_attn") == "colwise" and model_map.style_of("h.1.attn.c_proj") == "rowwise"
+    assert model_map.style_of("h.0.mlp.c_fc") == "colwise" and model_map.style_of("h.0.mlp.c_proj") == "rowwise"
 
 
-def test_derived_plan_pairs_projections_or_leaves_them_whole() -> None:
+def test_derived_model_map_pairs_projections_or_leaves_them_whole() -> None:
     """nn.MultiheadAttention's out_proj has no column-wise partner (its input projection is a bare parameter):
     left whole. Projections no rule recognises are left whole too."""
-    plan = derive_plan(_Network(attention="mha", mlp=("fc1", "fc2")))
-    assert plan.style_of("h.0.attn.out_proj") is None
-    assert plan.style_of("h.0.mlp.fc1") == "colwise" and plan.style_of("h.0.mlp.fc2") == "rowwise"
-    plan = derive_plan(_Network(attention="mha", mlp=("lin_in", "lin_out")))
-    assert not [p for p, s in plan.styles.items() if p.startswith("h.") and s in ("colwise", "rowwise")]
+    model_map = derive_model_map(_Network(attention="mha", mlp=("fc1", "fc2")))
+    assert model_map.style_of("h.0.attn.out_proj") is None
+    assert model_map.style_of("h.0.mlp.fc1") == "colwise" and model_map.style_of("h.0.mlp.fc2") == "rowwise"
+    model_map = derive_model_map(_Network(attention="mha", mlp=("lin_in", "lin_out")))
+    assert not [p for p, s in model_map.styles.items() if p.startswith("h.") and s in ("colwise", "rowwise")]
 
 
-def test_an_explicit_plan_cannot_split_multihead_attention() -> None:
+def test_an_explicit_model_map_cannot_split_multihead_attention() -> None:
     from lightning_par.parallel.tensor import check_tensor_parallel
 
     model = _Network(attention="mha", mlp=("fc1", "fc2"))
-    plan = ModelPlan.from_dict({"blocks": "h", "styles": {"h.*.attn.out_proj": "rowwise"}})
+    model_map = ModelMap.from_dict({"blocks": "h", "styles": {"h.*.attn.out_proj": "rowwise"}})
     with pytest.raises(ValueError, match=r"cannot split 'h.0.attn.out_proj' \(rowwise\): it belongs to "
                                          r"nn.MultiheadAttention 'h.0.attn'"):
-        check_tensor_parallel(model, plan, 2)
+        check_tensor_parallel(model, model_map, 2)
 
 
 @pytest.mark.parametrize(
@@ -195,25 +195,25 @@ def test_hugging_face_plans_are_translated(config: dict, expected: dict) -> None
     """The config's base_model_tp_plan gives the styles inside the blocks, its base_model_pp_plan the parts
     (GPT-NeoX's final norm is final_layer_norm), the causal-LM class its head."""
     transformers = pytest.importorskip("transformers")
-    from lightning_par.parallel.plan import huggingface_plan
+    from lightning_par.parallel.model_map import huggingface_model_map
 
     model_config = transformers.AutoConfig.for_model(**config, vocab_size=64, hidden_size=32, intermediate_size=64,
                                                      num_hidden_layers=2, num_attention_heads=4)
     model = nn.Module()
     model.model = transformers.AutoModelForCausalLM.from_config(model_config)
-    plan = huggingface_plan(model)
-    assert plan is not None and plan.source == "huggingface"
+    model_map = huggingface_model_map(model)
+    assert model_map is not None and model_map.source == "huggingface"
     for name, style in expected.items():
-        assert plan.style_of(name) == style, name
-    assert plan.head == "model.lm_head" and plan.style_of(plan.head) == "colwise"
+        assert model_map.style_of(name) == style, name
+    assert model_map.head == "model.lm_head" and model_map.style_of(model_map.head) == "colwise"
     if config["model_type"] == "gpt_neox":
-        assert (plan.blocks, plan.final_norm) == ("model.gpt_neox.layers", "model.gpt_neox.final_layer_norm")
-    assert huggingface_plan(_Network()) is None  # not a Hugging Face model
+        assert (model_map.blocks, model_map.final_norm) == ("model.gpt_neox.layers", "model.gpt_neox.final_layer_norm")
+    assert huggingface_model_map(_Network()) is None  # not a Hugging Face model
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
-def test_the_plan_checks_copy_cuts_the_vocabulary(model_type: str) -> None:
-    """The plan check's copy keeps a few rows per rank of a large embedding and linear head (tied ones stay
+def test_the_tensor_parallel_checks_copy_cuts_the_vocabulary(model_type: str) -> None:
+    """The tensor-parallel check's copy keeps a few rows per rank of a large embedding and linear head (tied ones stay
     tied; the remainder modulo tp is kept), and the cut model runs; a head of another kind is left whole."""
     transformers = pytest.importorskip("transformers")
     from lightning_par.parallel.small_copy import Vocabulary, small_copy
@@ -223,14 +223,26 @@ def test_the_plan_checks_copy_cuts_the_vocabulary(model_type: str) -> None:
                  "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=32)}[model_type]
     config = transformers.AutoConfig.for_model(model_type, vocab_size=1001, **arguments)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    plan = derive_plan(model)
-    vocabulary = Vocabulary.to_cut(model, plan.embedding, plan.head, rows=16 * 2 + 1001 % 2)
-    model_copy = small_copy(model, plan.blocks, torch.device("cpu"), torch.float64, vocabulary=vocabulary)
-    embedding = model_copy.get_submodule(plan.embedding)
-    assert embedding.weight.shape == (33, 32) and model.get_submodule(plan.embedding).weight.shape == (1001, 32)
-    assert model_copy.get_submodule(plan.head).weight is embedding.weight
+    model_map = derive_model_map(model)
+    vocabulary = Vocabulary.to_cut(model, model_map.embedding, model_map.head, rows=16 * 2 + 1001 % 2)
+    model_copy = small_copy(model, model_map.blocks, torch.device("cpu"), torch.float64, vocabulary=vocabulary)
+    embedding = model_copy.get_submodule(model_map.embedding)
+    assert embedding.weight.shape == (33, 32) and model.get_submodule(model_map.embedding).weight.shape == (1001, 32)
+    assert model_copy.get_submodule(model_map.head).weight is embedding.weight
     assert model_copy(torch.arange(8).reshape(1, 8)).logits.shape == (1, 8, 33)
-    assert Vocabulary.to_cut(model, plan.embedding, plan.head, rows=2000) is None  # no larger than the model's
-    assert Vocabulary.to_cut(model, plan.blocks, None, rows=8) is None  # not an embedding
+    assert Vocabulary.to_cut(model, model_map.embedding, model_map.head, rows=2000) is None  # no larger than the model's
+    assert Vocabulary.to_cut(model, model_map.blocks, None, rows=8) is None  # not an embedding
     model.lm_head = transformers.pytorch_utils.Conv1D(1001, 32)
-    assert Vocabulary.to_cut(model, plan.embedding, plan.head, rows=33) is None
+    assert Vocabulary.to_cut(model, model_map.embedding, model_map.head, rows=33) is None
+
+
+def test_the_old_strategy_argument_plan_still_gives_the_model_map() -> None:
+    """``plan:`` in YAML (the strategy argument's old name) works for one release, with a FutureWarning."""
+    from lightning_par.strategies import DataParallelStrategy
+
+    spec = {"blocks": "model.layers", "embedding": "model.embed_tokens", "head": "lm_head"}
+    with pytest.warns(FutureWarning, match="`plan` is now `model_map`"):
+        strategy = DataParallelStrategy(plan=spec)
+    assert strategy._model_map == ModelMap.from_dict(spec)
+    with pytest.raises(ValueError, match="give the model map once"):
+        DataParallelStrategy(plan=spec, model_map=spec)

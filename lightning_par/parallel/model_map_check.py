@@ -1,25 +1,25 @@
-"""A tensor-parallel plan checked against what the model computes, before anything trains.
+"""A tensor-parallel styles checked against what the model computes, before anything trains.
 
-A plan names the layers to split; whether the model then computes the same thing depends on the code
+A model map names the layers to split; whether the model then computes the same thing depends on the code
 around them. Splitting a fused q/k/v projection column-wise hands a rank the first rows of [q; k; v] (the
 model's ``split(n_embd)`` then fails, or a ``chunk(3)`` silently pairs the wrong heads); a norm over the
 whole projection width (OLMo 2) cannot run on one rank's slice; a per-head norm (Qwen3, Gemma 3) runs fine
-but receives each rank's share of the gradient only. Names cannot tell these apart. So the plan is run:
+but receives each rank's share of the gradient only. Names cannot tell these apart. So the model map is run:
 
 - a small copy of the model is made (``lightning_par.parallel.small_copy``: no weights are copied, one block of
   each kind, the embedding and head cut to a few rows per rank where the model allows, random values that
   every rank draws alike);
-- it runs forward and backward on one sample of the data, whole, then split with the plan (in evaluation
+- it runs forward and backward on one sample of the data, whole, then split with the model map (in evaluation
   mode: dropout draws differ between the two);
 - outputs of every split region and the logits, and every parameter's gradient, must agree (float64, where
   every kernel has a float64 version: the differences left are rounding, ~1e-15; else float32).
 
 What disagrees is named: the region whose output differs first, or the module that raised. A replicated
 parameter whose gradient is exactly the sum over the ranks of the split one is marked ``per_shard`` (its
-gradients are then summed). For a plan :func:`~lightning_par.parallel.plan.derive_plan` made, a region that
-does not compute the same is tried again with its output gathered (``colwise_gather`` / ``rowwise_split``),
-then left whole, and the log says so; a plan the user or the model's config gave is refused with the module,
-the reason and the plan key that would change it. A model of which nothing in the blocks stays split is
+gradients are then summed). For a model map :func:`~lightning_par.parallel.model_map.derive_model_map` made, a
+region that does not compute the same is tried again with its output gathered (``colwise_gather`` / ``rowwise_split``),
+then left whole, and the log says so; a model map the user or the model's config gave is refused with the module,
+the reason and the model map key that would change it. A model of which nothing in the blocks stays split is
 refused: it would train replicated, not tensor parallel.
 """
 
@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.modules import first_tensor
-from lightning_par.parallel.plan import SPLIT_STYLES, ModelPlan, is_projection, network_prefix
+from lightning_par.parallel.model_map import SPLIT_STYLES, ModelMap, is_projection, network_prefix
 from lightning_par.parallel.small_copy import Vocabulary, small_copy
 from lightning_par.parallel.modules import clean_name
 
@@ -50,7 +50,7 @@ _GATHERED = {"colwise": "colwise_gather", "rowwise": "rowwise_split"}
 
 @dataclass
 class _Outcome:
-    """One run of the plan: None fields mean it agreed with the whole model."""
+    """One run of the model map: None fields mean it agreed with the whole model."""
 
     region: str | None = None  # the split region (module full name) that differed or raised
     module: str | None = None  # the innermost module running when it raised
@@ -62,105 +62,105 @@ class _Outcome:
         return self.reason is None and not self.partial
 
 
-def check_plan(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, inputs: Tensor, *,
+def check_model_map(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, inputs: Tensor, *,
                sequence_parallel: bool = False, loss_parallel: bool = False,
-               apply: Callable[..., nn.Module]) -> tuple[ModelPlan, list[str]]:
-    """The plan to train with, and notes on what the check changed. Collective over the ``tp`` ranks.
+               apply: Callable[..., nn.Module]) -> tuple[ModelMap, list[str]]:
+    """The model map to train with, and notes on what the check changed. Collective over the ``tp`` ranks.
 
-    ``apply(copy, mesh, plan, sequence_parallel=..., loss_parallel=...)`` splits a copy as training will
+    ``apply(copy, mesh, model_map, sequence_parallel=..., loss_parallel=...)`` splits a copy as training will
     (``apply_tensor_parallel``). ``inputs``: a sample of the network's input; its first row is used. Raises
-    ``ValueError`` naming the module and the reason when the plan cannot compute what the model computes.
+    ``ValueError`` naming the module and the reason when the model map cannot compute what the model computes.
     """
     notes: list[str] = []
-    candidate = plan
+    candidate = model_map
     device = torch.device(mesh.device_type)
-    vocabulary, sample, dtype = _copy_settings(module, plan, inputs[:1], mesh.size("tp"), device)
-    for _ in range(4 * max(1, len(_regions(module, plan))) + 4):
+    vocabulary, sample, dtype = _copy_settings(module, model_map, inputs[:1], mesh.size("tp"), device)
+    for _ in range(4 * max(1, len(_regions(module, model_map))) + 4):
         outcome = _run(module, mesh, candidate, sample, dtype=dtype, sequence_parallel=sequence_parallel,
                        loss_parallel=loss_parallel, apply=apply, vocabulary=vocabulary)
         if outcome.ok:
             break
         if outcome.partial:
-            added = {_pattern(plan, name): "per_shard" for name in outcome.partial}
+            added = {_pattern(model_map, name): "per_shard" for name in outcome.partial}
             notes.append(f"{', '.join(sorted(added))}: per_shard (applied to each rank's heads; gradients summed "
                          "over tp)")
             candidate = candidate.with_styles({**added, **candidate.styles})
             continue
         where = outcome.region or outcome.module or "the model"
-        if plan.source != "derived" or outcome.region is None:
-            raise ValueError(_refusal(plan, outcome, mesh.size("tp"), sequence_parallel))
+        if model_map.source != "derived" or outcome.region is None:
+            raise ValueError(_refusal(model_map, outcome, mesh.size("tp"), sequence_parallel))
         layers = _layers(module, candidate, outcome.region)
         styles = {_key_of(candidate, layer): candidate.style_of(layer) for layer in layers}
         if any(style in _GATHERED for style in styles.values()):
             candidate = candidate.with_styles({**candidate.styles,
                                                **{k: _GATHERED.get(s, s) for k, s in styles.items()}})
-            notes.append(f"{_pattern(plan, where)}: its output gathered before the code that uses it "
+            notes.append(f"{_pattern(model_map, where)}: its output gathered before the code that uses it "
                          f"(split as planned, {outcome.reason})")
         else:
             candidate = candidate.with_styles({k: ("replicate" if k in styles else s)
                                                for k, s in candidate.styles.items()})
-            notes.append(f"{_pattern(plan, where)}: left whole ({outcome.reason})")
+            notes.append(f"{_pattern(model_map, where)}: left whole ({outcome.reason})")
     else:
-        raise ValueError(f"tensor parallel: the plan for {type(module).__name__} did not settle; last: "
-                         f"{_refusal(plan, outcome, mesh.size('tp'), sequence_parallel)}")
+        raise ValueError(f"tensor parallel: the model map for {type(module).__name__} did not settle; last: "
+                         f"{_refusal(model_map, outcome, mesh.size('tp'), sequence_parallel)}")
     if not any(is_projection(sub) and candidate.style_of(name) in SPLIT_STYLES
-               for name, sub in module.named_modules() if name.startswith(plan.blocks + ".")):
-        why = "; ".join(notes) if notes else "the plan marks no projection inside the blocks column- and row-wise"
+               for name, sub in module.named_modules() if name.startswith(model_map.blocks + ".")):
+        why = "; ".join(notes) if notes else "the model map marks no projection inside the blocks column- and row-wise"
         raise ValueError(f"tp={mesh.size('tp')} would split no layer inside the blocks of {type(module).__name__} "
-                         f"({plan.source} plan; {why}): the blocks would train replicated on every tensor-parallel "
-                         "rank. Give a plan whose blocks pair colwise and rowwise projections (docs/models.md), or "
-                         "use data parallel / ZeRO-3 for this model")
+                         f"({model_map.source} map; {why}): the blocks would train replicated on every tensor-parallel "
+                         "rank. Give a model map whose blocks pair colwise and rowwise projections (docs/models.md), "
+                         "or use data parallel / ZeRO-3 for this model")
     return candidate, notes
 
 
-def _key_of(plan: ModelPlan, name: str) -> str:
-    """The pattern of ``plan.styles`` that gives ``name`` its style."""
-    return next(pattern for pattern in plan.styles if fnmatch.fnmatchcase(name, pattern))
+def _key_of(model_map: ModelMap, name: str) -> str:
+    """The pattern of ``model_map.styles`` that gives ``name`` its style."""
+    return next(pattern for pattern in model_map.styles if fnmatch.fnmatchcase(name, pattern))
 
 
-def _pattern(plan: ModelPlan, name: str) -> str:
+def _pattern(model_map: ModelMap, name: str) -> str:
     """A pattern naming ``name`` in every block: ``model.layers.0.attn.q_norm`` -> ``model.layers.*.attn.q_norm``."""
-    prefix = plan.blocks + "."
+    prefix = model_map.blocks + "."
     if name.startswith(prefix):
         _, _, rest = name[len(prefix):].partition(".")
         return f"{prefix}*.{rest}"
     return name
 
 
-def _regions(module: nn.Module, plan: ModelPlan) -> list[str]:
+def _regions(module: nn.Module, model_map: ModelMap) -> list[str]:
     """Modules holding split layers, in module order."""
     regions: list[str] = []
     for name, sub in module.named_modules():
-        if is_projection(sub) and plan.style_of(name) in SPLIT_STYLES and name != plan.head:
+        if is_projection(sub) and model_map.style_of(name) in SPLIT_STYLES and name != model_map.head:
             parent = name.rpartition(".")[0]
             if parent not in regions:
                 regions.append(parent)
     return regions
 
 
-def _layers(module: nn.Module, plan: ModelPlan, region: str) -> list[str]:
+def _layers(module: nn.Module, model_map: ModelMap, region: str) -> list[str]:
     return [f"{region}.{name}" for name, sub in module.get_submodule(region).named_children()
-            if is_projection(sub) and plan.style_of(f"{region}.{name}") in SPLIT_STYLES]
+            if is_projection(sub) and model_map.style_of(f"{region}.{name}") in SPLIT_STYLES]
 
 
-def _refusal(plan: ModelPlan, outcome: _Outcome, tp: int, sequence_parallel: bool) -> str:
+def _refusal(model_map: ModelMap, outcome: _Outcome, tp: int, sequence_parallel: bool) -> str:
     where = outcome.region or outcome.module or "the model"
-    key = _pattern(plan, where)
+    key = _pattern(model_map, where)
     if sequence_parallel and "mixed torch.Tensor and DTensor" in (outcome.reason or ""):
         # Between the split regions the activations are DTensors split along the sequence.
         advice = (f"{key!r} is not split but receives the sequence-split activations of sequence parallel, which "
                   "it cannot compute with (an MoE router, nn.MultiheadAttention, a low-rank projection): set "
-                  "sequence_parallel=False for this model, or give the plan a style for it")
+                  "sequence_parallel=False for this model, or give the model map a style for it")
     else:
-        advice = (f"change the styles of {key!r}'s layers in the plan (colwise_gather/rowwise_split when the model "
-                  "slices a projection's output by global sizes, replicate to keep it whole; see docs/models.md)")
-    return (f"tensor parallel (tp={tp}, {plan.source} plan) does not compute what the model computes in {key!r}: "
+        advice = (f"change the styles of {key!r}'s layers in the model map (colwise_gather/rowwise_split when the "
+                  "model slices a projection's output by global sizes, replicate to keep it whole; see docs/models.md)")
+    return (f"tensor parallel (tp={tp}, {model_map.source} map) does not compute what the model computes in {key!r}: "
             f"{outcome.reason}. {advice[0].upper()}{advice[1:]}")
 
 
 # ------------------------------------------------------------------------------------------- one run
-def _network(model_copy: nn.Module, plan: ModelPlan) -> nn.Module:
-    prefix = network_prefix(plan)
+def _network(model_copy: nn.Module, model_map: ModelMap) -> nn.Module:
+    prefix = network_prefix(model_map)
     return model_copy.get_submodule(prefix.rstrip(".")) if prefix else model_copy
 
 
@@ -168,7 +168,7 @@ def _network(model_copy: nn.Module, plan: ModelPlan) -> nn.Module:
 _VOCABULARY_ROWS_PER_RANK = 16
 
 
-def _copy_settings(module: nn.Module, plan: ModelPlan, inputs: Tensor, tp: int,
+def _copy_settings(module: nn.Module, model_map: ModelMap, inputs: Tensor, tp: int,
                       device: torch.device) -> tuple[Vocabulary | None, Tensor, torch.dtype]:
     """How the copy is made, found by running it: its vocabulary cut (or None), the sample it runs on (token ids
     below the cut) and its dtype. Local, without collectives, so every rank finds the same.
@@ -178,36 +178,36 @@ def _copy_settings(module: nn.Module, plan: ModelPlan, inputs: Tensor, tp: int,
     vocabulary size elsewhere (a reshape by ``config.vocab_size``) keeps the whole vocabulary. The dtype is
     float64 where the model runs in it, else float32 (some kernels, such as grouped expert matmuls, have none).
     """
-    vocabulary = _vocabulary_candidate(module, plan, inputs, tp)
+    vocabulary = _vocabulary_candidate(module, model_map, inputs, tp)
     if vocabulary is not None:
         sample = inputs % vocabulary.rows
         for dtype in (torch.float64, torch.float32):
             try:
-                model_copy = small_copy(module, plan.blocks, device, dtype, vocabulary=vocabulary)
-                logits, _, _ = first_tensor(_network(model_copy, plan)(_as(sample, device, dtype)))
+                model_copy = small_copy(module, model_map.blocks, device, dtype, vocabulary=vocabulary)
+                logits, _, _ = first_tensor(_network(model_copy, model_map)(_as(sample, device, dtype)))
             except Exception:  # noqa: BLE001 - a dtype without kernels, or whatever the cut model raises
                 continue
-            if plan.head is None or logits.shape[-1] == vocabulary.rows:
+            if model_map.head is None or logits.shape[-1] == vocabulary.rows:
                 return vocabulary, sample, dtype
             break
-    return None, inputs, _dtype_that_runs(module, plan, inputs, device)
+    return None, inputs, _dtype_that_runs(module, model_map, inputs, device)
 
 
-def _vocabulary_candidate(module: nn.Module, plan: ModelPlan, inputs: Tensor, tp: int) -> Vocabulary | None:
-    if inputs.is_floating_point() or plan.embedding is None:
+def _vocabulary_candidate(module: nn.Module, model_map: ModelMap, inputs: Tensor, tp: int) -> Vocabulary | None:
+    if inputs.is_floating_point() or model_map.embedding is None:
         return None
-    table = module.get_submodule(plan.embedding)
+    table = module.get_submodule(model_map.embedding)
     if not isinstance(table, nn.Embedding):
         return None
     rows = _VOCABULARY_ROWS_PER_RANK * tp + table.num_embeddings % tp
-    return Vocabulary.to_cut(module, plan.embedding, plan.head, rows)
+    return Vocabulary.to_cut(module, model_map.embedding, model_map.head, rows)
 
 
-def _dtype_that_runs(module: nn.Module, plan: ModelPlan, inputs: Tensor, device: torch.device) -> torch.dtype:
+def _dtype_that_runs(module: nn.Module, model_map: ModelMap, inputs: Tensor, device: torch.device) -> torch.dtype:
     """float64 where the whole model runs in it, else float32."""
     try:
-        model_copy = small_copy(module, plan.blocks, device, torch.float64)
-        _network(model_copy, plan)(_as(inputs, device, torch.float64))
+        model_copy = small_copy(module, model_map.blocks, device, torch.float64)
+        _network(model_copy, model_map)(_as(inputs, device, torch.float64))
         return torch.float64
     except RuntimeError:
         return torch.float32
@@ -218,13 +218,13 @@ def _as(inputs: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
     return inputs.to(dtype) if inputs.is_floating_point() else inputs
 
 
-def _run(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, inputs: Tensor, *, dtype: torch.dtype,
+def _run(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, inputs: Tensor, *, dtype: torch.dtype,
          sequence_parallel: bool, loss_parallel: bool, apply: Callable[..., nn.Module],
          vocabulary: Vocabulary | None) -> _Outcome:
     device = torch.device(mesh.device_type)
-    model_copy = small_copy(module, plan.blocks, device, dtype, vocabulary=vocabulary)
-    network = _network(model_copy, plan)
-    regions = _regions(model_copy, plan)
+    model_copy = small_copy(module, model_map.blocks, device, dtype, vocabulary=vocabulary)
+    network = _network(model_copy, model_map)
+    regions = _regions(model_copy, model_map)
     inputs = _as(inputs, device, dtype)
     def run(record: dict[str, Tensor], stack: list[str]) -> Tensor:
         handles = []
@@ -257,7 +257,7 @@ def _run(module: nn.Module, mesh: ParallelMesh, plan: ModelPlan, inputs: Tensor,
     stack: list[str] = []
     outcome = _Outcome()
     # Sizes that do not split raise here, with a message that already says what would fit.
-    apply(model_copy, mesh, plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    apply(model_copy, mesh, model_map, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     try:
         run(actual, stack)
     except Exception as error:  # noqa: BLE001 - what the split model raises is the reason it is refused
@@ -373,4 +373,4 @@ def _error(actual: Tensor | None, expected: Tensor, floor: float = 0.0) -> float
     return float((actual.to(expected.dtype) - expected).abs().max()) / scale
 
 
-__all__ = ["check_plan"]
+__all__ = ["check_model_map"]

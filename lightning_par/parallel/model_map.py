@@ -1,17 +1,17 @@
-"""ModelPlan: where a decoder transformer keeps its blocks, attention, MLP, embedding and head.
+"""ModelMap: where a decoder transformer keeps its blocks, attention, MLP, embedding and head.
 
-Tensor, pipeline, sequence and expert parallelism all need to know the shape of the model. A plan
+Tensor, pipeline, sequence and expert parallelism all need to know the shape of the model. A model map
 comes, in order of precedence, from (docs/architecture.md):
 
 1. the model itself (a ``parallelize(mesh, config)`` hook: the strategy then applies nothing itself);
-2. a declarative plan (constructor argument or YAML): :meth:`ModelPlan.from_dict`;
-3. the model's own plan where it has one: Hugging Face configs carry ``base_model_tp_plan`` and
-   ``base_model_pp_plan`` (:func:`huggingface_plan` translates them);
-4. :func:`derive_plan`, which recognises decoder transformers by structure and by the usual names (the
+2. a declarative map (constructor argument or YAML): :meth:`ModelMap.from_dict`;
+3. the model's own map where it has one: Hugging Face configs carry ``base_model_tp_plan`` and
+   ``base_model_pp_plan`` (:func:`huggingface_model_map` translates them);
+4. :func:`derive_model_map`, which recognises decoder transformers by structure and by the usual names (the
    project's reference model, Llama/Mistral/Qwen/Gemma, GPT-2's ``Conv1D``, GPT-NeoX, Phi, nanoGPT, MLA).
 
-Whatever its source, a tensor-parallel plan is then checked against what the model computes
-(``lightning_par.parallel.plan_check``) before anything trains.
+Whatever its source, a tensor-parallel split is then checked against what the model computes
+(``lightning_par.parallel.model_map_check``) before anything trains.
 
 Styles name what a technique does to a module:
 ``colwise`` (split the output features), ``rowwise`` (split the input features), ``colwise_gather`` (split
@@ -34,20 +34,20 @@ from torch import nn
 STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_split", "vocab", "sequence", "per_shard", "experts",
           "replicate")
 SPLIT_STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_split")  # styles that shard a projection
-PLAN_SOURCES = ("given", "huggingface", "derived")
+MAP_SOURCES = ("given", "huggingface", "derived")
 
 # Names used across decoder families for the same role inside a block.
 _COLWISE_NAMES = ("q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "gate_proj", "up_proj", "w1", "w3", "fc1", "c_fc",
                   "fc_in", "dense_h_to_4h", "query", "key", "value", "q_b_proj", "kv_b_proj")
 _ROWWISE_NAMES = ("o_proj", "wo", "out_proj", "down_proj", "w2", "fc2", "c_proj", "fc_out", "dense_4h_to_h", "dense")
 # Several projections in one matrix: split like the others when each rank's rows hold whole heads (GPT-NeoX's
-# per-head q/k/v), gathered when the model slices the output by global sizes; the plan check decides.
+# per-head q/k/v), gathered when the model slices the output by global sizes; the tensor-parallel check decides.
 _FUSED_NAMES = ("qkv_proj", "Wqkv", "c_attn", "query_key_value", "gate_up_proj", "W_pack", "qkv")
 _EXPERT_NAMES = ("experts",)
 _FINAL_NORM_NAMES = ("norm", "final_norm", "ln_f", "final_layernorm", "norm_f", "final_layer_norm")
 
 # Hugging Face's tensor-parallel styles -> ours (transformers' ParallelInterface names). Expert styles are
-# left to expert parallel; styles not listed are left out of the plan.
+# left to expert parallel; styles not listed are left out of the model map.
 HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output": "colwise_gather",
              "rowwise_split_input": "rowwise_split", "embedding_rowwise": "vocab",
              "replicated_with_grad_allreduce": "per_shard", "moe_tp_experts": "experts"}
@@ -74,7 +74,7 @@ def projection_features(module: nn.Module) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class ModelPlan:
+class ModelMap:
     """Module names (dotted paths from the model root) and the parallel style of each pattern.
 
     ``styles`` maps ``fnmatch`` patterns over full module names to a style, e.g.
@@ -88,30 +88,30 @@ class ModelPlan:
     head: str | None = None
     styles: dict[str, str] = field(default_factory=dict)
     split_points: tuple[str, ...] = ()
-    source: str = "given"  # given (by the user), huggingface (the model's config), derived (derive_plan)
+    source: str = "given"  # given (by the user), huggingface (the model's config), derived (derive_model_map)
 
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, str) or not self.blocks:
-            raise ValueError(f"ModelPlan.blocks must name the module holding the blocks, got {self.blocks!r}")
+            raise ValueError(f"ModelMap.blocks must name the module holding the blocks, got {self.blocks!r}")
         for pattern, style in self.styles.items():
             if style not in STYLES:
-                raise ValueError(f"ModelPlan style {style!r} for {pattern!r} is not one of {STYLES}")
-        if self.source not in PLAN_SOURCES:
-            raise ValueError(f"ModelPlan.source={self.source!r} is not one of {PLAN_SOURCES}")
+                raise ValueError(f"ModelMap style {style!r} for {pattern!r} is not one of {STYLES}")
+        if self.source not in MAP_SOURCES:
+            raise ValueError(f"ModelMap.source={self.source!r} is not one of {MAP_SOURCES}")
 
-    def with_styles(self, styles: dict[str, str]) -> ModelPlan:
-        """The same plan with ``styles`` in place of its own."""
+    def with_styles(self, styles: dict[str, str]) -> ModelMap:
+        """The same map with ``styles`` in place of its own."""
         return replace(self, styles=dict(styles))
 
     @classmethod
-    def from_dict(cls, spec: dict[str, Any]) -> ModelPlan:
-        """Build a plan from a YAML/dict spec with the field names of this class."""
+    def from_dict(cls, spec: dict[str, Any]) -> ModelMap:
+        """Build a model map from a YAML/dict spec with the field names of this class."""
         unknown = set(spec) - {"blocks", "embedding", "final_norm", "head", "styles", "split_points"}
         if unknown:
-            raise ValueError(f"unknown ModelPlan keys {sorted(unknown)}; expected blocks, embedding, final_norm, "
+            raise ValueError(f"unknown ModelMap keys {sorted(unknown)}; expected blocks, embedding, final_norm, "
                              "head, styles, split_points")
         if "blocks" not in spec:
-            raise ValueError("a ModelPlan spec needs 'blocks': the dotted name of the list of transformer blocks")
+            raise ValueError("a ModelMap spec needs 'blocks': the dotted name of the list of transformer blocks")
         spec = dict(spec)
         spec["split_points"] = tuple(spec.get("split_points", ()))
         spec["styles"] = dict(spec.get("styles", {}))
@@ -135,16 +135,16 @@ class ModelPlan:
         for role in ("blocks", "embedding", "final_norm", "head"):
             name = getattr(self, role)
             if name is not None and name not in names:
-                raise ValueError(f"ModelPlan.{role}={name!r} is not a module of {type(model).__name__}")
+                raise ValueError(f"ModelMap.{role}={name!r} is not a module of {type(model).__name__}")
         for pattern in self.styles:
             if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-                raise ValueError(f"ModelPlan style pattern {pattern!r} matches no module of {type(model).__name__}")
+                raise ValueError(f"ModelMap style pattern {pattern!r} matches no module of {type(model).__name__}")
 
 
-def network_prefix(plan: ModelPlan) -> str:
-    """The path of the module whose forward runs the whole network: the plan's names share it
+def network_prefix(model_map: ModelMap) -> str:
+    """The path of the module whose forward runs the whole network: the map's names share it
     (``model.model.layers`` and ``model.lm_head`` -> ``model.``; empty when the model root is the network)."""
-    names = [n for n in (plan.blocks, plan.embedding, plan.final_norm, plan.head) if n]
+    names = [n for n in (model_map.blocks, model_map.embedding, model_map.final_norm, model_map.head) if n]
     parts = [n.split(".") for n in names]
     common: list[str] = []
     for level in zip(*parts):
@@ -156,7 +156,7 @@ def network_prefix(plan: ModelPlan) -> str:
     return ".".join(common) + "." if common else ""
 
 
-def derive_plan(model: nn.Module) -> ModelPlan | None:
+def derive_model_map(model: nn.Module) -> ModelMap | None:
     """Recognise a decoder transformer; return None when the model does not look like one.
 
     The blocks are the longest ``ModuleList``/``ModuleDict`` of identical modules that contain projections
@@ -209,18 +209,18 @@ def derive_plan(model: nn.Module) -> ModelPlan | None:
         styles[head] = "colwise"
     if final_norm:
         styles[final_norm] = "sequence"
-    return ModelPlan(blocks=blocks, embedding=embedding, final_norm=final_norm, head=head, styles=styles,
+    return ModelMap(blocks=blocks, embedding=embedding, final_norm=final_norm, head=head, styles=styles,
                      source="derived")
 
 
-def huggingface_plan(model: nn.Module) -> ModelPlan | None:
-    """The plan a Hugging Face model's config states, translated; None when ``model`` holds no such model.
+def huggingface_model_map(model: nn.Module) -> ModelMap | None:
+    """The model map a Hugging Face model's config states, translated; None when ``model`` holds no such model.
 
     transformers configs carry ``base_model_tp_plan`` (module patterns -> styles, relative to the base model)
     and ``base_model_pp_plan`` (the embedding, the blocks and the final norm, in order); the causal-LM class adds
-    its head. The blocks, embedding and head come from the pp plan where there is one; the styles inside the
-    blocks from the tp plan (:data:`HF_STYLES`), the others (embedding, head, norms for sequence parallel) as
-    :func:`derive_plan` would set them.
+    its head. The blocks, embedding and head come from ``base_model_pp_plan`` where there is one; the styles inside the
+    blocks from ``base_model_tp_plan`` (:data:`HF_STYLES`), the others (embedding, head, norms for sequence parallel) as
+    :func:`derive_model_map` would set them.
     """
     for name, sub in model.named_modules():
         config = getattr(sub, "config", None)
@@ -231,7 +231,7 @@ def huggingface_plan(model: nn.Module) -> ModelPlan | None:
             continue
         base = f"{name}.{base_prefix}" if hasattr(sub, base_prefix) else name
         base = base.strip(".")
-        derived = derive_plan(model)
+        derived = derive_model_map(model)
         if derived is None:
             return None
 
@@ -291,14 +291,15 @@ def _find_blocks(model: nn.Module) -> str | None:
     return best[1] if best else None
 
 
-def resolve_plan(given: ModelPlan | None, model: nn.Module) -> ModelPlan | None:
-    """The plan to lay ``model`` out by: ``given`` (checked against the model), else the one a Hugging Face model's
+def resolve_model_map(given: ModelMap | None, model: nn.Module) -> ModelMap | None:
+    """The model map to lay ``model`` out by: ``given`` (checked against the model), else the one a Hugging Face model's
     config states, else one derived from the model's shape (None if it has no standard shape)."""
     if given is not None:
         given.check(model)
         return given
-    return huggingface_plan(model) or derive_plan(model)
+    return huggingface_model_map(model) or derive_model_map(model)
 
 
-__all__ = ["HF_STYLES", "ModelPlan", "PLAN_SOURCES", "SPLIT_STYLES", "STYLES", "derive_plan", "huggingface_plan", "resolve_plan",
-           "is_conv1d", "is_projection", "network_prefix", "projection_features"]
+__all__ = ["HF_STYLES", "MAP_SOURCES", "ModelMap", "SPLIT_STYLES", "STYLES", "derive_model_map",
+           "huggingface_model_map", "is_conv1d", "is_projection", "network_prefix", "projection_features",
+           "resolve_model_map"]
