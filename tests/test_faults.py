@@ -100,7 +100,8 @@ def test_communication_errors_are_told_from_others() -> None:
 
 
 
-def _report(name: str, after_fault: float | None) -> None:
+def _report(name: str, after_fault: float | None, output: str) -> None:
+    assert after_fault is not None, f"{name}: the run ended before its fault\n{output[-3000:]}"
     print(f"\n{name}: every rank had exited {after_fault:.1f} s after the fault")
 
 
@@ -128,7 +129,7 @@ def test_a_rank_failing_in_set_up_leaves_no_rank_behind(tmp_path: Path, launcher
     exited: under Lightning's subprocess launcher rank 0 waits for the ranks it started (they leave on their own,
     naming rank 0's error) and kills what is left; torchrun's agent stops the others itself."""
     run = launch_command(tmp_path / "out", _command(launcher, tmp_path / "out", "--fail-setup-rank", "0"), WAIT)
-    _report(f"rank 0 failing in set-up ({launcher})", run["after_fault"])
+    _report(f"rank 0 failing in set-up ({launcher})", run["after_fault"], run["output"])
     assert run["code"] != 0
     assert len(run["pids"]) == WORLD_SIZE and run["running"] == [], run
     assert "RuntimeError: injected: rank 0 fails during set-up" in run["output"], run["output"][-3000:]
@@ -142,7 +143,7 @@ def test_a_rank_stopped_inside_a_collective(tmp_path: Path) -> None:
     names the collective and rank 1, whose heartbeat stopped in the same step, and kills the stopped rank it had
     launched before it returns."""
     run = launch_command(tmp_path / "out", _command("subprocess", tmp_path / "out", "--stop-in-backward", "2"), WAIT)
-    _report("rank 1 stopped in a collective", run["after_fault"])
+    _report("rank 1 stopped in a collective", run["after_fault"], run["output"])
     assert run["code"] != 0
     assert run["running"] == [], run
     output = run["output"]
@@ -156,7 +157,7 @@ def test_a_full_disk_during_a_save(tmp_path: Path, asynchronous: bool) -> None:
     the error and the checkpoint; the checkpoints of step 3 stay complete and the failed one stays out of sight."""
     ranks = launch(tmp_path / "ckpt", tmp_path / "out", "--disk-full", "6", "--timeout", TIMEOUT,
                    *(["--async-save"] if asynchronous else []), wait=WAIT)
-    _report(f"a full disk ({'async' if asynchronous else 'sync'})", ranks[-1]["after_fault"])
+    _report(f"a full disk ({'async' if asynchronous else 'sync'})", ranks[-1]["after_fault"], ranks[0]["stderr"])
     failed = (f"saving checkpoint {str(tmp_path / 'ckpt' / 'epoch=1-step=6.ckpt')!r} failed: rank 1: OSError: "
               "[Errno 28] No space left on device")
     for rank in ranks:
@@ -174,7 +175,7 @@ def test_a_rank_killed_during_an_asynchronous_save(tmp_path: Path) -> None:
     checkpoint stays out of sight, the earlier ones complete."""
     ranks = launch(tmp_path / "ckpt", tmp_path / "out", "--kill-in-save", "6", "--async-save", "--timeout", TIMEOUT,
                    wait=WAIT)
-    _report("rank 1 killed in an asynchronous save", ranks[-1]["after_fault"])
+    _report("rank 1 killed in an asynchronous save", ranks[-1]["after_fault"], ranks[0]["stderr"])
     assert ranks[1]["code"] == -signal.SIGKILL
     assert ranks[0]["code"] != 0
     message = ranks[0]["stderr"]
@@ -188,7 +189,7 @@ def test_a_loader_raising_mid_epoch(tmp_path: Path) -> None:
     """Rank 1's dataset raises in epoch 1. Rank 1 names its error; rank 0, left in a collective, names rank 1's
     report; the checkpoints written before are complete and nothing is left staged."""
     ranks = launch(tmp_path / "ckpt", tmp_path / "out", "--loader-fails-at", "6", "--timeout", TIMEOUT, wait=WAIT)
-    _report("rank 1's loader raising", ranks[-1]["after_fault"])
+    _report("rank 1's loader raising", ranks[-1]["after_fault"], ranks[0]["stderr"])
     own = "rank 1 failed in training after step 6 with RuntimeError: injected: sample"
     assert ranks[1]["code"] != 0 and f"lightning-par: {own}" in ranks[1]["stderr"], ranks[1]["stderr"][-3000:]
     assert ranks[0]["code"] != 0 and f"rank 1 reported: {own}" in ranks[0]["stderr"], ranks[0]["stderr"][-3000:]

@@ -417,6 +417,23 @@ def test_plan_command_keeps_the_yaml_sizes_and_lightning_par_dispatches_it(capsy
     assert "LlamaLM(dim=128, n_layers=4)" in out and "32-true" in out
 
 
+def test_plan_command_costs_the_sizes_fixed_on_its_command_line(capsys: pytest.CaptureFixture) -> None:
+    """``--tp 8 --pp 4 --zero-stage 1`` keep those sizes (over the YAML's tensor_parallel_size: 2); the rest is
+    searched; a size that cannot make the world size is refused with it named."""
+    from lightning_par.planner.cli import main
+
+    main(["--config", str(REPO / "configs" / "tensor_parallel.yaml"), "--model", "llama3-70b", "--nodes", "8",
+          "--devices-per-node", "8", "--device", "h100-80gb", "--seq-len", "4096", "--global-batch-size", "512",
+          "--tp", "8", "--pp", "4",
+          "--zero-stage", "1", "--no-sequence-parallel"])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line[:2].strip().isdigit()]
+    assert rows and all(row[1] == "pp4" and row[3] == "tp8" and row[4] == "1" for row in rows), out
+    assert "'tp': 8, 'pp': 4, 'zero_stage': 1, 'sequence_parallel': False" in out
+    with pytest.raises(SystemExit, match="the fixed sizes tp=3 = 3 do not divide the world size 64"):
+        main(["--model", "llama3-70b", "--nodes", "8", "--device", "h100-80gb", "--seq-len", "4096", "--tp", "3"])
+
+
 @pytest.mark.parametrize(("model_type", "extra", "ffn_matrices", "head_dim"), [
     ("llama", dict(tie_word_embeddings=True), 3, 16),
     ("qwen2", {}, 3, 16),

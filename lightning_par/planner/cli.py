@@ -2,12 +2,16 @@
 
     lightning-par plan --config configs/zero3.yaml --nodes 8 --devices-per-node 8 --device h100-80gb \\
         --model llama3-70b --global-batch-size 1024 --seq-len 4096
+    lightning-par plan --model llama3-70b --nodes 8 --device h100-80gb --global-batch-size 1024 --seq-len 4096 \\
+        --tp 8 --pp 4 --zero-stage 1
 
 The YAML gives the model (``model.init_args``: the reference ``LlamaLM`` arguments, read as a
 ``LlamaConfig``), the batch (``data.init_args.batch_size`` sequences per data-parallel rank and ``seq_len``),
 the devices (``trainer.devices``, ``trainer.num_nodes``), the precision and any sizes already chosen in
 ``trainer.strategy.init_args`` (``tensor_parallel_size: 8`` is kept; ``"auto"`` or absent is searched).
-Options override the YAML; ``--model`` replaces its model by a published architecture.
+Options override the YAML; ``--model`` replaces its model by a published architecture. ``--tp 8 --pp 16 ...`` fix
+sizes and knobs on the command line, to cost a layout one has in mind (with ``--all`` also one this version cannot
+compose).
 """
 
 from __future__ import annotations
@@ -18,16 +22,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning_par.config import CP_METHODS, PP_SCHEDULES, RECOMPUTE_MODES
 from lightning_par.planner.cluster import DEVICE_PRESETS, ClusterSpec
 from lightning_par.planner.memory import LIGHTNING_PRECISIONS
 from lightning_par.planner.model import MODEL_PRESETS, ModelSpec, parameter_count
 from lightning_par.planner.report import explain, format_table
 from lightning_par.planner.runtime import plan_for_run
-from lightning_par.planner.search import TrainingSpec, plan_layouts
+from lightning_par.planner.search import TrainingSpec, normalize_fixed, plan_layouts
 
-# Strategy arguments that fix a size or the ZeRO stage (ZeroStrategy calls it `stage`).
+# Strategy arguments that fix a size or the ZeRO stage.
 FIXED_ARGUMENTS = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
-                   "expert_parallel_size", "replicate_size", "zero_stage", "stage")
+                   "expert_parallel_size", "replicate_size", "zero_stage")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,6 +58,17 @@ def _parser() -> argparse.ArgumentParser:
                         help="blocks under torch.compile (default: the strategy's compile in --config)")
     parser.add_argument("--float8", action="store_true", default=None, help="the blocks' linear layers in float8 at "
                         "the device's float8 peak (default: the strategy's float8 in --config, unless emulated)")
+    fix = parser.add_argument_group("fixed sizes and knobs (the rest is searched; they override the YAML's)")
+    for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert"),
+                       ("dp", "data (replicate x shard)"), ("dp-replicate", "replicated data"),
+                       ("dp-shard", "sharded data")):
+        fix.add_argument(f"--{name}", type=_positive, help=f"{what}-parallel size")
+    fix.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3))
+    fix.add_argument("--pp-schedule", choices=PP_SCHEDULES)
+    fix.add_argument("--cp-method", choices=CP_METHODS)
+    fix.add_argument("--activation-checkpointing", choices=RECOMPUTE_MODES)
+    fix.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
+    fix.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
     parser.add_argument("--all", action="store_true", help="rank every layout the cost model understands, not only "
                         "those this version of lightning_par composes")
@@ -107,6 +123,15 @@ def _speed_options(config: dict, options: argparse.Namespace) -> dict[str, bool]
     return {"compiled": compiled, "float8": float8}
 
 
+FIXED_OPTIONS = ("tp", "pp", "cp", "ep", "dp", "dp_replicate", "dp_shard", "zero_stage", "pp_schedule", "cp_method",
+                 "activation_checkpointing", "sequence_parallel", "loss_parallel")
+
+
+def fixed_from_options(options: argparse.Namespace) -> dict[str, Any]:
+    """The sizes and knobs fixed on the command line (``--tp 8`` -> ``{"tp": 8}``)."""
+    return {name: getattr(options, name) for name in FIXED_OPTIONS if getattr(options, name) is not None}
+
+
 def _int(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 
@@ -147,7 +172,10 @@ def main(argv: list[str] | None = None) -> None:
     if raw_precision not in LIGHTNING_PRECISIONS:
         raise SystemExit(f"lightning-par plan: precision {raw_precision!r} is not one of {sorted(LIGHTNING_PRECISIONS)}")
     precision = LIGHTNING_PRECISIONS[raw_precision]
-    fixed = fixed_from_yaml(config)
+    try:
+        fixed = {**normalize_fixed(fixed_from_yaml(config)), **fixed_from_options(options)}
+    except ValueError as error:
+        raise SystemExit(f"lightning-par plan: {error}") from None
     speed = _speed_options(config, options)
     composable = (lambda c: True) if options.all else None
     per_rank = _int(data.get("batch_size"), 0)
@@ -179,4 +207,4 @@ def main(argv: list[str] | None = None) -> None:
               "before it plans (docs/planner.md).")
 
 
-__all__ = ["main", "model_from_yaml", "fixed_from_yaml"]
+__all__ = ["fixed_from_options", "fixed_from_yaml", "main", "model_from_yaml"]
