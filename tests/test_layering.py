@@ -133,3 +133,25 @@ def test_moved_modules_import_by_their_old_names_with_a_warning() -> None:
                "clean_name.__module__, StageTies.__module__, ModelPlan.__name__, TopModelPlan is ModelPlan)")
     assert out.split()[-5:] == ["6", "lightning_par.parallel.modules", "lightning_par.parallel.pipeline.ties",
                                 "ModelMap", "True"], out
+
+
+def test_parallelize_takes_the_old_keyword_plan_with_a_warning() -> None:
+    out = _run("import warnings, torch, torch.distributed as dist\n"
+               "from lightning_par.config import ParallelConfig\n"
+               "from lightning_par.models.llama import LlamaConfig, Transformer\n"
+               "from lightning_par.parallel import derive_model_map, parallelize\n"
+               "dist.init_process_group('gloo', rank=0, world_size=1, store=dist.HashStore())\n"
+               "config = ParallelConfig(zero_stage=3).validate(1)\n"
+               "model = Transformer(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16))\n"
+               "model_map = derive_model_map(model)\n"
+               "with warnings.catch_warnings(record=True) as caught:\n"
+               "    warnings.simplefilter('always')\n"
+               "    handle = parallelize(model, config.build_mesh('cpu'), config, plan=model_map)\n"
+               "try:\n"
+               "    parallelize(model, config.build_mesh('cpu'), config, model_map, plan=model_map)\n"
+               "except ValueError as error:\n"
+               "    print(error)\n"
+               "print(any('parallelize(plan=...) is now' in str(w.message) for w in caught), "
+               "type(next(handle.module.layers.children())).__name__)")
+    assert out.splitlines()[-2] == "give the model map once: as model_map (plan is its old name), not both", out
+    assert out.splitlines()[-1].startswith("True FSDP"), out  # the blocks became ZeRO-3 units: the map was used

@@ -26,6 +26,8 @@ collective runs.
 
 from __future__ import annotations
 
+import warnings
+
 from collections.abc import Callable
 
 import torch
@@ -85,6 +87,7 @@ def parallelize(
     log: Callable[[str], None] | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     accumulate: int = 1,
+    plan: ModelMap | None = None,
 ) -> Parallelized:
     """Apply every technique ``config`` asks for to ``model`` over ``mesh``; return the handle of the result
     (:class:`~lightning_par.parallel.parallelized.Parallelized`: the module to run and what a training loop asks).
@@ -97,8 +100,15 @@ def parallelize(
     on (``model_map_check``), what pipeline parallel traces to place the code outside the blocks, and what balancing
     by profile times the blocks on; without it the model map is applied unchecked. ``log`` receives what was split
     and what the check changed. Under pipeline parallel, the handle's runner computes ``loss_fn(logits, targets)``
-    (the model's mean loss) for batches of which ``accumulate`` make one optimizer step.
+    (the model's mean loss) for batches of which ``accumulate`` make one optimizer step. ``plan`` is the old name
+    of ``model_map`` (warns; goes in the next release).
     """
+    if plan is not None:
+        warnings.warn("parallelize(plan=...) is now parallelize(model_map=...); `plan` goes in the next release",
+                      FutureWarning, stacklevel=2)
+        if model_map is not None:
+            raise ValueError("give the model map once: as model_map (plan is its old name), not both")
+        model_map = plan
     device = device if device is not None else torch.device(mesh.device_type)
     config.check_composable()
     if config.async_tp:  # refused off CUDA before any collective; on CUDA, the compiled blocks are rewritten
