@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Union, get_args
 
 from lightning_par.mesh import MESH_DIM_NAMES, ParallelMesh, build_device_mesh
-from lightning_par.stages import V_SCHEDULES, Schedule
+from lightning_par.stages import Schedule
 
 Size = Union[int, Literal["auto"]]
 # ZeRO-3's gather controls when nothing is scheduled: one block a unit, resharded after forward, FSDP2's own
@@ -178,12 +178,6 @@ class ParallelConfig:
             if self.cp > 1:
                 raise ValueError(f"pp={self.pp} with cp={self.cp}: pipeline parallel composes with data, tensor and "
                                  "expert parallel in this version; use context parallel without pp")
-            if stage == 3 and self.pp_schedule in V_SCHEDULES:
-                raise ValueError(f"pp={self.pp} with zero_stage=3 and pp_schedule={self.pp_schedule!r}: ZB-V and "
-                                 "DualPipeV compute weight gradients in a pass of their own after the input "
-                                 "gradients, and FSDP2 settles a block's gradients when its backward ends, so they "
-                                 "would be incomplete; use pp_schedule 1f1b, interleaved_1f1b or gpipe with "
-                                 f"zero_stage=3, or zero_stage 0 or 1 with {self.pp_schedule}")
             if self.prefetch_blocks:
                 raise ValueError(f"pp={self.pp} with prefetch_blocks={self.prefetch_blocks}: a pipeline schedule runs "
                                  "its blocks for several micro-batches in its own order, not one after the next; set "

@@ -319,10 +319,6 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("`Hybrid3DStrategy(zero_stage=2, tensor_parallel_size=2)`",
              "zero_stage=2 with tensor_parallel_size=2: ZeRO-2 composes with plain data parallel only",
              _strategy("Hybrid3DStrategy", zero_stage=2, tensor_parallel_size=2)),
-    BadInput("`Hybrid3DStrategy(pipeline_parallel_size=2, zero_stage=3, pipeline_schedule='zbv')`",
-             "pipeline_parallel_size=2 with zero_stage=3 and pipeline_schedule='zbv': ZB-V and DualPipeV compute "
-             "weight gradients in a pass of their own", _strategy("Hybrid3DStrategy", pipeline_parallel_size=2, zero_stage=3,
-                                                 pipeline_schedule="zbv")),
     BadInput("`Hybrid3DStrategy(expert_parallel_size=2, zero_stage=1)`",
              "zero_stage=1 with expert_parallel_size=2: ZeRO-1 composes with tensor and pipeline parallel",
              _strategy("Hybrid3DStrategy", expert_parallel_size=2, zero_stage=1)),

@@ -76,6 +76,32 @@ def test_hybrid_layout_matches_single_process(world_size: int, dp: int, kwargs: 
                           accumulate=accumulate, clip=clip, rtol=PARITY_RTOL, label=f"hybrid3d {kwargs}")
 
 
+@pytest.mark.parametrize(("schedule", "batch_size"), [("zbv", 2), ("dualpipev", 4)])
+def test_zero3_inside_the_v_schedules_matches_single_process(schedule: str, batch_size: int) -> None:
+    """pp2 x dp2 with FSDP2 inside each stage under ZB-V and DualPipeV, whose weight gradients come in a pass after
+    the input gradients: torch's runtime reduce-scatters each stage's gradients after its last weight pass. 8 steps,
+    accumulation 2, clipping; as many micro-batches as a rank's samples (DualPipeV needs 2 x pp)."""
+    assert_layout_matches(MODULES["dense"], functools.partial(make_datamodule, batch_size=batch_size),
+                          functools.partial(make_strategy, data_parallel_size=2, pipeline_parallel_size=2,
+                                            zero_stage=3, microbatches=batch_size, pipeline_schedule=schedule),
+                          world_size=4, dp=2, steps=8, accumulate=2, clip=0.05, rtol=PARITY_RTOL,
+                          label=f"pp2 x dp2 ZeRO-3 {schedule}")
+
+
+def test_a_torch_that_reduces_before_the_weight_pass_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    from lightning_par.parallel.pipeline.split import check_weight_pass_with_zero3
+
+    check_weight_pass_with_zero3("zbv", 3)  # this torch has the runtime's REDUCE_GRAD
+    monkeypatch.delattr(_PipelineStageBase, "perform_reduce_grad")
+    check_weight_pass_with_zero3("1f1b", 3)  # its whole backward settles the gradients itself
+    check_weight_pass_with_zero3("dualpipev", 1)
+    with pytest.raises(ValueError, match=r"pipeline_schedule='dualpipev' with zero_stage=3 needs torch's pipeline "
+                                         r"runtime to reduce FSDP2's gradients after each stage's last"):
+        check_weight_pass_with_zero3("dualpipev", 3)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -84,8 +110,6 @@ def test_hybrid_layout_matches_single_process(world_size: int, dp: int, kwargs: 
         (dict(pipeline_parallel_size=2, context_parallel_size=2), r"pipeline_parallel_size=2 with context_parallel_size=2: pipeline parallel"),
         (dict(tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True), r"expert_parallel_size=2 with sequence_parallel"),
         (dict(tensor_parallel_size=2, zero_stage=2), r"zero_stage=2 with tensor_parallel_size=2: ZeRO-2 composes with plain"),
-        (dict(pipeline_parallel_size=2, zero_stage=3, pipeline_schedule="zbv"),
-         r"pipeline_parallel_size=2 with zero_stage=3 and pipeline_schedule='zbv': ZB-V and DualPipeV compute"),
         (dict(tensor_parallel_size=0), r"tensor_parallel_size must be a positive integer, got 0"),
     ],
 )

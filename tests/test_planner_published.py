@@ -59,9 +59,9 @@ def test_405b_on_512_h100_pipelines_across_nodes() -> None:
     parameters for every micro-batch at InfiniBand's bus bandwidth; a pipeline sends one micro-batch's hidden
     states per stage boundary and reduces gradients once. The first layout is a pipeline whose optimizer states are
     sharded over its data-parallel ranks (ZeRO-1, Megatron's distributed optimizer: gradients reduced to their
-    owners, half an all-reduce, then the owners' parameters broadcast), under ZB-V; ZeRO-3 does not compose with
-    ZB-V yet, and its best pipelined layout (interleaved 1F1B) is within 3%, behind by the interleaved bubble. Among
-    every layout the cost model understands, the first is a pipeline with ZeRO-3."""
+    owners, half an all-reduce, then the owners' parameters broadcast) or ZeRO-3, under ZB-V; the best pipelined
+    ZeRO-3 layout is within 3% of the first. Among every layout the cost model understands, the first is a pipeline
+    with ZeRO-3."""
     cluster = ClusterSpec.from_preset("h100-80gb", nodes=64, devices_per_node=8)
     training = TrainingSpec(global_batch_size=2048, seq_len=8192)
     model = ModelSpec.preset("llama3-405b")

@@ -41,7 +41,8 @@ from lightning_par.parallel.compile import apply_compile
 from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas
 from lightning_par.parallel.experts import apply_expert_parallel
 from lightning_par.parallel.float8 import apply_float8, check_float8_device, precompute_scales_before_forward
-from lightning_par.parallel.pipeline.split import StageLayout, build_stages, check_microbatches, split_pipeline
+from lightning_par.parallel.pipeline.split import (StageLayout, build_stages, check_microbatches,
+                                                  check_weight_pass_with_zero3, split_pipeline)
 from lightning_par.parallel.model_map import ModelMap, network_prefix
 from lightning_par.parallel.model_map_check import check_model_map
 from lightning_par.parallel.recompute import apply_activation_checkpointing
@@ -111,6 +112,8 @@ def parallelize(
         model_map = plan
     device = device if device is not None else torch.device(mesh.device_type)
     config.check_composable()
+    if config.pp > 1:
+        check_weight_pass_with_zero3(config.pp_schedule, config.zero_stage)
     if config.async_tp:  # refused off CUDA before any collective; on CUDA, the compiled blocks are rewritten
         enable_async_tensor_parallel(device)
     # Steps 1-6 change the module in place, once: fit and then validate/test/predict on the same module

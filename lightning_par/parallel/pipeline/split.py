@@ -59,7 +59,7 @@ from lightning_par.parallel.pipeline.trace import (
 from lightning_par.parallel.model_map import ModelMap, network_prefix
 from lightning_par.parallel.small_copy import small_copy
 from lightning_par.parallel.modules import clean_name
-from lightning_par.stages import Schedule, balance, stage_indices, stages_per_rank
+from lightning_par.stages import V_SCHEDULES, Schedule, balance, stage_indices, stages_per_rank
 
 TORCH_SCHEDULES: dict[str, type] = {  # each schedule of config.PP_SCHEDULES: torch's class
     "gpipe": ScheduleGPipe,
@@ -69,6 +69,21 @@ TORCH_SCHEDULES: dict[str, type] = {  # each schedule of config.PP_SCHEDULES: to
     "dualpipev": ScheduleDualPipeV,
 }
 BALANCE_METHODS = ("parameters", "profile")
+
+
+def check_weight_pass_with_zero3(schedule: Schedule, zero_stage: int) -> None:
+    """ZB-V and DualPipeV compute weight gradients in a pass of their own after the input gradients (Qi et al.
+    2024), so under ZeRO-3 FSDP2 must reduce-scatter a stage's gradients only after its last weight pass. torch's
+    pipeline runtime does: each stage backward runs with FSDP2's gradient sync off, and the schedule adds a
+    REDUCE_GRAD action after the stage's last weight pass (``PipelineStage.perform_reduce_grad``). A torch without
+    it would reduce incomplete gradients, so the pair is refused there, naming the limitation."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    if zero_stage == 3 and schedule in V_SCHEDULES and not hasattr(_PipelineStageBase, "perform_reduce_grad"):
+        raise ValueError(f"pipeline_schedule={schedule!r} with zero_stage=3 needs torch's pipeline runtime to "
+                         "reduce FSDP2's gradients after each stage's last weight-gradient pass "
+                         f"(PipelineStage.perform_reduce_grad), which torch {torch.__version__} lacks; use "
+                         "pipeline_schedule 1f1b or interleaved_1f1b with zero_stage=3, or a newer torch")
 
 
 # ------------------------------------------------------------------------------------ placement
