@@ -151,7 +151,7 @@ def test_parallelize_takes_the_old_keyword_plan_with_a_warning() -> None:
                "    parallelize(model, config.build_mesh('cpu'), config, model_map, plan=model_map)\n"
                "except ValueError as error:\n"
                "    print(error)\n"
-               "print(any('parallelize(plan=...) is now' in str(w.message) for w in caught), "
+               "print(any('parallelize(plan=...) is now parallelize(model_map=...)' in str(w.message) for w in caught), "
                "type(next(handle.module.layers.children())).__name__)")
     assert out.splitlines()[-2] == "give the model map once: as model_map (plan is its old name), not both", out
     assert out.splitlines()[-1].startswith("True FSDP"), out  # the blocks became ZeRO-3 units: the map was used

@@ -241,7 +241,7 @@ def test_the_old_strategy_argument_plan_still_gives_the_model_map() -> None:
     from lightning_par.strategies import DataParallelStrategy
 
     spec = {"blocks": "model.layers", "embedding": "model.embed_tokens", "head": "lm_head"}
-    with pytest.warns(FutureWarning, match="`plan` is now `model_map`"):
+    with pytest.warns(FutureWarning, match=r"DataParallelStrategy\(plan=...\) is now DataParallelStrategy\(model_map=...\)"):
         strategy = DataParallelStrategy(plan=spec)
     assert strategy._model_map == ModelMap.from_dict(spec)
     with pytest.raises(ValueError, match="give the model map once"):

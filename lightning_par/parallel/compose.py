@@ -26,8 +26,6 @@ collective runs.
 
 from __future__ import annotations
 
-import warnings
-
 from collections.abc import Callable
 
 import torch
@@ -43,7 +41,7 @@ from lightning_par.parallel.experts import apply_expert_parallel
 from lightning_par.parallel.float8 import apply_float8, check_float8_device, precompute_scales_before_forward
 from lightning_par.parallel.pipeline.split import (StageLayout, build_stages, check_microbatches,
                                                   check_weight_pass_with_zero3, split_pipeline)
-from lightning_par.parallel.model_map import ModelMap, network_prefix
+from lightning_par.parallel.model_map import ModelMap, model_map_or_its_old_name, network_prefix
 from lightning_par.parallel.model_map_check import check_model_map
 from lightning_par.parallel.recompute import apply_activation_checkpointing
 from lightning_par.parallel.context import apply_context_parallel, check_sequence_length
@@ -104,12 +102,7 @@ def parallelize(
     (the model's mean loss) for batches of which ``accumulate`` make one optimizer step. ``plan`` is the old name
     of ``model_map`` (warns; goes in the next release).
     """
-    if plan is not None:
-        warnings.warn("parallelize(plan=...) is now parallelize(model_map=...); `plan` goes in the next release",
-                      FutureWarning, stacklevel=2)
-        if model_map is not None:
-            raise ValueError("give the model map once: as model_map (plan is its old name), not both")
-        model_map = plan
+    model_map = model_map_or_its_old_name(model_map, plan, "parallelize")
     device = device if device is not None else torch.device(mesh.device_type)
     config.check_composable()
     if config.pp > 1:

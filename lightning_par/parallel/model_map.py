@@ -291,6 +291,20 @@ def _find_blocks(model: nn.Module) -> str | None:
     return best[1] if best else None
 
 
+def model_map_or_its_old_name(model_map: Any, plan: Any, where: str) -> Any:
+    """``model_map``, or ``plan`` (its old name, for one release: warns) when only that is given; both is an
+    error. ``where`` names the call in the warning."""
+    if plan is None:
+        return model_map
+    import warnings
+
+    warnings.warn(f"{where}(plan=...) is now {where}(model_map=...) (YAML: `model_map: {{blocks: ...}}`); `plan` "
+                  "goes in the next release", FutureWarning, stacklevel=3)
+    if model_map is not None:
+        raise ValueError("give the model map once: as model_map (plan is its old name), not both")
+    return plan
+
+
 def resolve_model_map(given: ModelMap | None, model: nn.Module) -> ModelMap | None:
     """The model map to lay ``model`` out by: ``given`` (checked against the model), else the one a Hugging Face model's
     config states, else one derived from the model's shape (None if it has no standard shape)."""
@@ -301,5 +315,5 @@ def resolve_model_map(given: ModelMap | None, model: nn.Module) -> ModelMap | No
 
 
 __all__ = ["HF_STYLES", "MAP_SOURCES", "ModelMap", "SPLIT_STYLES", "STYLES", "derive_model_map",
-           "huggingface_model_map", "is_conv1d", "is_projection", "network_prefix", "projection_features",
-           "resolve_model_map"]
+           "huggingface_model_map", "is_conv1d", "is_projection", "model_map_or_its_old_name", "network_prefix",
+           "projection_features", "resolve_model_map"]

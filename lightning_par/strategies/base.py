@@ -12,7 +12,6 @@ plans the sizes left ``"auto"``, in ``_choose_layout``). The layers below hold t
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -31,7 +30,7 @@ from typing_extensions import override
 from lightning_par.config import Float8Recipe, ParallelConfig, Recompute
 from lightning_par.parallel.compose import parallelize
 from lightning_par.parallel.parallelized import Parallelized, parallelized_by_its_author
-from lightning_par.parallel.model_map import ModelMap, resolve_model_map
+from lightning_par.parallel.model_map import ModelMap, model_map_or_its_old_name, resolve_model_map
 from lightning_par.strategies.arguments import rename_arguments
 from lightning_par.strategies.full_batches import drop_partial_last_batch
 from lightning_par.strategies.setup_checks import check_module, sample_for_layout
@@ -111,12 +110,7 @@ class MeshStrategy(StepsThroughTheHandle):
                 raise ValueError(f"pp={self.parallel_config.pp}: each rank saves its own stages, so checkpoints are "
                                  "sharded; save_distributed_checkpoint=False is not supported - export a single file "
                                  "with lightning-par-export instead")
-        if plan is not None:
-            warnings.warn("the strategy argument `plan` is now `model_map` (YAML: `model_map: {blocks: ...}`); "
-                          "`plan` goes in the next release", FutureWarning, stacklevel=2)
-            if model_map is not None:
-                raise ValueError("give the model map once: as model_map (plan is its old name), not both")
-            model_map = plan
+        model_map = model_map_or_its_old_name(model_map, plan, type(self).__name__)
         self._model_map = ModelMap.from_dict(model_map) if isinstance(model_map, dict) else model_map
         self._parallelized: Parallelized | None = None
 
