@@ -160,7 +160,7 @@ class ParallelConfig:
             # ZeroRedundancyOptimizer (ZeRO-1) steps each parameter on the rank that owns it, DTensor shards of tensor
             # parallel and a pipeline rank's stages included (their gradients are averaged once per step). Stage 2's
             # hooks reduce each whole plain gradient to its owner as backward produces it.
-            others = {name: getattr(self, name) for name in (("tp", "cp", "ep", "pp") if stage == 2 else ("cp", "ep"))
+            others = {name: getattr(self, name) for name in (("tp", "ep", "pp") if stage == 2 else ("ep",))
                       if getattr(self, name) > 1}
             if others:
                 composes = "tensor and pipeline parallel" if stage == 1 else "plain data parallel only"
@@ -175,21 +175,11 @@ class ParallelConfig:
                              "batch's micro-batches itself and reduces once after the last; between batches the "
                              "gradients are already reduced. Set sharded_accumulation=False")
         if self.pp > 1:
-            if self.cp > 1:
-                raise ValueError(f"pp={self.pp} with cp={self.cp}: pipeline parallel composes with data, tensor and "
-                                 "expert parallel in this version; use context parallel without pp")
             if self.prefetch_blocks:
                 raise ValueError(f"pp={self.pp} with prefetch_blocks={self.prefetch_blocks}: a pipeline schedule runs "
                                  "its blocks for several micro-batches in its own order, not one after the next; set "
                                  "prefetch_blocks=0 (the schedule keeps a stage gathered between its micro-batches)")
-            if self.loss_parallel:
-                raise ValueError(f"pp={self.pp} with loss_parallel=True: the last stage gathers the logits; set "
-                                 "loss_parallel=False")
         if self.ep > 1:
-            if self.cp > 1:
-                raise ValueError(f"ep={self.ep} with cp={self.cp}: the router's capacity and load-balancing loss "
-                                 "are per sequence, and context parallel splits sequences; use ep with data (and "
-                                 "tensor) parallel")
             if self.sequence_parallel and self.tp > 1:
                 raise ValueError(f"ep={self.ep} with sequence_parallel=True: the experts route whole sequences; "
                                  "set sequence_parallel=False (tensor parallel still splits attention)")
@@ -198,10 +188,6 @@ class ParallelConfig:
                              f"{self.compile}: async tensor parallel splits sequence parallel's all-gathers and "
                              "reduce-scatters into pieces that overlap the matmuls beside them, a rewrite inductor "
                              "makes in compiled blocks; it needs tp > 1, sequence_parallel=True and compile=True")
-        if self.cp > 1 and self.tp > 1 and self.sequence_parallel:
-            raise ValueError(f"cp={self.cp} with sequence_parallel=True: context parallel already splits the "
-                             "sequence between the blocks; set sequence_parallel=False (tensor parallel still splits "
-                             "the layers)")
 
     @property
     def reduces_gradients_after_backward(self) -> bool:

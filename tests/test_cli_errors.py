@@ -26,8 +26,9 @@ BAD_INPUTS = {
     "size two": ("tensor_parallel", [f"{TP}=two"], f"{TP[2:]}=two: expected an integer"),
     "size 2.5": ("tensor_parallel", [f"{TP}=2.5"], f"{TP[2:]}=2.5: expected an integer"),
     "zero_stage 5": ("zero3", ["--trainer.strategy.init_args.zero_stage=5"], "zero_stage=5 is not one of (0, 1, 2, 3)"),
-    "pp x cp": ("hybrid3d", [f"{PP}=2", "--trainer.strategy.init_args.context_parallel_size=2"],
-                "pipeline_parallel_size=2 with context_parallel_size=2:"),
+    "offload without ZeRO-3": ("hybrid3d", ["--trainer.strategy.init_args.zero_stage=1",
+                                            "--trainer.strategy.init_args.cpu_offload=true"],
+                               "cpu_offload=True needs zero_stage=3"),
     "schedule 1fb1": ("pipeline_parallel", [f"{SCHEDULE}=1fb1"], f"{SCHEDULE}=1fb1: not one of 'gpipe', '1f1b', "
                       "'interleaved_1f1b', 'zbv', 'dualpipev'; did you mean '1f1b'?"),
     "schedule GPipe": ("pipeline_parallel", [f"{SCHEDULE}=GPipe"], "did you mean 'gpipe'?"),

@@ -107,7 +107,6 @@ def test_a_torch_that_reduces_before_the_weight_pass_is_refused(monkeypatch: pyt
     [
         (dict(data_parallel_size=4, replicate_size=3), r"replicate_size=3 does not divide data_parallel_size=4"),
         (dict(pipeline_parallel_size=2, save_distributed_checkpoint=False), r"pipeline_parallel_size=2: each rank saves its own stages"),
-        (dict(pipeline_parallel_size=2, context_parallel_size=2), r"pipeline_parallel_size=2 with context_parallel_size=2: pipeline parallel"),
         (dict(tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True), r"expert_parallel_size=2 with sequence_parallel"),
         (dict(tensor_parallel_size=2, zero_stage=2), r"zero_stage=2 with tensor_parallel_size=2: ZeRO-2 composes with plain"),
         (dict(tensor_parallel_size=0), r"tensor_parallel_size must be a positive integer, got 0"),
@@ -134,19 +133,6 @@ def test_every_knob_reaches_the_layout() -> None:
     assert (config.zero_stage, config.tp, config.dp_replicate, config.dp_shard) == (3, 2, 2, 2)
     ddp = make_strategy(bucket_cap_mb=50.0, static_graph=True, gradient_compression="bf16").parallel_config
     assert (ddp.ddp_bucket_cap_mb, ddp.ddp_static_graph, ddp.gradient_compression) == (50.0, True, "bf16")
-
-
-def test_context_parallel_refuses_mixture_of_experts_layers() -> None:
-    from lightning_par.parallel.model_map import derive_model_map
-    from lightning_par.parallel.context import apply_context_parallel
-
-    class TwoWayContext:  # the one question apply_context_parallel asks before it refuses
-        def size(self, name: str) -> int:
-            return 2
-
-    model = make_moe_module().model
-    with pytest.raises(ValueError, match=r"cp=2 with mixture-of-experts layers \('layers.0.mlp.experts', ...\)"):
-        apply_context_parallel(model, TwoWayContext(), derive_model_map(model))
 
 
 def test_sizes_that_do_not_fill_the_world_fail_on_every_rank() -> None:

@@ -134,8 +134,9 @@ def _local_bytes(tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _model_state_bytes(rank: int, world_size: int, stage: int) -> dict:
-    """Bytes of parameters, gradients and optimizer states this rank holds just before an optimizer step."""
+def _model_state_bytes(rank: int, world_size: int, stage: int, cp: int = 1) -> dict:
+    """Bytes of parameters, gradients and optimizer states this rank holds just before an optimizer step; with ``cp``
+    context-parallel ranks among the ``world_size``."""
     import lightning
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -157,6 +158,10 @@ def _model_state_bytes(rank: int, world_size: int, stage: int) -> dict:
 
     count = Count()
     strategy = "data_parallel" if stage == 0 else f"zero{stage}"
+    if cp > 1:
+        from lightning_par import Hybrid3DStrategy
+
+        strategy = Hybrid3DStrategy(context_parallel_size=cp, zero_stage=stage)
     # Many similar-sized tensors so that ZeroRedundancyOptimizer's per-tensor partition can balance.
     module = LlamaLM(vocab_size=64, dim=64, n_layers=6, n_heads=4, max_seq_len=16)
     trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2,
@@ -175,12 +180,14 @@ ZERO_BYTES_PER_PARAM = {
 }
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize(("world_size", "cp"), [(2, 1), (4, 1), (4, 2)])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_model_state_bytes_per_rank_follow_the_zero_paper(stage: int, world_size: int) -> None:
+def test_model_state_bytes_per_rank_follow_the_zero_paper(stage: int, world_size: int, cp: int) -> None:
+    """N is every rank that holds the same parameters: context-parallel ranks partition the states with the
+    data-parallel ones (Megatron-Core's distributed optimizer over dp x cp)."""
     from harness import run_distributed
 
-    per_rank = run_distributed(_model_state_bytes, world_size, stage)
+    per_rank = run_distributed(_model_state_bytes, world_size, stage, cp)
     expected = ZERO_BYTES_PER_PARAM[stage](world_size)
     for rank, counts in enumerate(per_rank):
         measured = (counts["params"] + counts["grads"] + counts["optimizer"]) / counts["numel"]

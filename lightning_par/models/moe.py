@@ -10,7 +10,8 @@ Capacity (GShard, Switch): with ``capacity_factor`` set, each expert takes at mo
 ones are dropped (the token's residual connection carries it on). Assignments are served in priority
 order — every token's first choice before any second choice, then by position — as in GShard.
 ``capacity_factor=None`` is dropless: every assignment is computed. Capacity is counted per sequence
-(GShard's groups), so which tokens are dropped does not depend on how the batch is spread over ranks.
+(GShard's groups), so which tokens are dropped does not depend on how the batch is spread over ranks; under context
+parallel, where a rank holds part of each sequence, over the whole sequence (``sequence_split``).
 
 Auxiliary losses, added to the training loss by the model with their weights:
 
@@ -119,6 +120,9 @@ class MoEFeedForward(nn.Module):
         self.experts = GroupedExperts(n_experts, dim, hidden_size)
         self.stats: RoutingStats | None = None
         self.expert_group: dist.ProcessGroup | None = None  # set by apply_expert_parallel
+        # Set by apply_context_parallel when each rank holds part of every sequence (SequenceSplit): capacity and
+        # the statistics are then computed over the whole sequence.
+        self.sequence_split = None
 
     def init_weights(self, init_std: float, out_std: float) -> None:
         nn.init.normal_(self.router.weight, mean=0.0, std=init_std)
@@ -180,6 +184,13 @@ class MoEFeedForward(nn.Module):
         """(B, T, k) booleans: the assignment fits its expert's capacity in its sequence."""
         if self.capacity_factor is None:
             return torch.ones_like(chosen, dtype=torch.bool)
+        split = self.sequence_split
+        if split is not None:  # this rank's tokens' places in the whole sequence's queues
+            keep = self._within_capacity_of_sequence(split.whole(chosen))
+            return keep[:, split.positions(keep.shape[1], keep.device)]
+        return self._within_capacity_of_sequence(chosen)
+
+    def _within_capacity_of_sequence(self, chosen: Tensor) -> Tensor:
         B, T, k = chosen.shape
         capacity = math.ceil(self.capacity_factor * T * k / self.n_experts)
         # Priority order inside a sequence: all first choices (by position), then all second choices, ...
@@ -190,13 +201,18 @@ class MoEFeedForward(nn.Module):
 
     def _statistics(self, logits: Tensor, probs: Tensor, chosen: Tensor, keep: Tensor) -> RoutingStats:
         B, T, k = chosen.shape
+        # Sums over this rank's tokens; under context parallel, totalled over the sequence's ranks.
+        total = (lambda x: x) if self.sequence_split is None else self.sequence_split.total
+        T = T if self.sequence_split is None else T * dist.get_world_size(self.sequence_split.group)
         counts = F.one_hot(chosen, self.n_experts).sum(2)  # (B, T, E): 1 where the token chose e
-        fraction = counts.float().sum(1) / (T * k)  # (B, E): f_e per sequence
-        mean_prob = probs.mean(1)  # (B, E): P_e per sequence
+        chosen_per_expert = total(counts.float().sum(1).detach())  # (B, E)
+        fraction = chosen_per_expert / (T * k)  # f_e per sequence
+        mean_prob = total(probs.sum(1)) / T  # (B, E): P_e per sequence
         aux = (self.n_experts * (fraction * mean_prob).sum(-1)).mean()
-        z = logits.logsumexp(-1).pow(2).mean()
-        return RoutingStats(tokens_per_expert=counts.sum((0, 1)).detach(),
-                            dropped_fraction=(~keep).float().mean().detach(), aux_loss=aux, z_loss=z)
+        z = total(logits.logsumexp(-1).pow(2).sum()) / (B * T)
+        dropped = total((~keep).float().sum().detach()) / (B * T * k)
+        return RoutingStats(tokens_per_expert=chosen_per_expert.sum(0).long(), dropped_fraction=dropped,
+                            aux_loss=aux, z_loss=z)
 
 
 class AuxiliaryLossInBackward(torch.autograd.Function):

@@ -33,13 +33,16 @@ turns both into the right value.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 
 from lightning_par.config import CP_METHODS, ContextParallelMethod
@@ -250,6 +253,16 @@ class _RouteAttention(TorchFunctionMode):
         return attention(query, key, value, self.group, is_causal=is_causal, scale=scale)
 
 
+def _whole_sequence(local: Tensor, group: dist.ProcessGroup, method: Method) -> Tensor:
+    """(B, T/cp, ...) slices of every rank of ``group`` -> (B, T, ...) in token order, on every rank."""
+    cp = dist.get_world_size(group)
+    parts = [torch.empty_like(local) for _ in range(cp)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    seq_len = local.shape[1] * cp
+    order = torch.cat([local_positions(seq_len, r, cp, method) for r in range(cp)])
+    return torch.cat(parts, dim=1)[:, order.argsort().to(local.device)]
+
+
 class _GatherSequence(torch.autograd.Function):
     """All-gather the sequence slices into the whole sequence in token order; see the module docstring
     for why the backward keeps this rank's slice scaled by ``cp``."""
@@ -257,16 +270,44 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: Tensor, group: dist.ProcessGroup, method: Method) -> Tensor:
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        parts = [torch.empty_like(local) for _ in range(cp)]
-        dist.all_gather(parts, local.contiguous(), group=group)
-        seq_len = local.shape[1] * cp
-        order = torch.cat([local_positions(seq_len, r, cp, method) for r in range(cp)])
-        ctx.positions, ctx.cp = local_positions(seq_len, rank, cp, method).to(local.device), cp
-        return torch.cat(parts, dim=1)[:, order.argsort().to(local.device)]
+        ctx.positions, ctx.cp = local_positions(local.shape[1] * cp, rank, cp, method).to(local.device), cp
+        return _whole_sequence(local, group, method)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         return grad[:, ctx.positions] * ctx.cp, None, None
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """How context parallel splits every sequence, for a layer whose computation spans a sequence: a
+    mixture-of-experts router's per-sequence capacity and load-balancing statistics (GShard; Switch, eq. 4) and its
+    z-loss (ST-MoE). Such a layer has a ``sequence_split`` attribute, which :func:`apply_context_parallel` sets, and
+    computes those numbers as on the whole sequence:
+
+    * :meth:`whole` gathers a per-token quantity that needs no gradient (the chosen experts) in token order, so that
+      the capacity's priority order (by position in the sequence) is the whole sequence's;
+    * :meth:`total` sums a partial statistic over the ranks (a sum of router probabilities over this rank's
+      tokens). Its gradient is summed as well: every rank forms the same loss from the total, so each rank's part
+      receives ``cp`` times its gradient, as the blocks' parameters do through the gather after the last block
+      (module docstring), and the average over ``dp x cp`` gives the exact gradient.
+    """
+
+    group: dist.ProcessGroup
+    method: Method
+
+    def positions(self, seq_len: int, device: torch.device) -> Tensor:
+        """The global positions of this rank's tokens in a sequence of ``seq_len``."""
+        cp = dist.get_world_size(self.group)
+        return local_positions(seq_len, dist.get_rank(self.group), cp, self.method).to(device)
+
+    def whole(self, local: Tensor) -> Tensor:
+        """(B, T/cp, ...) of this rank -> (B, T, ...) of the whole sequence, in token order (no gradient)."""
+        return _whole_sequence(local.detach(), self.group, self.method)
+
+    def total(self, partial: Tensor) -> Tensor:
+        """The sum of ``partial`` over the ranks holding parts of the sequence; differentiable."""
+        return differentiable_all_reduce(partial, group=self.group)
 
 
 class ContextParallelBlock:
@@ -291,11 +332,11 @@ class ContextParallelBlock:
             if not isinstance(x, Tensor) or x.dim() == 0:
                 return x
             if x is hidden:
-                return x.index_select(1, positions) if self.first else x
+                return _take(x, 1, positions) if self.first else x
             if x.dim() >= 2 and x.shape[0] in (1, batch) and x.shape[1] == seq_len:
-                return x.index_select(1, positions)  # (B or 1, T, ...): position ids, rotary tables
+                return _take(x, 1, positions)  # (B or 1, T, ...): position ids, rotary tables
             if x.shape[0] == seq_len:  # (T, ...): rotary tables shared by the batch
-                return x.index_select(0, positions)
+                return _take(x, 0, positions)
             return x
 
         args, kwargs = cut(args), {name: cut(value) for name, value in kwargs.items()}
@@ -304,8 +345,31 @@ class ContextParallelBlock:
         if not self.last:
             return output
         if isinstance(output, tuple):  # blocks that return (hidden, extras...)
-            return (_GatherSequence.apply(output[0], self.group, self.method), *output[1:])
-        return _GatherSequence.apply(output, self.group, self.method)
+            return (self.gather(output[0]), *output[1:])
+        return self.gather(output)
+
+    def gather(self, local: Tensor) -> Tensor:
+        """This rank's slice of the last block's output -> the whole sequence, laid out as the slice was."""
+        return _along_whole_tensor(local, lambda whole: _GatherSequence.apply(whole, self.group, self.method))
+
+
+def _along_whole_tensor(x: Tensor, function: Callable[[Tensor], Tensor]) -> Tensor:
+    """``function`` applied to ``x`` as a plain tensor. A DTensor (the sequence-parallel activations of tensor
+    parallel: (B, T, C) split along T over ``tp``) is made whole on every rank of its mesh first and laid out again
+    afterwards: sequence parallel then splits the context-parallel chunk, the chunk not the sequence (Korthikanti et
+    al. 2022 inside Megatron's context parallel). Every step keeps the same value on the ranks a ``Replicate``
+    claims, forward and backward, so DTensor's gradients of the two re-layouts are the right ones."""
+    if not isinstance(x, DTensor):
+        return function(x)
+    mesh, placements = x.device_mesh, x.placements
+    whole = (Replicate(),) * mesh.ndim
+    result = function(x.redistribute(mesh, whole).to_local())
+    return DTensor.from_local(result, mesh, whole, run_check=False).redistribute(mesh, placements)
+
+
+def _take(x: Tensor, dim: int, positions: Tensor) -> Tensor:
+    """The entries of ``x`` at ``positions`` along ``dim`` (a sequence dimension), DTensors included."""
+    return _along_whole_tensor(x, lambda whole: whole.index_select(dim, positions))
 
 
 def apply_context_parallel(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap | None, *,
@@ -319,13 +383,13 @@ def apply_context_parallel(module: nn.Module, mesh: ParallelMesh, model_map: Mod
     if model_map is None:
         raise ValueError(f"cp={cp} needs to know where the blocks are, and no model map was found: give the "
                          "strategy a model map (model_map: {blocks: ...}) or use a standard decoder layout")
-    routed = [name for name, sub in module.named_modules() if model_map.style_of(name) == "experts"]
-    if routed:
-        # Capacity and the load-balancing loss are computed per sequence (GShard, Switch): on a slice of each
-        # sequence they would be different numbers, and training would silently differ.
-        raise ValueError(f"cp={cp} with mixture-of-experts layers ({routed[0]!r}, ...): the router's capacity and "
-                         "load-balancing loss are per sequence, and context parallel gives each rank a slice of it; "
-                         "use data and expert parallel (and tensor parallel for attention) for MoE models")
+    # A router's per-sequence numbers (capacity, load-balancing statistics) are computed over the whole sequence
+    # by the layers that know of the split; a model map's stacked experts are routed token by token by the model's
+    # own router and need nothing.
+    split = SequenceSplit(mesh.group("cp"), method)
+    for sub in module.modules():
+        if hasattr(sub, "sequence_split"):
+            sub.sequence_split = split
     names = model_map.block_names(module)
     for index, name in enumerate(names):
         block = module.get_submodule(name)
@@ -336,6 +400,7 @@ def apply_context_parallel(module: nn.Module, mesh: ParallelMesh, model_map: Mod
 
 
 __all__ = [
+    "SequenceSplit",
     "apply_context_parallel",
     "causal_score_blocks",
     "check_sequence_length",

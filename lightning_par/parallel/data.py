@@ -23,6 +23,10 @@ from lightning_par.mesh import ParallelMesh
 # The group that averages gradients: every rank that trains on different tokens. Context-parallel
 # ranks hold different chunks of the same sequences, so their gradients are summed in too.
 GRADIENT_GROUP = "dp_cp"
+# The ranks over which ZeRO-1 and -2 partition optimizer states and gradients: the gradient group without its
+# replicated groups (HSDP), so context-parallel ranks too (Megatron-Core's distributed optimizer shards over data x
+# context parallel).
+PARTITION_GROUP = "dp_shard_cp"
 
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's own default for the initial broadcast
 
@@ -136,13 +140,13 @@ def reduce_gradients(module: nn.Module, mesh: ParallelMesh, *, bucket_cap_mb: fl
 def reduce_gradients_to_owners(module: nn.Module, mesh: ParallelMesh, owners: dict[torch.Tensor, int], *,
                                bucket_cap_mb: float = 25.0) -> None:
     """ZeRO-1's gradient average after the last backward (Megatron-LM's distributed optimizer): each gradient is
-    reduced to the data-parallel rank whose optimizer steps it, ``owners[parameter]`` (a rank of ``dp_shard``),
+    reduced to the data-parallel rank whose optimizer steps it, ``owners[parameter]`` (a rank of ``PARTITION_GROUP``),
     averaged there (and across ``dp_replicate``), and dropped elsewhere. Half the bytes of :func:`reduce_gradients`'
     all-reduce, which together with the owners' broadcast of the updated parameters makes what an all-reduce costs;
     the gradients are bucketed by owner as there. Expert gradients are left alone, as there."""
     if mesh.size(GRADIENT_GROUP) == 1:
         return
-    shard_group, replicate = mesh.group("dp_shard"), mesh.size("dp_replicate")
+    shard_group, replicate = mesh.group(PARTITION_GROUP), mesh.size("dp_replicate")
     me, ranks = dist.get_rank(shard_group), mesh.size(GRADIENT_GROUP)
     by_owner: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
     for p in module.parameters():

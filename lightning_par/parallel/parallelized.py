@@ -130,8 +130,8 @@ class Parallelized:
         DTensor gradients (tensor parallel, ZeRO-3, experts) know their own placements.
         """
         owned = self.config.zero_stage == 2 or self._owners is not None
-        partitioned = owned and self.mesh.size("dp_shard") > 1
-        return {"partition_group": self.mesh.group("dp_shard") if partitioned else None,
+        partitioned = owned and self.mesh.size(zero.PARTITION_GROUP) > 1
+        return {"partition_group": self.mesh.group(zero.PARTITION_GROUP) if partitioned else None,
                 "stage_group": self.mesh.group("pp") if self.mesh.size("pp") > 1 else None}
 
     def counted_once(self, parameters: list[Tensor]) -> list[Tensor]:

@@ -42,6 +42,7 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.background_reduce import SUPPORTED, BackgroundReduceScatter
 from lightning_par.parallel.experts import expert_modules, local_part
 from lightning_par.parallel.model_map import ModelMap
+from lightning_par.parallel.data import GRADIENT_GROUP, PARTITION_GROUP
 from lightning_par.parallel.record import layout_record
 
 
@@ -166,9 +167,9 @@ class GradientReducer:
 
     def __init__(self, module: nn.Module, optimizer: ZeroRedundancyOptimizer, mesh: ParallelMesh, *,
                  sharded: bool = False, bucket_bytes: int = 4 * 2**20) -> None:
-        self.shard_group = mesh.group("dp_shard")
+        self.shard_group = mesh.group(PARTITION_GROUP)
         self.replicate_group = mesh.group("dp_replicate") if mesh.size("dp_replicate") > 1 else None
-        self.world = mesh.size("dp")
+        self.world = mesh.size(GRADIENT_GROUP)
         self.sync = True
         self.sharded = sharded
         self.bucket_bytes = bucket_bytes
@@ -269,7 +270,7 @@ def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh,
     # in one collective instead of one per parameter (halved the optimizer step on an 8-block model); DTensor shards
     # cannot be viewed into a plain bucket.
     bucketed = not any(isinstance(p, DTensor) for group in groups for p in group["params"])
-    sharded = _ZeroOverShards(groups, optimizer_class=type(optimizer), process_group=mesh.group("dp_shard"),
+    sharded = _ZeroOverShards(groups, optimizer_class=type(optimizer), process_group=mesh.group(PARTITION_GROUP),
                               parameters_as_bucket_view=bucketed, **defaults)
     if stage == 2:
         record = layout_record(module, create=True)

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
@@ -34,6 +35,7 @@ from lightning_par.parallel.comm import PipelineSends
 from lightning_par.parallel.pipeline.split import (build_schedule, check_microbatches, forward_through_stages,
                                                   last_stage_rank)
 from lightning_par.parallel.pipeline.weight_grad import DeferredWeightGradients
+from lightning_par.parallel.tensor import vocab_parallel_loss
 from lightning_par.stages import V_SCHEDULES
 
 __all__ = ["PipelineRunner"]
@@ -97,8 +99,9 @@ class PipelineRunner:
             self.deferred.stepping = True
         self.bubble.start()
         try:
-            schedule.step(*self._stage_inputs(inputs), target=targets if self.holds_last else None, losses=losses,
-                          return_outputs=False, tokens=inputs)
+            with self._loss_context():
+                    schedule.step(*self._stage_inputs(inputs), target=targets if self.holds_last else None,
+                              losses=losses, return_outputs=False, tokens=inputs)
         finally:
             if self.deferred is not None:
                 self.deferred.stepping = False
@@ -123,14 +126,15 @@ class PipelineRunner:
         with torch.no_grad():
             logits = self.forward(inputs)
             if self.holds_last:
-                loss = self.loss_fn(logits, targets).detach()
+                with self._loss_context():
+                    loss = self.loss_fn(logits, targets).detach()
         return self._broadcast(loss) + self._layers_own_loss(loss)
 
     def predict(self, inputs: Tensor) -> Tensor:
         """The last stage's logits, handed to every rank."""
         with torch.no_grad():
             logits = self.forward(inputs)
-        carrier = [logits]
+        carrier = [logits.full_tensor() if isinstance(logits, DTensor) else logits]  # vocabulary-split logits
         dist.broadcast_object_list(carrier, src=self.last_stage_global_rank, group=self.mesh.group("pp"))
         return carrier[0]
 
@@ -168,6 +172,11 @@ class PipelineRunner:
             layer.losses_in_backward.clear()
         dist.all_reduce(total, group=self.mesh.group("pp"))
         return total
+
+    def _loss_context(self) -> Any:
+        """Under loss parallel the last stage's logits are split over the vocabulary: the loss, forward and backward
+        (inside the schedule's step), runs on the shards."""
+        return vocab_parallel_loss(self.config.loss_parallel and self.mesh.size("tp") > 1)
 
     def _broadcast(self, loss: Tensor) -> Tensor:
         dist.broadcast(loss, src=self.last_stage_global_rank, group=self.mesh.group("pp"))

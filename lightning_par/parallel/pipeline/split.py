@@ -241,10 +241,11 @@ class StageModule(nn.Module):
     stages that receive such slices), which makes it a DTensor again.
     """
 
-    def __init__(self, network: nn.Module, *, is_first: bool, sequence_mesh: DeviceMesh | None = None) -> None:
+    def __init__(self, network: nn.Module, *, is_first: bool, is_last: bool = False,
+                 sequence_mesh: DeviceMesh | None = None) -> None:
         super().__init__()
         self.network = network
-        self.is_first = is_first
+        self.is_first, self.is_last = is_first, is_last
         self.sequence_mesh = sequence_mesh
         self.incoming: Tensor | None = None  # the received hidden states, for the first block's input hook
 
@@ -262,7 +263,9 @@ class StageModule(nn.Module):
             output = stop.hidden
         finally:
             self.incoming = None
-        if isinstance(output, DTensor):
+        if isinstance(output, DTensor) and not self.is_last:
+            # Between stages each rank sends its own piece; the last stage's output (logits split over the
+            # vocabulary, under loss parallel) stays a DTensor for the loss.
             output = output.to_local()
         # The zero-bubble schedules detach stage outputs in place, which PyTorch refuses on views (the
         # output of a linear layer on a 3-D input is one).
@@ -436,6 +439,7 @@ def build_stages(module: nn.Module, layout: StageLayout, mesh: ParallelMesh, dev
         replacements: dict[str, nn.Module] = {name: SkippedBlock(layout.call) for name in blocks_held - owned}
         replacements.update({name: StandInModule(layout.stand_ins[name]) for name in outside_held - running})
         stage_module = StageModule(_replace(network, replacements), is_first=index == 0,
+                                   is_last=index == layout.n_stages - 1,
                                    sequence_mesh=sliced if index > 0 else None)
         if shard_root is not None:
             shard_root(stage_module)

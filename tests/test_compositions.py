@@ -1,0 +1,58 @@
+"""Context parallel with every other dimension, loss parallel inside a pipeline, ZeRO-1/2 over context-parallel
+ranks: parity with one process over 8 optimizer steps, with accumulation and clipping."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from parity import assert_layout_matches
+from test_data_parallel import MODEL, SGDLlamaLM, make_datamodule
+from test_hybrid3d import MODULES, PARITY_RTOL, make_strategy
+
+STEPS = 8
+# Capacity 1.0 drops assignments, so the per-sequence priority order matters, not only the statistics.
+MODULES = {**MODULES, "moe-capacity": functools.partial(SGDLlamaLM, **{**MODEL, "moe_experts": 4, "moe_top_k": 2,
+                                                                         "moe_capacity_factor": 1.0})}
+
+CASES = {
+    # Context parallel inside pipeline stages: a stage receives and sends this rank's chunk; later stages cut the
+    # positions their own prelude computes.
+    "pp2xcp2-ulysses": (4, 1, dict(pipeline_parallel_size=2, context_parallel_size=2, microbatches=2), "dense"),
+    "pp2xcp2-ring-zbv-tied": (4, 1, dict(pipeline_parallel_size=2, context_parallel_size=2, microbatches=2,
+                                         context_parallel_method="ring", pipeline_schedule="zbv"), "tied"),
+    # Sequence parallel splits each context-parallel chunk over tp; loss parallel on top.
+    "cp2xtp2-sp": (4, 1, dict(context_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True), "dense"),
+    "cp2xtp2-sp-ring-lp-tied": (4, 1, dict(context_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
+                                           loss_parallel=True, context_parallel_method="ring"), "tied"),
+    # The last stage keeps the logits split over the vocabulary.
+    "pp2xtp2-lp-tied": (4, 1, dict(pipeline_parallel_size=2, tensor_parallel_size=2, loss_parallel=True,
+                                   microbatches=2), "tied"),
+    "pp2xtp2-sp-lp-zbv": (4, 1, dict(pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
+                                     loss_parallel=True, microbatches=2, pipeline_schedule="zbv"), "dense"),
+    # Routers' capacity and statistics over the whole sequence; experts over dp_shard x cp; and inside stages.
+    "dp2xcp2-moe-ring": (4, 2, dict(data_parallel_size=2, context_parallel_size=2, context_parallel_method="ring"),
+                         "moe-capacity"),
+    "cp2xep2-moe": (2, 1, dict(context_parallel_size=2, expert_parallel_size=2), "moe-capacity"),
+    "dp2xpp2xcp2xep2-moe": (8, 2, dict(data_parallel_size=2, pipeline_parallel_size=2, context_parallel_size=2,
+                                       expert_parallel_size=2, microbatches=2), "moe-capacity"),
+    # ZeRO-1 and -2 partition over data x context parallel.
+    "dp2xcp2-zero1": (4, 2, dict(data_parallel_size=2, context_parallel_size=2, zero_stage=1), "dense"),
+    "dp2xcp2-zero2-sharded": (4, 2, dict(data_parallel_size=2, context_parallel_size=2, zero_stage=2,
+                                         sharded_accumulation=True), "dense"),
+    "pp2xcp2xtp2-zero1": (8, 1, dict(pipeline_parallel_size=2, context_parallel_size=2, tensor_parallel_size=2,
+                                     zero_stage=1, microbatches=2), "dense"),
+    # Llama 3's long-context layout in small: every dimension at once, FSDP2 inside each stage, a tied head.
+    "dp2xpp2xcp2xtp2-sp-lp-zero3-tied": (16, 2, dict(data_parallel_size=2, pipeline_parallel_size=2,
+                                                     context_parallel_size=2, tensor_parallel_size=2,
+                                                     sequence_parallel=True, loss_parallel=True, zero_stage=3,
+                                                     microbatches=2), "tied"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_composition_matches_single_process(case: str) -> None:
+    world_size, dp, kwargs, model = CASES[case]
+    assert_layout_matches(MODULES[model], make_datamodule, functools.partial(make_strategy, **kwargs),
+                          world_size=world_size, dp=dp, steps=STEPS, accumulate=2, clip=0.05, rtol=PARITY_RTOL,
+                          label=case)
