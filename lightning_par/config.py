@@ -156,24 +156,15 @@ class ParallelConfig:
         Every combination not refused here has a parity test against one process (docs/hybrid3d.md lists them).
         """
         stage = self.zero_stage
-        if stage in (1, 2):
-            # ZeroRedundancyOptimizer (ZeRO-1) steps each parameter on the rank that owns it, DTensor shards of tensor
-            # parallel and a pipeline rank's stages included (their gradients are averaged once per step). Stage 2's
-            # hooks reduce each whole plain gradient to its owner as backward produces it.
-            others = {name: getattr(self, name) for name in (("tp", "ep", "pp") if stage == 2 else ("ep",))
-                      if getattr(self, name) > 1}
-            if others:
-                composes = "tensor and pipeline parallel" if stage == 1 else "plain data parallel only"
-                raise ValueError(f"zero_stage={stage} with {_sizes(others)}: ZeRO-{stage} composes with {composes}; "
-                                 "use zero_stage=0 (gradients all-reduced) or zero_stage=3 (FSDP2, with tensor, "
-                                 "context, expert and pipeline parallel)")
+        if stage in (1, 2) and self.ep > 1:
+            # ZeroRedundancyOptimizer partitions every parameter over dp_shard x cp and each owner broadcasts what it
+            # stepped, but the ranks of that group hold different experts.
+            raise ValueError(f"zero_stage={stage} with ep={self.ep}: ZeRO-{stage} partitions the optimizer over "
+                             "dp_shard x cp, whose ranks hold different experts; use zero_stage=0 (gradients "
+                             "all-reduced) or zero_stage=3 (FSDP2 shards each expert over the ranks holding it)")
         if self.sharded_accumulation and stage not in (2, 3):
             raise ValueError(f"sharded_accumulation=True with zero_stage={stage}: only ZeRO-2 and ZeRO-3 shard "
                              "gradients; use zero_stage 2 or 3, or sharded_accumulation=False")
-        if self.sharded_accumulation and self.pp > 1:
-            raise ValueError(f"sharded_accumulation=True with pp={self.pp}: the pipeline schedule accumulates a "
-                             "batch's micro-batches itself and reduces once after the last; between batches the "
-                             "gradients are already reduced. Set sharded_accumulation=False")
         if self.pp > 1:
             if self.prefetch_blocks:
                 raise ValueError(f"pp={self.pp} with prefetch_blocks={self.prefetch_blocks}: a pipeline schedule runs "
@@ -191,10 +182,10 @@ class ParallelConfig:
 
     @property
     def reduces_gradients_after_backward(self) -> bool:
-        """Whether the data-parallel gradient average is ``reduce_gradients`` after the last backward of a step,
-        instead of DDP's hooks: under pipeline parallel (a schedule calls stage views, never the module DDP wraps)
-        and for tensor-parallel DTensors without ZeRO-3 (DDP all-reduces plain tensors only)."""
-        return self.zero_stage in (0, 1) and (self.pp > 1 or self.tp > 1)
+        """Whether the data-parallel gradient average runs after backward (``Parallelized.after_backward``) instead of
+        in hooks during it: under pipeline parallel (a schedule calls stage views, never the module DDP wraps, and
+        runs backward itself) and, for DDP, for tensor-parallel DTensors (DDP all-reduces plain tensors only)."""
+        return (self.zero_stage in (0, 1) and (self.pp > 1 or self.tp > 1)) or (self.zero_stage == 2 and self.pp > 1)
 
     def validate(self, world_size: int) -> ParallelConfig:
         """Check the layout against ``world_size`` processes and return it with ``"auto"`` resolved.

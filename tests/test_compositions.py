@@ -42,6 +42,18 @@ CASES = {
                                          sharded_accumulation=True), "dense"),
     "pp2xcp2xtp2-zero1": (8, 1, dict(pipeline_parallel_size=2, context_parallel_size=2, tensor_parallel_size=2,
                                      zero_stage=1, microbatches=2), "dense"),
+    # ZeRO-2 over tensor-parallel shards (their local pieces reduced to the owners in backward), and under a
+    # pipeline (reduced to the owners after every batch's schedule, the owners keeping the sum); ZeRO-2 and -3
+    # with sharded accumulation inside a pipeline.
+    "dp2xtp2-zero2": (4, 2, dict(data_parallel_size=2, tensor_parallel_size=2, zero_stage=2), "dense"),
+    "dp2xtp2-sp-zero2-sharded": (4, 2, dict(data_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
+                                            zero_stage=2, sharded_accumulation=True), "tied"),
+    "pp2xdp2-zero2-tied": (4, 2, dict(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=2, microbatches=2),
+                           "tied"),
+    "pp2xdp2xtp2-zero2-zbv": (8, 2, dict(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2,
+                                         zero_stage=2, microbatches=2, pipeline_schedule="zbv"), "dense"),
+    "pp2xdp2-zero3-sharded": (4, 2, dict(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=3,
+                                         sharded_accumulation=True, microbatches=2), "dense"),
     # Llama 3's long-context layout in small: every dimension at once, FSDP2 inside each stage, a tied head.
     "dp2xpp2xcp2xtp2-sp-lp-zero3-tied": (16, 2, dict(data_parallel_size=2, pipeline_parallel_size=2,
                                                      context_parallel_size=2, tensor_parallel_size=2,

@@ -64,9 +64,8 @@ def test_auto_sizes_resolve(config: ParallelConfig, world_size: int, expected: t
     ("config", "message"),
     [
         (ParallelConfig(ep=2, tp=2, sequence_parallel=True), r"ep=2 with sequence_parallel=True: the experts route"),
-        (ParallelConfig(ep=2, zero_stage=1), r"zero_stage=1 with ep=2: ZeRO-1 composes with tensor and pipeline"),
-        (ParallelConfig(tp=2, dp_shard=2, zero_stage=2), r"zero_stage=2 with tp=2: ZeRO-2 composes with plain data"),
-        (ParallelConfig(pp=2, zero_stage=2), r"zero_stage=2 with pp=2: .*zero_stage=3 \(FSDP2, with tensor, context"),
+        (ParallelConfig(ep=2, zero_stage=1), r"zero_stage=1 with ep=2: ZeRO-1 partitions the optimizer over dp_shard"),
+        (ParallelConfig(ep=2, zero_stage=2), r"zero_stage=2 with ep=2: .*zero_stage=3 \(FSDP2 shards each expert"),
     ],
 )
 def test_combinations_not_yet_composed_are_refused(config: ParallelConfig, message: str) -> None:

@@ -22,13 +22,17 @@ How it attaches to a model, without model-specific code (``apply_context_paralle
   beside the hidden state that run along the sequence (rotary tables, position ids: shapes (B, T, ...),
   (1, T, ...) or (T, ...)) are cut the same way;
 * ``F.scaled_dot_product_attention`` calls inside the blocks are routed to the chosen method;
-* the last block's output is gathered back to the whole sequence, so the final norm, the head and the
-  user's loss run unchanged (on the whole sequence, identically on every rank of the group).
+* the final norm and the head run on this rank's tokens too, and the head's output (the logits) is gathered
+  back to the whole sequence, so the user's loss runs unchanged, on every position, identically on every rank of
+  the group (:class:`GatherAtHead`; without a head in the model map, the last block's output is gathered and the
+  final norm and head run on the whole sequence);
+* under tensor parallel with sequence parallel, the activations between the regions split each rank's chunk
+  over ``tp`` (``_along_sequence``).
 
-The gradient of that gather keeps this rank's slice scaled by ``cp``: block gradients then cover only
-this rank's tokens and their sum over the group is the whole gradient, while the gradients of the
-final norm and head are whole on every rank. Averaging over ``dp x cp`` (DDP or FSDP2 over ``dp_cp``)
-turns both into the right value.
+The gradient of that gather keeps this rank's slice scaled by ``cp``: every gradient before it then covers only
+this rank's tokens, ``cp`` times over, and the average over ``dp x cp`` (DDP or FSDP2 over ``dp_cp``) is the
+whole gradient. A layer whose numbers span the sequence (a router's capacity and load statistics) computes them
+over the whole sequence through :class:`SequenceSplit`.
 """
 
 from __future__ import annotations
@@ -125,17 +129,23 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup,
 
 
 # ---------------------------------------------------------------------------------------- ring
-def _ring_exchange(tensors: list[Tensor], group: dist.ProcessGroup) -> list[Tensor]:
-    """Send ``tensors`` to the next rank of the ring, return those received from the previous one."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    nxt, prev = dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
-    tensors = [t.contiguous() for t in tensors]
-    received = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, r, prev, group) for r in received]
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
-    return received
+class _RingExchange:
+    """Sends ``tensors`` to the next rank of the ring and receives the previous rank's, in the background: the
+    attention of the blocks at hand is computed meanwhile (the overlap of Liu et al. 2023)."""
+
+    def __init__(self, tensors: list[Tensor], group: dist.ProcessGroup) -> None:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        nxt, prev = dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
+        tensors = [t.contiguous() for t in tensors]
+        self.received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, prev, group) for r in self.received]
+        self.requests = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> list[Tensor]:
+        for request in self.requests:
+            request.wait()
+        return self.received
 
 
 def _pairs(q_chunks: tuple[int, ...], kv_chunks: tuple[int, ...], size: int, is_causal: bool):
@@ -147,8 +157,23 @@ def _pairs(q_chunks: tuple[int, ...], kv_chunks: tuple[int, ...], size: int, is_
             yield slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size), is_causal and kc == qc
 
 
+def _expand(x: Tensor, repeat: int) -> Tensor:
+    """Key/value heads (B, Hkv, c, D) -> one per query head (B, Hkv x repeat, c, D), grouped-query attention."""
+    return x if repeat == 1 else x.repeat_interleave(repeat, dim=1)
+
+
+def _fold(grad: Tensor, repeat: int) -> Tensor:
+    """The gradient of :func:`_expand`: the query heads' gradients summed onto their key/value head."""
+    if repeat == 1:
+        return grad
+    B, H, c, D = grad.shape
+    return grad.view(B, H // repeat, repeat, c, D).sum(2)
+
+
 class _RingAttention(torch.autograd.Function):
-    """Blockwise attention with key/value blocks passed round the ring; fp32 softmax statistics."""
+    """Blockwise attention with key/value blocks passed round the ring; fp32 softmax statistics. The blocks travel
+    with their own (grouped-query) heads, expanded to the query heads only where they are used, and the next
+    exchange runs while the current blocks are attended to."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, is_causal: bool,
@@ -156,22 +181,24 @@ class _RingAttention(torch.autograd.Function):
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         mine = chunks_of_rank(rank, cp, "ring")
         size = q.shape[2] // len(mine)
+        repeat = q.shape[1] // k.shape[1]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, H, Tl, D)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)  # (B, H, Tl)
         kv = [k, v]
         for step in range(cp):
+            exchange = _RingExchange(kv, group) if step < cp - 1 else None
             source = (rank - step) % cp  # whose keys and values this rank holds at this step
             for qs, ks, diagonal in _pairs(mine, chunks_of_rank(source, cp, "ring"), size, is_causal):
-                scores = _scores(q[:, :, qs], kv[0][:, :, ks], scale, diagonal)  # (B, H, c, c)
+                scores = _scores(q[:, :, qs], _expand(kv[0][:, :, ks], repeat), scale, diagonal)  # (B, H, c, c)
                 block_lse = scores.logsumexp(-1)
-                block_out = torch.softmax(scores, -1) @ kv[1][:, :, ks].float()
+                block_out = torch.softmax(scores, -1) @ _expand(kv[1][:, :, ks], repeat).float()
                 new_lse = torch.logaddexp(lse[:, :, qs], block_lse)
                 # Online softmax: rescale what was accumulated and what is added to the new normaliser.
                 out[:, :, qs] = (out[:, :, qs] * (lse[:, :, qs] - new_lse).exp()[..., None]
                                  + block_out * (block_lse - new_lse).exp()[..., None])
                 lse[:, :, qs] = new_lse
-            if step < cp - 1:
-                kv = _ring_exchange(kv, group)
+            if exchange is not None:
+                kv = exchange.wait()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.is_causal, ctx.scale = group, is_causal, scale
         return out.to(q.dtype)
@@ -183,31 +210,28 @@ class _RingAttention(torch.autograd.Function):
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         mine = chunks_of_rank(rank, cp, "ring")
         size = q.shape[2] // len(mine)
+        repeat = q.shape[1] // k.shape[1]
         grad_out = grad_out.float()
         delta = (grad_out * out).sum(-1)  # (B, H, Tl): rowsum(dO * O), FlashAttention-2's D
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = [k, v]
-        # The key/value gradients travel with their blocks and reach the owner after cp exchanges.
+        # The key/value gradients travel with their blocks, one exchange behind, and reach the owner after cp.
         grad_kv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
                    torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
         for step in range(cp):
+            exchange = _RingExchange(kv, group) if step < cp - 1 else None
             source = (rank - step) % cp
             for qs, ks, diagonal in _pairs(mine, chunks_of_rank(source, cp, "ring"), size, is_causal):
-                k_block, v_block = kv[0][:, :, ks].float(), kv[1][:, :, ks].float()
-                probs = (_scores(q[:, :, qs], kv[0][:, :, ks], scale, diagonal) - lse[:, :, qs, None]).exp()
-                grad_kv[1][:, :, ks] += probs.transpose(-1, -2) @ grad_out[:, :, qs]
+                k_block, v_block = (_expand(t[:, :, ks], repeat).float() for t in kv)
+                probs = (_scores(q[:, :, qs], k_block, scale, diagonal) - lse[:, :, qs, None]).exp()
+                grad_kv[1][:, :, ks] += _fold(probs.transpose(-1, -2) @ grad_out[:, :, qs], repeat)
                 grad_scores = probs * (grad_out[:, :, qs] @ v_block.transpose(-1, -2) - delta[:, :, qs, None])
                 grad_q[:, :, qs] += grad_scores @ k_block * scale
-                grad_kv[0][:, :, ks] += grad_scores.transpose(-1, -2) @ q[:, :, qs].float() * scale
-            if step < cp - 1:
-                kv, grad_kv = _split(_ring_exchange(kv + grad_kv, group))
-            else:
-                grad_kv = _ring_exchange(grad_kv, group)  # home: the previous rank's blocks were ours
+                grad_kv[0][:, :, ks] += _fold(grad_scores.transpose(-1, -2) @ q[:, :, qs].float() * scale, repeat)
+            grad_kv = _RingExchange(grad_kv, group).wait()  # to the rank that attends to these blocks next (or home)
+            if exchange is not None:
+                kv = exchange.wait()
         return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
-
-
-def _split(tensors: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
-    return tensors[:2], tensors[2:]
 
 
 def _scores(q: Tensor, k: Tensor, scale: float, diagonal: bool) -> Tensor:
@@ -221,8 +245,9 @@ def _scores(q: Tensor, k: Tensor, scale: float, diagonal: bool) -> Tensor:
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, *, is_causal: bool,
                    scale: float | None) -> Tensor:
     """Attention of q/k/v (B, H, T/cp, D) over the whole sequence, keys and values passed round the ring."""
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: every query head gets its kv head
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"grouped-query attention needs the {q.shape[1]} query heads to be a multiple of the "
+                         f"{k.shape[1]} key/value heads")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _RingAttention.apply(q, k, v, group, is_causal, scale)
 
@@ -310,19 +335,28 @@ class SequenceSplit:
         return differentiable_all_reduce(partial, group=self.group)
 
 
+class _SequenceSeen:
+    """The whole sequence length the blocks of the last forward were cut from (for the check at the head)."""
+
+    length: int | None = None
+
+
 class ContextParallelBlock:
-    """Replaces a block's ``forward``: cut sequence inputs, route attention, gather after the last block."""
+    """Replaces a block's ``forward``: cut sequence inputs, route attention, gather after the last block when no
+    head gathers (:class:`GatherAtHead`)."""
 
     def __init__(self, forward: Callable, group: dist.ProcessGroup, method: Method, *, first: bool,
-                 last: bool) -> None:
+                 last: bool, seen: _SequenceSeen | None = None) -> None:
         self.forward, self.group, self.method, self.first, self.last = forward, group, method, first, last
         self.rank, self.cp = dist.get_rank(group), dist.get_world_size(group)
+        self.seen = seen if seen is not None else _SequenceSeen()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         hidden = args[0] if args else kwargs["hidden_states"]  # (B, T, C), or (B, T/cp, C) after the first
         seq_len = hidden.shape[1] if self.first else hidden.shape[1] * self.cp
         if self.first:
             check_sequence_length(seq_len, self.cp, self.method)
+        self.seen.length = seq_len
         positions = local_positions(seq_len, self.rank, self.cp, self.method).to(hidden.device)
         batch = hidden.shape[0]
 
@@ -345,31 +379,60 @@ class ContextParallelBlock:
         if not self.last:
             return output
         if isinstance(output, tuple):  # blocks that return (hidden, extras...)
-            return (self.gather(output[0]), *output[1:])
-        return self.gather(output)
-
-    def gather(self, local: Tensor) -> Tensor:
-        """This rank's slice of the last block's output -> the whole sequence, laid out as the slice was."""
-        return _along_whole_tensor(local, lambda whole: _GatherSequence.apply(whole, self.group, self.method))
+            return (gather_sequence(output[0], self.group, self.method), *output[1:])
+        return gather_sequence(output, self.group, self.method)
 
 
-def _along_whole_tensor(x: Tensor, function: Callable[[Tensor], Tensor]) -> Tensor:
-    """``function`` applied to ``x`` as a plain tensor. A DTensor (the sequence-parallel activations of tensor
-    parallel: (B, T, C) split along T over ``tp``) is made whole on every rank of its mesh first and laid out again
-    afterwards: sequence parallel then splits the context-parallel chunk, the chunk not the sequence (Korthikanti et
-    al. 2022 inside Megatron's context parallel). Every step keeps the same value on the ranks a ``Replicate``
-    claims, forward and backward, so DTensor's gradients of the two re-layouts are the right ones."""
+class GatherAtHead:
+    """Forward hook of the head: its output (the logits of this rank's tokens) gathered into the whole sequence's.
+
+    The final norm and the head then run on ``T / cp`` tokens per rank, not on the whole sequence on every rank
+    (the head of a large vocabulary costs as much as several blocks), while the loss still sees every position's
+    logits. The head must compute each position from that position alone, as a decoder's does; a head that meets
+    fewer positions than the blocks held (pooling, a last-token selection before it) is refused, naming it.
+    """
+
+    def __init__(self, name: str, group: dist.ProcessGroup, method: Method, seen: _SequenceSeen) -> None:
+        self.name, self.group, self.method, self.seen = name, group, method, seen
+        self.cp = dist.get_world_size(group)
+
+    def __call__(self, module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        held = self.seen.length
+        if held is None or output.dim() < 2 or output.shape[1] * self.cp != held:
+            got = tuple(output.shape)
+            raise ValueError(f"context parallel gathers the sequence after the head {self.name!r}, which received "
+                             f"{got[1] if len(got) > 1 else 'no'} positions per rank where the blocks held "
+                             f"{held} / cp={self.cp}: the code between the last block and the head changes the "
+                             "sequence (pooling, selecting tokens). Leave the head out of the model map (model_map: "
+                             "{head: null}) to gather after the last block instead")
+        self.seen.length = None
+        return gather_sequence(output, self.group, self.method)
+
+
+def gather_sequence(local: Tensor, group: dist.ProcessGroup, method: Method) -> Tensor:
+    """This rank's slice (B, T/cp, ...) -> the whole sequence (B, T, ...), laid out as the slice was; its gradient
+    keeps this rank's slice scaled by ``cp`` (module docstring)."""
+    return _along_sequence(local, 1, lambda whole: _GatherSequence.apply(whole, group, method))
+
+
+def _along_sequence(x: Tensor, dim: int, function: Callable[[Tensor], Tensor]) -> Tensor:
+    """``function`` of ``x`` along its sequence dimension ``dim``, as a plain tensor. A DTensor is made whole along
+    ``dim`` first and laid out again afterwards: the sequence-parallel activations of tensor parallel ((B, T, C)
+    split along T over ``tp``), so that sequence parallel splits the context-parallel chunk, not the sequence
+    (Korthikanti et al. 2022 inside Megatron's context parallel). Other placements (logits split over the
+    vocabulary, Replicate) stay: ``function`` runs on the local tensor. Every step keeps the same value on the ranks
+    a ``Replicate`` claims, forward and backward, so DTensor's gradients of the two re-layouts are the right ones."""
     if not isinstance(x, DTensor):
         return function(x)
     mesh, placements = x.device_mesh, x.placements
-    whole = (Replicate(),) * mesh.ndim
-    result = function(x.redistribute(mesh, whole).to_local())
-    return DTensor.from_local(result, mesh, whole, run_check=False).redistribute(mesh, placements)
+    along = tuple(Replicate() if p.is_shard() and p.dim % x.dim() == dim else p for p in placements)
+    result = function(x.redistribute(mesh, along).to_local())
+    return DTensor.from_local(result, mesh, along, run_check=False).redistribute(mesh, placements)
 
 
 def _take(x: Tensor, dim: int, positions: Tensor) -> Tensor:
     """The entries of ``x`` at ``positions`` along ``dim`` (a sequence dimension), DTensors included."""
-    return _along_whole_tensor(x, lambda whole: whole.index_select(dim, positions))
+    return _along_sequence(x, dim, lambda whole: whole.index_select(dim, positions))
 
 
 def apply_context_parallel(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap | None, *,
@@ -391,19 +454,33 @@ def apply_context_parallel(module: nn.Module, mesh: ParallelMesh, model_map: Mod
         if hasattr(sub, "sequence_split"):
             sub.sequence_split = split
     names = model_map.block_names(module)
+    seen = _SequenceSeen()
+    head = model_map.head if model_map.head is not None and _holds(module, model_map.head) else None
+    if head is not None:
+        module.get_submodule(head).register_forward_hook(GatherAtHead(head, mesh.group("cp"), method, seen))
     for index, name in enumerate(names):
         block = module.get_submodule(name)
         # An instance attribute shadows the class's forward; the parameter names (and checkpoints) stay.
         block.forward = ContextParallelBlock(block.forward, mesh.group("cp"), method, first=index == 0,
-                                             last=index == len(names) - 1)
+                                             last=head is None and index == len(names) - 1, seen=seen)
     return module
 
 
+def _holds(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 __all__ = [
+    "GatherAtHead",
     "SequenceSplit",
     "apply_context_parallel",
     "causal_score_blocks",
     "check_sequence_length",
+    "gather_sequence",
     "chunks_of_rank",
     "local_positions",
     "ring_attention",

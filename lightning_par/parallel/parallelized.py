@@ -49,9 +49,11 @@ class Parallelized:
         self.reduces_after_backward = reduces_after_backward
         self.pipeline = pipeline
         self._sync_blocked = False  # inside no_sync()
-        # ZeRO-1 where gradients are averaged after backward: the rank of dp_shard whose optimizer steps each
-        # parameter (from shard_optimizer()); gradients then go to their owners only.
+        # ZeRO-1 (and ZeRO-2 under a pipeline) where gradients are averaged after backward: the rank of the
+        # partition group whose optimizer steps each parameter (from shard_optimizer()); gradients go to it only.
         self._owners: dict[Tensor, int] | None = None
+        # ZeRO-2 under a pipeline: the owners' sums of the batches accumulated so far, set aside between batches.
+        self._reduced: dict[Tensor, Tensor] = {}
 
     @classmethod
     def as_given(cls, module: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> Parallelized:
@@ -98,16 +100,35 @@ class Parallelized:
 
     def after_backward(self) -> None:
         """After the last backward of an optimizer step: average what DDP did not (Megatron-LM reduces pipeline
-        gradients once per step, Narayanan et al. 2021), and give every copy of a tied tensor the sum."""
-        if self._sync_blocked:
+        gradients once per step, Narayanan et al. 2021), and give every copy of a tied tensor the sum. ZeRO-2 under a
+        pipeline does so after every batch: each gradient goes to its owner, which keeps the batches' sum aside until
+        the last, so that between batches no rank holds more than its part (the schedule holds a stage's whole
+        gradients only while it runs, as it does FSDP2's)."""
+        every_batch = self._owners is not None and self.config.zero_stage == 2
+        if self._sync_blocked and not every_batch:
             return
         if self.ties is not None:  # (summing the copies first or averaging over data-parallel ranks first is alike)
             self.ties.sum_gradients()
         if self._owners is not None:
             data.reduce_gradients_to_owners(self.inner, self.mesh, self._owners,
                                             bucket_cap_mb=self.config.ddp_bucket_cap_mb)
+            if every_batch:
+                self._keep_reduced(last=not self._sync_blocked)
         elif self.reduces_after_backward:
             data.reduce_gradients(self.inner, self.mesh, bucket_cap_mb=self.config.ddp_bucket_cap_mb)
+
+    def _keep_reduced(self, *, last: bool) -> None:
+        """The owner's side of ZeRO-2 under a pipeline: set this batch's reduced gradients aside (the next batch
+        starts from none), or, on the last batch, add the ones set aside back."""
+        for p in self.inner.parameters():
+            if p.grad is None:
+                continue
+            earlier = self._reduced.pop(p, None)
+            if not last:
+                self._reduced[p] = p.grad if earlier is None else earlier + p.grad
+                p.grad = None
+            elif earlier is not None:
+                p.grad = earlier + p.grad
 
     def shard_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """The optimizer to step: sharded over the data-parallel ranks under ZeRO stages 1 and 2. (Under stage 3 it
@@ -115,8 +136,9 @@ class Parallelized:
         optimizer's foreach implementation where its ``foreach`` was left to torch (:mod:`~.foreach`)."""
         foreach_over_dtensors(optimizer)
         sharded = zero.shard_optimizer(optimizer, self.inner, self.mesh, stage=self.config.zero_stage,
-                                       sharded_accumulation=self.config.sharded_accumulation)
-        if self.config.zero_stage == 1 and self.reduces_after_backward:
+                                       sharded_accumulation=self.config.sharded_accumulation,
+                                       reduce_in_backward=not self.reduces_after_backward)
+        if self.config.zero_stage in (1, 2) and self.reduces_after_backward:
             self._owners = dict(sharded._param_to_rank)
         return sharded
 

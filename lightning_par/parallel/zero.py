@@ -195,7 +195,7 @@ class GradientReducer:
                 Variable._execution_engine.queue_callback(self._settle)
             bucket = self._filling.setdefault(owner, [])
             bucket.append(param)
-            if sum(p.grad.numel() * p.grad.element_size() for p in bucket) >= self.bucket_bytes:
+            if sum(local_part(p.grad).numel() * p.grad.element_size() for p in bucket) >= self.bucket_bytes:
                 self._launch(owner)
 
         return add_to_bucket
@@ -203,7 +203,8 @@ class GradientReducer:
     def _launch(self, owner: int) -> None:
         """Reduce the bucket of ``owner`` to it, asynchronously (the rest of backward runs meanwhile)."""
         params = self._filling.pop(owner)
-        flat = params[0].grad if len(params) == 1 else torch._utils._flatten_dense_tensors([p.grad for p in params])
+        grads = [local_part(p.grad) for p in params]  # a tensor-parallel shard reduces as its local piece
+        flat = grads[0] if len(grads) == 1 else torch._utils._flatten_dense_tensors(grads)
         work = dist.reduce(flat, dst=dist.get_global_rank(self.shard_group, owner), group=self.shard_group,
                            async_op=True)
         self._in_flight.append((work, flat, params, owner))
@@ -226,7 +227,7 @@ class GradientReducer:
                 dist.all_reduce(flat, group=self.replicate_group)
             flat.div_(self.world)
             if len(params) > 1:
-                grads = [p.grad for p in params]
+                grads = [local_part(p.grad) for p in params]
                 for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                     grad.copy_(reduced)
             if self.sharded:
@@ -248,12 +249,13 @@ class GradientReducer:
 
 
 def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh, *, stage: int,
-                    sharded_accumulation: bool = False) -> Optimizer:
+                    sharded_accumulation: bool = False, reduce_in_backward: bool = True) -> Optimizer:
     """Stages 1 and 2: the same optimizer, its states partitioned over the sharding ranks.
 
     Returns a ``ZeroRedundancyOptimizer`` built from ``optimizer``'s class, parameter groups and defaults.
     Stage 2 also installs the :class:`GradientReducer` (kept in the module's layout record), reducing on every
-    micro-batch with ``sharded_accumulation``.
+    micro-batch with ``sharded_accumulation``; not with ``reduce_in_backward=False`` (pipeline stages, whose
+    schedule runs the backward: the caller reduces to the owners after it).
     """
     if stage not in (1, 2):
         return optimizer
@@ -272,7 +274,7 @@ def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh,
     bucketed = not any(isinstance(p, DTensor) for group in groups for p in group["params"])
     sharded = _ZeroOverShards(groups, optimizer_class=type(optimizer), process_group=mesh.group(PARTITION_GROUP),
                               parameters_as_bucket_view=bucketed, **defaults)
-    if stage == 2:
+    if stage == 2 and reduce_in_backward:
         record = layout_record(module, create=True)
         if record.gradient_reducer is not None:
             record.gradient_reducer.remove()

@@ -4,9 +4,9 @@ Model states (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Traini
 Models"). With AdamW every parameter has a weight, a gradient and two moments. Lightning's "32-true" and
 "bf16-mixed" both keep fp32 weights (autocast computes in bf16 from them), so 4 + 4 + 8 = 16 bytes; under
 "bf16-true" the weights are bf16 and ``torch.optim.AdamW`` creates its moments in the parameters' dtype,
-so 2 + 2 + 4 = 8 bytes. ZeRO-1 divides the moments by the sharding ranks ``dp_shard``, ZeRO-2 the
-gradients too, ZeRO-3 (FSDP2) all three, over ``dp_shard x cp`` (context-parallel ranks hold the same
-weights and shard with the data-parallel ones, as in ``lightning_par.parallel.zero``); the HSDP replicate
+so 2 + 2 + 4 = 8 bytes. ZeRO-1 divides the moments, ZeRO-2 the gradients too, ZeRO-3 (FSDP2) all
+three, by the sharding ranks ``dp_shard x cp`` (context-parallel ranks hold the same weights and shard with the
+data-parallel ones, as in ``lightning_par.parallel.zero``); the HSDP replicate
 dimension does not shard. Under gradient accumulation this project skips the reduction of all but the
 last micro-batch (``no_gradient_sync``): ZeRO-2's reducer and FSDP2 then keep the whole local gradient
 until the last backward, so the gradient saving of stages 2 and 3 only holds with one micro-batch.
@@ -355,13 +355,13 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
     if stage == 3:
         gradients = params * 4 if whole else fsdp_shard(pbytes)
     elif stage == 2:
-        gradients = params * pbytes if whole else params * pbytes / dp_shard
+        gradients = params * pbytes if whole else params * pbytes / fsdp
     else:
         gradients = params * pbytes
-    # ZeRO-1/2 (ZeroRedundancyOptimizer over dp_shard) partition a pipeline stage's states over the stage's dp_shard
-    # ranks. They do not compose with ep here (check_composable), so the experts' split is not modelled for them
-    # (Megatron's distributed optimizer would shard expert states over dp_shard / ep ranks only).
-    optimizer_states = 2 * (fsdp_shard(pbytes) if stage == 3 else params * pbytes / (dp_shard if stage else 1))
+    # ZeRO-1/2 (ZeroRedundancyOptimizer over dp_shard x cp) partition a pipeline stage's states over the stage's
+    # dp_shard x cp ranks. ZeRO-1 does not compose with ep here (check_composable), so the experts' split is not
+    # modelled for it (Megatron's distributed optimizer would shard expert states over dp_shard / ep ranks only).
+    optimizer_states = 2 * (fsdp_shard(pbytes) if stage == 3 else params * pbytes / (fsdp if stage else 1))
 
     # ---- activations of the blocks, all micro-batches in flight
     tokens = mbs * seq_len / cp
@@ -376,7 +376,8 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
         recompute = tokens * max(block_activation_bytes(model, moe=moe, **knobs)
                                  for moe, count in ((False, stages.n_dense), (True, stages.n_moe)) if count)
 
-    # ---- the ends: final norm, head and loss on the whole sequence (every cp rank)
+    # ---- the ends: final norm and head on this rank's tokens, the loss on the whole sequence's logits (every cp
+    # rank; lightning_par.parallel.context.GatherAtHead)
     logits = loss_workspace = 0.0
     if stages.head:
         whole = mbs * seq_len
@@ -384,7 +385,7 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
                                                  sequence_parallel=config.sequence_parallel,
                                                  loss_parallel=config.loss_parallel)
         in_flight_losses = microbatches if config.pp > 1 and config.pp_schedule == "gpipe" else 1
-        logits = (norm_head + log_softmax) * whole * in_flight_losses
+        logits = (norm_head / cp + log_softmax) * whole * in_flight_losses
         loss_workspace = loss_workspace_bytes(model, precision=precision, tp=tp,
                                               loss_parallel=config.loss_parallel) * whole
 

@@ -15,6 +15,13 @@ preset describing the hardware the figure came from. The throughput is compared 
   embeddings, 4h GeLU MLP, full recomputation, A100 80 GB (Selene: 8 x 200 Gb/s HDR per node).
 * Megatron-Core's MoE README (MCore v0.8): Mixtral 8x7B model TFLOP/s per GPU (the ``6N + 12·L·h·s`` model
   FLOPs, :attr:`StepTime.model_flops`) on 64 H100 SXM.
+* Llama 3 (Dubey et al. 2024, "The Llama 3 Herd of Models", table 4): Llama 3 405B, BF16 TFLOP/s per GPU on
+  H100 SXM (80 GB, 400 Gb/s per GPU) with 16M tokens per batch, at 8K context on 8,192 and 16,384 GPUs and at 128K
+  on 16,384 with context parallel. FSDP keeps parameters gathered between micro-batches; the interleaved
+  schedule's virtual stages are not published (two here, torchtitan's default). The paper trains 8K sequences
+  without activation checkpointing; with cp = 16 each rank of the 128K run holds as many tokens as there, so it is
+  costed without recomputation too (this project's sequence parallel keeps the gathered input of each region,
+  which Llama 3's implementation does not, so here such a layout would need recomputation to fit).
 
 ``ratio`` is predicted over published throughput: above 1 the model is optimistic.
 """
@@ -32,6 +39,7 @@ from lightning_par.planner.search import Candidate, TrainingSpec, evaluate
 TORCHTITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 MEGATRON = "Narayanan et al. 2021, table 2"
 MCORE_MOE = "Megatron-LM megatron/core/transformer/moe/README.md (MCore v0.8)"
+LLAMA3 = "Dubey et al. 2024, table 4"
 TORCHTITAN_OP_SAC = 1 / 6  # half the forward matmuls (torchtitan's selective_ac_option="op" saves every other mm)
 
 
@@ -141,6 +149,19 @@ def _megatron(model: ModelSpec, *, pp: int, dp: int, tp: int, batch: int, publis
                         notes="Megatron's fused kernels stand for torch.compile; scatter/gather as sequence parallel")
 
 
+def _llama3_405b(gpus: int, seq_len: int, *, dp: int, cp: int, published: float) -> PublishedRun:
+    # TP 8 x CP x PP 16 x DP, 16M tokens per batch in micro-batches of one sequence.
+    microbatches = 2**24 // seq_len // dp
+    config = ParallelConfig(pp=16, dp_shard=dp, cp=cp, cp_method="ring", pp_schedule="interleaved_1f1b",
+                            pp_microbatches=microbatches, pp_virtual_stages=2, reshard_after_forward=False,
+                            **_fsdp(tp=8))
+    layout = f"TP 8{f' CP {cp}' if cp > 1 else ''} PP 16 DP {dp}"
+    return PublishedRun(f"Llama 3 405B, {gpus:,} GPUs, {layout}, {seq_len // 1024}K", LLAMA3,
+                        ModelSpec.preset("llama3-405b"), "h100-80gb", gpus // 8, config, seq_len, 1, microbatches,
+                        "model TFLOP/s/GPU", published, compiled=True,
+                        notes="no recomputation; FSDP gathered between micro-batches; fused kernels as compile")
+
+
 GPT_175B = gpt(12288, 96, 96)  # table 2's 174.6B
 GPT_530B = gpt(20480, 105, 128)  # table 2's 529.6B
 
@@ -173,6 +194,9 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
                                                 pp_microbatches=16, pp_virtual_stages=8),
                  4096, 1, 16, "model TFLOP/s/GPU", 438, compiled=True,
                  notes="distributed optimizer (ZeRO-1); Transformer Engine's fused kernels stand for torch.compile"),
+    _llama3_405b(8192, 8192, dp=64, cp=1, published=430),
+    _llama3_405b(16384, 8192, dp=128, cp=1, published=400),
+    _llama3_405b(16384, 131072, dp=8, cp=16, published=380),
 )
 
 

@@ -191,7 +191,8 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     for stages in ranks:
         work = {kind: (stages.n_dense * dense_s[kind] + stages.n_moe * moe_s[kind]) * mbs * seq_len
                 for kind in dense_s}
-        work["head"] = model.head_flops_per_token * mbs * seq_len / tp / rate if stages.head else 0.0  # whole seq
+        # this rank's tokens: under cp the logits are gathered after the head (parallel.context.GatherAtHead)
+        work["head"] = model.head_flops_per_token * mbs * seq_len / (tp * cp) / rate if stages.head else 0.0
         per_rank.append((work, stages))
     work, stages = max(per_rank, key=lambda x: sum(x[0].values()))
     head_seconds = work["head"]
@@ -233,20 +234,25 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
         volume["tp"] = m * (n_blocks * per_block + ends)
         comm["tp"] = exposed["tp"] = volume["tp"] / cluster.bandwidth(span["tp"])
 
-    # ---- context parallel: not overlapped in this implementation
+    # ---- context parallel (lightning_par.parallel.context), per tensor-parallel rank: its heads
     if cp > 1:
-        local = tokens * h * a
-        if config.cp_method == "ulysses":
+        local = tokens * h * a / tp  # one (B, H/tp, T/cp, D) tensor
+        if config.cp_method == "ulysses":  # all-to-alls before and after attention: on the critical path
             per_block = 8 * _gather(local, cp)
             if config.activation_checkpointing == "full":
                 per_block += 4 * _gather(local, cp)
         else:
-            per_block = ((cp - 1) * 2 + (cp - 1) * 4 + 2) * local
-            if config.activation_checkpointing == "full":
-                per_block += (cp - 1) * 2 * local
-        gather = _gather(mbs * seq_len * h * r, cp) if stages.head else 0.0
+            # Key and value blocks at their own heads: forward passes them on cp - 1 times, backward too, and their
+            # gradients cp times; each exchange runs behind the attention of the blocks at hand.
+            kv = 2 * local * model.kv_heads / model.heads
+            passes = 2 if config.activation_checkpointing == "full" else 1
+            per_block = ((cp - 1) * (passes + 1) + cp) * kv
+        gather = _gather(mbs * seq_len * model.vocab_size / tp * a, cp) if stages.head else 0.0  # the logits
         volume["cp"] = m * (n_blocks * per_block + gather)
         comm["cp"] = exposed["cp"] = volume["cp"] / cluster.bandwidth(span["cp"])
+        if config.cp_method == "ring":
+            attention = m * n_blocks * dense_s["attention"] * mbs * seq_len  # this rank's, per step
+            exposed["cp"] = max(comm["cp"] - attention * (cp - 1) / cp, m * gather / cluster.bandwidth(span["cp"]))
 
     # ---- expert parallel
     moe_blocks = stages.n_moe
@@ -268,6 +274,7 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     pbytes = param_bytes(precision)
     gbytes = pbytes / (2 if config.gradient_compression != "none" and pbytes == 4 else 1)
     shard, rep = int(config.dp_shard), int(config.dp_replicate)
+    partition = shard * cp  # the ranks ZeRO-1/2 partition over (lightning_par.parallel.data.PARTITION_GROUP)
     stage = config.zero_stage
     units = n_blocks + 1
     reductions = m if config.sharded_accumulation else 1  # ZeRO-2/3 gradient reductions per optimizer step
@@ -293,17 +300,17 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
         if stage == 1 and after_backward:
             # ZeRO-1 there reduces each gradient to its owner only (parallel.data.reduce_gradients_to_owners):
             # half an all-reduce, then averaged across dp_replicate.
-            add(_gather(dense * gbytes, shard), span["dp_shard_cp"], None)
-            add(_all_reduce(dense * gbytes / shard, rep), span["dp_replicate"], None)
+            add(_gather(dense * gbytes, partition), span["dp_shard_cp"], None)
+            add(_all_reduce(dense * gbytes / partition, rep), span["dp_replicate"], None)
         else:
             add(_all_reduce(dense * gbytes, dp * cp), span["dp_cp"], None if after_backward else backward_mb)
         if stage == 1:
-            add(_gather(params * pbytes, shard), span["dp_shard_cp"], None)  # ZeroRedundancyOptimizer broadcast
+            add(_gather(params * pbytes, partition), span["dp_shard_cp"], None)  # ZeroRedundancyOptimizer broadcast
     elif stage == 2:
-        add(reductions * _gather(dense * gbytes, shard), span["dp_shard_cp"], reductions * backward_mb)
-        add(reductions * _all_reduce(dense * gbytes / shard, rep), span["dp_replicate"],  # HSDP: across groups
+        add(reductions * _gather(dense * gbytes, partition), span["dp_shard_cp"], reductions * backward_mb)
+        add(reductions * _all_reduce(dense * gbytes / partition, rep), span["dp_replicate"],  # HSDP: across groups
             reductions * backward_mb)
-        add(_gather(params * pbytes, shard), span["dp_shard_cp"], None)
+        add(_gather(params * pbytes, partition), span["dp_shard_cp"], None)
     else:
         fsdp = shard * cp
         gather_bytes = 2 if config.param_dtype in ("bf16", "fp16") else pbytes
@@ -345,7 +352,7 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     # divides by the ranks that shard the optimizer states (memory.py's accounting).
     optimizer = 0.0
     if cluster.optimizer_rate is not None:
-        owners = {0: 1, 1: shard, 2: shard, 3: shard * cp}[stage]
+        owners = {0: 1, 1: partition, 2: partition, 3: partition}[stage]
         optimizer = params / owners / cluster.optimizer_rate
 
     step_tokens = mbs * m * dp * seq_len
