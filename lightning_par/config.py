@@ -170,10 +170,6 @@ class ParallelConfig:
                 raise ValueError(f"pp={self.pp} with prefetch_blocks={self.prefetch_blocks}: a pipeline schedule runs "
                                  "its blocks for several micro-batches in its own order, not one after the next; set "
                                  "prefetch_blocks=0 (the schedule keeps a stage gathered between its micro-batches)")
-        if self.ep > 1:
-            if self.sequence_parallel and self.tp > 1:
-                raise ValueError(f"ep={self.ep} with sequence_parallel=True: the experts route whole sequences; "
-                                 "set sequence_parallel=False (tensor parallel still splits attention)")
         if self.async_tp and not (self.tp > 1 and self.sequence_parallel and self.compile):
             raise ValueError(f"async_tp=True with tp={self.tp}, sequence_parallel={self.sequence_parallel}, compile="
                              f"{self.compile}: async tensor parallel splits sequence parallel's all-gathers and "

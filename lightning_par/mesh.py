@@ -9,6 +9,7 @@ Flattened views (kept here, as PyTorch asks callers to keep them rather than re-
 - ``dp``          = dp_replicate x dp_shard: ranks that read different samples (data loader, DDP);
 - ``dp_cp``       = dp_replicate x dp_shard x cp: ranks over which the loss is averaged;
 - ``dp_shard_cp`` = dp_shard x cp: ranks that shard parameters under ZeRO-3 and host experts;
+- ``cp_tp``       = cp x tp: ranks that hold parts of the same sequences under sequence parallel;
 - ``data_parallel`` and ``tensor_parallel``: ``dp`` and ``tp`` under the names Lightning's
   ``ModelParallelStrategy`` gives its 2-D mesh, so that a LightningModule written for it
   (``self.device_mesh["tensor_parallel"]`` in ``configure_model``) runs unchanged.
@@ -26,6 +27,7 @@ FLATTENED_DIMS = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
     "dp_shard_cp": ("dp_shard", "cp"),
+    "cp_tp": ("cp", "tp"),
     "data_parallel": ("dp_replicate", "dp_shard"),
     "tensor_parallel": ("tp",),
 }

@@ -36,6 +36,14 @@ CASES = {
     "cp2xep2-moe": (2, 1, dict(context_parallel_size=2, expert_parallel_size=2), "moe-capacity"),
     "dp2xpp2xcp2xep2-moe": (8, 2, dict(data_parallel_size=2, pipeline_parallel_size=2, context_parallel_size=2,
                                        expert_parallel_size=2, microbatches=2), "moe-capacity"),
+    # Under sequence parallel each tensor-parallel rank routes its piece of the sequence; the routers' and experts'
+    # gradients summed over tp, capacity and statistics over the whole sequence (context-parallel chunks too).
+    "dp2xtp2-sp-ep2-moe": (4, 2, dict(data_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
+                                      expert_parallel_size=2), "moe-capacity"),
+    "dp2xtp2-sp-ep2-zero3-moe": (4, 2, dict(data_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
+                                            expert_parallel_size=2, zero_stage=3), "moe-capacity"),
+    "cp2xtp2-sp-zero1-moe": (4, 1, dict(context_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
+                                        zero_stage=1, context_parallel_method="ring"), "moe-capacity"),
     # ZeRO-1 and -2 partition over data x context parallel.
     "dp2xcp2-zero1": (4, 2, dict(data_parallel_size=2, context_parallel_size=2, zero_stage=1), "dense"),
     "dp2xcp2-zero2-sharded": (4, 2, dict(data_parallel_size=2, context_parallel_size=2, zero_stage=2,

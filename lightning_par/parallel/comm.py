@@ -43,7 +43,7 @@ __all__ = ["CommunicationCounter", "CommTotals", "DIMENSIONS", "PipelineSends", 
 DIMENSIONS = ("dp", "tp", "pp", "cp", "ep", "other")
 # Mesh (and sub-mesh) names -> the dimension their traffic counts for.
 _LABELS = {"tp": "tp", "cp": "cp", "pp": "pp", "ep": "ep", "ep_replicate": "dp", "dp_replicate": "dp",
-           "dp_shard": "dp", **{name: "dp" for name in FLATTENED_DIMS}}
+           "dp_shard": "dp", **{name: "dp" for name in FLATTENED_DIMS}, "cp_tp": "cp"}
 _DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
                 "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16, "Float8_e4m3fn": 1, "Float8_e5m2": 1}
 

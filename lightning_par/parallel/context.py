@@ -44,7 +44,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
@@ -305,34 +304,65 @@ class _GatherSequence(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class SequenceSplit:
-    """How context parallel splits every sequence, for a layer whose computation spans a sequence: a
+    """How the ranks of ``group`` hold each sequence, for a layer whose computation spans a sequence: a
     mixture-of-experts router's per-sequence capacity and load-balancing statistics (GShard; Switch, eq. 4) and its
-    z-loss (ST-MoE). Such a layer has a ``sequence_split`` attribute, which :func:`apply_context_parallel` sets, and
-    computes those numbers as on the whole sequence:
+    z-loss (ST-MoE). Context parallel gives each of ``cp`` ranks its chunks (``method``); sequence parallel, where
+    the layer routes the tokens of its tensor-parallel rank (``RoutedOnLocalTokens``), splits a chunk further into
+    ``tp`` contiguous pieces. ``group`` holds the ``cp x tp`` ranks, tensor-parallel ones innermost. Such a layer has a
+    ``sequence_split`` attribute, which :func:`apply_context_parallel` and tensor parallel set, and computes those
+    numbers as on the whole sequence:
 
     * :meth:`whole` gathers a per-token quantity that needs no gradient (the chosen experts) in token order, so that
       the capacity's priority order (by position in the sequence) is the whole sequence's;
     * :meth:`total` sums a partial statistic over the ranks (a sum of router probabilities over this rank's
-      tokens). Its gradient is summed as well: every rank forms the same loss from the total, so each rank's part
-      receives ``cp`` times its gradient, as the blocks' parameters do through the gather after the last block
-      (module docstring), and the average over ``dp x cp`` gives the exact gradient.
+      tokens). Every rank forms the same loss from the total, and its gradient reaches each rank's part as the
+      loss's does through the layout: ``cp`` times (the gather after the head; the average over ``dp x cp`` takes
+      it out), once over tensor parallel.
     """
 
     group: dist.ProcessGroup
     method: Method
+    cp: int
+    tp: int = 1
 
     def positions(self, seq_len: int, device: torch.device) -> Tensor:
         """The global positions of this rank's tokens in a sequence of ``seq_len``."""
-        cp = dist.get_world_size(self.group)
-        return local_positions(seq_len, dist.get_rank(self.group), cp, self.method).to(device)
+        return self._positions_of(dist.get_rank(self.group), seq_len).to(device)
+
+    def _positions_of(self, rank: int, seq_len: int) -> Tensor:
+        cp_rank, tp_rank = divmod(rank, self.tp)
+        chunk = local_positions(seq_len, cp_rank, self.cp, self.method) if self.cp > 1 else torch.arange(seq_len)
+        return chunk.chunk(self.tp)[tp_rank]
 
     def whole(self, local: Tensor) -> Tensor:
-        """(B, T/cp, ...) of this rank -> (B, T, ...) of the whole sequence, in token order (no gradient)."""
-        return _whole_sequence(local.detach(), self.group, self.method)
+        """(B, T / ranks, ...) of this rank -> (B, T, ...) of the whole sequence, in token order (no gradient)."""
+        ranks = dist.get_world_size(self.group)
+        parts = [torch.empty_like(local) for _ in range(ranks)]
+        dist.all_gather(parts, local.detach().contiguous(), group=self.group)
+        seq_len = local.shape[1] * ranks
+        order = torch.cat([self._positions_of(r, seq_len) for r in range(ranks)])
+        return torch.cat(parts, dim=1)[:, order.argsort().to(local.device)]
 
     def total(self, partial: Tensor) -> Tensor:
-        """The sum of ``partial`` over the ranks holding parts of the sequence; differentiable."""
-        return differentiable_all_reduce(partial, group=self.group)
+        """The sum of ``partial`` over the ranks holding parts of the sequence; differentiable (see above)."""
+        return _Total.apply(partial, self.group, self.tp)
+
+
+class _Total(torch.autograd.Function):
+    """All-reduce (sum); backward sums the ranks' gradients, divided by the tensor-parallel ranks among them."""
+
+    @staticmethod
+    def forward(ctx: Any, partial: Tensor, group: dist.ProcessGroup, tp: int) -> Tensor:
+        ctx.group, ctx.tp = group, tp
+        total = partial.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad / ctx.tp, None, None
 
 
 class _SequenceSeen:
@@ -449,10 +479,11 @@ def apply_context_parallel(module: nn.Module, mesh: ParallelMesh, model_map: Mod
     # A router's per-sequence numbers (capacity, load-balancing statistics) are computed over the whole sequence
     # by the layers that know of the split; a model map's stacked experts are routed token by token by the model's
     # own router and need nothing.
-    split = SequenceSplit(mesh.group("cp"), method)
     for sub in module.modules():
         if hasattr(sub, "sequence_split"):
-            sub.sequence_split = split
+            by_tp = sub.sequence_split is not None and sub.sequence_split.tp > 1  # sequence parallel: routes its piece
+            sub.sequence_split = (SequenceSplit(mesh.group("cp_tp"), method, cp, mesh.size("tp")) if by_tp
+                                  else SequenceSplit(mesh.group("cp"), method, cp))
     names = model_map.block_names(module)
     seen = _SequenceSeen()
     head = model_map.head if model_map.head is not None and _holds(module, model_map.head) else None

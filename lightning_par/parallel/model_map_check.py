@@ -226,7 +226,7 @@ def _run(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, inputs: Ten
     network = _network(model_copy, model_map)
     regions = _regions(model_copy, model_map)
     inputs = _as(inputs, device, dtype)
-    def run(record: dict[str, Tensor], stack: list[str]) -> Tensor:
+    def run(record: dict[str, Tensor], stack: list[str], settle: Callable[[], None] = lambda: None) -> Tensor:
         handles = []
         for name, sub in model_copy.named_modules():
             if not name:
@@ -243,6 +243,7 @@ def _run(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, inputs: Ten
         seed = torch.Generator(device="cpu").manual_seed(0)  # the same cotangent for both runs
         cotangent = torch.randn(whole.shape, generator=seed, dtype=whole.dtype).to(whole.device)
         (whole * cotangent).sum().backward()
+        settle()
         record["logits"] = whole.detach()
         return whole
 
@@ -258,8 +259,14 @@ def _run(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, inputs: Ten
     outcome = _Outcome()
     # Sizes that do not split raise here, with a message that already says what would fit.
     apply(model_copy, mesh, model_map, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    def settle() -> None:  # what a training step does after backward: layers that routed a piece sum over tp
+        if sequence_parallel:
+            from lightning_par.parallel.tensor import sum_over_tensor_parallel
+
+            sum_over_tensor_parallel(model_copy, mesh)
+
     try:
-        run(actual, stack)
+        run(actual, stack, settle)
     except Exception as error:  # noqa: BLE001 - what the split model raises is the reason it is refused
         innermost = stack[-1] if stack else None
         region = next((n for n in reversed(stack) if n in regions), None)

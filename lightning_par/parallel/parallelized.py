@@ -26,7 +26,7 @@ from lightning_par.parallel.clip import clip_grad_norm_, gradient_norm
 from lightning_par.parallel.foreach import foreach_over_dtensors
 from lightning_par.parallel.pipeline.runner import PipelineRunner
 from lightning_par.parallel.record import layout_record
-from lightning_par.parallel.tensor import vocab_parallel_loss
+from lightning_par.parallel.tensor import sum_over_tensor_parallel, vocab_parallel_loss
 from lightning_par.parallel.pipeline.ties import StageTies
 
 __all__ = ["Parallelized", "parallelized_by_its_author"]
@@ -116,6 +116,8 @@ class Parallelized:
                 self._keep_reduced(last=not self._sync_blocked)
         elif self.reduces_after_backward:
             data.reduce_gradients(self.inner, self.mesh, bucket_cap_mb=self.config.ddp_bucket_cap_mb)
+        if self.config.sequence_parallel and self.mesh.size("tp") > 1:  # layers that routed this rank's tokens
+            sum_over_tensor_parallel(self.inner, self.mesh)
 
     def _keep_reduced(self, *, last: bool) -> None:
         """The owner's side of ZeRO-2 under a pipeline: set this batch's reduced gradients aside (the next batch

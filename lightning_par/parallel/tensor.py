@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,6 +38,8 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_par.config import divisors
 from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.context import SequenceSplit
+from lightning_par.parallel.experts import local_part, routes_its_tokens
 from lightning_par.parallel.model_map import SPLIT_STYLES, ModelMap, is_conv1d, is_projection, projection_features
 from lightning_par.parallel.modules import retie, tied_groups
 
@@ -141,6 +145,50 @@ class PerShard(ParallelStyle):
             declare_split, local)
 
 
+class RoutedOnLocalTokens(ParallelStyle):
+    """Under sequence parallel, a mixture-of-experts layer that routes its own tokens takes this rank's piece of the
+    sequence (the local tensor of the sequence-split activations) and hands its output back as that piece: the
+    router and the experts compute on 1/tp of the tokens (Megatron-Core's MoE under sequence parallel). Its weights
+    stay whole on every tensor-parallel rank, each seeing other tokens: ``Parallelized.after_backward`` sums their
+    gradients over ``tp`` (:func:`sum_over_tensor_parallel`). Capacity and load statistics span the sequence through
+    the layer's ``sequence_split`` (``lightning_par.parallel.context.SequenceSplit``), set here."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        module.sequence_split = SequenceSplit(device_mesh.get_group(), "ulysses", cp=1, tp=tp)
+
+        def local(m: nn.Module, args: tuple) -> tuple:
+            return tuple(x.to_local() if isinstance(x, DTensor) else x for x in args)
+
+        def split(m: nn.Module, args: tuple, output: Tensor) -> Tensor:
+            return DTensor.from_local(output, device_mesh, (Shard(1),), run_check=False)
+
+        module.register_forward_pre_hook(local)
+        module.register_forward_hook(split)
+        return module
+
+
+def routed_on_local_tokens(module: nn.Module) -> list[nn.Module]:
+    """The layers of ``module`` that :class:`RoutedOnLocalTokens` made route this rank's piece of the sequence."""
+    return [m for m in module.modules() if getattr(getattr(m, "sequence_split", None), "tp", 1) > 1]
+
+
+def sum_over_tensor_parallel(module: nn.Module, mesh: ParallelMesh) -> None:
+    """Sum over ``tp`` the gradients of the layers that route this rank's tokens (:class:`RoutedOnLocalTokens`), in
+    one all-reduce per dtype. Every rank of a tensor-parallel group holds the same of them (the same data-parallel
+    coordinate owns the same ZeRO partition), so they reduce alike."""
+    grads = [local_part(p.grad) for layer in routed_on_local_tokens(module) for p in layer.parameters()
+             if p.grad is not None]
+    by_dtype: dict[Any, list[Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same in by_dtype.values():
+        flat = torch._utils._flatten_dense_tensors(same)
+        dist.all_reduce(flat, group=mesh.group("tp"))
+        for grad, summed in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
+            grad.copy_(summed)
+
+
 class Replicated(ParallelStyle):
     """A module outside the split regions whose output meets sequence-split DTensors (a learned position
     embedding added to the embedding's output): its parameters and inputs become ``Replicate`` DTensors, and so
@@ -191,6 +239,8 @@ def tensor_parallel_styles(module: nn.Module, model_map: ModelMap, *, sequence_p
             regions.setdefault(name.rpartition(".")[0], []).append((name, style))
         elif style == "sequence" and sequence_parallel:
             styles[name] = SequenceParallel()
+        elif sequence_parallel and routes_its_tokens(sub):
+            styles[name] = RoutedOnLocalTokens()
         elif style == "per_shard":
             styles[name] = PerShard()
         elif (sequence_parallel and style in (None, "replicate") and not name.startswith(blocks)
@@ -367,5 +417,5 @@ def vocab_parallel_loss(enabled: bool = True) -> Iterator[None]:
         yield
 
 
-__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "split_summary", "tensor_parallel_styles",
-           "vocab_parallel_loss"]
+__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "routed_on_local_tokens", "split_summary",
+           "sum_over_tensor_parallel", "tensor_parallel_styles", "vocab_parallel_loss"]
