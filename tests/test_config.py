@@ -63,7 +63,6 @@ def test_auto_sizes_resolve(config: ParallelConfig, world_size: int, expected: t
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (ParallelConfig(ep=2, tp=2, sequence_parallel=True), r"ep=2 with sequence_parallel=True: the experts route"),
         (ParallelConfig(ep=2, zero_stage=1), r"zero_stage=1 with ep=2: ZeRO-1 partitions the optimizer over dp_shard"),
         (ParallelConfig(ep=2, zero_stage=2), r"zero_stage=2 with ep=2: .*zero_stage=3 \(FSDP2 shards each expert"),
     ],

@@ -194,3 +194,38 @@ def test_context_parallel_resolves_and_its_former_name_warns() -> None:
     with pytest.warns(FutureWarning):
         renamed = lightning_par.SequenceParallelStrategy(context_parallel_size=2, method="ring", zero_stage=3)
     assert (renamed.parallel_config.cp_method, renamed.parallel_config.zero_stage) == ("ring", 3)
+
+
+class CenteredTransformer:
+    """The reference network with code between its final norm and its head that mixes positions (each hidden state
+    minus the sequence's mean): the head cannot run on a slice of the sequence there."""
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        cos, sin = self.rope(tokens.shape[1], positions)
+        h = self.embed_tokens(tokens)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        h = self.norm(h)
+        return self.lm_head(h - h.mean(1, keepdim=True))
+
+
+def make_centered_module() -> SGDLlamaLM:
+    module = SGDLlamaLM(**MODEL)
+    network = type(module.model)
+    module.model.__class__ = type("Centered" + network.__name__, (CenteredTransformer, network), {})
+    return module
+
+
+def test_the_head_runs_on_a_slice_only_where_it_follows_the_last_block() -> None:
+    """Where the head computes each position from the final norm of the last block's output, context parallel runs
+    them on each rank's tokens and gathers the logits; code that mixes positions in between sends the gather back to
+    the last block's output, so that model trains exactly too."""
+    from lightning_par.parallel.context import head_follows_last_block
+    from lightning_par.parallel.model_map import resolve_model_map
+
+    sample = torch.randint(0, MODEL["vocab_size"], (2, 16))
+    for module, follows in ((make_module(), True), (make_centered_module(), False)):
+        assert head_follows_last_block(module, resolve_model_map(None, module), sample) is follows
+    assert_layout_matches(make_centered_module, make_datamodule,
+                          functools.partial(make_strategy, context_parallel_size=2, context_parallel_method="ring"),
+                          world_size=4, dp=2, steps=STEPS, rtol=1e-5, label="centered head, dp2 x cp2")

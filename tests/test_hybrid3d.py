@@ -107,7 +107,6 @@ def test_a_torch_that_reduces_before_the_weight_pass_is_refused(monkeypatch: pyt
     [
         (dict(data_parallel_size=4, replicate_size=3), r"replicate_size=3 does not divide data_parallel_size=4"),
         (dict(pipeline_parallel_size=2, save_distributed_checkpoint=False), r"pipeline_parallel_size=2: each rank saves its own stages"),
-        (dict(tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True), r"expert_parallel_size=2 with sequence_parallel"),
         (dict(expert_parallel_size=2, zero_stage=2), r"zero_stage=2 with expert_parallel_size=2: ZeRO-2 partitions"),
         (dict(tensor_parallel_size=0), r"tensor_parallel_size must be a positive integer, got 0"),
     ],

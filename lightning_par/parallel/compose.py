@@ -44,7 +44,7 @@ from lightning_par.parallel.pipeline.split import (StageLayout, build_stages, ch
 from lightning_par.parallel.model_map import ModelMap, model_map_or_its_old_name, network_prefix
 from lightning_par.parallel.model_map_check import check_model_map
 from lightning_par.parallel.recompute import apply_activation_checkpointing
-from lightning_par.parallel.context import apply_context_parallel, check_sequence_length
+from lightning_par.parallel.context import apply_context_parallel, check_sequence_length, head_follows_last_block
 from lightning_par.parallel.parallelized import Parallelized
 from lightning_par.parallel.pipeline.runner import PipelineRunner
 from lightning_par.parallel.record import layout_record
@@ -120,6 +120,9 @@ def parallelize(
     stages = None
     if applied is None:
         _check_fsdp_roots(model, config)
+        # Before anything is split: whether the head can run on each context-parallel rank's tokens.
+        gather_at_head = (config.cp > 1 and model_map is not None and sample_batch is not None
+                          and head_follows_last_block(model, model_map, sample_batch[0].to(device)))
         if config.tp > 1 and model_map is not None and sample_batch is not None:  # 0: the model map, checked
             model_map, notes = check_model_map(model, mesh, model_map, sample_batch[0],
                                                sequence_parallel=config.sequence_parallel,
@@ -141,7 +144,7 @@ def parallelize(
                               loss_parallel=config.loss_parallel)
         if config.tp > 1 and log is not None and model_map is not None:
             log(f"tensor parallel (tp={config.tp}) split, on this rank: {split_summary(model, model_map)}")
-        apply_context_parallel(model, mesh, model_map, method=config.cp_method)  # 3
+        apply_context_parallel(model, mesh, model_map, method=config.cp_method, gather_at_head=gather_at_head)  # 3
         apply_expert_parallel(model, mesh, config.ep, model_map, reduce_gradients=config.zero_stage != 3)  # 4
         apply_activation_checkpointing(model, model_map, mode=config.activation_checkpointing,  # 5
                                        every=config.activation_checkpointing_every)

@@ -51,6 +51,8 @@ from torch.overrides import TorchFunctionMode
 from lightning_par.config import CP_METHODS, ContextParallelMethod
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.model_map import ModelMap
+from lightning_par.parallel.modules import first_tensor
+from lightning_par.parallel.small_copy import small_copy
 
 Method = ContextParallelMethod  # ulysses or ring, as config.py names them
 
@@ -365,28 +367,20 @@ class _Total(torch.autograd.Function):
         return grad / ctx.tp, None, None
 
 
-class _SequenceSeen:
-    """The whole sequence length the blocks of the last forward were cut from (for the check at the head)."""
-
-    length: int | None = None
-
-
 class ContextParallelBlock:
     """Replaces a block's ``forward``: cut sequence inputs, route attention, gather after the last block when no
     head gathers (:class:`GatherAtHead`)."""
 
     def __init__(self, forward: Callable, group: dist.ProcessGroup, method: Method, *, first: bool,
-                 last: bool, seen: _SequenceSeen | None = None) -> None:
+                 last: bool) -> None:
         self.forward, self.group, self.method, self.first, self.last = forward, group, method, first, last
         self.rank, self.cp = dist.get_rank(group), dist.get_world_size(group)
-        self.seen = seen if seen is not None else _SequenceSeen()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         hidden = args[0] if args else kwargs["hidden_states"]  # (B, T, C), or (B, T/cp, C) after the first
         seq_len = hidden.shape[1] if self.first else hidden.shape[1] * self.cp
         if self.first:
             check_sequence_length(seq_len, self.cp, self.method)
-        self.seen.length = seq_len
         positions = local_positions(seq_len, self.rank, self.cp, self.method).to(hidden.device)
         batch = hidden.shape[0]
 
@@ -418,25 +412,53 @@ class GatherAtHead:
 
     The final norm and the head then run on ``T / cp`` tokens per rank, not on the whole sequence on every rank
     (the head of a large vocabulary costs as much as several blocks), while the loss still sees every position's
-    logits. The head must compute each position from that position alone, as a decoder's does; a head that meets
-    fewer positions than the blocks held (pooling, a last-token selection before it) is refused, naming it.
+    logits. Used where :func:`head_follows_last_block` found the head computing each position from the last block's
+    output at that position alone, as a decoder's does.
     """
 
-    def __init__(self, name: str, group: dist.ProcessGroup, method: Method, seen: _SequenceSeen) -> None:
-        self.name, self.group, self.method, self.seen = name, group, method, seen
-        self.cp = dist.get_world_size(group)
+    def __init__(self, group: dist.ProcessGroup, method: Method) -> None:
+        self.group, self.method = group, method
 
     def __call__(self, module: nn.Module, args: tuple, output: Tensor) -> Tensor:
-        held = self.seen.length
-        if held is None or output.dim() < 2 or output.shape[1] * self.cp != held:
-            got = tuple(output.shape)
-            raise ValueError(f"context parallel gathers the sequence after the head {self.name!r}, which received "
-                             f"{got[1] if len(got) > 1 else 'no'} positions per rank where the blocks held "
-                             f"{held} / cp={self.cp}: the code between the last block and the head changes the "
-                             "sequence (pooling, selecting tokens). Leave the head out of the model map (model_map: "
-                             "{head: null}) to gather after the last block instead")
-        self.seen.length = None
         return gather_sequence(output, self.group, self.method)
+
+
+def head_follows_last_block(module: nn.Module, model_map: ModelMap, sample: Tensor) -> bool:
+    """Whether the head of ``module`` receives the last block's output itself, through the final norm only (each a
+    per-position function), so that it can run on a rank's slice of the sequence. Checked on one forward of a small
+    copy (``sample``: model inputs); a model that pools, selects tokens or projects between them gathers after the
+    last block instead."""
+    steps = [name for name in (model_map.final_norm, model_map.head) if name is not None]
+    if model_map.head is None or not all(_holds(module, name) for name in steps):
+        return False
+    small = small_copy(module, model_map.blocks, sample.device, torch.float32, min_blocks=2)
+    last = small.get_submodule(model_map.block_names(small)[-1])
+    outputs: list[Tensor] = []
+    follows: list[bool] = []
+
+    def record(_: nn.Module, __: tuple, output: Any) -> None:
+        outputs.append(first_tensor(output)[0])
+
+    def check(_: nn.Module, args: tuple, kwargs: dict) -> None:
+        given = args[0] if args else next(iter(kwargs.values()), None)
+        before = outputs[-1] if outputs else None
+        # The tensor itself, or a view of all of it (a model's ``hidden[:, slice(0, None)]`` before its head).
+        follows.append(isinstance(given, Tensor) and isinstance(before, Tensor) and given.shape == before.shape
+                       and given.data_ptr() == before.data_ptr() and given.stride() == before.stride())
+
+    handles = [last.register_forward_hook(record)]
+    for name in steps:
+        step = small.get_submodule(name)
+        handles += [step.register_forward_pre_hook(check, with_kwargs=True), step.register_forward_hook(record)]
+    try:
+        with torch.no_grad():
+            small(sample[:1])
+    except Exception:  # noqa: BLE001 - a model the copy cannot run gathers after the last block, as before
+        return False
+    finally:
+        for handle in handles:
+            handle.remove()
+    return len(follows) == len(steps) and all(follows)
 
 
 def gather_sequence(local: Tensor, group: dist.ProcessGroup, method: Method) -> Tensor:
@@ -466,8 +488,10 @@ def _take(x: Tensor, dim: int, positions: Tensor) -> Tensor:
 
 
 def apply_context_parallel(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap | None, *,
-                           method: Method = "ulysses") -> nn.Module:
-    """Split every sequence over the ``cp`` dimension of ``mesh`` inside the blocks ``model_map`` names (in place)."""
+                           method: Method = "ulysses", gather_at_head: bool = False) -> nn.Module:
+    """Split every sequence over the ``cp`` dimension of ``mesh`` inside the blocks ``model_map`` names (in place).
+    ``gather_at_head`` (where :func:`head_follows_last_block`): the final norm and head run on each rank's tokens
+    and the logits are gathered; otherwise the last block's output is."""
     cp = mesh.size("cp")
     if cp == 1:
         return module
@@ -485,15 +509,13 @@ def apply_context_parallel(module: nn.Module, mesh: ParallelMesh, model_map: Mod
             sub.sequence_split = (SequenceSplit(mesh.group("cp_tp"), method, cp, mesh.size("tp")) if by_tp
                                   else SequenceSplit(mesh.group("cp"), method, cp))
     names = model_map.block_names(module)
-    seen = _SequenceSeen()
-    head = model_map.head if model_map.head is not None and _holds(module, model_map.head) else None
-    if head is not None:
-        module.get_submodule(head).register_forward_hook(GatherAtHead(head, mesh.group("cp"), method, seen))
+    if gather_at_head:
+        module.get_submodule(model_map.head).register_forward_hook(GatherAtHead(mesh.group("cp"), method))
     for index, name in enumerate(names):
         block = module.get_submodule(name)
         # An instance attribute shadows the class's forward; the parameter names (and checkpoints) stay.
         block.forward = ContextParallelBlock(block.forward, mesh.group("cp"), method, first=index == 0,
-                                             last=head is None and index == len(names) - 1, seen=seen)
+                                             last=not gather_at_head and index == len(names) - 1)
     return module
 
 
@@ -512,6 +534,7 @@ __all__ = [
     "causal_score_blocks",
     "check_sequence_length",
     "gather_sequence",
+    "head_follows_last_block",
     "chunks_of_rank",
     "local_positions",
     "ring_attention",

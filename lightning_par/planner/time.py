@@ -250,9 +250,11 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
         gather = _gather(mbs * seq_len * model.vocab_size / tp * a, cp) if stages.head else 0.0  # the logits
         volume["cp"] = m * (n_blocks * per_block + gather)
         comm["cp"] = exposed["cp"] = volume["cp"] / cluster.bandwidth(span["cp"])
-        if config.cp_method == "ring":
-            attention = m * n_blocks * dense_s["attention"] * mbs * seq_len  # this rank's, per step
-            exposed["cp"] = max(comm["cp"] - attention * (cp - 1) / cp, m * gather / cluster.bandwidth(span["cp"]))
+        if config.cp_method == "ring":  # each exchange behind the attention of the blocks at hand, as collectives hide
+            attention = m * n_blocks * dense_s["attention"] * mbs * seq_len * (cp - 1) / cp  # this rank's, per step
+            hiding = COLLECTIVE_OVERLAP if cluster.collective_overlap is None else cluster.collective_overlap
+            exposed["cp"] = _exposed(comm["cp"] - m * gather / cluster.bandwidth(span["cp"]), attention,
+                                     m * n_blocks, hiding) + m * gather / cluster.bandwidth(span["cp"])
 
     # ---- expert parallel
     moe_blocks = stages.n_moe
