@@ -279,16 +279,6 @@ class _RouteAttention(TorchFunctionMode):
         return attention(query, key, value, self.group, is_causal=is_causal, scale=scale)
 
 
-def _whole_sequence(local: Tensor, group: dist.ProcessGroup, method: Method) -> Tensor:
-    """(B, T/cp, ...) slices of every rank of ``group`` -> (B, T, ...) in token order, on every rank."""
-    cp = dist.get_world_size(group)
-    parts = [torch.empty_like(local) for _ in range(cp)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    seq_len = local.shape[1] * cp
-    order = torch.cat([local_positions(seq_len, r, cp, method) for r in range(cp)])
-    return torch.cat(parts, dim=1)[:, order.argsort().to(local.device)]
-
-
 class _GatherSequence(torch.autograd.Function):
     """All-gather the sequence slices into the whole sequence in token order; see the module docstring
     for why the backward keeps this rank's slice scaled by ``cp``."""
@@ -297,7 +287,7 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx: Any, local: Tensor, group: dist.ProcessGroup, method: Method) -> Tensor:
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         ctx.positions, ctx.cp = local_positions(local.shape[1] * cp, rank, cp, method).to(local.device), cp
-        return _whole_sequence(local, group, method)
+        return SequenceSplit(group, method, cp).whole(local)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
