@@ -121,19 +121,26 @@ def reduce_gradients(module: nn.Module, mesh: ParallelMesh, *, bucket_cap_mb: fl
     """
     if mesh.size(GRADIENT_GROUP) == 1:
         return
+    grads = [_local(p.grad) for p in module.parameters() if p.grad is not None and not is_expert(p)]
+    all_reduce_in_buckets(grads, mesh.group(GRADIENT_GROUP), bucket_cap_mb=bucket_cap_mb,
+                          divide_by=mesh.size(GRADIENT_GROUP))
+
+
+@torch.no_grad()
+def all_reduce_in_buckets(grads: list[torch.Tensor], group: dist.ProcessGroup, *, bucket_cap_mb: float = 25.0,
+                          divide_by: int = 1) -> None:
+    """All-reduce ``grads`` (plain tensors) over ``group`` in place, flattened into buckets of at most
+    ``bucket_cap_mb`` MiB per dtype, the sums divided by ``divide_by``."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in module.parameters():
-        if p.grad is not None and not is_expert(p):
-            grad = _local(p.grad)
-            by_dtype.setdefault(grad.dtype, []).append(grad)
-    group, ranks = mesh.group(GRADIENT_GROUP), mesh.size(GRADIENT_GROUP)
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
 
     def all_reduce(flat: torch.Tensor) -> bool:
         dist.all_reduce(flat, group=group)
         return True
 
-    for grads in by_dtype.values():
-        _average_in_buckets(grads, bucket_cap_mb, all_reduce, ranks)
+    for same in by_dtype.values():
+        _average_in_buckets(same, bucket_cap_mb, all_reduce, divide_by)
 
 
 @torch.no_grad()

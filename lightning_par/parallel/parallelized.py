@@ -117,20 +117,14 @@ class Parallelized:
         elif self.reduces_after_backward:
             data.reduce_gradients(self.inner, self.mesh, bucket_cap_mb=self.config.ddp_bucket_cap_mb)
         if self.config.sequence_parallel and self.mesh.size("tp") > 1:  # layers that routed this rank's tokens
-            sum_over_tensor_parallel(self.inner, self.mesh)
+            sum_over_tensor_parallel(self.inner, self.mesh, bucket_cap_mb=self.config.ddp_bucket_cap_mb)
 
     def _keep_reduced(self, *, last: bool) -> None:
         """The owner's side of ZeRO-2 under a pipeline: set this batch's reduced gradients aside (the next batch
         starts from none), or, on the last batch, add the ones set aside back."""
         for p in self.inner.parameters():
-            if p.grad is None:
-                continue
-            earlier = self._reduced.pop(p, None)
-            if not last:
-                self._reduced[p] = p.grad if earlier is None else earlier + p.grad
-                p.grad = None
-            elif earlier is not None:
-                p.grad = earlier + p.grad
+            if p.grad is not None:
+                zero.keep_reduced_sum(p, self._reduced, last=last)
 
     def shard_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """The optimizer to step: sharded over the data-parallel ranks under ZeRO stages 1 and 2. (Under stage 3 it

@@ -20,8 +20,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -39,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_par.config import divisors
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.context import SequenceSplit
+from lightning_par.parallel.data import all_reduce_in_buckets
 from lightning_par.parallel.experts import local_part, routes_its_tokens
 from lightning_par.parallel.model_map import SPLIT_STYLES, ModelMap, is_conv1d, is_projection, projection_features
 from lightning_par.parallel.modules import retie, tied_groups
@@ -173,20 +172,14 @@ def routed_on_local_tokens(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if getattr(getattr(m, "sequence_split", None), "tp", 1) > 1]
 
 
-def sum_over_tensor_parallel(module: nn.Module, mesh: ParallelMesh) -> None:
+def sum_over_tensor_parallel(module: nn.Module, mesh: ParallelMesh, *, bucket_cap_mb: float = 25.0) -> None:
     """Sum over ``tp`` the gradients of the layers that route this rank's tokens (:class:`RoutedOnLocalTokens`), in
-    one all-reduce per dtype. Every rank of a tensor-parallel group holds the same of them (the same data-parallel
-    coordinate owns the same ZeRO partition), so they reduce alike."""
+    buckets per dtype as the data-parallel average is (``data.all_reduce_in_buckets``). Every rank of a
+    tensor-parallel group holds the same of them (the same data-parallel coordinate owns the same ZeRO partition),
+    so they reduce alike."""
     grads = [local_part(p.grad) for layer in routed_on_local_tokens(module) for p in layer.parameters()
              if p.grad is not None]
-    by_dtype: dict[Any, list[Tensor]] = {}
-    for grad in grads:
-        by_dtype.setdefault(grad.dtype, []).append(grad)
-    for same in by_dtype.values():
-        flat = torch._utils._flatten_dense_tensors(same)
-        dist.all_reduce(flat, group=mesh.group("tp"))
-        for grad, summed in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
-            grad.copy_(summed)
+    all_reduce_in_buckets(grads, mesh.group("tp"), bucket_cap_mb=bucket_cap_mb)
 
 
 class Replicated(ParallelStyle):

@@ -236,16 +236,23 @@ class GradientReducer:
 
     def _accumulate(self, param: Tensor) -> None:
         """Sharded accumulation: the owner keeps the running sum of the micro-batches' reduced gradients aside."""
-        earlier = self._accumulated.pop(param, None)
-        if not self.sync:  # more micro-batches to come: the next backward starts from no gradient
-            self._accumulated[param] = param.grad if earlier is None else earlier + param.grad
-            param.grad = None
-        elif earlier is not None:
-            param.grad = earlier + param.grad
+        keep_reduced_sum(param, self._accumulated, last=self.sync)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def keep_reduced_sum(param: Tensor, aside: dict[Tensor, Tensor], *, last: bool) -> None:
+    """An owner's side of accumulating reduced gradients: before the ``last`` micro-batch, add ``param``'s reduced
+    gradient to the sum kept in ``aside`` and drop it (the next backward starts from none); on the last, add the sum
+    kept back in."""
+    earlier = aside.pop(param, None)
+    if not last:
+        aside[param] = param.grad if earlier is None else earlier + param.grad
+        param.grad = None
+    elif earlier is not None:
+        param.grad = earlier + param.grad
 
 
 def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh, *, stage: int,

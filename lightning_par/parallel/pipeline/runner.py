@@ -100,7 +100,7 @@ class PipelineRunner:
         self.bubble.start()
         try:
             with self._loss_context():
-                    schedule.step(*self._stage_inputs(inputs), target=targets if self.holds_last else None,
+                schedule.step(*self._stage_inputs(inputs), target=targets if self.holds_last else None,
                               losses=losses, return_outputs=False, tokens=inputs)
         finally:
             if self.deferred is not None:
