@@ -43,6 +43,7 @@ from torch.optim import Optimizer
 from lightning_par import checkpoint_validation as check
 from lightning_par import safe_dcp
 from lightning_par.parallel.modules import tied_aliases
+from lightning_par.parallel.zero_experts import ZeroWithExperts
 
 MODEL_KEY = "state_dict"  # Lightning's own key for the model weights
 # {alias: name} of tied parameters (a head tied to the embedding): saved once under the first name, restored on
@@ -77,6 +78,10 @@ def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, *, full: bool)
     of every group, which all ranks share. For a full save the parts are gathered.
     """
     options = StateDictOptions(full_state_dict=full, cpu_offload=True)
+    if isinstance(optimizer, ZeroWithExperts):  # its parts' states, names disjoint; its groups are the user's
+        parts = [optimizer_state_dict(module, part, full=full) for part in optimizer.parts]
+        return {"state": {name: value for part in parts for name, value in part["state"].items()},
+                "param_groups": _named_groups(module, optimizer.param_groups)}
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
         return get_optimizer_state_dict(module, optimizer, options=options)
     local = _zero_optimizer_state(module, optimizer, full=full)
@@ -88,9 +93,14 @@ def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, *, full: bool)
             "param_groups": local["param_groups"]}
 
 
-def _zero_optimizer_state(module: nn.Module, optimizer: ZeroRedundancyOptimizer, *, full: bool) -> dict[str, Any]:
-    # Names as state dicts spell them: without the prefix activation-checkpoint wrappers add.
+def _named_groups(module: nn.Module, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``groups``' hyper-parameters, each with its parameters' names as state dicts spell them (without the prefix
+    activation-checkpoint wrappers add)."""
     names = {param: name.replace(_CHECKPOINT_PREFIX, "") for name, param in module.named_parameters()}
+    return [{**_hyper_parameters(group), "params": [names[p] for p in group["params"]]} for group in groups]
+
+
+def _zero_optimizer_state(module: nn.Module, optimizer: ZeroRedundancyOptimizer, *, full: bool) -> dict[str, Any]:
     # Full: the states of tensor-parallel shards made whole (the tensor-parallel peers own the same parameters, so
     # they gather together), on every rank, since each rank's part is then gathered over the data-parallel ranks.
     options = StateDictOptions(full_state_dict=True) if full else StateDictOptions(cpu_offload=True)
@@ -100,9 +110,7 @@ def _zero_optimizer_state(module: nn.Module, optimizer: ZeroRedundancyOptimizer,
                           for name, state in owned["state"].items()}
     # The exposed param_groups hold the current hyper-parameters (an LR scheduler writes there; the
     # local optimizer only sees them at its next step) and every parameter of each group.
-    groups = [{**_hyper_parameters(group), "params": [names[p] for p in group["params"]]}
-              for group in optimizer.param_groups]
-    return {"state": owned["state"], "param_groups": groups}
+    return {"state": owned["state"], "param_groups": _named_groups(module, optimizer.param_groups)}
 
 
 def _hyper_parameters(group: dict[str, Any]) -> dict[str, Any]:
@@ -111,6 +119,14 @@ def _hyper_parameters(group: dict[str, Any]) -> dict[str, Any]:
 
 def _load_optimizer_state(module: nn.Module, optimizer: Optimizer, state: dict[str, Any], *, full: bool) -> None:
     options = StateDictOptions(full_state_dict=full)
+    if isinstance(optimizer, ZeroWithExperts):
+        for index, part in enumerate(optimizer.parts):
+            _load_optimizer_state(module, part, {"state": state["state"],
+                                                 "param_groups": optimizer.part_groups(index, state["param_groups"])},
+                                  full=full)
+        for exposed, saved in zip(optimizer.param_groups, state["param_groups"]):
+            exposed.update(_hyper_parameters(saved))
+        return
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
         set_optimizer_state_dict(module, optimizer, state, options=options)
         return

@@ -156,12 +156,6 @@ class ParallelConfig:
         Every combination not refused here has a parity test against one process (docs/hybrid3d.md lists them).
         """
         stage = self.zero_stage
-        if stage in (1, 2) and self.ep > 1:
-            # ZeroRedundancyOptimizer partitions every parameter over dp_shard x cp and each owner broadcasts what it
-            # stepped, but the ranks of that group hold different experts.
-            raise ValueError(f"zero_stage={stage} with ep={self.ep}: ZeRO-{stage} partitions the optimizer over "
-                             "dp_shard x cp, whose ranks hold different experts; use zero_stage=0 (gradients "
-                             "all-reduced) or zero_stage=3 (FSDP2 shards each expert over the ranks holding it)")
         if self.sharded_accumulation and stage not in (2, 3):
             raise ValueError(f"sharded_accumulation=True with zero_stage={stage}: only ZeRO-2 and ZeRO-3 shard "
                              "gradients; use zero_stage 2 or 3, or sharded_accumulation=False")

@@ -38,6 +38,7 @@ class ExpertMeshes(NamedTuple):
 
     ep: DeviceMesh  # 1-D: the ranks that split the experts between them (tokens go round it by all-to-all)
     shard: DeviceMesh  # what ZeRO-3 shards the experts over: 1-D, or 2-D (replicate, shard) under HSDP
+    partition: DeviceMesh  # 1-D: the ranks of one replica holding the same experts (ZeRO-1/2 partition over it)
     replicas: DeviceMesh  # 1-D: every rank holding the same experts (their gradients are summed over it)
 
 
@@ -77,7 +78,7 @@ class ParallelMesh:
             names = ("ep_dp_replicate", "ep_dp_shard", "ep")
             experts = self["dp_cp"]._unflatten(0, (replicate, shard_cp // ep, ep), names)
             shard = experts[names[:2]] if replicate > 1 else experts["ep_dp_shard"]
-            self._experts[ep] = ExpertMeshes(ep=experts["ep"], shard=shard,
+            self._experts[ep] = ExpertMeshes(ep=experts["ep"], shard=shard, partition=experts["ep_dp_shard"],
                                              replicas=experts[names[:2]]._flatten("ep_replicas"))
         return self._experts[ep]
 

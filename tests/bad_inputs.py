@@ -313,10 +313,6 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("`PipelineParallelStrategy(pipeline_parallel_size=2, save_distributed_checkpoint=False)`",
              "pipeline_parallel_size=2: each rank saves its own stages, so checkpoints are sharded",
              _strategy("PipelineParallelStrategy", pipeline_parallel_size=2, save_distributed_checkpoint=False)),
-    BadInput("`Hybrid3DStrategy(expert_parallel_size=2, zero_stage=1)`",
-             "zero_stage=1 with expert_parallel_size=2: ZeRO-1 partitions the optimizer over data_parallel_size x "
-             "context_parallel_size, whose ranks hold different experts",
-             _strategy("Hybrid3DStrategy", expert_parallel_size=2, zero_stage=1)),
     BadInput("`Hybrid3DStrategy(context_parallel_method='flash')`",
              "context_parallel_method='flash' is not one of ('ulysses', 'ring')",
              _strategy("Hybrid3DStrategy", context_parallel_method="flash")),

@@ -52,8 +52,8 @@ def make_strategy(name: str = "data_parallel", sharded: bool = True):
     if name.startswith("dp2xtp2-zero"):  # 4 ranks: ZeRO-1 over tensor-parallel shards, or FSDP2 over them
         return Hybrid3DStrategy(data_parallel_size=2, tensor_parallel_size=2, zero_stage=int(name[-1]),
                                 save_distributed_checkpoint=sharded)
-    if name == "ep2-zero3":  # experts split over 2 ranks, sharded over the others that hold them (4 ranks)
-        return Hybrid3DStrategy(expert_parallel_size=2, zero_stage=3)
+    if name.startswith("ep2-zero"):  # experts split over 2 ranks, sharded or partitioned over those holding them
+        return Hybrid3DStrategy(expert_parallel_size=2, zero_stage=int(name[-1]), save_distributed_checkpoint=sharded)
     if name == "ep4":
         return Hybrid3DStrategy(expert_parallel_size=4, save_distributed_checkpoint=sharded)
     if name == "context_parallel":
@@ -163,6 +163,21 @@ def test_experts_with_zero3_resume_exactly_and_reshard(tmp_path: Path) -> None:
     assert elsewhere["losses"] == pytest.approx(uninterrupted["losses"][2:], rel=1e-5)
     for name, tensor in uninterrupted["state"].items():
         torch.testing.assert_close(elsewhere["state"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("strategy", "sharded"), [("ep2-zero1", False), ("ep2-zero2", True)])
+def test_experts_with_zero1_and_zero2_resume_exactly(tmp_path: Path, strategy: str, sharded: bool) -> None:
+    """The experts' AdamW states partitioned over the 2 ranks holding each expert, the rest over all 4: the run
+    resumes from the full format (the partitions gathered) and from the sharded one, which also continues with
+    FSDP2 sharding the same experts. Not bitwise: a 4-rank all-reduce adds in an order that follows DDP's buckets,
+    which DDP rebuilds after the first step of each run (2-rank sums do not depend on it)."""
+    uninterrupted = run_distributed(_fit, 4, str(tmp_path / "a"), (strategy, sharded), 0, None)[0]
+    epoch0 = str(tmp_path / "a" / "epoch=0-step=2.ckpt")
+    for name in [strategy, "ep2-zero3"] if sharded else [strategy]:
+        resumed = run_distributed(_fit, 4, str(tmp_path / name), (name, sharded), 1, epoch0)[0]
+        assert resumed["losses"] == pytest.approx(uninterrupted["losses"][2:], rel=1e-6), name
+        for key, tensor in uninterrupted["state"].items():
+            torch.testing.assert_close(resumed["state"][key], tensor, rtol=1e-6, atol=1e-7, msg=f"{name}: {key}")
 
 
 def test_full_checkpoint_holds_whole_tensors_by_name(tmp_path: Path) -> None:

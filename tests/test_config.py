@@ -60,20 +60,6 @@ def test_auto_sizes_resolve(config: ParallelConfig, world_size: int, expected: t
 # Strategy arguments refused at construction, in the strategies' own names: tests/bad_inputs.py.
 
 
-@pytest.mark.parametrize(
-    ("config", "message"),
-    [
-        (ParallelConfig(ep=2, zero_stage=1), r"zero_stage=1 with ep=2: ZeRO-1 partitions the optimizer over dp_shard"),
-        (ParallelConfig(ep=2, zero_stage=2), r"zero_stage=2 with ep=2: .*zero_stage=3 \(FSDP2 shards each expert"),
-    ],
-)
-def test_combinations_not_yet_composed_are_refused(config: ParallelConfig, message: str) -> None:
-    from lightning_par import MeshStrategy
-
-    with pytest.raises(ValueError, match=message):
-        MeshStrategy(config)
-
-
 def test_unresolved_config_refuses_mesh_shape() -> None:
     with pytest.raises(ValueError, match="still has 'auto' sizes"):
         ParallelConfig().mesh_shape()

@@ -3,7 +3,7 @@
 Acceptance: "The planner's memory model matches measurement within 5% for the new compositions on CPU ranks":
 pipeline x ZeRO-1, pipeline x ZeRO-3 (each stage an FSDP2 root), experts x ZeRO-3 (experts split over ``ep`` and
 sharded over the ranks of ``dp_shard x cp`` that hold the same experts), experts x pipeline, and sharded
-accumulation. Each layout trains a small reference model for a few AdamW steps through the ``parallelize`` handle
+accumulation, ZeRO-1/2 with experts. Each layout trains a small reference model for a few AdamW steps through the ``parallelize`` handle
 (what the strategies drive) and counts, per rank, the bytes of its parameter shards, of the gradients it holds and of
 its optimizer states. Every pipeline rank (the largest count over the data-parallel ranks of its stage) is compared
 with the planner's breakdown of that rank (``memory.rank_memory``), and the largest count over all ranks with the
@@ -53,8 +53,12 @@ CASES = {
     # torchtitan's EP x FSDP: at dp2 x ep2 nothing shards the experts, at dp4 x ep2 two ranks hold each half.
     "ep2 x dp2 zero3": Case(2, dict(dp_shard=2, ep=2, zero_stage=3), MOE),
     "ep2 x dp4 zero3": Case(4, dict(dp_shard=4, ep=2, zero_stage=3), MOE),
-    # Experts inside pipeline stages (gradients averaged after the schedule; ZeRO-1 does not compose with ep).
+    # Experts inside pipeline stages (gradients averaged after the schedule).
     "pp2 x ep2 x dp2": Case(4, dict(pp=2, dp_shard=2, ep=2, pp_microbatches=2), MOE),
+    # ZeRO-1/2 with experts: their states (and stage 2's gradients) over the 2 ranks holding each half, the rest
+    # over all 4.
+    "ep2 x dp4 zero1": Case(4, dict(dp_shard=4, ep=2, zero_stage=1), MOE),
+    "ep2 x dp4 zero2": Case(4, dict(dp_shard=4, ep=2, zero_stage=2), MOE),
     # Gradients reduced on every accumulated batch: between batches each rank holds its part only. (Without
     # sharded_accumulation they stay whole until the last: the control.)
     "dp2 zero2 sharded acc3": Case(2, dict(dp_shard=2, zero_stage=2, sharded_accumulation=True), accumulate=3),
@@ -180,8 +184,9 @@ def _measure(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str
                 optimizer.zero_grad(set_to_none=True)
         for hook in hooks:
             hook.remove()
-        inner_optimizer = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-        states = sum(_local_bytes(v) for state in inner_optimizer.state.values() for v in state.values()
+        local_optimizers = [part.optim for part in getattr(optimizer, "parts", [optimizer])
+                 if isinstance(part, ZeroRedundancyOptimizer)] or [optimizer]
+        states = sum(_local_bytes(v) for local in local_optimizers for state in local.state.values() for v in state.values()
                      if torch.is_tensor(v) and v.dim() > 0)  # AdamW's step counts are 0-d
         results[name] = {"pp_rank": mesh.local_rank("pp"), "parameters": sum(_local_bytes(p) for p in parameters),
                          "gradients": record.peak, "optimizer_states": states}

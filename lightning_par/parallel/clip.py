@@ -23,15 +23,19 @@ def gradient_norm(parameters: list[Tensor], *, partition_group: dist.ProcessGrou
 
     DTensor gradients contribute their whole norm (reduced over their own mesh). ``partition_group``:
     the ranks over which the gradients are partitioned (ZeRO-2; ZeRO-1 reducing to owners, with tensor-parallel
-    DTensors among them); every square is summed there.
+    DTensors among them, and expert-parallel ones partitioned over their replicas); every square is summed there.
     ``stage_group``: the ranks holding other pipeline stages; every square is summed there.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
+    # Under a partition the experts' gradients are partitioned too, over the ranks holding the same experts, which
+    # with the ranks splitting them make up the partition group: their local squares add up there like plain ones.
+    def counted_here(grad: Tensor) -> bool:
+        return not isinstance(grad, DTensor) or (partition_group is not None and _is_expert(grad))
+
     plain = torch.zeros((), dtype=torch.float64)
-    sharded = _sharded_squares(grads)
-    for grad in grads:
-        if not isinstance(grad, DTensor):
-            plain += grad.detach().double().pow(2).sum().cpu()
+    sharded = _sharded_squares([g for g in grads if not counted_here(g)])
+    for grad in filter(counted_here, grads):
+        plain += _local(grad).detach().double().pow(2).sum().cpu()
     for group in (partition_group, stage_group):
         if group is not None:
             squares = torch.stack([plain, sharded]).to(_device(grads))
@@ -86,6 +90,14 @@ def _sharded_squares(grads: list[Tensor]) -> Tensor:
                 dist.all_reduce(squares, group=mesh.get_group(dim))
         total += squares.cpu()
     return total
+
+
+def _is_expert(grad: DTensor) -> bool:
+    return grad.device_mesh.mesh_dim_names == ("ep",)
+
+
+def _local(grad: Tensor) -> Tensor:
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _device(grads: list[Tensor]) -> torch.device:

@@ -52,6 +52,7 @@ class Parallelized:
         # ZeRO-1 (and ZeRO-2 under a pipeline) where gradients are averaged after backward: the rank of the
         # partition group whose optimizer steps each parameter (from shard_optimizer()); gradients go to it only.
         self._owners: dict[Tensor, int] | None = None
+        self._unowned: list[Tensor] = []  # and the expert parameters another rank steps (partition_of)
         # ZeRO-2 under a pipeline: the owners' sums of the batches accumulated so far, set aside between batches.
         self._reduced: dict[Tensor, Tensor] = {}
 
@@ -112,6 +113,8 @@ class Parallelized:
         if self._owners is not None:
             data.reduce_gradients_to_owners(self.inner, self.mesh, self._owners,
                                             bucket_cap_mb=self.config.ddp_bucket_cap_mb)
+            for param in self._unowned:  # experts: reduced by expert parallel, kept by the ranks that step them
+                param.grad = None
             if every_batch:
                 self._keep_reduced(last=not self._sync_blocked)
         elif self.reduces_after_backward:
@@ -135,7 +138,7 @@ class Parallelized:
                                        sharded_accumulation=self.config.sharded_accumulation,
                                        reduce_in_backward=not self.reduces_after_backward)
         if self.config.zero_stage in (1, 2) and self.reduces_after_backward:
-            self._owners = dict(sharded._param_to_rank)
+            self._owners, self._unowned = zero.partition_of(sharded)
         return sharded
 
     @property

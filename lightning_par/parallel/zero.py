@@ -42,8 +42,9 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.background_reduce import SUPPORTED, BackgroundReduceScatter
 from lightning_par.parallel.experts import expert_modules, local_part
 from lightning_par.parallel.model_map import ModelMap
-from lightning_par.parallel.data import GRADIENT_GROUP, PARTITION_GROUP
+from lightning_par.parallel.data import GRADIENT_GROUP, PARTITION_GROUP, is_expert
 from lightning_par.parallel.record import layout_record
+from lightning_par.parallel.zero_experts import ZeroWithExperts
 
 
 def fully_shard_model(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap | None, *,
@@ -157,6 +158,8 @@ class GradientReducer:
     overlapping the rest of backward. When backward ends the part-filled buckets are
     reduced too, the reductions are waited for, owners copy the sums back, and non-owners free their copies (so
     whole gradients coexist only until then). Under HSDP the owner also averages across the replicate groups.
+    ``owners``: each parameter's owner, a rank of ``PARTITION_GROUP``; ``unowned``: parameters whose gradients
+    another mechanism reduces (experts) and another rank steps, dropped when backward ends.
     While gradients accumulate (``sync`` off) each rank keeps its whole local sum and reduces it once, on the last
     micro-batch; with ``sharded`` it reduces on every micro-batch instead, and the owner keeps the running sum
     aside, so no rank holds more than its part between micro-batches.
@@ -165,7 +168,7 @@ class GradientReducer:
     same order, as collectives need.
     """
 
-    def __init__(self, module: nn.Module, optimizer: ZeroRedundancyOptimizer, mesh: ParallelMesh, *,
+    def __init__(self, owners: dict[Tensor, int], mesh: ParallelMesh, *, unowned: Sequence[Tensor] = (),
                  sharded: bool = False, bucket_bytes: int = 4 * 2**20) -> None:
         self.shard_group = mesh.group(PARTITION_GROUP)
         self.replicate_group = mesh.group("dp_replicate") if mesh.size("dp_replicate") > 1 else None
@@ -177,13 +180,10 @@ class GradientReducer:
         self._filling: dict[int, list[Tensor]] = {}  # owner -> parameters whose gradients wait in its bucket
         self._in_flight: list[tuple[Any, Tensor, list[Tensor], int]] = []  # (work, flat bucket, parameters, owner)
         self._backward = -1  # the autograd graph task whose gradients the buckets hold
-        owners = optimizer._param_to_rank  # ZeroRedundancyOptimizer's partition (shard-group ranks)
+        self.unowned = list(unowned)  # reduced elsewhere (experts): dropped after backward
         self.rank = dist.get_rank(self.shard_group)
-        self._handles = []
-        for param in module.parameters():
-            if param.requires_grad:
-                owner = owners[param]
-                self._handles.append(param.register_post_accumulate_grad_hook(self._hook(owner)))
+        self._handles = [param.register_post_accumulate_grad_hook(self._hook(owner))
+                         for param, owner in owners.items() if param.requires_grad]
 
     def _hook(self, owner: int) -> Any:
         def add_to_bucket(param: Tensor) -> None:
@@ -215,6 +215,8 @@ class GradientReducer:
         for owner in sorted(self._filling):  # the same order on every rank
             self._launch(owner)
         in_flight, self._in_flight, self._backward = self._in_flight, [], -1
+        for param in self.unowned:
+            param.grad = None
         for work, flat, params, owner in in_flight:
             work.wait()
             if self.rank != owner:
@@ -259,7 +261,9 @@ def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh,
                     sharded_accumulation: bool = False, reduce_in_backward: bool = True) -> Optimizer:
     """Stages 1 and 2: the same optimizer, its states partitioned over the sharding ranks.
 
-    Returns a ``ZeroRedundancyOptimizer`` built from ``optimizer``'s class, parameter groups and defaults.
+    Returns a ``ZeroRedundancyOptimizer`` built from ``optimizer``'s class, parameter groups and defaults, or, for a
+    model with experts split by expert parallel, a :class:`~.zero_experts.ZeroWithExperts` of two (the experts'
+    states partitioned over the ranks holding the same experts).
     Stage 2 also installs the :class:`GradientReducer` (kept in the module's layout record), reducing on every
     micro-batch with ``sharded_accumulation``; not with ``reduce_in_backward=False`` (pipeline stages, whose
     schedule runs the backward: the caller reduces to the owners after it).
@@ -278,15 +282,37 @@ def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh,
     # Plain parameters are packed into one flat bucket per owner, so that an owner broadcasts its updated parameters
     # in one collective instead of one per parameter (halved the optimizer step on an 8-block model); DTensor shards
     # cannot be viewed into a plain bucket.
-    bucketed = not any(isinstance(p, DTensor) for group in groups for p in group["params"])
-    sharded = _ZeroOverShards(groups, optimizer_class=type(optimizer), process_group=mesh.group(PARTITION_GROUP),
-                              parameters_as_bucket_view=bucketed, **defaults)
+    def partition(part: list[dict[str, Any]], experts: bool) -> ZeroRedundancyOptimizer:
+        bucketed = not any(isinstance(p, DTensor) for group in part for p in group["params"])
+        group = mesh.experts(_expert_parallel_size(part)).partition.get_group() if experts else \
+            mesh.group(PARTITION_GROUP)
+        return _ZeroOverShards(part, optimizer_class=type(optimizer), process_group=group,
+                               parameters_as_bucket_view=bucketed, **defaults)
+
+    if any(is_expert(p) for group in groups for p in group["params"]):
+        sharded: Optimizer = ZeroWithExperts(groups, partition, is_expert)
+    else:
+        sharded = partition(groups, False)
     if stage == 2 and reduce_in_backward:
         record = layout_record(module, create=True)
         if record.gradient_reducer is not None:
             record.gradient_reducer.remove()
-        record.gradient_reducer = GradientReducer(module, sharded, mesh, sharded=sharded_accumulation)
+        owners, unowned = partition_of(sharded)
+        record.gradient_reducer = GradientReducer(owners, mesh, unowned=unowned, sharded=sharded_accumulation)
     return sharded
+
+
+def partition_of(optimizer: Optimizer) -> tuple[dict[Tensor, int], list[Tensor]]:
+    """A ZeRO-1/2 optimizer's partition: each dense parameter's owner (a rank of ``PARTITION_GROUP``), and the expert
+    parameters this rank does not step (their gradients, reduced by expert parallel, are of no use here)."""
+    if isinstance(optimizer, ZeroWithExperts):
+        return (dict(optimizer.dense._param_to_rank),
+                [p for p in optimizer.experts._param_to_rank if not optimizer.owns(p)])
+    return dict(optimizer._param_to_rank), []
+
+
+def _expert_parallel_size(groups: list[dict[str, Any]]) -> int:
+    return next(p for group in groups for p in group["params"]).device_mesh.size()
 
 
 class _ZeroOverShards(ZeroRedundancyOptimizer):

@@ -339,7 +339,7 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
     accumulating = microbatches > 1
 
     def fsdp_shard(nbytes_per_param: float) -> float:
-        """This rank's ZeRO-3 shard of its parameters at ``nbytes_per_param``. FSDP2 shards the dense parameters over
+        """This rank's ZeRO share of its parameters at ``nbytes_per_param``. FSDP2 (and ZeRO-1/2) shard the dense ones over
         ``dp_shard x cp``, but the experts (already split over ``ep`` of those ranks) only over the
         ``dp_shard x cp / ep`` ranks holding the same experts (``parallel.zero.fully_shard_model`` on
         ``ParallelMesh.experts(ep).shard``, torchtitan's "dp_shard_mod_ep"): at dp_shard = ep nothing shards them.
@@ -355,13 +355,12 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
     if stage == 3:
         gradients = params * 4 if whole else fsdp_shard(pbytes)
     elif stage == 2:
-        gradients = params * pbytes if whole else params * pbytes / fsdp
+        gradients = params * pbytes if whole else fsdp_shard(pbytes)
     else:
         gradients = params * pbytes
-    # ZeRO-1/2 (ZeroRedundancyOptimizer over dp_shard x cp) partition a pipeline stage's states over the stage's
-    # dp_shard x cp ranks. ZeRO-1 does not compose with ep here (check_composable), so the experts' split is not
-    # modelled for it (Megatron's distributed optimizer would shard expert states over dp_shard / ep ranks only).
-    optimizer_states = 2 * (fsdp_shard(pbytes) if stage == 3 else params * pbytes / (fsdp if stage else 1))
+    # ZeRO-1/2 partition a pipeline stage's states like ZeRO-3 its parameters: the dense ones over the stage's
+    # dp_shard x cp ranks, the experts' over the ranks holding the same experts (parallel.zero_experts).
+    optimizer_states = 2 * (fsdp_shard(pbytes) if stage else params * pbytes)
 
     # ---- activations of the blocks, all micro-batches in flight
     tokens = mbs * seq_len / cp

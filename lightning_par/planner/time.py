@@ -294,6 +294,10 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
         dp_seconds += seconds
         exposed_dp += seconds if overlap is None else _exposed(seconds, overlap, units, hiding)
 
+    # ZeRO-1/2: each owner broadcasts what it stepped (ZeroRedundancyOptimizer), the experts' owners to the ranks
+    # holding the same experts (lightning_par.parallel.zero_experts).
+    expert_partition = max(partition // ep, 1)
+    broadcast = _gather(dense * pbytes, partition) + _gather(experts * pbytes, expert_partition)
     if stage in (0, 1):
         # DDP overlaps its bucketed all-reduce with backward; pipeline stages and tensor-parallel DTensors are
         # reduced in one flat all-reduce after the last backward instead (lightning_par.parallel.data.
@@ -307,12 +311,12 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
         else:
             add(_all_reduce(dense * gbytes, dp * cp), span["dp_cp"], None if after_backward else backward_mb)
         if stage == 1:
-            add(_gather(params * pbytes, partition), span["dp_shard_cp"], None)  # ZeroRedundancyOptimizer broadcast
+            add(broadcast, span["dp_shard_cp"], None)
     elif stage == 2:
         add(reductions * _gather(dense * gbytes, partition), span["dp_shard_cp"], reductions * backward_mb)
         add(reductions * _all_reduce(dense * gbytes / partition, rep), span["dp_replicate"],  # HSDP: across groups
             reductions * backward_mb)
-        add(_gather(params * pbytes, partition), span["dp_shard_cp"], None)
+        add(broadcast, span["dp_shard_cp"], None)
     else:
         fsdp = shard * cp
         gather_bytes = 2 if config.param_dtype in ("bf16", "fp16") else pbytes
@@ -354,8 +358,8 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     # divides by the ranks that shard the optimizer states (memory.py's accounting).
     optimizer = 0.0
     if cluster.optimizer_rate is not None:
-        owners = {0: 1, 1: partition, 2: partition, 3: partition}[stage]
-        optimizer = params / owners / cluster.optimizer_rate
+        stepped = params if stage == 0 else dense / partition + experts / expert_partition
+        optimizer = stepped / cluster.optimizer_rate
 
     step_tokens = mbs * m * dp * seq_len
     return StepTime(compute=compute, recompute=recompute, bubble=bubble, comm=comm, exposed=exposed, optimizer=optimizer,
