@@ -1,7 +1,7 @@
 """Which pairs of techniques compose in one layout: every pair of the features below, as a ``ParallelConfig``,
 through ``check_composable`` (what the strategies and ``parallelize`` ask before any collective).
 
-    python docs/composition_matrix.py            # the table of docs/hybrid3d.md
+    python docs/composition_matrix.py            # the tables of docs/hybrid3d.md
     python docs/composition_matrix.py --refused  # only the pairs refused, with the reason
 
 Two features that set the same knob to different values (two pipeline schedules, two ZeRO stages) are
@@ -38,6 +38,97 @@ FEATURES: dict[str, dict[str, Any]] = {
 }
 
 
+#: Layouts trained against one process (``tests/test_compositions.py::test_every_pair_trains_like_one_process``:
+#: loss and weights within 1e-5 over 8 optimizer steps, accumulation 2, clipping), on 4 ranks each, all with
+#: full recomputation and the MoE model (4 experts, top 2, capacity 1.0; 4 blocks where a V schedule puts two
+#: stages on a rank; where a V schedule meets ZeRO-3 the blocks stay gathered until backward, as
+#: ``parallel.pipeline.split.check_experts_with_weight_pass_and_zero3`` asks of models with experts). Together they hold every pair of features that composes but those of :data:`NOT_ON_CPU`.
+#: ``tp+SP+LP`` stands for ``tp``, ``tp+SP`` and ``tp+LP``; ZeRO-3 comes with sharded accumulation and CPU offload
+#: (a no-op on a CPU, where everything already lives in host memory). Experts split over the context-parallel ranks
+#: where there are any.
+_TP = dict(tp=2, sequence_parallel=True, loss_parallel=True)
+_ZERO3 = dict(zero_stage=3, sharded_accumulation=True, cpu_offload=True)
+_HSDP = dict(dp_replicate=2, dp_shard=1, **_ZERO3)
+
+
+_GATHERED = dict(reshard_after_forward=False)  # V schedules x ZeRO-3 with experts (check_experts_with_weight_pass...)
+
+
+def _layout(*parts: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    layout = dict(model="moe", activation_checkpointing="full", dp_shard=1)
+    for part in (*parts, fields):
+        layout.update(part)
+    if layout.get("cp", 1) > 1:
+        layout["ep"] = 2
+    if layout.get("pp", 1) > 1:  # DualPipeV runs 2 x pp micro-batches at least
+        layout["pp_microbatches"] = 4 if layout["pp_schedule"] == "dualpipev" else 2
+    if layout.get("pp_schedule") in ("zbv", "dualpipev"):
+        layout["model"] += "-4-blocks"
+    return layout
+
+
+LAYOUTS: dict[str, dict[str, Any]] = {
+    # pipeline x context parallel: every schedule with every method, each with one ZeRO stage
+    "A1": _layout(pp=2, cp=2, pp_schedule="1f1b", cp_method="ulysses", zero_stage=1),
+    "A2": _layout(pp=2, cp=2, pp_schedule="1f1b", cp_method="ring", zero_stage=2),
+    "A3": _layout(_ZERO3, _GATHERED, pp=2, cp=2, pp_schedule="zbv", cp_method="ulysses"),
+    "A4": _layout(pp=2, cp=2, pp_schedule="zbv", cp_method="ring", zero_stage=1),
+    "A5": _layout(pp=2, cp=2, pp_schedule="dualpipev", cp_method="ulysses", zero_stage=2),
+    "A6": _layout(_ZERO3, _GATHERED, pp=2, cp=2, pp_schedule="dualpipev", cp_method="ring"),
+    # pipeline x tensor parallel (+SP +LP): every schedule, with the ZeRO stages the first six leave out
+    "B1": _layout(_TP, _ZERO3, pp=2, pp_schedule="1f1b"),
+    "B2": _layout(_TP, pp=2, pp_schedule="zbv", zero_stage=2),
+    "B3": _layout(_TP, pp=2, pp_schedule="dualpipev", zero_stage=1),
+    # context x tensor parallel (+SP +LP), experts on each tp rank's piece of each chunk
+    "C1": _layout(_TP, cp=2, cp_method="ulysses", zero_stage=2),
+    "C2": _layout(_TP, _ZERO3, cp=2, cp_method="ring"),
+    # HSDP (two replicas, ZeRO-3 inside) with each of the others
+    "D1": _layout(_HSDP, _TP),
+    "D2": _layout(_HSDP, cp=2, cp_method="ulysses"),
+    "D3": _layout(_HSDP, cp=2, cp_method="ring"),
+    "D4": _layout(_HSDP, pp=2, pp_schedule="1f1b"),
+    "D5": _layout(_HSDP, _GATHERED, pp=2, pp_schedule="zbv"),
+    "D6": _layout(_HSDP, _GATHERED, pp=2, pp_schedule="dualpipev"),
+}
+
+#: Pairs no CPU run can prove, and why: async TP overlaps through CUDA's symmetric memory (refused on every rank
+#: elsewhere, ``tests/test_async_tp.py``).
+NOT_ON_CPU = {"async TP": "needs CUDA's symmetric memory (tests/test_async_tp.py)"}
+
+
+def layout_config(layout: dict[str, Any]) -> Any:
+    """The ``ParallelConfig`` of a :data:`LAYOUTS` entry (its sizes resolved)."""
+    from lightning_par.config import ParallelConfig
+
+    fields = {key: value for key, value in layout.items() if key != "model"}
+    config = ParallelConfig(**fields)
+    return config.validate(world_size(layout))
+
+
+def world_size(layout: dict[str, Any]) -> int:
+    sizes = [layout.get(name, 1) for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")]
+    return sizes[0] * sizes[1] * sizes[2] * sizes[3] * sizes[4]
+
+
+def holds(layout: dict[str, Any], feature: str) -> bool:
+    """Whether ``layout`` turns ``feature`` on: every field of the feature at its value (sizes of 2 or more)."""
+    config = layout_config(layout)
+    if feature == "ep" and not layout["model"].startswith("moe"):
+        return False  # nothing to split
+    for key, value in FEATURES[feature].items():
+        actual = getattr(config, key)
+        if not (actual >= value if key in ("tp", "pp", "cp", "ep", "dp_replicate") else actual == value):
+            return False
+    return True
+
+
+def proofs() -> dict[tuple[str, str], list[str]]:
+    """(feature, feature) -> the :data:`LAYOUTS` that hold both, for every pair of :func:`pairs`."""
+    held = {name: {feature for feature in FEATURES if holds(layout, feature)} for name, layout in LAYOUTS.items()}
+    return {(first, second): [name for name, features in held.items() if {first, second} <= features]
+            for first, second, _ in pairs()}
+
+
 def pairs() -> list[tuple[str, str, dict[str, Any]]]:
     """Every pair of features whose fields do not contradict each other, with the fields together."""
     found = []
@@ -65,17 +156,35 @@ def matrix() -> dict[tuple[str, str], str | None]:
     return {(first, second): refusal(fields) for first, second, fields in pairs()}
 
 
-def markdown(results: dict[tuple[str, str], str | None]) -> str:
-    """The matrix as a markdown table: one row and one column per feature; ``✓`` composes, ``✗`` is refused,
-    ``·`` an alternative (or the feature itself)."""
+def markdown(results: dict[tuple[str, str], str | None], proven: dict[tuple[str, str], list[str]]) -> str:
+    """The matrix as a markdown table: one row and one column per feature. A cell names the first of
+    :data:`LAYOUTS` that holds the pair (its parity test), ``CUDA`` a pair of :data:`NOT_ON_CPU`, ``open`` a pair
+    that composes with no layout holding it yet, ``✗`` a refused pair, ``·`` an alternative (or the feature
+    itself)."""
     names = list(FEATURES)
     lines = ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for row in names:
         cells = []
         for column in names:
             key = (row, column) if (row, column) in results else (column, row)
-            cells.append("·" if key not in results else ("✗" if results[key] else "✓"))
+            if key not in results:
+                cells.append("·")
+            elif results[key]:
+                cells.append("✗")
+            elif proven[key]:
+                cells.append(proven[key][0])
+            else:
+                cells.append("CUDA" if set(key) & NOT_ON_CPU.keys() else "open")
         lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def layouts_markdown() -> str:
+    """:data:`LAYOUTS` as a markdown table: name, ranks, model and the config's fields."""
+    lines = ["| layout | ranks | model | ParallelConfig |", "|---|---|---|---|"]
+    for name, layout in LAYOUTS.items():
+        fields = ", ".join(f"{key}={value!r}" for key, value in layout.items() if key != "model")
+        lines.append(f"| {name} | {world_size(layout)} | {layout['model']} | `{fields}` |")
     return "\n".join(lines)
 
 
@@ -89,8 +198,12 @@ def main(argv: list[str] | None = None) -> None:
         for (first, second), reason in refused.items():
             print(f"{first} x {second}: {reason}")
         return
-    print(markdown(results))
-    print(f"\n{len(results) - len(refused)} of {len(results)} pairs compose, {len(refused)} are refused")
+    proven = proofs()
+    print(markdown(results, proven))
+    held = sum(1 for pair, layouts in proven.items() if layouts)
+    print(f"\n{len(results) - len(refused)} of {len(results)} pairs compose, {len(refused)} are refused; "
+          f"{held} are held by a layout trained against one process\n")
+    print(layouts_markdown())
 
 
 if __name__ == "__main__":

@@ -176,6 +176,30 @@ def layout_run(make_module: Callable[[], Any], make_datamodule: Callable[[], Any
     return ParityRun(losses, per_rank[0][1])
 
 
+def _layout_ranks(rank: int, world_size: int, runs: dict[str, tuple], steps: int, accumulate: int, seed: int,
+                  trainer_kwargs: dict) -> dict[str, tuple[list[float], dict[str, Tensor] | None]]:
+    results = {}
+    for name, (make_module, make_datamodule, make_strategy) in runs.items():
+        try:
+            results[name] = _layout_rank(rank, world_size, make_module, make_datamodule, make_strategy, steps,
+                                         accumulate, seed, trainer_kwargs)
+        except Exception as error:
+            raise RuntimeError(f"layout {name} failed on rank {rank}") from error
+    return results
+
+
+def layout_runs(runs: dict[str, tuple[Callable, Callable, Callable]], *, world_size: int, steps: int,
+                accumulate: int = 1, seed: int = 1234, trainer_kwargs: dict | None = None,
+                timeout: float = 240.0) -> dict[str, ParityRun]:
+    """:func:`layout_run` for several layouts on the same ``world_size`` ranks, one after the other in one launch:
+    ``runs`` maps a name to (make_module, make_datamodule, make_strategy)."""
+    per_rank = run_distributed(_layout_ranks, world_size, runs, steps, accumulate, seed, trainer_kwargs or {},
+                               timeout=timeout)
+    return {name: ParityRun(torch.tensor([ranks[name][0] for ranks in per_rank], dtype=torch.float64).mean(0).tolist(),
+                            per_rank[0][name][1])
+            for name in runs}
+
+
 def max_relative_error(actual: ParityRun, expected: ParityRun) -> tuple[float, float]:
     """(worst loss error, worst weight error), each relative to the magnitude of the expected value."""
     if len(actual.losses) != len(expected.losses):

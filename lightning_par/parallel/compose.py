@@ -39,8 +39,8 @@ from lightning_par.parallel.compile import apply_compile
 from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas
 from lightning_par.parallel.experts import apply_expert_parallel
 from lightning_par.parallel.float8 import apply_float8, check_float8_device, precompute_scales_before_forward
-from lightning_par.parallel.pipeline.split import (StageLayout, build_stages, check_microbatches,
-                                                  check_weight_pass_with_zero3, split_pipeline)
+from lightning_par.parallel.pipeline.split import (StageLayout, build_stages, check_experts_with_weight_pass_and_zero3,
+                                                  check_microbatches, check_weight_pass_with_zero3, split_pipeline)
 from lightning_par.parallel.model_map import ModelMap, model_map_or_its_old_name, network_prefix
 from lightning_par.parallel.model_map_check import check_model_map
 from lightning_par.parallel.recompute import apply_activation_checkpointing
@@ -107,6 +107,8 @@ def parallelize(
     config.check_composable()
     if config.pp > 1:
         check_weight_pass_with_zero3(config.pp_schedule, config.zero_stage)
+        check_experts_with_weight_pass_and_zero3(model, model_map, config.pp_schedule, config.zero_stage,
+                                                 config.reshard_after_forward)
     if config.async_tp:  # refused off CUDA before any collective; on CUDA, the compiled blocks are rewritten
         enable_async_tensor_parallel(device)
     # Steps 1-6 change the module in place, once: fit and then validate/test/predict on the same module
