@@ -32,8 +32,6 @@ def make_strategy(**kwargs):
          1, None, "dense"),
         (4, 2, dict(tensor_parallel_size=2), 2, 0.05, "dense"),  # zero_stage 0: reduce_gradients, not DDP
         (4, 2, dict(tensor_parallel_size=2, expert_parallel_size=2), 2, None, "moe"),
-        (4, 1, dict(tensor_parallel_size=2, context_parallel_size=2, context_parallel_method="ring",
-                    zero_stage=3), 1, 0.05, "dense"),
         # ZeRO-1 inside a pipeline (Megatron's distributed optimizer): each stage's states over its dp ranks.
         (4, 2, dict(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=1, microbatches=2), 2, 0.05, "dense"),
         # FSDP2 inside each stage (torchtitan's PP x FSDP): every stage a root, one reduce-scatter per batch; the
@@ -62,7 +60,7 @@ def make_strategy(**kwargs):
                     microbatches=2), 1, 0.05, "moe"),
     ],
     ids=["dp2xtp2xpp2-sp-acc2-clip", "pp2xtp2-gpipe", "dp2xtp2-zero0-acc2-clip",
-         "tp2xep2-dp2-acc2", "cp2xtp2-ring-zero3-clip", "pp2xdp2-zero1-acc2-clip", "pp2xdp2-zero3-tied-acc2-clip",
+         "tp2xep2-dp2-acc2", "pp2xdp2-zero1-acc2-clip", "pp2xdp2-zero3-tied-acc2-clip",
          "pp2xdp2-zero3-interleaved", "dp2xtp2xpp2-zero3-sp-acc2-clip",
          "dp2xtp2-zero1-acc2", "dp2xtp2xpp2-zero1-sp-zbv-clip", "pp2xdp2x2-zero1", "ep2xdp2-zero3-acc2-clip", "ep2xdp4-zero3-clip", "ep2xhsdp2x4-zero3-acc2", "tp2xep2xdp2-zero3-acc2-clip",
          "pp2xep2xdp2-acc2-clip", "pp2xep2xdp4-zero3-clip"],

@@ -39,8 +39,8 @@ from lightning_par.parallel.compile import apply_compile
 from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas
 from lightning_par.parallel.experts import apply_expert_parallel
 from lightning_par.parallel.float8 import apply_float8, check_float8_device, precompute_scales_before_forward
-from lightning_par.parallel.pipeline.split import (StageLayout, build_stages, check_experts_with_weight_pass_and_zero3,
-                                                  check_microbatches, check_weight_pass_with_zero3, split_pipeline)
+from lightning_par.parallel.pipeline.split import (StageLayout, build_stages, check_microbatches,
+                                                  check_weight_pass_with_zero3, split_pipeline)
 from lightning_par.parallel.model_map import ModelMap, model_map_or_its_old_name, network_prefix
 from lightning_par.parallel.model_map_check import check_model_map
 from lightning_par.parallel.recompute import apply_activation_checkpointing
@@ -107,8 +107,6 @@ def parallelize(
     config.check_composable()
     if config.pp > 1:
         check_weight_pass_with_zero3(config.pp_schedule, config.zero_stage)
-        check_experts_with_weight_pass_and_zero3(model, model_map, config.pp_schedule, config.zero_stage,
-                                                 config.reshard_after_forward)
     if config.async_tp:  # refused off CUDA before any collective; on CUDA, the compiled blocks are rewritten
         enable_async_tensor_parallel(device)
     # Steps 1-6 change the module in place, once: fit and then validate/test/predict on the same module
@@ -134,8 +132,14 @@ def parallelize(
                     + ("; ".join(notes) or "as given"))
         if config.float8 is not None and not config.float8_emulate:
             check_float8_device(device, config.float8, log=log)
+        weight_pass = config.gathers_into_the_weight_pass
+        float8_gather = config.zero_stage == 3 and not weight_pass
+        reshard_after_forward = config.reshard_after_forward and not weight_pass
+        if weight_pass and config.reshard_after_forward and log is not None:
+            log(f"pipeline_schedule={config.pp_schedule!r} with zero_stage=3: each block stays gathered from its "
+                "forward to its backward (ParallelConfig.gathers_into_the_weight_pass)")
         converted = apply_float8(model, model_map, config.float8, emulate=config.float8_emulate,  # 0, float8
-                                 fsdp_all_gather=config.zero_stage == 3)
+                                 fsdp_all_gather=float8_gather)
         if converted is not None and log is not None:
             log(converted.describe())
         if config.pp > 1:  # 1
@@ -154,7 +158,7 @@ def parallelize(
         shard_root = None
         if config.zero_stage == 3:  # 7: shard, then allocate only the shards of a meta-device model
             # Under pipeline parallel each stage is a root, sharded when it is built.
-            shard_root = fully_shard_model(model, mesh, model_map, reshard_after_forward=config.reshard_after_forward,
+            shard_root = fully_shard_model(model, mesh, model_map, reshard_after_forward=reshard_after_forward,
                                            param_dtype=_dtype(config.param_dtype),
                                            reduce_dtype=_dtype(config.reduce_dtype), cpu_offload=config.cpu_offload,
                                            root=stages is None, keep_gathered_blocks=config.keep_gathered_blocks,
@@ -165,7 +169,7 @@ def parallelize(
         if stages is not None:  # 1, completed: each stage's view of the blocks as they now are
             record.stages = build_stages(model, stages, mesh, device, sequence_parallel=config.sequence_parallel,
                                          shard_root=shard_root)
-        if converted is not None and config.zero_stage == 3 and config.float8 == "tensorwise":  # float8 all-gather
+        if converted is not None and float8_gather and config.float8 == "tensorwise":  # float8 all-gather
             roots = ([(stage.submod, stage.submod) for stage in record.stages] if stages is not None
                      else [(model, model.get_submodule(network_prefix(model_map).rstrip(".")))])
             for root, network in roots:

@@ -339,7 +339,7 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
         resharded = 1 - min(config.keep_gathered_blocks, stages.n_dense + stages.n_moe) / max(
             stages.n_dense + stages.n_moe, 1)  # the blocks kept gathered are not gathered again for backward
         regather = [(m * _gather(blocks * gather_bytes * resharded, fsdp), span["dp_shard_cp"])] \
-            if config.reshard_after_forward else []
+            if config.reshard_after_forward and not config.gathers_into_the_weight_pass else []
         reduce = [(reductions * sharded(reduce_bytes), span["dp_shard_cp"]),
                   (reductions * _all_reduce(params * reduce_bytes / fsdp, rep), span["dp_replicate"])]  # + HSDP
         if pp > 1:

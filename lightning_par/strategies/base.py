@@ -256,7 +256,29 @@ class MeshStrategy(StepsThroughTheHandle):
     def teardown(self) -> None:
         if self._parallelized is not None:
             self.model = self._parallelized.inner  # drop the DDP wrapper; the next run wraps again
+            if self.parallel_config.compile:
+                # Lightning's teardown moves the module to the CPU, which swaps DTensor parameters for new ones; the
+                # guards of a compiled block that breaks its graph (an MoE layer's routing runs eagerly) hold weak
+                # references to them, which forbid the swap. Dropping the compiled code lets the move happen (a later
+                # fit, validate or test compiles again).
+                torch._dynamo.reset()
+        if self.root_device.type == "cpu" and self.lightning_module is not None:
+            # Already there: no move, so nothing a compiled block still refers to is swapped (recomputed blocks
+            # compiled keep fake copies of their parameters' metadata alive, which forbids it too).
+            with _kept_in_place(self.lightning_module):
+                super().teardown()
+            return
         super().teardown()
+
+
+@contextmanager
+def _kept_in_place(module: nn.Module) -> Generator[None, None, None]:
+    """``module.cpu()`` does nothing inside."""
+    module.cpu = lambda: module  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.cpu
 
 
 def _parameters(optimizer: Optimizer) -> list[Tensor]:

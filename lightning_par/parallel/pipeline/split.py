@@ -86,25 +86,6 @@ def check_weight_pass_with_zero3(schedule: Schedule, zero_stage: int) -> None:
                          "pipeline_schedule 1f1b or interleaved_1f1b with zero_stage=3, or a newer torch")
 
 
-def check_experts_with_weight_pass_and_zero3(module: nn.Module, model_map: ModelMap | None, schedule: Schedule,
-                                             zero_stage: int, reshard_after_forward: bool) -> None:
-    """Refuse ZB-V and DualPipeV with ZeRO-3 resharding after forward on a model with mixture-of-experts layers:
-    trained so, the weights part from one process's after the first optimizer step (loss 3e-4 relative after 8
-    steps on the reference MoE model), where keeping the blocks gathered until backward, 1F1B, or no ZeRO-3 trains
-    it within 2e-7 (``tests/test_compositions.py``); the cause is not found yet. Raised before any collective, on
-    every rank."""
-    from lightning_par.parallel.experts import routes_its_tokens
-
-    if zero_stage != 3 or schedule not in V_SCHEDULES or not reshard_after_forward:
-        return
-    moe = [name for name, m in module.named_modules()
-           if routes_its_tokens(m) or (model_map is not None and model_map.style_of(name) == "experts")]
-    if moe:
-        raise ValueError(f"pipeline_schedule={schedule!r} with zero_stage=3 and reshard_after_forward=True does not "
-                         f"yet train mixture-of-experts layers ({moe[0]!r}) exactly; set reshard_after_forward=False "
-                         "(blocks stay gathered until backward), or use pipeline_schedule 1f1b or interleaved_1f1b")
-
-
 # ------------------------------------------------------------------------------------ placement
 def check_microbatches(n_microbatches: int, schedule: Schedule, pp: int, batch_size: int | None = None) -> None:
     """Raise ``ValueError`` naming the values when the micro-batches do not fit the schedule or the batch."""
