@@ -39,19 +39,22 @@ FEATURES: dict[str, dict[str, Any]] = {
 
 
 #: Layouts trained against one process (``tests/test_compositions.py::test_every_pair_trains_like_one_process``:
-#: loss and weights within 1e-5 over 8 optimizer steps, accumulation 2, clipping), on 4 ranks each, all with
-#: full recomputation and the MoE model (4 experts, top 2, capacity 1.0; 4 blocks where a V schedule puts two
+#: loss and weights within 1e-5 over 8 optimizer steps, accumulation 2, clipping), on 4 ranks each, with the MoE
+#: model (4 experts, top 2, capacity 1.0; 4 blocks where a V schedule puts two
 #: stages on a rank). Together they hold every pair of features that composes but those of :data:`NOT_ON_CPU`.
 #: ``tp+SP+LP`` stands for ``tp``, ``tp+SP`` and ``tp+LP``; ZeRO-3 comes with sharded accumulation and CPU offload
 #: (a no-op on a CPU, where everything already lives in host memory). Experts split over the context-parallel ranks
-#: where there are any.
+#: where there are any. Full recomputation in as many as pair it with every other feature.
 _TP = dict(tp=2, sequence_parallel=True, loss_parallel=True)
 _ZERO3 = dict(zero_stage=3, sharded_accumulation=True, cpu_offload=True)
 _HSDP = dict(dp_replicate=2, dp_shard=1, **_ZERO3)
 
 
+_RECOMPUTE = dict(activation_checkpointing="full")
+
+
 def _layout(*parts: dict[str, Any], **fields: Any) -> dict[str, Any]:
-    layout = dict(model="moe", activation_checkpointing="full", dp_shard=1)
+    layout: dict[str, Any] = dict(model="moe", dp_shard=1)
     for part in (*parts, fields):
         layout.update(part)
     if layout.get("cp", 1) > 1:
@@ -65,38 +68,38 @@ def _layout(*parts: dict[str, Any], **fields: Any) -> dict[str, Any]:
 
 LAYOUTS: dict[str, dict[str, Any]] = {
     # pipeline x context parallel: every schedule with every method, each with one ZeRO stage
-    "A1": _layout(pp=2, cp=2, pp_schedule="1f1b", cp_method="ulysses", zero_stage=1),
+    "A1": _layout(_RECOMPUTE, pp=2, cp=2, pp_schedule="1f1b", cp_method="ulysses", zero_stage=1),
     "A2": _layout(pp=2, cp=2, pp_schedule="1f1b", cp_method="ring", zero_stage=2),
     "A3": _layout(_ZERO3, pp=2, cp=2, pp_schedule="zbv", cp_method="ulysses"),
-    "A4": _layout(pp=2, cp=2, pp_schedule="zbv", cp_method="ring", zero_stage=1),
+    "A4": _layout(_RECOMPUTE, pp=2, cp=2, pp_schedule="zbv", cp_method="ring", zero_stage=1),
     "A5": _layout(pp=2, cp=2, pp_schedule="dualpipev", cp_method="ulysses", zero_stage=2),
-    "A6": _layout(_ZERO3, pp=2, cp=2, pp_schedule="dualpipev", cp_method="ring"),
+    "A6": _layout(_RECOMPUTE, _ZERO3, pp=2, cp=2, pp_schedule="dualpipev", cp_method="ring"),
     # pipeline x tensor parallel (+SP +LP): every schedule, with the ZeRO stages the first six leave out
     "B1": _layout(_TP, _ZERO3, pp=2, pp_schedule="1f1b"),
-    "B2": _layout(_TP, pp=2, pp_schedule="zbv", zero_stage=2),
+    "B2": _layout(_RECOMPUTE, _TP, pp=2, pp_schedule="zbv", zero_stage=2),
     "B3": _layout(_TP, pp=2, pp_schedule="dualpipev", zero_stage=1),
     # context x tensor parallel (+SP +LP), experts on each tp rank's piece of each chunk
     "C1": _layout(_TP, cp=2, cp_method="ulysses", zero_stage=2),
     "C2": _layout(_TP, _ZERO3, cp=2, cp_method="ring"),
     # HSDP (two replicas, ZeRO-3 inside) with each of the others
-    "D1": _layout(_HSDP, _TP),
+    "D1": _layout(_RECOMPUTE, _HSDP, _TP),
     "D2": _layout(_HSDP, cp=2, cp_method="ulysses"),
     "D3": _layout(_HSDP, cp=2, cp_method="ring"),
     "D4": _layout(_HSDP, pp=2, pp_schedule="1f1b"),
     "D5": _layout(_HSDP, pp=2, pp_schedule="zbv"),
     "D6": _layout(_HSDP, pp=2, pp_schedule="dualpipev"),
     # compiled blocks with each of the others
-    "E1": _layout(compile=True, pp=2, cp=2, pp_schedule="1f1b", cp_method="ulysses", zero_stage=1),
-    "E2": _layout(_TP, compile=True, pp=2, pp_schedule="zbv", zero_stage=2),
-    "E3": _layout(_HSDP, compile=True, cp=2, cp_method="ring"),
-    "E4": _layout(compile=True, pp=2, dp_shard=2, ep=2, pp_schedule="dualpipev"),
+    "E1": _layout(_RECOMPUTE, compile=True, pp=2, cp=2, pp_schedule="1f1b", cp_method="ulysses", zero_stage=1),
+    "E2": _layout(_RECOMPUTE, _TP, compile=True, pp=2, pp_schedule="zbv", zero_stage=2),
+    "E3": _layout(_RECOMPUTE, _HSDP, compile=True, cp=2, cp_method="ring"),
+    "E4": _layout(_RECOMPUTE, compile=True, pp=2, dp_shard=2, ep=2, pp_schedule="dualpipev"),
     # float8 (emulated on a CPU) against one float8 process multiplying the same pieces of each batch: tensorwise
     # with each of the others but context parallel; rowwise, whose scales are per token and per output channel and
     # so do not depend on how context parallel cuts the sequence, with it
-    "F1": _layout(_TP, float8="tensorwise", pp=2, pp_schedule="1f1b", zero_stage=1),
+    "F1": _layout(_RECOMPUTE, _TP, float8="tensorwise", pp=2, pp_schedule="1f1b", zero_stage=1),
     "F2": _layout(float8="tensorwise", pp=2, dp_shard=2, ep=2, pp_schedule="zbv", zero_stage=2),
     "F3": _layout(_HSDP, float8="tensorwise", pp=2, pp_schedule="dualpipev"),
-    "F4": _layout(_TP, float8="rowwise", cp=2, cp_method="ulysses", compile=True),
+    "F4": _layout(_RECOMPUTE, _TP, float8="rowwise", cp=2, cp_method="ulysses", compile=True),
     "F5": _layout(float8="rowwise", cp=2, dp_shard=2, cp_method="ring", zero_stage=3),
 }
 

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 from parity import assert_layout_matches, assert_parity, layout_runs, reference_run
@@ -43,18 +44,12 @@ CASES = {
                                        expert_parallel_size=2, microbatches=2), "moe-capacity"),
     # Under sequence parallel each tensor-parallel rank routes its piece of the sequence; the routers' and experts'
     # gradients summed over tp, capacity and statistics over the whole sequence (context-parallel chunks too).
-    "dp2xtp2-sp-ep2-moe": (4, 2, dict(data_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
-                                      expert_parallel_size=2), "moe-capacity"),
     "dp2xtp2-sp-ep2-zero3-moe": (4, 2, dict(data_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
                                             expert_parallel_size=2, zero_stage=3), "moe-capacity"),
-    "cp2xtp2-sp-zero1-moe": (4, 1, dict(context_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
-                                        zero_stage=1, context_parallel_method="ring"), "moe-capacity"),
     # ZeRO-1 and -2 partition over data x context parallel.
     "dp2xcp2-zero1": (4, 2, dict(data_parallel_size=2, context_parallel_size=2, zero_stage=1), "dense"),
     "dp2xcp2-zero2-sharded": (4, 2, dict(data_parallel_size=2, context_parallel_size=2, zero_stage=2,
                                          sharded_accumulation=True), "dense"),
-    "pp2xcp2xtp2-zero1": (8, 1, dict(pipeline_parallel_size=2, context_parallel_size=2, tensor_parallel_size=2,
-                                     zero_stage=1, microbatches=2), "dense"),
     # ZeRO-2 over tensor-parallel shards (their local pieces reduced to the owners in backward), and under a
     # pipeline (reduced to the owners after every batch's schedule, the owners keeping the sum); ZeRO-2 and -3
     # with sharded accumulation inside a pipeline.
@@ -63,8 +58,6 @@ CASES = {
                                             zero_stage=2, sharded_accumulation=True), "tied"),
     "pp2xdp2-zero2-tied": (4, 2, dict(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=2, microbatches=2),
                            "tied"),
-    "pp2xdp2xtp2-zero2-zbv": (8, 2, dict(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2,
-                                         zero_stage=2, microbatches=2, pipeline_schedule="zbv"), "dense"),
     "pp2xdp2-zero3-sharded": (4, 2, dict(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=3,
                                          sharded_accumulation=True, microbatches=2), "dense"),
     # Experts' optimizer states partitioned over the ranks holding the same experts, the rest over dp_shard x cp:
@@ -110,6 +103,8 @@ def test_every_pair_of_techniques_composes() -> None:
 
 
 PAIR_STEPS, PAIR_CLIP = 8, 0.05
+PAIR_MODELS = {"moe": MODULES["moe-capacity"], "moe-4-blocks": MOE_4_BLOCKS}
+PAIR_DATA = functools.partial(make_datamodule, batch_size=4)  # DualPipeV: 2 x pp micro-batches of each batch
 # float8 where tensor-parallel ranks each add a part of a matmul's reduction: the float32 sum comes out in another
 # order than one process's, and a last-bit difference now and then moves an operand across one of e4m3's rounding
 # boundaries (a step of 2^-3 of its scale), which the next steps carry on. Measured 1.6e-5 in the weights (F1, also
@@ -137,31 +132,38 @@ def test_every_pair_is_held_by_a_layout_but_those_named() -> None:
         "docs/hybrid3d.md's composition table is out of date: python docs/composition_matrix.py prints it")
 
 
+@functools.cache
+def _reference(model: str, dp: int, float8: str | None, pieces: int | None) -> Any:
+    """The one-process run of the pair layouts' ``model`` over ``dp`` data-parallel ranks (many layouts share one),
+    in float8 multiplying each rank's batch in ``pieces``."""
+    make_module = PAIR_MODELS[model]
+    if float8 is None:
+        return reference_run(make_module, PAIR_DATA, dp=dp, steps=PAIR_STEPS, accumulate=2,
+                             gradient_clip_val=PAIR_CLIP)
+    from test_float8 import Float8SGDLlamaLM
+
+    return reference_run(functools.partial(Float8SGDLlamaLM, float8, **make_module.keywords), PAIR_DATA, dp=dp,
+                         steps=PAIR_STEPS, accumulate=2, gradient_clip_val=PAIR_CLIP, pieces_like_ranks=True,
+                         pipeline_microbatches=pieces)
+
+
 @pytest.mark.parametrize("group", sorted({name[0] for name in _composition_matrix().LAYOUTS}))
 def test_every_pair_trains_like_one_process(group: str) -> None:
     """The layouts of docs/composition_matrix.py's LAYOUTS whose name starts with ``group``, against one process: 8
     optimizer steps, accumulation 2, clipping; one launch, the layouts one after the other on the same ranks."""
     matrix = _composition_matrix()
-    models = {"moe": MODULES["moe-capacity"], "moe-4-blocks": MOE_4_BLOCKS}
-    datamodule = functools.partial(make_datamodule, batch_size=4)  # DualPipeV: 2 x pp micro-batches of each batch
     names = [name for name in matrix.LAYOUTS if name[0] == group]
-    runs = {name: (models[matrix.LAYOUTS[name]["model"]], datamodule, functools.partial(_mesh_strategy, name))
+    runs = {name: (PAIR_MODELS[matrix.LAYOUTS[name]["model"]], PAIR_DATA, functools.partial(_mesh_strategy, name))
             for name in names}
     world_size = matrix.world_size(matrix.LAYOUTS[names[0]])
     actual = layout_runs(runs, world_size=world_size, steps=PAIR_STEPS, accumulate=2,
                          trainer_kwargs={"gradient_clip_val": PAIR_CLIP}, timeout=90 * len(names))
     for name in names:
         config = matrix.layout_config(matrix.LAYOUTS[name])
-        if config.float8 is None:
-            expected = reference_run(runs[name][0], datamodule, dp=config.dp_replicate * config.dp_shard,
-                                     steps=PAIR_STEPS, accumulate=2, gradient_clip_val=PAIR_CLIP)
-        else:  # one float8 process multiplying the same pieces of each batch as the ranks and micro-batches do
-            from test_float8 import Float8SGDLlamaLM
-
-            model = functools.partial(Float8SGDLlamaLM, config.float8, **runs[name][0].keywords)
-            expected = reference_run(model, datamodule, dp=config.dp_replicate * config.dp_shard, steps=PAIR_STEPS,
-                                     accumulate=2, gradient_clip_val=PAIR_CLIP, pieces_like_ranks=True,
-                                     pipeline_microbatches=config.pp_microbatches if config.pp > 1 else 1)
+        # one float8 process multiplies the same pieces of each batch as the ranks and micro-batches do
+        pieces = config.pp_microbatches if config.pp > 1 else 1
+        expected = _reference(matrix.LAYOUTS[name]["model"], config.dp_replicate * config.dp_shard, config.float8,
+                              pieces if config.float8 is not None else None)
         rtol = FLOAT8_SPLIT_RTOL if config.float8 is not None and config.tp > 1 else PARITY_RTOL
         loss_error, weight_error = assert_parity(actual[name], expected, rtol=rtol)
         print(f"{name}: loss rel err {loss_error:.1e}, weights {weight_error:.1e}")

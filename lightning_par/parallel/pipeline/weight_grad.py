@@ -16,8 +16,9 @@ the kept products. It plugs into PyTorch's own hook for this, ``PipelineStage.dw
 stage asks the builder for the micro-batch's weight-gradient work and runs it at that micro-batch's ``W``.
 
 Left to PyTorch, whole: the first stage, which has no input gradient to compute (PyTorch runs its whole backward
-at ``W``, unsplit), and a stage under FSDP2 (ZeRO-3: its gradients are reduced in autograd hooks) or
-``torch.compile``. Left to autograd, layer by layer: linear layers of another type (float8, LoRA), DTensor weights
+at ``W``, unsplit). A compiled stage runs its whole backward at ``I`` (compiled code computes every gradient in one
+node, which PyTorch's split would run twice). Left to PyTorch's split: a stage under FSDP2 (ZeRO-3: its gradients
+are reduced in autograd hooks). Left to autograd, layer by layer: linear layers of another type (float8, LoRA), DTensor weights
 or inputs (tensor parallel), frozen weights. A weight with gradient hooks (ZeRO-2's reduction to the owner) gets
 its gradient at once, through autograd, so that its hooks run.
 
@@ -117,6 +118,12 @@ class DeferredWeightGradients:
             if getattr(stage, "is_first", False):
                 continue  # no input gradient to hurry: PyTorch runs its whole backward, unsplit, at W already
             modules = list(stage.submod.modules())
+            if any(_compiled(m) for m in modules):
+                # Compiled code runs its backward as one node for every gradient: PyTorch's split would run it twice
+                # over a kept graph (refused by AOTAutograd's donated buffers, and wrong without them: 1e-3 after 8
+                # steps). The whole backward runs at I, and W has nothing left.
+                stage.dw_builder = _nothing_left
+                continue
             if any(_keeps_own_backward(m) for m in modules):
                 continue
             linears = [m for m in modules if isinstance(m, DeferredLinear) or _deferrable(m)]
@@ -172,9 +179,18 @@ def _deferrable(module: nn.Module) -> bool:
 
 
 def _keeps_own_backward(module: nn.Module) -> bool:
-    """FSDP2 reduces gradients in autograd hooks; compiled code would trace the store."""
-    from torch._dynamo.eval_frame import OptimizedModule
+    """FSDP2 reduces gradients in autograd hooks."""
     from torch.distributed.fsdp import FSDPModule
 
-    return (isinstance(module, (FSDPModule, OptimizedModule))
-            or getattr(module, "_compiled_call_impl", None) is not None)
+    return isinstance(module, FSDPModule)
+
+
+def _compiled(module: nn.Module) -> bool:
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def _nothing_left() -> Callable[[], None]:
+    """A ``dw_builder`` for a stage whose backward computed every gradient already."""
+    return lambda: None
