@@ -104,13 +104,16 @@ def test_nothing_is_deferred_outside_a_schedules_backward() -> None:
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_stages_keeping_their_own_backward_are_left_to_pytorch() -> None:
-    """A stage with compiled blocks (or under FSDP2) keeps PyTorch's split: compiled code would trace the store."""
+def test_a_compiled_stage_runs_its_whole_backward_at_once() -> None:
+    """A stage with compiled blocks defers nothing (compiled code would trace the store) and runs its whole backward
+    at the input-gradient action: its weight-gradient action has nothing left (PyTorch's split would rerun the
+    compiled backward node; the pair layouts E2 and E4 of tests/test_compositions.py train such stages exactly)."""
     module, _, _ = _blocks()
     module.layers[0].compile()
     stage = _stage(module, lambda: None)
     deferred = DeferredWeightGradients([stage])
-    assert deferred.layers == 0 and deferred.stages == [] and stage.dw_builder is None
+    assert deferred.layers == 0 and deferred.stages == [] and stage.dw_builder is not None
+    assert stage.dw_builder()() is None
 
 
 def test_benchmark_workers_parse_their_command_line() -> None:
