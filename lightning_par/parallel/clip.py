@@ -15,6 +15,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_par.parallel.data import is_expert
+from lightning_par.parallel.experts import local_part
+
 
 @torch.no_grad()
 def gradient_norm(parameters: list[Tensor], *, partition_group: dist.ProcessGroup | None = None,
@@ -30,12 +33,12 @@ def gradient_norm(parameters: list[Tensor], *, partition_group: dist.ProcessGrou
     # Under a partition the experts' gradients are partitioned too, over the ranks holding the same experts, which
     # with the ranks splitting them make up the partition group: their local squares add up there like plain ones.
     def counted_here(grad: Tensor) -> bool:
-        return not isinstance(grad, DTensor) or (partition_group is not None and _is_expert(grad))
+        return not isinstance(grad, DTensor) or (partition_group is not None and is_expert(grad))
 
     plain = torch.zeros((), dtype=torch.float64)
     sharded = _sharded_squares([g for g in grads if not counted_here(g)])
     for grad in filter(counted_here, grads):
-        plain += _local(grad).detach().double().pow(2).sum().cpu()
+        plain += local_part(grad).detach().double().pow(2).sum().cpu()
     for group in (partition_group, stage_group):
         if group is not None:
             squares = torch.stack([plain, sharded]).to(_device(grads))
@@ -90,14 +93,6 @@ def _sharded_squares(grads: list[Tensor]) -> Tensor:
                 dist.all_reduce(squares, group=mesh.get_group(dim))
         total += squares.cpu()
     return total
-
-
-def _is_expert(grad: DTensor) -> bool:
-    return grad.device_mesh.mesh_dim_names == ("ep",)
-
-
-def _local(grad: Tensor) -> Tensor:
-    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _device(grads: list[Tensor]) -> torch.device:
