@@ -61,8 +61,11 @@ def _context() -> Any:
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any, stacks: str,
                args: tuple, kwargs: dict) -> None:
-    # Where this rank writes the stack of each of its threads when the harness gives up waiting for it.
-    faulthandler.register(signal.SIGUSR2, file=open(stacks, "w"), all_threads=True)  # noqa: SIM115 - kept open
+    # Where this rank writes the stack of each of its threads when the harness gives up waiting for it, or when
+    # the process dies of a signal (an abort in C++ leaves no Python traceback otherwise).
+    stack_file = open(stacks, "w")  # noqa: SIM115 - kept open for the life of the rank
+    faulthandler.register(signal.SIGUSR2, file=stack_file, all_threads=True)
+    faulthandler.enable(file=stack_file, all_threads=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -118,7 +121,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 if dead:
                     _drain(results, outcomes, world_size, seconds=2.0)
                     codes = {r: procs[r].exitcode for r in dead}
-                    raise AssertionError(f"ranks died without a result (exit codes {codes}){_format_errors(outcomes)}")
+                    raise AssertionError(f"ranks died without a result (exit codes {codes}){_format_errors(outcomes)}"
+                                         f"{_stacks_of(procs, dead, stacks)}")
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -147,10 +151,11 @@ def _format_errors(outcomes: dict[int, tuple[str, Any]]) -> str:
 
 
 def _stacks_of(procs: list[Any], ranks: list[int], folder: str) -> str:
-    """Where each of ``ranks`` is: every thread's stack, which each rank writes on SIGUSR2."""
+    """Where each of ``ranks`` is or died: every thread's stack, which each rank writes on SIGUSR2 or a fatal signal."""
     for rank in ranks:
         if procs[rank].is_alive():
             os.kill(procs[rank].pid, signal.SIGUSR2)
     time.sleep(1.0)
-    return "".join(f"\n--- rank {rank}, still running ---\n{Path(folder, str(rank)).read_text()}" for rank in ranks
+    state = {rank: "still running" if procs[rank].is_alive() else f"exit code {procs[rank].exitcode}" for rank in ranks}
+    return "".join(f"\n--- rank {rank}, {state[rank]} ---\n{Path(folder, str(rank)).read_text()}" for rank in ranks
                    if Path(folder, str(rank)).exists())
