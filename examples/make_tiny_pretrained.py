@@ -26,6 +26,9 @@ FAMILIES = {
     # Qwen2: biases on the query/key/value projections, an untied head.
     "qwen2": dict(model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    # Gemma: its head tied to the embedding, which it scales by sqrt(hidden size).
+    "gemma": dict(model_type="gemma", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True),
 }
 
 LINES = [

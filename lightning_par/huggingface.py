@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from lightning_par import checkpoint_validation as check
 from lightning_par.checkpoint import move_into_place, staging_path, consolidated_weights, with_aliases
-from lightning_par.parallel.modules import tied_aliases
-from lightning_par.parallel.modules import materialize_meta_parameters
+from lightning_par.parallel.adapters import adapter_parameter_names, checkpoint_name, is_peft_model
+from lightning_par.parallel.modules import clean_name, materialize_meta_parameters, tied_aliases
 
 __all__ = ["load_huggingface_weights", "export_huggingface", "save_huggingface", "model_config",
            "config_from_arguments", "TOKENIZER_FILES"]
@@ -49,16 +49,22 @@ def load_huggingface_weights(module: nn.Module, directory: str | os.PathLike, *,
     materialize_meta_parameters(module, torch.device(device))
     aliases = tied_aliases(module)  # safetensors stores a tied head once, under the embedding's name
     state = {name: value for name, value in get_model_state_dict(module).items() if name not in aliases}
-    expected = check.expected_shapes(state)
+    # Under LoRA (peft) the directory holds the base model: adapters are not in it, and each base weight is read
+    # under the name it has there (without peft's base_layer and PeftModel prefix).
+    adapters = {clean_name(name) for name in adapter_parameter_names(module)}
+    peft_model = is_peft_model(module)
+    base = {checkpoint_name(name, peft_model=peft_model): value for name, value in state.items()
+            if name not in adapters}
+    expected = check.expected_shapes(base)
     try:
         metadata = HuggingFaceStorageReader(str(directory)).read_metadata()
         saved = check.saved_shapes(metadata, prefix="")
         problem = (check.model_problem(directory, saved, expected, strict=True, what="model directory")
-                   or check.dtype_problem(directory, metadata, state, prefix="", what="model directory"))
+                   or check.dtype_problem(directory, metadata, base, prefix="", what="model directory"))
     except Exception as error:  # noqa: BLE001 - a directory the reader cannot index is the problem to report
         problem = f"model directory {str(directory)!r} cannot be read: {check.one_line(error)}"
     check.agree(problem)
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)))
+    dcp.load(base, storage_reader=HuggingFaceStorageReader(str(directory)))  # into the tensors of ``state``
     set_model_state_dict(module, with_aliases(state, aliases))
 
 

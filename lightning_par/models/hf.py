@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from lightning_par.huggingface import config_from_arguments, load_huggingface_weights
 from lightning_par.models.lightning_module import NextTokenLM
+from lightning_par.parallel.adapters import adapted_layers, base_layer, initialize_lora, unused_lora_weights
 
 IGNORE_INDEX = -100  # Hugging Face's label for positions that take no loss
 
@@ -38,6 +39,11 @@ class HFCausalLM(NextTokenLM):
             ``AutoConfig.for_model`` (``model_type`` first), with random initial weights.
         learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio, max_steps: AdamW with warmup and cosine
             decay, as ``LlamaLM``.
+        lora: fine-tune LoRA adapters (Hu et al. 2021) instead of the whole model, built by ``peft`` once the model
+            exists, before any layout applies: ``{r: 8, alpha: 16, dropout: 0.0, target_modules: [q_proj, v_proj],
+            bias: none, seed: 0}`` (see :data:`LORA_DEFAULTS`; ``target_modules`` None lets peft choose by model
+            type). The base model is frozen; the optimizer holds the adapters only. Adapters start as peft starts
+            them (``lora_B`` zero), drawn from ``seed`` and each adapter's name, so every layout starts alike.
     """
 
     def __init__(
@@ -50,12 +56,14 @@ class HFCausalLM(NextTokenLM):
         warmup_steps: int = 0,
         min_lr_ratio: float = 0.1,
         max_steps: int | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
         if (pretrained is None) == (config is None):
             raise ValueError("HFCausalLM needs exactly one of pretrained (a local model directory) and config (the "
                              f"arguments of AutoConfig.for_model); got pretrained={pretrained!r}, config={config!r}")
+        lora = lora_settings(lora)
+        self.save_hyperparameters()
         self.model_config = (_pretrained_config(Path(pretrained)) if pretrained is not None
                              else config_from_arguments(config))
         self.model: torch.nn.Module | None = None
@@ -75,6 +83,8 @@ class HFCausalLM(NextTokenLM):
             self.model = AutoModelForCausalLM.from_config(self.model_config, attn_implementation="sdpa",
                                                           dtype=torch.get_default_dtype())
         self._parameter_count = sum(p.numel() for p in self.model.parameters())
+        if self.hparams.lora is not None:
+            self.model = _with_lora(self.model, self.hparams.lora)
 
     def split_batch(self, batch: Tensor | Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         """A batch -> inputs (B, T) and next-token targets (B, T), -100 where no loss is taken."""
@@ -122,16 +132,19 @@ class HFCausalLM(NextTokenLM):
         self.load_pretrained()
 
     def load_pretrained(self) -> None:
-        """Read the pretrained weights into the model as this rank holds it (its shards, its pipeline stages).
-        Collective under a process group. Runs once, after the strategy has applied the layout; not when the run
-        resumes from a checkpoint (``ckpt_path``), whose weights Lightning loads instead."""
-        if self._pretrained_loaded or self.hparams.pretrained is None:
+        """Read the pretrained weights into the model as this rank holds it (its shards, its pipeline stages), and
+        start the LoRA adapters. Collective under a process group. Runs once, after the strategy has applied the
+        layout; not when the run resumes from a checkpoint (``ckpt_path``), whose weights Lightning loads instead."""
+        if self._pretrained_loaded:
             return
         self._pretrained_loaded = True
         trainer = self._trainer
         if trainer is not None and trainer.ckpt_path is not None:
             return
-        load_huggingface_weights(self.model, Path(self.hparams.pretrained), device=self.device)
+        if self.hparams.pretrained is not None:
+            load_huggingface_weights(self.model, Path(self.hparams.pretrained), device=self.device)
+        if self.hparams.lora is not None:
+            initialize_lora(self.model, self.hparams.lora["seed"])
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (PaLM appendix B): 6 per parameter outside the embedding, plus attention's
@@ -140,6 +153,58 @@ class HFCausalLM(NextTokenLM):
         embedding = config.vocab_size * config.hidden_size
         seq_len = seq_len or getattr(config, "max_position_embeddings", 0)
         return 6 * (self._parameter_count - embedding) + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+# HFCausalLM's LoRA settings and their defaults (peft's LoraConfig: r, lora_alpha, lora_dropout, target_modules, bias).
+LORA_DEFAULTS: dict[str, Any] = {"r": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": None, "bias": "none",
+                                 "seed": 0}
+
+
+def lora_settings(lora: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``lora`` with every setting of :data:`LORA_DEFAULTS`, checked; None stays None (full fine-tuning)."""
+    if lora is None:
+        return None
+    if not isinstance(lora, Mapping):
+        raise ValueError(f"lora={lora!r} must be a mapping of LoRA settings, e.g. {{r: 8, alpha: 16, target_modules: "
+                         "[q_proj, v_proj]}}")
+    unknown = sorted(set(lora) - set(LORA_DEFAULTS))
+    if unknown:
+        raise ValueError(f"lora has unknown settings {unknown}; the settings are {sorted(LORA_DEFAULTS)}")
+    settings = {**LORA_DEFAULTS, **lora}
+    if not isinstance(settings["r"], int) or settings["r"] < 1:
+        raise ValueError(f"lora r={settings['r']!r} must be a positive integer (the adapters' rank), e.g. 8")
+    if not 0.0 <= float(settings["dropout"]) < 1.0:
+        raise ValueError(f"lora dropout={settings['dropout']!r} must be in [0, 1)")
+    if settings["bias"] not in ("none", "all", "lora_only"):
+        raise ValueError(f"lora bias={settings['bias']!r} must be one of 'none', 'all', 'lora_only' (peft's)")
+    targets = settings["target_modules"]
+    if targets is not None and not (isinstance(targets, str) or (isinstance(targets, (list, tuple)) and targets
+                                                                  and all(isinstance(t, str) for t in targets))):
+        raise ValueError(f"lora target_modules={targets!r} must be module names (e.g. [q_proj, v_proj]), a regular "
+                         "expression, 'all-linear', or None for peft's choice by model type")
+    settings["target_modules"] = list(targets) if isinstance(targets, (list, tuple)) else targets
+    return settings
+
+
+def _with_lora(model: torch.nn.Module, settings: dict[str, Any]) -> torch.nn.Module:
+    """``model`` as a peft model with LoRA adapters on ``settings['target_modules']`` (everything else frozen)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as error:
+        raise ImportError("HFCausalLM(lora=...) builds the adapters with peft: pip install 'lightning-par[hf]'") from error
+    config = LoraConfig(r=settings["r"], lora_alpha=settings["alpha"], lora_dropout=settings["dropout"],
+                        target_modules=settings["target_modules"], bias=settings["bias"])
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as error:  # targets that match nothing, or a model type peft has no default targets for
+        raise ValueError(f"lora target_modules={settings['target_modules']!r} on {type(model).__name__}: {error}") \
+            from error
+    others = sorted({f"{name} ({type(base_layer(layer)).__name__})" for name, layer in adapted_layers(model)
+                     if unused_lora_weights(layer)})
+    if others:
+        raise ValueError(f"lora target_modules={settings['target_modules']!r} adapt layers that are not projections: "
+                         f"{others[:3]}; target linear layers (q_proj, v_proj, ...), not embeddings")
+    return model
 
 
 def _pretrained_config(directory: Path) -> Any:

@@ -31,6 +31,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_par.parallel.adapters import base_layer
+
 STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_split", "vocab", "sequence", "per_shard", "experts",
           "replicate")
 SPLIT_STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_split")  # styles that shard a projection
@@ -54,8 +56,10 @@ HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output"
 
 
 def is_projection(module: nn.Module) -> bool:
-    """A linear map tensor parallel can split: ``nn.Linear`` or GPT-2's ``Conv1D`` (weight stored (in, out))."""
-    return isinstance(module, nn.Linear) or is_conv1d(module)
+    """A linear map tensor parallel can split: ``nn.Linear``, GPT-2's ``Conv1D`` (weight stored (in, out)), or an
+    adapter layer (peft's LoRA) on one of them, split with it."""
+    base = base_layer(module)
+    return isinstance(base, nn.Linear) or is_conv1d(base)
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -67,7 +71,8 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 def projection_features(module: nn.Module) -> tuple[int, int]:
-    """(input features, output features) of a projection."""
+    """(input features, output features) of a projection (of the layer an adapter layer adapts)."""
+    module = base_layer(module)
     if is_conv1d(module):
         return int(module.weight.shape[0]), int(module.weight.shape[1])
     return module.in_features, module.out_features
@@ -223,13 +228,15 @@ def huggingface_model_map(model: nn.Module) -> ModelMap | None:
     :func:`derive_model_map` would set them.
     """
     for name, sub in model.named_modules():
-        config = getattr(sub, "config", None)
+        # The model's own attributes, not those a wrapper forwards from the model it holds (peft's PeftModel and
+        # LoraModel answer for their base model's config): the names must be where the modules are.
+        config = sub.__dict__.get("config")
         tp_plan = getattr(config, "base_model_tp_plan", None) or {}
         pp_plan = getattr(config, "base_model_pp_plan", None) or {}
         base_prefix = getattr(sub, "base_model_prefix", None)
         if not (tp_plan or pp_plan) or not isinstance(base_prefix, str):
             continue
-        base = f"{name}.{base_prefix}" if hasattr(sub, base_prefix) else name
+        base = f"{name}.{base_prefix}" if base_prefix in sub._modules else name
         base = base.strip(".")
         derived = derive_model_map(model)
         if derived is None:
@@ -259,10 +266,12 @@ def huggingface_model_map(model: nn.Module) -> ModelMap | None:
 
 
 def _get(model: nn.Module, name: str) -> nn.Module | None:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None
+    """The submodule at ``name``, through registered children only (not attributes a wrapper forwards)."""
+    for part in name.split(".") if name else ():
+        model = model._modules.get(part)
+        if model is None:
+            return None
+    return model
 
 
 def _inside_experts(name: str) -> bool:

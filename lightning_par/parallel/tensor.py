@@ -36,6 +36,8 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_par.config import divisors
 from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.adapters import base_layer as adapter_base
+from lightning_par.parallel.adapters import is_adapted, is_lora, unused_lora_weights
 from lightning_par.parallel.context import SequenceSplit
 from lightning_par.parallel.data import all_reduce_in_buckets
 from lightning_par.parallel.experts import local_part, routes_its_tokens
@@ -73,29 +75,78 @@ class PrepareFirstInput(ParallelStyle):
 
 
 def _distribute(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement]) -> None:
+    """Make the parameters ``placements`` names (dotted names inside ``module``) DTensors laid out so, keeping whether
+    each requires a gradient."""
     for name, placement in placements.items():
-        parameter = getattr(module, name, None)
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        parameter = getattr(owner, leaf, None)
         if parameter is not None:
-            module.register_parameter(name, nn.Parameter(distribute_tensor(parameter, mesh, [placement]),
-                                                         requires_grad=parameter.requires_grad))
+            owner.register_parameter(leaf, nn.Parameter(distribute_tensor(parameter, mesh, [placement]),
+                                                        requires_grad=parameter.requires_grad))
+
+
+def _split_placements(module: nn.Module, *, colwise: bool) -> dict[str, Placement]:
+    """Where each parameter of a ``Conv1D``, or of a LoRA layer (peft) on a linear or ``Conv1D`` layer, goes when the
+    layer is split column-wise (its output features) or row-wise (its input features).
+
+    A LoRA layer is split like the layer it adapts (torchtitan's rule for LoRA under tensor parallel): column-wise,
+    ``lora_B`` (r -> out) is split by its output features and ``lora_A`` stays whole; row-wise, ``lora_A`` (in -> r)
+    is split by its input features and ``lora_B`` stays whole. The adapter's output then has the base's layout, and
+    the row-wise partial sums of base and adapter are reduced by one collective."""
+    base = adapter_base(module)
+    if base is not module and not (is_lora(module) and module.base_layer is base and is_projection(base)):
+        raise ValueError(f"tensor parallel splits LoRA layers (peft) on linear layers; this {type(module).__name__} "
+                         f"adapts a {type(base).__name__}{' through another adapter' if module.base_layer is not base else ''}"
+                         ", which it cannot split: adapt the linear projections with LoRA, or train this model with "
+                         "data parallel / ZeRO")
+    weight_dim = (1 if colwise else 0) if is_conv1d(base) else (0 if colwise else 1)  # Conv1D stores (in, out)
+    placements: dict[str, Placement] = {}
+    prefix = "" if base is module else "base_layer."
+    placements[prefix + "weight"] = Shard(weight_dim)
+    placements[prefix + "bias"] = Shard(0) if colwise else Replicate()
+    if base is module:
+        return placements
+    for adapter in module.lora_A:
+        placements[f"lora_A.{adapter}.weight"] = Replicate() if colwise else Shard(1)
+        placements[f"lora_B.{adapter}.weight"] = Shard(0) if colwise else Replicate()
+        placements[f"lora_B.{adapter}.bias"] = Shard(0) if colwise else Replicate()
+    held = {name for name, _ in module.named_parameters()}
+    others = sorted(held - set(placements))
+    if others:
+        raise ValueError(f"tensor parallel splits a LoRA layer's base_layer, lora_A and lora_B; this "
+                         f"{type(module).__name__} also holds {others} ({', '.join(unused_lora_weights(module))}), "
+                         "which it cannot split: adapt linear layers with plain LoRA (no DoRA, no embedding adapters) "
+                         "under tensor parallel, or train this model with data parallel / ZeRO")
+    return placements
+
+
+def _distribute_split(style: ColwiseParallel | RowwiseParallel, module: nn.Module, mesh: DeviceMesh, *,
+                      colwise: bool) -> nn.Module:
+    """``style`` applied to a layer PyTorch's styles do not split themselves (``Conv1D``, a LoRA layer): its
+    parameters laid out by :func:`_split_placements`, its input and output as ``style`` lays them out."""
+    placements = _split_placements(module, colwise=colwise)
+    return distribute_module(
+        module, mesh, lambda name, m, mesh: _distribute(m, mesh, placements) if not name else None,
+        lambda m, inputs, mesh: style._prepare_input_fn(style.input_layouts, style.desired_input_layouts, m, inputs,
+                                                        mesh),
+        lambda m, outputs, mesh: style._prepare_output_fn(style.output_layouts, style.use_local_output, m, outputs,
+                                                          mesh))
 
 
 class Colwise(ColwiseParallel):
-    """PyTorch's ``ColwiseParallel``, also for ``Conv1D``, whose (in, out) weight splits along dim 1."""
+    """PyTorch's ``ColwiseParallel``, also for ``Conv1D``, whose (in, out) weight splits along dim 1, and for a LoRA
+    layer on either (:func:`_split_placements`)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not is_conv1d(module):
+        if not (is_conv1d(module) or is_adapted(module)):
             return super()._apply(module, device_mesh)
-        return distribute_module(
-            module, device_mesh, lambda _, m, mesh: _distribute(m, mesh, {"weight": Shard(1), "bias": Shard(0)}),
-            lambda m, inputs, mesh: self._prepare_input_fn(self.input_layouts, self.desired_input_layouts, m, inputs,
-                                                           mesh),
-            lambda m, outputs, mesh: self._prepare_output_fn(self.output_layouts, self.use_local_output, m, outputs,
-                                                             mesh))
+        return _distribute_split(self, module, device_mesh, colwise=True)
 
 
 class Rowwise(RowwiseParallel):
-    """PyTorch's ``RowwiseParallel``, also for ``Conv1D``, whose (in, out) weight splits along dim 0.
+    """PyTorch's ``RowwiseParallel``, also for ``Conv1D``, whose (in, out) weight splits along dim 0, and for a LoRA
+    layer on either (:func:`_split_placements`).
 
     A whole output is handed on as a tensor of its own, not as the view of the DTensor's local tensor that
     ``to_local`` returns: models add to it in place (Falcon's parallel attention: ``mlp_output +=
@@ -109,15 +160,10 @@ class Rowwise(RowwiseParallel):
         return outputs.clone() if use_local_output else outputs
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not is_conv1d(module):
+        if not (is_conv1d(module) or is_adapted(module)):
             return super()._apply(module, device_mesh)
         self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module, device_mesh, lambda _, m, mesh: _distribute(m, mesh, {"weight": Shard(0), "bias": Replicate()}),
-            lambda m, inputs, mesh: self._prepare_input_fn(self.input_layouts, self.desired_input_layouts, m, inputs,
-                                                           mesh),
-            lambda m, outputs, mesh: self._prepare_output_fn(self.output_layouts, self.use_local_output, m, outputs,
-                                                             mesh))
+        return _distribute_split(self, module, device_mesh, colwise=False)
 
 
 class PerShard(ParallelStyle):
@@ -332,7 +378,8 @@ def apply_tensor_parallel(module: nn.Module, mesh: ParallelMesh, model_map: Mode
     # parallelize_module gives each module its own DTensors: a head tied to the embedding would become a copy.
     retie(module, ties)
     for name, sub in module.named_modules():
-        if model_map.style_of(name) == "vocab" and isinstance(sub, nn.Embedding) and isinstance(sub.weight, DTensor):
+        if (model_map.style_of(name) == "vocab" and isinstance(sub, nn.Embedding) and isinstance(sub.weight, DTensor)
+                and sub.weight.requires_grad):  # a frozen embedding has no gradient to lay out
             sub.weight.register_hook(_KeepPlacements(sub.weight.placements))
     if sequence_parallel and model_map.embedding is not None:
         # Before the embedding's collective, on every rank alike: a sequence that does not split would

@@ -31,6 +31,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_par.parallel.adapters import outside_adapters
 from lightning_par.parallel.model_map import (ModelMap, derive_model_map, huggingface_model_map, is_projection,
                                               projection_features)
 from lightning_par.planner.model import _HF_COUNT_TOLERANCE, ModelSpec, UnknownConfig
@@ -121,7 +122,7 @@ def _describe(spec: ModelSpec) -> str:
 # ------------------------------------------------------------------------------------------------ attention
 def _attention(block: nn.Module, hidden: int, where: str) -> dict[str, Any]:
     """heads, kv_heads and (where heads are not hidden / heads wide) attention_head_dim of ``block``."""
-    modules = [(n, m) for n, m in block.named_modules() if not _inside_experts(n)]
+    modules = outside_adapters([(n, m) for n, m in block.named_modules() if not _inside_experts(n)])
     for name, sub in modules:
         if isinstance(sub, nn.MultiheadAttention):
             if not sub._qkv_same_embed_dim:
@@ -189,7 +190,7 @@ def _attention_owner(modules: list[tuple[str, nn.Module]]) -> str | None:
 # --------------------------------------------------------------------------------------------- feed-forward
 def _feed_forward(block: nn.Module, hidden: int, where: str) -> tuple[int, int]:
     """(ffn_hidden, ffn_matrices) of a dense block: its projections outside attention."""
-    modules = [(n, m) for n, m in block.named_modules() if not _inside_experts(n)]
+    modules = outside_adapters([(n, m) for n, m in block.named_modules() if not _inside_experts(n)])
     owner = _attention_owner(modules)
     outside = [(n, m) for n, m in modules if n and is_projection(m)
                and not (owner and (n == owner or n.startswith(owner + ".")))

@@ -1,0 +1,114 @@
+"""LoRA fine-tuning (peft) and frozen parameters in every layout: the same training as one process.
+
+``HFCausalLM(lora=...)`` puts peft's LoRA adapters on a pretrained model (base frozen); a hand-written reference
+model freezes its embedding and first block. Each layout trains every model one after the other in one launch, 20
+AdamW steps, against one process on the same global batches."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hf_directories import VOCAB, make_model_directory, write_corpus
+from parity import assert_parity, layout_runs, reference_run
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+STEPS = 20
+LEARNING_RATE = 1e-3
+GLOBAL_BATCH = 4
+PARITY_RTOL = 1e-5
+WEIGHT_ATOL = 1e-3 * LEARNING_RATE * STEPS  # AdamW: see parity.assert_parity
+
+# Pretrained family -> the layers adapted: column-wise (q, v) and row-wise (o, down) projections, so that tensor
+# parallel splits both kinds of adapter.
+LORA_TARGETS = {
+    "llama-tied": ["q_proj", "v_proj", "o_proj", "down_proj"],
+    "qwen2": ["q_proj", "v_proj", "o_proj", "down_proj"],  # biases on q/k/v
+    "gemma": ["q_proj", "v_proj", "o_proj", "down_proj"],  # head tied to the embedding
+}
+MOE = "moe-peft"  # the project's MoE model wrapped by the user with get_peft_model, LoRA on attention only
+FROZEN = "llama-frozen"  # the project's model with its embedding and first block frozen
+MODELS = (*LORA_TARGETS, MOE, FROZEN)
+
+# name -> (world size, data-parallel size, Hybrid3DStrategy arguments)
+LAYOUTS = {
+    "tp2": (2, 1, dict(tensor_parallel_size=2)),
+    "pp2": (2, 1, dict(pipeline_parallel_size=2, microbatches=2)),
+    "zero3": (2, 2, dict(data_parallel_size=2, zero_stage=3)),
+    "dp2xtp2": (4, 2, dict(data_parallel_size=2, tensor_parallel_size=2)),
+    "pp2xtp2": (4, 1, dict(pipeline_parallel_size=2, tensor_parallel_size=2, microbatches=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("lora")
+    directories = {family: str(make_model_directory(root / family, family)) for family in LORA_TARGETS}
+    return {**directories, "corpus": str(write_corpus(root / "corpus", repeats=12)["jsonl"])}
+
+
+def _module(name: str, workspace: dict[str, str]):
+    from lightning_par.models import HFCausalLM, LlamaLM
+
+    if name in (FROZEN, MOE):
+        module = LlamaLM(vocab_size=VOCAB, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=32,
+                         moe_experts=4 if name == MOE else 0, learning_rate=LEARNING_RATE, weight_decay=0.1,
+                         max_steps=STEPS)
+        if name == MOE:
+            from peft import LoraConfig, get_peft_model
+
+            module.model = get_peft_model(module.model, LoraConfig(r=4, lora_alpha=8,
+                                                                   target_modules=["q_proj", "v_proj", "o_proj"]))
+        else:
+            module.model.embed_tokens.requires_grad_(False)
+            module.model.layers["0"].requires_grad_(False)
+        return module
+
+    return HFCausalLM(pretrained=workspace[name], learning_rate=LEARNING_RATE, weight_decay=0.1, warmup_steps=2,
+                      max_steps=STEPS, lora={"r": 4, "alpha": 8, "target_modules": LORA_TARGETS[name]})
+
+
+def _data(workspace: dict[str, str], batch_size: int):
+    from lightning_par.data import TextDataModule
+
+    return TextDataModule(train_files=workspace["corpus"], tokenizer=workspace["llama-tied"], seq_len=16,
+                          batch_size=batch_size, val_fraction=0.0)
+
+
+def _strategy(sizes: dict):
+    from lightning_par import Hybrid3DStrategy
+
+    return Hybrid3DStrategy(**sizes)
+
+
+_REFERENCES: dict[tuple[str, int], object] = {}
+
+
+def _reference(name: str, workspace: dict[str, str], dp: int):
+    """One process on the global batches a layout with ``dp`` data-parallel ranks reads (shared between layouts)."""
+    if (name, dp) not in _REFERENCES:
+        _REFERENCES[name, dp] = reference_run(functools.partial(_module, name, workspace),
+                                              functools.partial(_data, workspace, GLOBAL_BATCH // dp), dp=dp,
+                                              steps=STEPS)
+    return _REFERENCES[name, dp]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_and_frozen_models_train_like_one_process(workspace: dict[str, str], layout: str) -> None:
+    world_size, dp, sizes = LAYOUTS[layout]
+    runs = {name: (functools.partial(_module, name, workspace),
+                   functools.partial(_data, workspace, GLOBAL_BATCH // dp),
+                   functools.partial(_strategy, sizes)) for name in MODELS}
+    results = layout_runs(runs, world_size=world_size, steps=STEPS, timeout=900)
+    for name in MODELS:
+        expected = _reference(name, workspace, dp)
+        loss_error, weight_error = assert_parity(results[name], expected, rtol=PARITY_RTOL, weight_atol=WEIGHT_ATOL)
+        print(f"{layout} {name}: loss {loss_error:.1e}, weights {weight_error:.1e} absolute")
+        if name != FROZEN:  # the adapters trained; the frozen base is exactly as it was, in the layout too
+            assert any(float(t.abs().max()) > 0 for key, t in expected.state_dict.items() if "lora_B" in key), name
+            for key, tensor in expected.state_dict.items():
+                if "lora_" not in key:
+                    assert torch.equal(results[name].state_dict[key], tensor), f"{layout} {name}: {key} moved"
