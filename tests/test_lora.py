@@ -112,3 +112,38 @@ def test_lora_and_frozen_models_train_like_one_process(workspace: dict[str, str]
             for key, tensor in expected.state_dict.items():
                 if "lora_" not in key:
                     assert torch.equal(results[name].state_dict[key], tensor), f"{layout} {name}: {key} moved"
+
+
+def _adapter_placements(rank: int, world_size: int, workspace: dict[str, str]) -> dict[str, str]:
+    import lightning
+    from torch.distributed.tensor import DTensor
+
+    module = _module("qwen2", workspace)
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy=_strategy(dict(tensor_parallel_size=2)),
+                                max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=_data(workspace, GLOBAL_BATCH))
+    return {name: (str(p.placements) if isinstance(p, DTensor) else "plain", p.requires_grad)
+            for name, p in module.named_parameters() if ".layers.0.self_attn." in name or ".layers.0.mlp." in name}
+
+
+def test_tensor_parallel_splits_adapters_like_their_layer(workspace: dict[str, str]) -> None:
+    """Column-wise base (q, v): lora_B split by its outputs, lora_A whole; row-wise base (o, down): lora_A split by its
+    inputs, lora_B whole. DTensor would compute any placement correctly (gathering what it must), so the parity above
+    cannot tell; the placements say whether each rank holds and computes only its part. Bases stay frozen."""
+    from harness import run_distributed
+
+    placements = run_distributed(_adapter_placements, 2, workspace)[0]
+    for name, (placement, trainable) in placements.items():
+        layer = next(p for p in ("q_proj", "v_proj", "o_proj", "down_proj", "k_proj", "gate_proj", "up_proj")
+                     if f".{p}." in name)
+        colwise = layer in ("q_proj", "v_proj", "k_proj", "gate_proj", "up_proj")
+        if ".lora_A." in name:
+            expected = "(Replicate(),)" if colwise else "(Shard(dim=1),)"
+        elif ".lora_B." in name:
+            expected = "(Shard(dim=0),)" if colwise else "(Replicate(),)"
+        else:  # the frozen base, split as without LoRA
+            expected = ("(Shard(dim=0),)" if colwise else
+                        "(Shard(dim=1),)" if name.endswith("weight") else "(Replicate(),)")
+        assert placement == expected, (name, placement, expected)
+        assert trainable == ("lora_" in name), name
