@@ -5,8 +5,8 @@ peft replaces an adapted projection with a layer that keeps the original, frozen
 adapter ``lora_A`` (in features -> r) and ``lora_B`` (r -> out features): ``base(x) + lora_B(lora_A(x)) *
 scaling``. Nothing here builds adapters (peft does); these helpers tell the layouts which layers are adapted, which
 parameters are the adapters, what a frozen base weight is called in the pretrained checkpoint, and give every
-layout the same initial adapters. Tensor parallel splits an adapted layer with the styles in
-``lightning_par.parallel.tensor`` (``AdaptedColwise``, ``AdaptedRowwise``). No peft import: the checks go by the
+layout the same initial adapters. Tensor parallel splits an adapted layer with its own styles
+(``Colwise``/``Rowwise`` in ``lightning_par.parallel.tensor``). No peft import: the checks go by the
 structure peft gives its layers, so a model without peft never needs it.
 """
 
@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-# The submodules and parameters of a peft LoRA layer that hold adapter weights (peft's LoraLayer.adapter_layer_names).
-LORA_WEIGHTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+# The submodules and parameters of a peft LoRA layer that hold adapter weights (peft's LoraLayer.adapter_layer_names)
+# beyond the plain lora_A/lora_B pair: embedding adapters and DoRA's magnitude.
+OTHER_LORA_WEIGHTS = ("lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
 _PEFT_MODEL_PREFIX = "base_model.model."  # a PeftModel keeps the model it adapts at base_model (the tuner).model
 
 
@@ -58,14 +59,17 @@ def outside_adapters(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn
     """``modules`` (``named_modules`` pairs) without those inside an adapter layer: an adapted projection counts as
     the one projection it computes, not as its base layer and adapters besides."""
     adapted = [name for name, sub in modules if is_adapted(sub)]
-    return [(n, m) for n, m in modules if not any(n.startswith(a + ".") if a else n for a in adapted)]
+
+    def inside(name: str) -> bool:  # below an adapter layer ("" is the root: everything else is below it)
+        return any(name != layer and (not layer or name.startswith(layer + ".")) for layer in adapted)
+
+    return [(n, m) for n, m in modules if not inside(n)]
 
 
 def unused_lora_weights(layer: nn.Module) -> list[str]:
-    """The adapter kinds a LoRA ``layer`` holds beyond ``lora_A``/``lora_B`` (embedding adapters, DoRA's magnitude):
-    names of its non-empty ``LORA_WEIGHTS`` other than those two."""
+    """The adapter kinds a LoRA ``layer`` holds beyond ``lora_A``/``lora_B``: its non-empty ``OTHER_LORA_WEIGHTS``."""
     held = []
-    for kind in LORA_WEIGHTS[2:]:
+    for kind in OTHER_LORA_WEIGHTS:
         part = getattr(layer, kind, None)
         if isinstance(part, (nn.ModuleDict, nn.ParameterDict)) and len(part) > 0:
             held.append(kind)
@@ -101,12 +105,11 @@ def is_peft_model(module: nn.Module) -> bool:
             and isinstance(tuner._modules.get("model"), nn.Module))
 
 
-def initialize_lora(module: nn.Module, seed: int) -> int:
+def initialize_lora(module: nn.Module, seed: int) -> None:
     """Initialise every LoRA adapter of ``module`` as peft does by default (``lora_A`` Kaiming-uniform like
     ``nn.Linear``, ``lora_B`` and its bias zero, so training starts from the base model), from ``seed`` and each
     parameter's name: the same values in every layout and on every rank, whatever each rank holds of them (a
-    tensor-parallel or ZeRO-3 shard, a pipeline stage's layers). Returns the number of adapters set."""
-    count = 0
+    tensor-parallel or ZeRO-3 shard, a pipeline stage's layers)."""
     with torch.no_grad():
         for name, layer in adapted_layers(module):
             if not is_lora(layer):
@@ -116,15 +119,13 @@ def initialize_lora(module: nn.Module, seed: int) -> int:
                 _fill(down.weight, lambda t: nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=generator))
                 for parameter in layer.lora_B[adapter].parameters():
                     parameter.zero_()
-                count += 1
-    return count
 
 
-def _fill(parameter: Tensor, init: object) -> None:
+def _fill(parameter: Tensor, init: Callable[[Tensor], object]) -> None:
     """Set ``parameter`` to its part of a whole tensor ``init`` fills (on the CPU, where the generator draws)."""
     local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
     whole = torch.empty(parameter.shape, dtype=torch.float32)  # a DTensor's shape is the global one
-    init(whole)  # type: ignore[operator]
+    init(whole)
     whole = whole.to(device=local.device, dtype=parameter.dtype)
     if isinstance(parameter, DTensor):
         # Each rank's piece of the whole, cut locally as the parameter is laid out (no collective).
@@ -134,5 +135,5 @@ def _fill(parameter: Tensor, init: object) -> None:
         parameter.copy_(whole)
 
 
-__all__ = ["LORA_WEIGHTS", "adapted_layers", "adapter_parameter_names", "base_layer", "checkpoint_name",
+__all__ = ["OTHER_LORA_WEIGHTS", "adapted_layers", "adapter_parameter_names", "base_layer", "checkpoint_name",
            "initialize_lora", "is_adapted", "is_lora", "is_peft_model", "outside_adapters", "unused_lora_weights"]
