@@ -4,9 +4,10 @@
     lightning-par fit --config configs/finetune_hf.yaml
 
 writes ``tiny-pretrained/model`` (a small randomly initialised Llama saved with ``save_pretrained``, and a BPE
-tokenizer trained by ``tokenizers`` on a few proverbs) and ``tiny-pretrained/train.jsonl`` (records with a ``text``
-field), which is where ``configs/finetune_hf.yaml`` looks. With a real model, change the config's two paths instead.
-The tests make their model directories with these functions too.
+tokenizer trained by ``tokenizers`` on a few proverbs, with a chat template), ``tiny-pretrained/train.jsonl`` (records
+with a ``text`` field), which is where ``configs/finetune_hf.yaml`` looks, and ``tiny-pretrained/instructions.jsonl``
+(prompt/response records) and ``chats.jsonl``, where ``configs/finetune_lora.yaml`` looks. With a real model,
+change the config's two paths instead. The tests make their model directories with these functions too.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def save_tokenizer(directory: Path, vocab_size: int = VOCAB) -> None:
     tokenizer.train_from_iterator(LINES, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
 
 
@@ -84,6 +86,28 @@ def write_corpus(directory: Path, repeats: int = 6) -> dict[str, Path]:
     return {"text": text, "jsonl": records}
 
 
+# A chat template for the tiny tokenizer (real chat models ship their own with their tokenizer).
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+def write_instructions(directory: Path, repeats: int = 6) -> dict[str, Path]:
+    """``instructions.jsonl`` (``{"prompt", "response"}``: the first words of a proverb, the rest of it) and
+    ``chats.jsonl`` (``{"messages"}``: a user asking for a proverb's end, the assistant giving it, twice), from the
+    proverbs ``repeats`` times."""
+    directory.mkdir(parents=True, exist_ok=True)
+    pairs = [(" ".join(line.split()[:3]), " ".join(line.split()[3:])) for line in LINES * repeats]
+    instructions = directory / "instructions.jsonl"
+    instructions.write_text("".join(json.dumps({"prompt": f"finish: {start}", "response": end}) + "\n"
+                                    for start, end in pairs))
+    chats = directory / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"finish: {start}"}, {"role": "assistant", "content": end},
+        {"role": "user", "content": f"finish: {pairs[i - 1][0]}"}, {"role": "assistant", "content": pairs[i - 1][1]},
+    ]}) + "\n" for i, (start, end) in enumerate(pairs)))
+    return {"instructions": instructions, "chats": chats}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output", type=Path, nargs="?", default=Path("tiny-pretrained"))
@@ -95,7 +119,9 @@ def main() -> None:
     args = build_parser().parse_args()
     make_model_directory(args.output / "model", args.family)
     write_corpus(args.output, repeats=40)["jsonl"].rename(args.output / "train.jsonl")
-    print(f"wrote {args.output / 'model'} and {args.output / 'train.jsonl'}")
+    write_instructions(args.output, repeats=40)
+    print(f"wrote {args.output / 'model'}, {args.output / 'train.jsonl'} (text), {args.output / 'instructions.jsonl'} "
+          f"(prompt/response) and {args.output / 'chats.jsonl'} (chats)")
 
 
 if __name__ == "__main__":

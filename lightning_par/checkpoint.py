@@ -42,26 +42,40 @@ from torch.optim import Optimizer
 
 from lightning_par import checkpoint_validation as check
 from lightning_par import safe_dcp
-from lightning_par.parallel.modules import tied_aliases
+from lightning_par.parallel.modules import clean_name, tied_aliases
 from lightning_par.parallel.zero_experts import ZeroWithExperts
 
 MODEL_KEY = "state_dict"  # Lightning's own key for the model weights
 # {alias: name} of tied parameters (a head tied to the embedding): saved once under the first name, restored on
 # load and on export.
 TIED_KEY = "lightning_par_tied_parameters"
+# In a checkpoint of a module whose frozen parameters come from a model directory (HFCausalLM with LoRA): that
+# directory, as lightning_par.lora.base_reference gives it. The checkpoint holds the trainable parameters only.
+FROZEN_BASE_KEY = "lightning_par_frozen_base"
 OPTIMIZERS_KEY = "optimizer_states"  # Lightning's own key: a list, one entry per optimizer
 META_FILE = "meta.pt"
 
 
-def model_state_dict(module: nn.Module, *, full: bool, aliases: bool = True) -> dict[str, Any]:
+def model_state_dict(module: nn.Module, *, full: bool, aliases: bool = True,
+                     trainable_only: bool = False) -> dict[str, Any]:
     """The model's state by fully qualified name: this rank's shards, or with ``full`` whole tensors on CPU
     gathered to rank 0 (the other ranks get an empty dict). ``aliases=False`` leaves out the other names of a
-    tied parameter, so that a checkpoint holds it once."""
+    tied parameter, so that a checkpoint holds it once; ``trainable_only`` keeps the parameters that require a
+    gradient (a LoRA run's adapters: its frozen base is read from the model directory again)."""
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
     if not aliases:
         for alias in tied_aliases(module):
             state.pop(alias, None)
+    if trainable_only:
+        trainable = trainable_names(module)
+        state = {name: value for name, value in state.items() if name in trainable}
     return state
+
+
+def trainable_names(module: nn.Module) -> set[str]:
+    """The state-dict names of the parameters of ``module`` that require a gradient."""
+    return {clean_name(name) for name, parameter in module.named_parameters(remove_duplicate=False)
+            if parameter.requires_grad}
 
 
 def with_aliases(state: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
@@ -274,11 +288,16 @@ def load_checkpoint(
     aliases = tied_aliases(module)
     # This rank's part of the model: the shapes to check, the names it loads, DCP's template.
     local = model_state_dict(module, full=False, aliases=False)
+    trainable = trainable_names(module)
     # Every rank checks what it can before any tensor is read, and all raise the first problem found.
     expected = check.expected_shapes(local)
-    problem, checkpoint, metadata = _check_before_loading(path, expected, len(optimizers), strict, weights_only)
+    problem, checkpoint, metadata = _check_before_loading(path, expected, len(optimizers), strict, weights_only,
+                                                          trainable=trainable)
     check.agree(problem)
     checkpoint.pop(check.FORMAT_KEY, None)
+    if FROZEN_BASE_KEY in checkpoint:  # the trainable parameters only: the rest is left as it is, to be read elsewhere
+        local = {name: value for name, value in local.items() if name in trainable}
+        expected, strict = {name: shape for name, shape in expected.items() if name in trainable}, False
     try:
         if metadata is not None:
             _load_sharded(path, module, local, optimizers, aliases, strict, weights_only)
@@ -315,8 +334,11 @@ def checkpoint_problem(path: str | os.PathLike, *, weights_only: bool | None = N
 
 
 def _check_before_loading(path: Path, expected: dict[str, tuple[int, ...]], optimizers: int, strict: bool,
-                          weights_only: bool | None) -> tuple[str | None, dict[str, Any], Any]:
-    """(the problem found or None, the checkpoint's non-tensor entries, DCP's index for a sharded one)."""
+                          weights_only: bool | None,
+                          trainable: set[str] | None = None) -> tuple[str | None, dict[str, Any], Any]:
+    """(the problem found or None, the checkpoint's non-tensor entries, DCP's index for a sharded one). A checkpoint
+    of the trainable parameters alone (:data:`FROZEN_BASE_KEY`) is checked against those of ``expected`` in
+    ``trainable``."""
     if not path.exists():
         return f"checkpoint {str(path)!r} does not exist", {}, None
     try:
@@ -340,6 +362,8 @@ def _check_before_loading(path: Path, expected: dict[str, tuple[int, ...]], opti
             saved_optimizers = len(checkpoint.get(OPTIMIZERS_KEY, []))
     except check.CheckpointError as error:
         return str(error), {}, None
+    if FROZEN_BASE_KEY in checkpoint and trainable is not None:
+        expected = {name: shape for name, shape in expected.items() if name in trainable}
     problem = (check.format_problem(path, checkpoint) or check.model_problem(path, saved, expected, strict=strict)
                or check.optimizer_problem(path, saved_optimizers, optimizers))
     return problem, checkpoint, metadata

@@ -12,6 +12,7 @@ transformers is imported only here, and only when called (the ``hf`` extra). No 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -24,17 +25,20 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from lightning_par import checkpoint_validation as check
-from lightning_par.checkpoint import move_into_place, staging_path, consolidated_weights, with_aliases
+from lightning_par.checkpoint import FROZEN_BASE_KEY, consolidated_weights, move_into_place, staging_path, with_aliases
 from lightning_par.parallel.adapters import adapter_parameter_names, checkpoint_name, is_peft_model
 from lightning_par.parallel.modules import clean_name, materialize_meta_parameters, tied_aliases
 
 __all__ = ["load_huggingface_weights", "export_huggingface", "save_huggingface", "model_config",
-           "config_from_arguments", "TOKENIZER_FILES"]
+           "config_from_arguments", "directory_fingerprint", "TOKENIZER_FILES"]
 
 # What a tokenizer saved with save_pretrained leaves in the model directory (those present are copied on export).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json")
 _MODULE_PREFIX = "model."  # HFCausalLM keeps the Hugging Face model as ``self.model``
+# What defines a pretrained model in its directory: its configuration and its weights (one file, or shards and their
+# index); the tokenizer and README do not change what the model computes.
+_MODEL_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json")
 
 
 def load_huggingface_weights(module: nn.Module, directory: str | os.PathLike, *,
@@ -68,6 +72,19 @@ def load_huggingface_weights(module: nn.Module, directory: str | os.PathLike, *,
     set_model_state_dict(module, with_aliases(state, aliases))
 
 
+def directory_fingerprint(directory: str | os.PathLike) -> str:
+    """The sha256 of a pretrained model directory's model files (:data:`_MODEL_FILES`), names and contents in name
+    order: equal for two copies of a model, different once a weight changes. Reads every weight file once."""
+    directory = Path(directory)
+    digest = hashlib.sha256()
+    for path in sorted({path for pattern in _MODEL_FILES for path in directory.glob(pattern)}):
+        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        with path.open("rb") as file:
+            while block := file.read(1 << 24):
+                digest.update(block)
+    return digest.hexdigest()
+
+
 def config_from_arguments(arguments: dict[str, Any]) -> Any:
     """A transformers config from ``AutoConfig.for_model``'s arguments, ``model_type`` among them."""
     from transformers import AutoConfig
@@ -99,6 +116,10 @@ def export_huggingface(checkpoint: str | os.PathLike, output: str | os.PathLike,
     """Write an HFCausalLM checkpoint of any layout (sharded or full) as a Hugging Face model directory (see
     :func:`save_huggingface`). One process; returns ``output``."""
     weights, saved = consolidated_weights(checkpoint, weights_only=weights_only)
+    if FROZEN_BASE_KEY in saved:
+        raise check.CheckpointError(f"checkpoint {str(checkpoint)!r} holds a LoRA run's adapters, not a whole model: "
+                                    "export the adapters with --format peft, or the merged model with --format hf "
+                                    "--merge")
     hyper_parameters = saved.get("hyper_parameters", {})
     return save_huggingface(weights, model_config(hyper_parameters), output, source=checkpoint,
                             tokenizer_from=hyper_parameters.get("pretrained"), max_shard_size=max_shard_size)

@@ -50,7 +50,11 @@ def _serialize(obj: Any) -> bytes:
 # Imported once in the server the ranks fork from (what every rank needs, and what takes long to import).
 PRELOADED = ["torch", "torch.distributed.checkpoint", "torch.distributed.pipelining", "torch.distributed.tensor",
              "lightning", "lightning.pytorch", "lightning_par", "lightning_par.strategies", "lightning_par.callbacks",
-             "lightning_par.models", "lightning_par.data", "parity"]
+             "lightning_par.models", "lightning_par.data", "parity",
+             # What the Hugging Face cases import at their first model (about 3 s a rank): Llama's modules, which
+             # the other families share, peft and datasets. Left out where they are not installed.
+             "transformers.models.llama.modeling_llama", "peft", "datasets", "lightning_par.models.hf",
+             "lightning_par.data.text_datamodule"]
 
 
 def _context() -> Any:

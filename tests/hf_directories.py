@@ -15,6 +15,7 @@ from make_tiny_pretrained import (  # noqa: E402
     make_model_directory,
     save_tokenizer,
     write_corpus,
+    write_instructions,
 )
 
-__all__ = ["FAMILIES", "LINES", "VOCAB", "make_model_directory", "save_tokenizer", "write_corpus"]
+__all__ = ["FAMILIES", "LINES", "VOCAB", "make_model_directory", "save_tokenizer", "write_corpus", "write_instructions"]

@@ -22,6 +22,7 @@ import lightning
 import torch
 from harness import run_distributed
 from torch import Tensor
+from torch.utils.data import default_collate
 
 
 @dataclass
@@ -74,14 +75,16 @@ def _reference_run(make_module: Callable[[], Any], make_datamodule: Callable[[],
     torch.manual_seed(seed)
     module = make_module()
     if hasattr(module, "load_pretrained"):  # HFCausalLM: built on the meta device, then its weights are read
+        module._trainer = _DataOnly(datamodule)  # what it reads of a trainer there (the data's packing separator)
         module.configure_model()
         module.load_pretrained()
+        module._trainer = None
     optimizer, scheduler = _optimizer_and_scheduler(module.configure_optimizers())
     losses: list[float] = []
     for step in range(steps):
         for micro_step in range(accumulate):
             m = step * accumulate + micro_step
-            batch = torch.stack([dataset[int(i)] for i in order[m * micro:(m + 1) * micro]])
+            batch = default_collate([dataset[int(i)] for i in order[m * micro:(m + 1) * micro]])
             chunk_losses = []
             pieces = ([p for r in range(dp) for p in batch[r::dp].chunk(pipeline_microbatches)]
                       if pieces_like_ranks else [batch])
@@ -98,6 +101,14 @@ def _reference_run(make_module: Callable[[], Any], make_datamodule: Callable[[],
         if scheduler is not None:
             scheduler.step()
     return ParityRun(losses, {k: v.detach().clone() for k, v in module.state_dict().items()})
+
+
+@dataclass
+class _DataOnly:
+    """What a module set up outside a Trainer may read of one: the datamodule, and no checkpoint to resume."""
+
+    datamodule: Any
+    ckpt_path: None = None
 
 
 def _optimizer_and_scheduler(configured: Any) -> tuple[torch.optim.Optimizer, Any]:

@@ -100,11 +100,11 @@ def test_the_command_says_the_mistake_first_and_the_traceback_only_when_asked(tm
         assert verbose.returncode == 1 and "Traceback (most recent call last)" in verbose.stderr
 
 
-def test_a_failure_after_start_up_on_8_ranks_prints_one_traceback(tmp_path: Path) -> None:
-    """A model without the pipeline's methods, found by every one of 8 ranks after the process group started: the
+def test_a_failure_after_start_up_on_4_ranks_prints_one_traceback(tmp_path: Path) -> None:
+    """A model without the pipeline's methods, found by every one of 4 ranks after the process group started: the
     first rank to fail prints its traceback (which names the missing methods), every other rank one line."""
-    result = _command("fit", "--config", str(REPO / "configs" / "pipeline_parallel.yaml"), "--trainer.devices=8",
-                      f"{PP}=8", "--trainer.strategy.init_args.microbatches=8", "--model.init_args.n_layers=8",
+    result = _command("fit", "--config", str(REPO / "configs" / "pipeline_parallel.yaml"), "--trainer.devices=4",
+                      f"{PP}=4", "--trainer.strategy.init_args.microbatches=4", "--model.init_args.n_layers=4",
                       "--model.class_path=cli_callbacks.LlamaWithoutPipelineContract", "--trainer.logger=false",
                       "--trainer.enable_checkpointing=false", cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-3000:]

@@ -126,12 +126,26 @@ def test_training_command_runs_as_written(chain: list[str], tmp_path: Path) -> N
     events = EventAccumulator(str(run))
     events.Reload()
     assert "train_loss" in events.Tags()["scalars"], events.Tags()["scalars"]
-    if "finetune_hf.yaml" in chain[-1]:
+    if "finetune_" in chain[-1]:
         import transformers
 
         scalars = set(events.Tags()["scalars"])
         assert {"val_loss", "perf/mfu", "memory/peak_gib_max", "train/grad_norm"} <= scalars, scalars
+    if "finetune_hf.yaml" in chain[-1]:
         assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "finetuned") is not None
+    if "finetune_lora.yaml" in chain[-1]:  # the adapters, for peft; the checkpoint without the frozen base
+        import peft
+
+        base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tiny-pretrained" / "model")
+        assert peft.PeftModel.from_pretrained(base, tmp_path / "finetuned-adapter") is not None
+        (checkpoint,) = run.rglob("*.ckpt")
+        assert not any("base_layer" in name for name in _tensor_names(checkpoint)), checkpoint
+
+
+def _tensor_names(checkpoint: Path) -> list[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return list(FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
 
 
 def _check_fit_command(args: list[str]) -> None:

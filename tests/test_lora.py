@@ -114,6 +114,33 @@ def test_lora_and_frozen_models_train_like_one_process(workspace: dict[str, str]
                     assert torch.equal(results[name].state_dict[key], tensor), f"{layout} {name}: {key} moved"
 
 
+# Layouts beyond the five above, on 2 ranks, one launch for all: each with the models that exercise it. Context parallel
+# cuts adapted layers' inputs along the sequence; ZeRO-1/2 partition only the adapters' states and gradients; expert
+# parallel splits the experts of the MoE model whose attention is adapted.
+MORE_LAYOUTS = {
+    "cp2-ring": (1, dict(context_parallel_size=2, context_parallel_method="ring"), ("llama-tied", "qwen2")),
+    "zero1": (2, dict(data_parallel_size=2, zero_stage=1), ("gemma", FROZEN)),
+    "zero2": (2, dict(data_parallel_size=2, zero_stage=2), ("qwen2", MOE)),
+    "ep2": (2, dict(expert_parallel_size=2), (MOE,)),
+}
+
+
+def test_lora_and_frozen_models_train_like_one_process_in_more_layouts(workspace: dict[str, str]) -> None:
+    runs = {f"{layout} {name}": (functools.partial(_module, name, workspace),
+                                 functools.partial(_data, workspace, GLOBAL_BATCH // dp),
+                                 functools.partial(_strategy, sizes))
+            for layout, (dp, sizes, names) in MORE_LAYOUTS.items() for name in names}
+    results = layout_runs(runs, world_size=2, steps=STEPS, timeout=900)
+    for label, result in results.items():
+        layout, name = label.split()
+        expected = _reference(name, workspace, MORE_LAYOUTS[layout][0])
+        loss_error, weight_error = assert_parity(result, expected, rtol=PARITY_RTOL, weight_atol=WEIGHT_ATOL)
+        print(f"{label}: loss {loss_error:.1e}, weights {weight_error:.1e} absolute")
+        for key, tensor in expected.state_dict.items():
+            if "lora_" not in key and name != FROZEN:
+                assert torch.equal(result.state_dict[key], tensor), f"{label}: {key} moved"
+
+
 def _adapter_placements(rank: int, world_size: int, workspace: dict[str, str]) -> dict[str, str]:
     import lightning
     from torch.distributed.tensor import DTensor

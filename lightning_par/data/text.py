@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["TEXT_SUFFIXES", "JSON_SUFFIXES", "SAMPLE_BY", "check_sources", "load_documents", "load_tokenizer",
+__all__ = ["TEXT_SUFFIXES", "JSON_SUFFIXES", "SAMPLE_BY", "TOKENIZER_MARKERS", "check_sources", "load_documents", "load_tokenizer", "tokenizer_of",
            "pack_documents"]
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSON_SUFFIXES = (".json", ".jsonl")
 SAMPLE_BY = ("document", "paragraph", "line")
 # A tokenizer saved by save_pretrained leaves at least one of these in its directory.
-_TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _TOKENIZE_CHUNK = 1024  # documents per tokenizer call: bounds the memory of the Python lists it returns
 
 
@@ -111,8 +111,8 @@ def load_tokenizer(directory: str | os.PathLike) -> Any:
     if not directory.is_dir():
         raise ValueError(f"tokenizer={str(directory)!r} is not a directory: give the model directory the tokenizer "
                          "was saved in (tokenizer.save_pretrained)")
-    if not any((directory / marker).is_file() for marker in _TOKENIZER_MARKERS):
-        raise ValueError(f"tokenizer={str(directory)!r} holds no tokenizer (none of {list(_TOKENIZER_MARKERS)}): save "
+    if not any((directory / marker).is_file() for marker in TOKENIZER_MARKERS):
+        raise ValueError(f"tokenizer={str(directory)!r} holds no tokenizer (none of {list(TOKENIZER_MARKERS)}): save "
                          "one there with tokenizer.save_pretrained, or point tokenizer at the directory that has it")
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
@@ -124,6 +124,17 @@ def load_tokenizer(directory: str | os.PathLike) -> Any:
     return tokenizer
 
 
+def tokenizer_of(module: Any, datamodule: str) -> Any:
+    """The tokenizer saved in the pretrained directory of ``module`` (the LightningModule being trained, or None), for
+    a ``datamodule`` (its class name, for the message) given no ``tokenizer=``."""
+    pretrained = getattr(module, "hparams", {}).get("pretrained") if module is not None else None
+    if pretrained is None:
+        raise ValueError(f"{datamodule} needs tokenizer= (a directory with a saved tokenizer): "
+                         f"{type(module).__name__ if module is not None else 'no model'} has no pretrained directory "
+                         "to take it from")
+    return load_tokenizer(pretrained)
+
+
 def pack_documents(documents: Sequence[str], tokenizer: Any) -> torch.Tensor:
     """One 1-D token stream: each document as the tokenizer encodes it (with its special tokens, a beginning-of-
     sequence token for Llama's), followed by the end-of-sequence token unless it already ends with it."""
@@ -133,3 +144,4 @@ def pack_documents(documents: Sequence[str], tokenizer: Any) -> torch.Tensor:
         for ids in tokenizer(list(documents[start:start + _TOKENIZE_CHUNK]), add_special_tokens=True)["input_ids"]:
             pieces.append(torch.tensor(ids if ids and ids[-1] == eos else [*ids, eos], dtype=torch.int64))
     return torch.cat(pieces)
+

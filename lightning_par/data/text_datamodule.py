@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from lightning_par.data.corpus import TokenWindowDataset
 from lightning_par.data.datamodule import WindowDataModule, check_window_arguments
-from lightning_par.data.text import SAMPLE_BY, check_sources, load_documents, load_tokenizer, pack_documents
+from lightning_par.data.text import SAMPLE_BY, check_sources, load_documents, load_tokenizer, pack_documents, tokenizer_of
 
 __all__ = ["TextDataModule"]
 
@@ -74,16 +74,6 @@ class TextDataModule(WindowDataModule):
     def _module(self) -> Any:
         return getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
 
-    def _model_tokenizer(self) -> Any:
-        """The tokenizer of the pretrained directory of the module being trained."""
-        module = self._module()
-        pretrained = getattr(module, "hparams", {}).get("pretrained") if module is not None else None
-        if pretrained is None:
-            raise ValueError(f"TextDataModule needs tokenizer= (a directory with a saved tokenizer): "
-                             f"{type(module).__name__ if module is not None else 'no model'} has no pretrained "
-                             "directory to take it from")
-        return load_tokenizer(pretrained)
-
     def _tokens(self, paths: list[Path], split: str, name: str) -> torch.Tensor:
         documents = load_documents(paths, text_field=self.text_field, sample_by=self.sample_by, split=split,
                                    name=name)
@@ -104,7 +94,7 @@ class TextDataModule(WindowDataModule):
     def _build(self, split: str) -> Dataset:
         if not self._full:
             if self.tokenizer is None:
-                self.tokenizer = self._model_tokenizer()
+                self.tokenizer = tokenizer_of(self._module(), type(self).__name__)
             tokens = self._split_tokens()
             for name, stream in tokens.items():
                 self._full[name] = TokenWindowDataset(stream, self.seq_len)
@@ -114,6 +104,12 @@ class TextDataModule(WindowDataModule):
                                  "give more text or a smaller seq_len")
             self._check_vocabulary(max(int(t.max()) for t in tokens.values() if t.numel()))
         return self._full[split]
+
+    @property
+    def document_separator(self) -> int | None:
+        """The token that closes each packed document (the tokenizer's end-of-sequence token), once the tokenizer is
+        known: where ``HFCausalLM(packed_documents=True)`` keeps documents apart."""
+        return None if self.tokenizer is None else int(self.tokenizer.eos_token_id)
 
     def _check_vocabulary(self, largest_id: int) -> None:
         """Refuse token ids the model's embedding has no row for (each rank would fail alone, mid-step)."""

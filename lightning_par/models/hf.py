@@ -22,9 +22,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_par.data.text import TOKENIZER_MARKERS, load_tokenizer
 from lightning_par.huggingface import config_from_arguments, load_huggingface_weights
+from lightning_par.lora import FROZEN_BASE_KEY, LORA_DEFAULTS, lora_settings, with_lora
 from lightning_par.models.lightning_module import NextTokenLM
-from lightning_par.parallel.adapters import adapted_layers, base_layer, initialize_lora, unused_lora_weights
+from lightning_par.models.packing import DocumentPositions, check_document_masking, cross_document_targets
+from lightning_par.parallel.adapters import initialize_lora
+
+__all__ = ["HFCausalLM", "LORA_DEFAULTS", "lora_settings"]
 
 IGNORE_INDEX = -100  # Hugging Face's label for positions that take no loss
 
@@ -44,6 +49,11 @@ class HFCausalLM(NextTokenLM):
             bias: none, seed: 0}`` (see :data:`LORA_DEFAULTS`; ``target_modules`` None lets peft choose by model
             type). The base model is frozen; the optimizer holds the adapters only. Adapters start as peft starts
             them (``lora_B`` zero), drawn from ``seed`` and each adapter's name, so every layout starts alike.
+        packed_documents: the batches are windows of packed documents, each closed by a separator token: the data
+            module's ``document_separator`` (``TextDataModule``, ``InstructionDataModule``), else the end-of-sequence
+            token of the pretrained directory's tokenizer. Positions restart at every document, attention stays inside
+            it and a separator's target takes no loss (``lightning_par.models.packing``), in every layout; a model
+            family whose attention transformers does not keep apart this way is refused.
     """
 
     def __init__(
@@ -57,18 +67,23 @@ class HFCausalLM(NextTokenLM):
         min_lr_ratio: float = 0.1,
         max_steps: int | None = None,
         lora: dict[str, Any] | None = None,
+        packed_documents: bool = False,
     ) -> None:
         super().__init__()
         if (pretrained is None) == (config is None):
             raise ValueError("HFCausalLM needs exactly one of pretrained (a local model directory) and config (the "
                              f"arguments of AutoConfig.for_model); got pretrained={pretrained!r}, config={config!r}")
-        lora = lora_settings(lora)
+        # Checked, with every default filled in (LightningCLI saves the hyper-parameters as the config gave them).
+        self.lora = lora_settings(lora)
         self.save_hyperparameters()
         self.model_config = (_pretrained_config(Path(pretrained)) if pretrained is not None
                              else config_from_arguments(config))
         self.model: torch.nn.Module | None = None
         self._parameter_count = 0  # the whole model's, counted when it is built (a pipeline stage holds only a part)
         self._pretrained_loaded = False
+        self._base_outside_checkpoint = False  # resumed from a LoRA checkpoint: the base is read from `pretrained`
+        # The token that closes each packed document (from configure_model on), or None when they are not packed.
+        self.document_separator: int | None = None
 
     @override
     def configure_model(self) -> None:
@@ -83,13 +98,26 @@ class HFCausalLM(NextTokenLM):
             self.model = AutoModelForCausalLM.from_config(self.model_config, attn_implementation="sdpa",
                                                           dtype=torch.get_default_dtype())
         self._parameter_count = sum(p.numel() for p in self.model.parameters())
-        if self.hparams.lora is not None:
-            self.model = _with_lora(self.model, self.hparams.lora)
+        if self.hparams.packed_documents:  # on the model itself: pipeline stages run its forward, not ours
+            self.document_separator = self._packing_separator()
+            check_document_masking(self.model)
+            self.model.register_forward_pre_hook(DocumentPositions(self.document_separator), with_kwargs=True)
+        if self.lora is not None:
+            self.model = with_lora(self.model, self.lora)
+
+    def _packing_separator(self) -> int:
+        """The token the data closes each packed document with: the data module's (``document_separator``), else the
+        end-of-sequence token of the pretrained directory's tokenizer (the config's without one)."""
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        separator = getattr(datamodule, "document_separator", None)
+        if separator is not None:
+            return int(separator)
+        return _document_separator(self.hparams.pretrained, self.model_config)
 
     def split_batch(self, batch: Tensor | Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         """A batch -> inputs (B, T) and next-token targets (B, T), -100 where no loss is taken."""
         if isinstance(batch, Tensor) and batch.dim() == 2:
-            return batch[:, :-1], batch[:, 1:]
+            return self._within_documents(batch[:, :-1], batch[:, 1:])
         if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), Tensor):
             ids = batch["input_ids"]
             targets = batch.get("labels", ids)[:, 1:]
@@ -102,17 +130,31 @@ class HFCausalLM(NextTokenLM):
                                      "padding); this batch has padding before real tokens: pad on the right "
                                      "(tokenizer.padding_side = 'right') or pack the sequences")
                 targets = targets.masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
-            return ids[:, :-1], targets
+            return self._within_documents(ids[:, :-1], targets)
         raise TypeError("HFCausalLM expects token ids (B, T + 1) or a dict with 'input_ids', got "
                         f"{type(batch).__name__}")
+
+    def _within_documents(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        if self.document_separator is not None:
+            targets = cross_document_targets(inputs, targets, self.document_separator)
+        return inputs, targets
 
     @override
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.model(input_ids=input_ids).logits
 
     def loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Mean cross-entropy over the positions that take a loss, on fp32 logits."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE_INDEX)
+        """Mean cross-entropy over the positions that take a loss (:meth:`loss_tokens`), on fp32 logits; 0 for a batch
+        with none (a window of prompt alone), where a plain mean would be NaN."""
+        total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE_INDEX,
+                                reduction="sum")
+        return total / self.loss_tokens(targets).clamp(min=1)
+
+    def loss_tokens(self, targets: Tensor) -> Tensor:
+        """How many positions of ``targets`` take a loss (not -100): what :meth:`loss_fn` averages over, and what the
+        strategies weigh each data-parallel rank's and micro-batch's loss by, so that the loss of a batch is the mean
+        over all its tokens in every layout."""
+        return (targets != IGNORE_INDEX).sum()
 
     # ---------------------------------------------------------------------------- pretrained weights
     @override
@@ -131,20 +173,32 @@ class HFCausalLM(NextTokenLM):
     def on_predict_start(self) -> None:
         self.load_pretrained()
 
+    @property
+    def frozen_base(self) -> str | None:
+        """The directory this module's frozen parameters are read from when only LoRA adapters train: its checkpoints
+        then hold the adapters and a reference to it, not the base (``lightning_par.lora.FROZEN_BASE_KEY``)."""
+        return self.hparams.pretrained if self.lora is not None else None
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._base_outside_checkpoint = FROZEN_BASE_KEY in checkpoint
+
     def load_pretrained(self) -> None:
         """Read the pretrained weights into the model as this rank holds it (its shards, its pipeline stages), and
         start the LoRA adapters. Collective under a process group. Runs once, after the strategy has applied the
-        layout; not when the run resumes from a checkpoint (``ckpt_path``), whose weights Lightning loads instead."""
+        layout. A run resumed from a checkpoint (``ckpt_path``) has its weights from there, but for the frozen base of
+        a LoRA run, which its checkpoints leave out: that is read again, the adapters kept as loaded."""
         if self._pretrained_loaded:
             return
         self._pretrained_loaded = True
         trainer = self._trainer
-        if trainer is not None and trainer.ckpt_path is not None:
+        resumed = trainer is not None and trainer.ckpt_path is not None
+        if resumed and not self._base_outside_checkpoint:
             return
         if self.hparams.pretrained is not None:
             load_huggingface_weights(self.model, Path(self.hparams.pretrained), device=self.device)
-        if self.hparams.lora is not None:
-            initialize_lora(self.model, self.hparams.lora["seed"])
+        if self.lora is not None and not resumed:
+            initialize_lora(self.model, self.lora["seed"])
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (PaLM appendix B): 6 per parameter outside the embedding, plus attention's
@@ -155,56 +209,16 @@ class HFCausalLM(NextTokenLM):
         return 6 * (self._parameter_count - embedding) + 12 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
-# HFCausalLM's LoRA settings and their defaults (peft's LoraConfig: r, lora_alpha, lora_dropout, target_modules, bias).
-LORA_DEFAULTS: dict[str, Any] = {"r": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": None, "bias": "none",
-                                 "seed": 0}
-
-
-def lora_settings(lora: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``lora`` with every setting of :data:`LORA_DEFAULTS`, checked; None stays None (full fine-tuning)."""
-    if lora is None:
-        return None
-    if not isinstance(lora, Mapping):
-        raise ValueError(f"lora={lora!r} must be a mapping of LoRA settings, e.g. {{r: 8, alpha: 16, target_modules: "
-                         "[q_proj, v_proj]}}")
-    unknown = sorted(set(lora) - set(LORA_DEFAULTS))
-    if unknown:
-        raise ValueError(f"lora has unknown settings {unknown}; the settings are {sorted(LORA_DEFAULTS)}")
-    settings = {**LORA_DEFAULTS, **lora}
-    if not isinstance(settings["r"], int) or settings["r"] < 1:
-        raise ValueError(f"lora r={settings['r']!r} must be a positive integer (the adapters' rank), e.g. 8")
-    if not 0.0 <= float(settings["dropout"]) < 1.0:
-        raise ValueError(f"lora dropout={settings['dropout']!r} must be in [0, 1)")
-    if settings["bias"] not in ("none", "all", "lora_only"):
-        raise ValueError(f"lora bias={settings['bias']!r} must be one of 'none', 'all', 'lora_only' (peft's)")
-    targets = settings["target_modules"]
-    if targets is not None and not (isinstance(targets, str) or (isinstance(targets, (list, tuple)) and targets
-                                                                  and all(isinstance(t, str) for t in targets))):
-        raise ValueError(f"lora target_modules={targets!r} must be module names (e.g. [q_proj, v_proj]), a regular "
-                         "expression, 'all-linear', or None for peft's choice by model type")
-    settings["target_modules"] = list(targets) if isinstance(targets, (list, tuple)) else targets
-    return settings
-
-
-def _with_lora(model: torch.nn.Module, settings: dict[str, Any]) -> torch.nn.Module:
-    """``model`` as a peft model with LoRA adapters on ``settings['target_modules']`` (everything else frozen)."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as error:
-        raise ImportError("HFCausalLM(lora=...) builds the adapters with peft: pip install 'lightning-par[hf]'") from error
-    config = LoraConfig(r=settings["r"], lora_alpha=settings["alpha"], lora_dropout=settings["dropout"],
-                        target_modules=settings["target_modules"], bias=settings["bias"])
-    try:
-        model = get_peft_model(model, config)
-    except ValueError as error:  # targets that match nothing, or a model type peft has no default targets for
-        raise ValueError(f"lora target_modules={settings['target_modules']!r} on {type(model).__name__}: {error}") \
-            from error
-    others = sorted({f"{name} ({type(base_layer(layer)).__name__})" for name, layer in adapted_layers(model)
-                     if unused_lora_weights(layer)})
-    if others:
-        raise ValueError(f"lora target_modules={settings['target_modules']!r} adapt layers that are not projections: "
-                         f"{others[:3]}; target linear layers (q_proj, v_proj, ...), not embeddings")
-    return model
+def _document_separator(pretrained: str | None, config: Any) -> int:
+    """The end-of-sequence token packed documents end with: the pretrained directory's tokenizer's, as the data
+    modules pack with it, else the model config's."""
+    if pretrained is not None and any((Path(pretrained) / name).is_file() for name in TOKENIZER_MARKERS):
+        return int(load_tokenizer(pretrained).eos_token_id)
+    separator = getattr(config, "eos_token_id", None)
+    if not isinstance(separator, int):
+        raise ValueError(f"packed_documents=True needs the token that ends each document: the model has no tokenizer "
+                         f"in pretrained={pretrained!r} and its config's eos_token_id is {separator!r}, not one token")
+    return separator
 
 
 def _pretrained_config(directory: Path) -> Any:

@@ -87,6 +87,7 @@ def parallelize(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     accumulate: int = 1,
     plan: ModelMap | None = None,
+    loss_tokens: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Parallelized:
     """Apply every technique ``config`` asks for to ``model`` over ``mesh``; return the handle of the result
     (:class:`~lightning_par.parallel.parallelized.Parallelized`: the module to run and what a training loop asks).
@@ -99,8 +100,9 @@ def parallelize(
     on (``model_map_check``), what pipeline parallel traces to place the code outside the blocks, and what balancing
     by profile times the blocks on; without it the model map is applied unchecked. ``log`` receives what was split
     and what the check changed. Under pipeline parallel, the handle's runner computes ``loss_fn(logits, targets)``
-    (the model's mean loss) for batches of which ``accumulate`` make one optimizer step. ``plan`` is the old name
-    of ``model_map`` (warns; goes in the next release).
+    (the model's mean loss) for batches of which ``accumulate`` make one optimizer step, weighing micro-batches by
+    their ``loss_tokens(targets)`` where the model counts them. ``plan`` is the old name of ``model_map`` (warns;
+    goes in the next release).
     """
     model_map = model_map_or_its_old_name(model_map, plan, "parallelize")
     device = device if device is not None else torch.device(mesh.device_type)
@@ -186,7 +188,7 @@ def parallelize(
     pipeline = None
     if config.pp > 1:
         pipeline = PipelineRunner(layout_record(model).stages, mesh, config, loss_fn, accumulate=accumulate,
-                                  device=device)
+                                  device=device, loss_tokens=loss_tokens)
     reduces_after_backward = training and config.reduces_gradients_after_backward
     if config.zero_stage == 3 or not training or config.zero_stage == 2 or reduces_after_backward:
         # ZeRO-3 reduces gradients in FSDP2's hooks, stage 2 in hooks installed by Parallelized.shard_optimizer(),

@@ -114,8 +114,9 @@ def _heads_to_sequence(x: Tensor, group: dist.ProcessGroup, cp: int) -> Tensor:
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, *, is_causal: bool,
-                      scale: float | None) -> Tensor:
-    """Attention of q/k/v (B, H, T/cp, D) over the whole sequence, via two all-to-alls per tensor set."""
+                      scale: float | None, mask: Tensor | None = None) -> Tensor:
+    """Attention of q/k/v (B, H, T/cp, D) over the whole sequence, via two all-to-alls per tensor set; ``mask``: the
+    whole sequence's (B or 1, H or 1, T, T), as ``scaled_dot_product_attention``'s ``attn_mask``."""
     cp = dist.get_world_size(group)
     H, Hkv = q.shape[1], k.shape[1]
     if H % cp != 0:
@@ -124,7 +125,10 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup,
     if Hkv % cp != 0:  # too few kv heads to split: give every query head its own copy first
         k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
     q, k, v = (_sequence_to_heads(t, group, cp) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+    if mask is not None and mask.shape[1] > 1:  # one mask per head: this rank's heads
+        rank = dist.get_rank(group)
+        mask = mask[:, rank * (H // cp):(rank + 1) * (H // cp)]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                          enable_gqa=k.shape[1] != q.shape[1])  # (B, H/cp, T, D)
     return _heads_to_sequence(out, group, cp)
 
@@ -149,13 +153,19 @@ class _RingExchange:
         return self.received
 
 
-def _pairs(q_chunks: tuple[int, ...], kv_chunks: tuple[int, ...], size: int, is_causal: bool):
-    """(query slice, key slice, causal diagonal?) for every chunk pair with at least one unmasked score."""
+def _pairs(q_chunks: tuple[int, ...], kv_chunks: tuple[int, ...], size: int, is_causal: bool, mask: Tensor | None):
+    """(query slice, key slice, what masks the pair's scores) for every chunk pair with at least one unmasked score.
+    The mask of a pair is ``True`` for the causal diagonal, else None, or the block of ``mask`` (the whole sequence's)
+    for the pair's tokens."""
     for i, qc in enumerate(q_chunks):
         for j, kc in enumerate(kv_chunks):
             if is_causal and kc > qc:
                 continue  # every key of this chunk comes after every query: fully masked, skipped
-            yield slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size), is_causal and kc == qc
+            block = None if mask is None else mask[..., qc * size:(qc + 1) * size, kc * size:(kc + 1) * size]
+            if block is not None and block.dtype == torch.bool and not bool(block.any()):
+                continue  # fully masked (after the diagonal, or in another document): skipped
+            yield slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size), \
+                (True if is_causal and kc == qc else block)
 
 
 def _expand(x: Tensor, repeat: int) -> Tensor:
@@ -178,7 +188,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, is_causal: bool,
-                scale: float) -> Tensor:
+                scale: float, mask: Tensor | None) -> Tensor:
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         mine = chunks_of_rank(rank, cp, "ring")
         size = q.shape[2] // len(mine)
@@ -189,24 +199,24 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             exchange = _RingExchange(kv, group) if step < cp - 1 else None
             source = (rank - step) % cp  # whose keys and values this rank holds at this step
-            for qs, ks, diagonal in _pairs(mine, chunks_of_rank(source, cp, "ring"), size, is_causal):
-                scores = _scores(q[:, :, qs], _expand(kv[0][:, :, ks], repeat), scale, diagonal)  # (B, H, c, c)
+            for qs, ks, masked in _pairs(mine, chunks_of_rank(source, cp, "ring"), size, is_causal, mask):
+                scores = _scores(q[:, :, qs], _expand(kv[0][:, :, ks], repeat), scale, masked)  # (B, H, c, c)
                 block_lse = scores.logsumexp(-1)
-                block_out = torch.softmax(scores, -1) @ _expand(kv[1][:, :, ks], repeat).float()
+                block_out = _share(scores, block_lse[..., None]) @ _expand(kv[1][:, :, ks], repeat).float()
                 new_lse = torch.logaddexp(lse[:, :, qs], block_lse)
                 # Online softmax: rescale what was accumulated and what is added to the new normaliser.
-                out[:, :, qs] = (out[:, :, qs] * (lse[:, :, qs] - new_lse).exp()[..., None]
-                                 + block_out * (block_lse - new_lse).exp()[..., None])
+                out[:, :, qs] = (out[:, :, qs] * _share(lse[:, :, qs], new_lse)[..., None]
+                                 + block_out * _share(block_lse, new_lse)[..., None])
                 lse[:, :, qs] = new_lse
             if exchange is not None:
                 kv = exchange.wait()
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.group, ctx.is_causal, ctx.scale = group, is_causal, scale
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, mask = ctx.saved_tensors
         group, is_causal, scale = ctx.group, ctx.is_causal, ctx.scale
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         mine = chunks_of_rank(rank, cp, "ring")
@@ -222,9 +232,9 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             exchange = _RingExchange(kv, group) if step < cp - 1 else None
             source = (rank - step) % cp
-            for qs, ks, diagonal in _pairs(mine, chunks_of_rank(source, cp, "ring"), size, is_causal):
+            for qs, ks, masked in _pairs(mine, chunks_of_rank(source, cp, "ring"), size, is_causal, mask):
                 k_block, v_block = (_expand(t[:, :, ks], repeat).float() for t in kv)
-                probs = (_scores(q[:, :, qs], k_block, scale, diagonal) - lse[:, :, qs, None]).exp()
+                probs = _share(_scores(q[:, :, qs], k_block, scale, masked), lse[:, :, qs, None])
                 grad_kv[1][:, :, ks] += _fold(probs.transpose(-1, -2) @ grad_out[:, :, qs], repeat)
                 grad_scores = probs * (grad_out[:, :, qs] @ v_block.transpose(-1, -2) - delta[:, :, qs, None])
                 grad_q[:, :, qs] += grad_scores @ k_block * scale
@@ -232,25 +242,37 @@ class _RingAttention(torch.autograd.Function):
             grad_kv = _RingExchange(grad_kv, group).wait()  # to the rank that attends to these blocks next (or home)
             if exchange is not None:
                 kv = exchange.wait()
-        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, diagonal: bool) -> Tensor:
+def _scores(q: Tensor, k: Tensor, scale: float, masked: bool | Tensor | None) -> Tensor:
+    """Scaled scores of a chunk pair: ``masked`` True applies the causal diagonal; a tensor is the pair's block of
+    ``attn_mask`` (bool: True attends; float: added)."""
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, H, c, c)
-    if diagonal:
+    if masked is True:
         causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+        return scores.masked_fill(~causal, float("-inf"))
+    if isinstance(masked, Tensor):
+        return scores.masked_fill(~masked, float("-inf")) if masked.dtype == torch.bool else scores + masked.float()
     return scores
 
 
+def _share(log_part: Tensor, log_total: Tensor) -> Tensor:
+    """``exp(log_part - log_total)``, and 0 where ``log_total`` is -inf: a query row with no unmasked key yet (or in
+    this pair) holds nothing, where the plain difference would be NaN."""
+    return torch.where(torch.isneginf(log_total), 0.0, (log_part - log_total).exp())
+
+
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, *, is_causal: bool,
-                   scale: float | None) -> Tensor:
-    """Attention of q/k/v (B, H, T/cp, D) over the whole sequence, keys and values passed round the ring."""
+                   scale: float | None, mask: Tensor | None = None) -> Tensor:
+    """Attention of q/k/v (B, H, T/cp, D) over the whole sequence, keys and values passed round the ring; ``mask``:
+    the whole sequence's (B or 1, H or 1, T, T), as ``scaled_dot_product_attention``'s ``attn_mask``, each chunk
+    pair taking its block (a pair whose block masks everything is skipped, as the causal ones are)."""
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"grouped-query attention needs the {q.shape[1]} query heads to be a multiple of the "
                          f"{k.shape[1]} key/value heads")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, is_causal, scale)
+    return _RingAttention.apply(q, k, v, group, is_causal, scale, mask)
 
 
 # ------------------------------------------------------------------------- attaching to a model
@@ -270,13 +292,15 @@ class _RouteAttention(TorchFunctionMode):
     def attend(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                enable_gqa: bool = False) -> Tensor:
-        if attn_mask is not None:
-            raise ValueError("context parallel attention takes no explicit attn_mask (each rank holds only part of "
-                             "the sequence): use is_causal=True, or no mask, in scaled_dot_product_attention")
+        whole = query.shape[2] * dist.get_world_size(self.group)
+        if attn_mask is not None and (attn_mask.dim() != 4 or tuple(attn_mask.shape[-2:]) != (whole, whole)):
+            raise ValueError(f"context parallel attention takes an attn_mask of the whole sequence, (batch, heads, "
+                             f"{whole}, {whole}) with batch and heads 1 or full (each rank attends for its chunks), "
+                             f"got shape {tuple(attn_mask.shape)}: use is_causal=True, or a mask of every position")
         if dropout_p != 0.0:
             raise ValueError(f"context parallel attention has no attention dropout; got dropout_p={dropout_p}")
         attention = ulysses_attention if self.method == "ulysses" else ring_attention
-        return attention(query, key, value, self.group, is_causal=is_causal, scale=scale)
+        return attention(query, key, value, self.group, is_causal=is_causal, scale=scale, mask=attn_mask)
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -93,6 +93,25 @@ def apply_data_parallel(
     return ddp
 
 
+def token_share(count: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
+    """``count`` (the loss-taking tokens of this data-parallel rank's batch) x dp / their sum over the dp ranks: the
+    factor that turns this rank's mean loss into its part of the mean over the global batch's tokens, once gradients
+    are averaged over dp. Under prompt masking or packed documents the ranks' batches take their loss on different
+    numbers of tokens; a plain average of their means would weigh a token of a short-answer batch more than one of a
+    long-answer batch, unlike one process on the whole batch (the normalisation Megatron-LM and torchtitan apply).
+    Collective over the ``dp`` ranks."""
+    return (count.to(torch.float64) * mesh.size("dp") / global_tokens(count, mesh)).to(torch.float32)
+
+
+def global_tokens(count: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
+    """The sum of ``count`` over the data-parallel ranks (at least 1, so that dividing by it is safe), in float64.
+    Collective over the ``dp`` ranks."""
+    total = count.detach().to(torch.float64).clone()
+    if mesh.size("dp") > 1:
+        dist.all_reduce(total, group=mesh.group("dp"))
+    return total.clamp(min=1)
+
+
 def broadcast_replicas(module: nn.Module, mesh: ParallelMesh) -> None:
     """Copy parameters and buffers from data-parallel rank 0 to the other replicas.
 

@@ -122,8 +122,9 @@ def _stacked_experts(module: nn.Module) -> int | None:
 
 def _split_weights(experts: nn.Module, ep_mesh: Any, gradient: Callable[[Tensor], Tensor] | None) -> None:
     for name, weight in list(experts.named_parameters(recurse=False)):
-        split = nn.Parameter(distribute_tensor(weight.data, ep_mesh, [Shard(0)]))
-        if gradient is not None:
+        # A frozen expert (a LoRA model's base) stays frozen: no gradient, so nothing to reduce either.
+        split = nn.Parameter(distribute_tensor(weight.data, ep_mesh, [Shard(0)]), requires_grad=weight.requires_grad)
+        if gradient is not None and split.requires_grad:
             split.register_hook(gradient)  # on each backward's contribution
         setattr(experts, name, split)
 

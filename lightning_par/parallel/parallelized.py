@@ -173,6 +173,11 @@ class Parallelized:
         """Where the loss and its backward run: with loss parallel, on vocabulary-sharded logits."""
         return vocab_parallel_loss(self.config.loss_parallel and self.mesh.size("tp") > 1)
 
+    def token_share(self, count: Tensor) -> Tensor:
+        """The factor that makes a batch's mean loss over its ``count`` loss-taking tokens this rank's part of the
+        global batch's token mean (``parallel.data.token_share``). Collective over the data-parallel ranks."""
+        return data.token_share(count, self.mesh)
+
 
 def parallelized_by_its_author(module: nn.Module) -> bool:
     """Whether ``module`` holds DTensor parameters or FSDP2 modules that :func:`parallelize` did not put there

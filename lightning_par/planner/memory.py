@@ -144,17 +144,24 @@ class RankStages:
     head: bool
     n_moe: int = 0  # how many of its blocks hold experts
 
-    @property
+    # Cached (frozen, and rank_stages hands out the same instances): the search reads them for every layout.
+    @functools.cached_property
     def blocks(self) -> tuple[int, ...]:
         return tuple(b for stage in self.stage_blocks for b in stage)
 
-    @property
+    @functools.cached_property
     def n_blocks(self) -> int:
         return sum(len(stage) for stage in self.stage_blocks)
 
-    @property
+    @functools.cached_property
     def n_dense(self) -> int:
         return self.n_blocks - self.n_moe
+
+    @functools.cached_property
+    def kind(self) -> tuple[int, int, bool, bool, int]:
+        """What a rank's memory depends on besides its rank: (dense blocks, MoE blocks, embedding, head, stages).
+        Pipeline ranks of one kind differ only in the micro-batches they hold in flight."""
+        return self.n_dense, self.n_moe, self.embedding, self.head, len(self.stage_blocks)
 
 
 def stages_per_rank(config: ParallelConfig) -> int:
@@ -309,8 +316,22 @@ def estimate_memory(model: ModelSpec, config: ParallelConfig, *, seq_len: int, m
     """Per-rank memory of ``config`` (fully sized) for micro-batches of ``micro_batch_size`` sequences of
     ``seq_len`` tokens, ``microbatches`` of them per optimizer step on each data-parallel rank (pipeline
     micro-batches, or gradient accumulation steps). Returns the heaviest pipeline rank's breakdown."""
-    return max(rank_memory(model, config, seq_len=seq_len, micro_batch_size=micro_batch_size, precision=precision,
-                           microbatches=microbatches, optimizer=optimizer), key=lambda m: m.total)
+    # max(rank_memory(...), key=total), without building every rank's breakdown: a rank's total only grows with the
+    # micro-batches it holds in flight (its kind fixes the rest, and float sums and products of non-negative bytes
+    # are monotonic), so a rank holding no more than an earlier one of its kind cannot be heavier than that one,
+    # and max keeps the first of equals.
+    heaviest: MemoryBreakdown | None = None
+    most: dict[tuple[int, int, bool, bool, int], float] = {}  # the most held in flight so far, by kind of rank
+    for stages, one, held in _ranks(model, config, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                                    precision=precision, microbatches=microbatches, optimizer=optimizer):
+        if stages.kind in most and held <= most[stages.kind]:
+            continue
+        most[stages.kind] = held
+        breakdown = _on_rank(one, held, stages.rank)
+        if heaviest is None or breakdown.total > heaviest.total:
+            heaviest = breakdown
+    assert heaviest is not None  # every layout has a pipeline rank
+    return heaviest
 
 
 def rank_memory(model: ModelSpec, config: ParallelConfig, *, seq_len: int, micro_batch_size: int,
@@ -318,16 +339,54 @@ def rank_memory(model: ModelSpec, config: ParallelConfig, *, seq_len: int, micro
                 optimizer: str = "adamw") -> tuple[MemoryBreakdown, ...]:
     """The breakdown of every pipeline rank, in rank order (one without pipeline parallel): what
     :func:`estimate_memory` takes the heaviest of, and what a measurement of each stage is compared with."""
+    return tuple(_on_rank(one, held, stages.rank) for stages, one, held in _ranks(
+        model, config, seq_len=seq_len, micro_batch_size=micro_batch_size, precision=precision,
+        microbatches=microbatches, optimizer=optimizer))
+
+
+def _ranks(model: ModelSpec, config: ParallelConfig, *, seq_len: int, micro_batch_size: int, precision: str,
+           microbatches: int, optimizer: str) -> list[tuple[RankStages, MemoryBreakdown, float]]:
+    """Every pipeline rank in rank order: (its stages, the breakdown of its kind of rank with ONE micro-batch's
+    activations, the micro-batches it holds in flight). Most ranks hold the same blocks (a middle rank's stages are
+    alike): each kind of rank is costed once, and its ranks differ only in the micro-batches in flight."""
     _check_precision(precision)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not one of {OPTIMIZERS}")
     config.mesh_shape()  # raises if sizes are still "auto"
-    return tuple(_rank_memory(model, config, stages, seq_len=seq_len, mbs=micro_batch_size, precision=precision,
-                              microbatches=microbatches) for stages in rank_stages(model, config))
+    # A block's activations per token, kept for backward and rebuilt by recomputation, are the same on every rank.
+    knobs = dict(precision=precision, tp=config.tp, sequence_parallel=config.sequence_parallel, cp=config.cp,
+                 cp_method=config.cp_method)
+    kept = {moe: block_activation_bytes(model, moe=moe, checkpointing=config.activation_checkpointing, **knobs)
+            for moe in (False, True)}
+    rebuilt = {moe: block_activation_bytes(model, moe=moe, **knobs) for moe in (False, True)} \
+        if config.activation_checkpointing != "none" else kept
+    kinds: dict[tuple[int, int, bool, bool, int], MemoryBreakdown] = {}
+    ranks = []
+    for stages in rank_stages(model, config):
+        one = kinds.get(stages.kind)
+        if one is None:
+            one = kinds[stages.kind] = _rank_memory(model, config, stages, seq_len=seq_len, mbs=micro_batch_size,
+                                                    precision=precision, microbatches=microbatches, kept=kept,
+                                                    rebuilt=rebuilt)
+        ranks.append((stages, one, in_flight(config, stages.rank, microbatches)))
+    return ranks
+
+
+def _on_rank(one: MemoryBreakdown, held: float, rank: int) -> MemoryBreakdown:
+    """The breakdown of a kind of rank with one micro-batch's activations (:func:`_rank_memory`) on pipeline rank
+    ``rank``, which holds ``held`` micro-batches' (built field by field: ``dataclasses.replace`` is slow)."""
+    return MemoryBreakdown(parameters=one.parameters, gradients=one.gradients, optimizer_states=one.optimizer_states,
+                           activations=one.activations * held, logits=one.logits,
+                           autocast_copies=one.autocast_copies, recompute=one.recompute,
+                           loss_workspace=one.loss_workspace, comm_buffers=one.comm_buffers, stage=rank)
 
 
 def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *, seq_len: int, mbs: int,
-                 precision: str, microbatches: int) -> MemoryBreakdown:
+                 precision: str, microbatches: int, kept: dict[bool, float],
+                 rebuilt: dict[bool, float]) -> MemoryBreakdown:
+    """The breakdown of ``stages``' kind of rank with the activations of ONE micro-batch in flight. ``kept`` and
+    ``rebuilt``: a dense (False) and an MoE (True) block's activation bytes per token, kept for backward and
+    rebuilt by recomputation (:func:`block_activation_bytes`)."""
     tp, cp = config.tp, config.cp
     dp_shard = int(config.dp_shard)
     pbytes = param_bytes(precision)
@@ -362,18 +421,13 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
     # dp_shard x cp ranks, the experts' over the ranks holding the same experts (parallel.zero_experts).
     optimizer_states = 2 * (fsdp_shard(pbytes) if stage else params * pbytes)
 
-    # ---- activations of the blocks, all micro-batches in flight
+    # ---- activations of the blocks, one micro-batch (_on_rank multiplies them by the micro-batches in flight)
     tokens = mbs * seq_len / cp
-    knobs = dict(precision=precision, tp=tp, sequence_parallel=config.sequence_parallel, cp=cp,
-                 cp_method=config.cp_method)
-    kept = {moe: block_activation_bytes(model, moe=moe, checkpointing=config.activation_checkpointing, **knobs)
-            for moe in (False, True)}
-    per_microbatch = (stages.n_dense * kept[False] + stages.n_moe * kept[True]) * tokens
-    activations = per_microbatch * in_flight(config, stages.rank, microbatches)
+    activations = (stages.n_dense * kept[False] + stages.n_moe * kept[True]) * tokens
     recompute = 0.0
     if config.activation_checkpointing != "none" and stages.n_blocks:
-        recompute = tokens * max(block_activation_bytes(model, moe=moe, **knobs)
-                                 for moe, count in ((False, stages.n_dense), (True, stages.n_moe)) if count)
+        recompute = tokens * max(rebuilt[moe] for moe, count in ((False, stages.n_dense), (True, stages.n_moe))
+                                 if count)
 
     # ---- the ends: final norm and head on this rank's tokens, the loss on the whole sequence's logits (every cp
     # rank; lightning_par.parallel.context.GatherAtHead)

@@ -61,20 +61,22 @@ class ModelSpec:
                              "needs moe_experts > 0")
 
     # ------------------------------------------------------------------------------ derived sizes
-    @property
+    # These and the parameter counts below are cached on the instance (frozen, so they cannot go stale): the
+    # planner's search reads them millions of times.
+    @functools.cached_property
     def head_dim(self) -> int:
         return self.attention_head_dim or self.hidden // self.heads
 
-    @property
+    @functools.cached_property
     def kv_dim(self) -> int:
         """Width of the key (and of the value) projection: ``kv_heads x head_dim``."""
         return self.kv_heads * self.head_dim
 
-    @property
+    @functools.cached_property
     def is_moe(self) -> bool:
         return self.moe_experts > 0 and self.moe_layers > 0
 
-    @property
+    @functools.cached_property
     def expert_hidden(self) -> int:
         return self.expert_ffn_hidden or self.ffn_hidden
 
@@ -86,27 +88,27 @@ class ModelSpec:
         return math.floor((index + 1) * self.moe_layers / self.layers) > math.floor(index * self.moe_layers / self.layers)
 
     # ------------------------------------------------------------------------------ parameter counts
-    @property
+    @functools.cached_property
     def attention_params(self) -> int:
         """q and o are ``hidden x heads·head_dim`` (``hidden x hidden`` but for Gemma's wider heads); k and v
         ``hidden x kv_dim`` (GQA, Ainslie et al. 2023)."""
         return 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_dim
 
-    @property
+    @functools.cached_property
     def mlp_params(self) -> int:
         """A dense feed-forward: gate, up and down for SwiGLU (Shazeer 2020), up and down for a plain one."""
         return self.ffn_matrices * self.hidden * self.ffn_hidden
 
-    @property
+    @functools.cached_property
     def expert_params(self) -> int:
         """The experts of one MoE block (``moe_experts`` SwiGLUs), without the router."""
         return self.moe_experts * self.ffn_matrices * self.hidden * self.expert_hidden
 
-    @property
+    @functools.cached_property
     def router_params(self) -> int:
         return self.hidden * self.moe_experts
 
-    @property
+    @functools.cached_property
     def norm_params(self) -> int:
         """The two RMSNorm gains of a block."""
         return 2 * self.hidden
@@ -120,16 +122,16 @@ class ModelSpec:
             return self.expert_params + self.router_params
         return self.mlp_params
 
-    @property
+    @functools.cached_property
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden
 
-    @property
+    @functools.cached_property
     def head_params(self) -> int:
         """The output projection; 0 extra parameters when tied to the embedding (still a matmul)."""
         return 0 if self.tie_embeddings else self.vocab_size * self.hidden
 
-    @property
+    @functools.cached_property
     def final_norm_params(self) -> int:
         return self.hidden
 
@@ -138,7 +140,7 @@ class ModelSpec:
         blocks = sum(self.block_params(i) for i in range(self.layers))
         return self.embedding_params + blocks + self.final_norm_params + self.head_params
 
-    @property
+    @functools.cached_property
     def total_expert_params(self) -> int:
         return self.moe_layers * self.expert_params
 
@@ -160,7 +162,7 @@ class ModelSpec:
                else self.mlp_params)
         return 6 * (self.attention_params + ffn) + 12 * self.hidden * seq_len
 
-    @property
+    @functools.cached_property
     def head_flops_per_token(self) -> int:
         return 6 * self.hidden * self.vocab_size
 

@@ -325,8 +325,9 @@ def chosen_units(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig)
         return config
     stages = rank_stages(model, config)[0]
     gather_bytes = 2 if config.param_dtype in ("bf16", "fp16") else 4
-    blocks = [block_local_params(model, config, moe) * gather_bytes
-              for moe, count in ((False, stages.n_dense), (True, stages.n_moe)) for _ in range(count)]
+    # every block of a kind (dense, MoE) gathers the same bytes: each kind is sized once
+    blocks = [size for moe, count in ((False, stages.n_dense), (True, stages.n_moe)) if count
+              for size in [block_local_params(model, config, moe) * gather_bytes] * count]
     choice = choose_units(blocks, memory_bytes=cluster.memory_bytes, prefetch=config.pp == 1,
                           accelerator=cluster.accelerator)
     return dataclasses.replace(config, **{name: getattr(choice, name) for name in ZERO3_UNIT_DEFAULTS})

@@ -38,12 +38,14 @@ spans ``tp`` ranks, ``cp`` spans ``tp x cp``, and so on outwards (:func:`spans`)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_par.config import ParallelConfig
 from lightning_par.planner.cluster import ClusterSpec
 from lightning_par.planner.memory import (
+    RankStages,
     block_local_params,
     local_params,
     matmul_activation_bytes,
@@ -141,14 +143,15 @@ def _exposed(comm: float, overlap_with: float, units: int, overlap: float = COLL
     return max(comm - overlap * overlap_with, comm / max(units, 1))
 
 
-def _block_seconds(model: ModelSpec, config: ParallelConfig, cluster: ClusterSpec, moe: bool, *, seq_len: int,
-                   precision: str, compiled: bool, float8: bool) -> dict[str, float]:
+@functools.lru_cache(maxsize=4096)
+def _block_seconds(model: ModelSpec, cluster: ClusterSpec, moe: bool, *, tp: int, cp: int, sequence_parallel: bool,
+                   seq_len: int, precision: str, compiled: bool, float8: bool) -> dict[str, float]:
     """Seconds of one block's forward + backward per token of the whole sequence on one tp x cp rank, by kind of
-    work: its linear layers, its attention, its element-wise ops."""
+    work: its linear layers, its attention, its element-wise ops. Cached (the search costs thousands of layouts
+    with the same few tp x cp splits): callers read the dict and never change it."""
     peak = cluster.flops(precision)
     attention = 12 * model.hidden * seq_len
     linear = model.block_flops_per_token(moe, seq_len) - attention
-    tp, cp = config.tp, config.cp
     linear_rate = peak * cluster.compute_efficiency
     if float8:
         if cluster.peak_flops_fp8 is None:
@@ -161,7 +164,7 @@ def _block_seconds(model: ModelSpec, config: ParallelConfig, cluster: ClusterSpe
     seconds["elementwise"] = 0.0
     if cluster.memory_bandwidth is not None:
         ffn = model.moe_top_k * model.expert_hidden if moe else model.ffn_hidden
-        h = model.hidden / (tp if config.sequence_parallel else 1)  # norms, residual adds: split by tp only under SP
+        h = model.hidden / (tp if sequence_parallel else 1)  # norms, residual adds: split by tp only under SP
         passes = ELEMENTWISE_PASSES_H * h + ELEMENTWISE_PASSES_F * ffn / tp
         seconds["elementwise"] = passes * matmul_activation_bytes(precision) / cluster.memory_bandwidth / cp \
             * (COMPILED_ELEMENTWISE_FRACTION if compiled else 1.0)
@@ -182,19 +185,24 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     a, r = matmul_activation_bytes(precision), residual_bytes(precision)
     span = spans(config)
     h = model.hidden
-    kinds = dict(seq_len=seq_len, precision=precision, compiled=compiled, float8=float8)
-    dense_s, moe_s = (_block_seconds(model, config, cluster, moe, **kinds) for moe in (False, True))
+    kinds = dict(tp=tp, cp=cp, sequence_parallel=config.sequence_parallel, seq_len=seq_len, precision=precision,
+                 compiled=compiled, float8=float8)
+    dense_s, moe_s = (_block_seconds(model, cluster, moe, **kinds) for moe in (False, True))
 
     # ---- compute per micro-batch on each pipeline rank; the slowest sets the pace
-    ranks = rank_stages(model, config)
-    per_rank = []
-    for stages in ranks:
+    # Ranks with the same blocks and ends do the same work: each is costed once, by the first of them (the one max
+    # would pick among their equal sums).
+    per_rank: dict[tuple[int, int, bool], tuple[dict[str, float], RankStages]] = {}
+    for stages in rank_stages(model, config):
+        key = (stages.n_dense, stages.n_moe, stages.head)
+        if key in per_rank:
+            continue
         work = {kind: (stages.n_dense * dense_s[kind] + stages.n_moe * moe_s[kind]) * mbs * seq_len
                 for kind in dense_s}
         # this rank's tokens: under cp the logits are gathered after the head (parallel.context.GatherAtHead)
         work["head"] = model.head_flops_per_token * mbs * seq_len / (tp * cp) / rate if stages.head else 0.0
-        per_rank.append((work, stages))
-    work, stages = max(per_rank, key=lambda x: sum(x[0].values()))
+        per_rank[key] = (work, stages)
+    work, stages = max(per_rank.values(), key=lambda x: sum(x[0].values()))
     head_seconds = work["head"]
     block_seconds = sum(work.values()) - head_seconds
     compute_mb = block_seconds + head_seconds

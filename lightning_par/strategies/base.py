@@ -205,7 +205,8 @@ class MeshStrategy(StepsThroughTheHandle):
                            device_ids=None if self.root_device.type == "cpu" else [self.root_device.index],
                            sample_batch=sample_for_layout(self.lightning_module, config, model_map, self.broadcast),
                            log=rank_zero_info, loss_fn=getattr(self.lightning_module, "loss_fn", None),
-                           accumulate=trainer.accumulate_grad_batches)
+                           accumulate=trainer.accumulate_grad_batches,
+                           loss_tokens=getattr(self.lightning_module, "loss_tokens", None))
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

@@ -31,6 +31,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par import checkpoint as ckpt
+from lightning_par.checkpoint_validation import CheckpointError
+from lightning_par.lora import base_reference, check_base
 from lightning_par.parallel.modules import tied_aliases
 from lightning_par.strategies.processes import MeshProcesses
 from lightning_par.strategies.resilience import (
@@ -52,6 +54,7 @@ class ShardedCheckpoints(MeshProcesses):
         self._rng_states_to_restore: dict[str, Any] | None = None  # put back at the first batch after a resume
         self._pending_save: Future | None = None  # an asynchronous save still being written
         self._checkpoint_group: torch.distributed.ProcessGroup | None = None
+        self._base_reference: dict[str, str] | None = None  # the frozen base directory's, once read
 
     @property
     def _saves_asynchronously(self) -> bool:
@@ -72,10 +75,16 @@ class ShardedCheckpoints(MeshProcesses):
     def lightning_restore_optimizer(self) -> bool:
         return False  # load_checkpoint() already restored them
 
+    def _frozen_base(self) -> str | None:
+        """The directory the module's frozen parameters are read from (``HFCausalLM(lora=...)``'s ``frozen_base``):
+        its checkpoints then hold only the trainable parameters, and a reference to that directory."""
+        return getattr(self.lightning_module, "frozen_base", None)
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        return ckpt.model_state_dict(self.lightning_module, full=not self._save_distributed_checkpoint, aliases=False)
+        return ckpt.model_state_dict(self.lightning_module, full=not self._save_distributed_checkpoint, aliases=False,
+                                     trainable_only=self._frozen_base() is not None)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -93,6 +102,11 @@ class ShardedCheckpoints(MeshProcesses):
         self._enter(f"saving checkpoint {path}")
         checkpoint[RNG_STATES_KEY] = gather_rng_states(self.root_device)
         checkpoint[ckpt.TIED_KEY] = tied_aliases(self.lightning_module)
+        base = self._frozen_base()
+        if base is not None and self.is_global_zero:  # rank 0 writes the entries beside the tensors
+            if self._base_reference is None:  # the base does not change during a run: its files are read once
+                self._base_reference = base_reference(base)
+            checkpoint[ckpt.FROZEN_BASE_KEY] = self._base_reference
         if self._saves_asynchronously and self._checkpoint_group is None:
             self._checkpoint_group = torch.distributed.new_group(backend="gloo", group_desc="asynchronous checkpoints")
         self._pending_save = ckpt.save_checkpoint(
@@ -131,9 +145,28 @@ class ShardedCheckpoints(MeshProcesses):
             weights_only=self._checkpoint_weights_only if weights_only is None else weights_only,
         )
         checkpoint.pop(ckpt.TIED_KEY, None)  # load_checkpoint restored the ties already
+        reference = checkpoint.get(ckpt.FROZEN_BASE_KEY)  # kept: the module reads its base again (on_load_checkpoint)
+        if reference is not None:
+            self._check_frozen_base(reference, path)
         self._rng_states_to_restore = rng_states_of_rank(checkpoint.pop(RNG_STATES_KEY, None), self.global_rank,
                                                          self.world_size)
         return checkpoint
+
+    def _check_frozen_base(self, reference: dict[str, str], path: Path) -> None:
+        """Refuse, on every rank, a checkpoint of adapters whose base model is not the module's (its files changed, or
+        the module has none). Rank 0 reads the files; the others wait for its verdict."""
+        problem = None
+        if self.is_global_zero:
+            base = self._frozen_base()
+            problem = (check_base(reference, base, source=str(path)) if base is not None else
+                       f"checkpoint {str(path)!r} holds LoRA adapters only, for the base model in "
+                       f"{reference['directory']!r}, and {type(self.lightning_module).__name__} reads no base model "
+                       "directory: resume it with HFCausalLM(pretrained=<that directory>, lora=...)")
+            if problem is None:
+                self._base_reference = reference
+        problem = self.broadcast(problem)
+        if problem is not None:
+            raise CheckpointError(problem)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

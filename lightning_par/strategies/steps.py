@@ -44,8 +44,23 @@ class StepsThroughTheHandle(ShardedCheckpoints):
             loss = self.parallelized.pipeline.train_step(inputs, targets, list(self.lightning_module.parameters()))
             self.lightning_module.log("train_loss", loss, prog_bar=True, sync_dist=True)
             return loss
+        share = self._token_share(args[0])
         with self.parallelized.loss_context():
-            return super().training_step(*args, **kwargs)
+            output = super().training_step(*args, **kwargs)
+        if share is None:
+            return output
+        if isinstance(output, Tensor):
+            return output * share
+        return {**output, "loss": output["loss"] * share}
+
+    def _token_share(self, batch: Any) -> Tensor | None:
+        """For a model whose loss is the mean over the positions ``loss_tokens(targets)`` counts (masked prompts,
+        padding, packed documents): the factor that makes this rank's mean its part of the global batch's token mean
+        (``Parallelized.token_share``). None for other models, and when one rank reads all the data."""
+        count = getattr(self.lightning_module, "loss_tokens", None)
+        if count is None or self.mesh.size("dp") == 1:
+            return None
+        return self.parallelized.token_share(count(self.lightning_module.split_batch(batch)[1]))
 
     @override
     def on_validation_end(self) -> None:

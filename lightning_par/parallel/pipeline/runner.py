@@ -32,6 +32,7 @@ from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.pipeline.bubble import BubbleMeter
 from lightning_par.parallel.comm import PipelineSends
+from lightning_par.parallel.data import global_tokens
 from lightning_par.parallel.pipeline.split import (build_schedule, check_microbatches, forward_through_stages,
                                                   last_stage_rank)
 from lightning_par.parallel.pipeline.weight_grad import DeferredWeightGradients
@@ -45,7 +46,9 @@ class PipelineRunner:
     """Runs ``stages`` (this rank's, from ``parallelize``) with ``config``'s schedule and micro-batches.
 
     ``loss_fn(logits, targets)`` is the model's mean loss; ``accumulate`` the batches accumulated per optimizer
-    step.
+    step. ``loss_tokens(targets)``, when the model says how many positions of ``targets`` take a loss (its loss being
+    their mean), weighs each micro-batch's mean by its share of the batch's tokens over every data-parallel rank
+    (``parallel.data.token_share``), so that the loss is the mean over the whole batch's tokens, as one process's.
     """
 
     #: Under ZB-V and DualPipeV, compute the linear layers' weight gradients in the W actions from what their
@@ -54,14 +57,20 @@ class PipelineRunner:
 
     def __init__(self, stages: list, mesh: ParallelMesh, config: ParallelConfig,
                  loss_fn: Callable[[Tensor, Tensor], Tensor], *, accumulate: int = 1,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None,
+                 loss_tokens: Callable[[Tensor], Tensor] | None = None) -> None:
         check_microbatches(config.pp_microbatches, config.pp_schedule, config.pp)
         self.stages, self.mesh, self.config, self.loss_fn, self.accumulate = stages, mesh, config, loss_fn, accumulate
+        self.loss_tokens = loss_tokens
+        self._batch_tokens: Tensor | None = None  # loss-taking tokens of the batch in the step, over the dp ranks
         micro = config.pp_microbatches
 
         def scaled_loss(logits: Tensor, targets: Tensor) -> Tensor:
-            # Summed over micro-batches and accumulated batches, the gradients are those of the mean loss.
-            return loss_fn(logits, targets) / (micro * accumulate)
+            # Summed over micro-batches and accumulated batches, the gradients are those of the mean loss: each
+            # micro-batch's mean weighs 1 / micro, or its share of the batch's loss-taking tokens.
+            if self.loss_tokens is None or self._batch_tokens is None:
+                return loss_fn(logits, targets) / (micro * accumulate)
+            return loss_fn(logits, targets) * (self.loss_tokens(targets) / self._batch_tokens) / accumulate
 
         self._make_schedule = {"train": lambda: build_schedule(stages, config.pp_schedule, micro, scaled_loss),
                                "eval": lambda: build_schedule(stages, config.pp_schedule, micro, None)}
@@ -92,6 +101,8 @@ class PipelineRunner:
         earlier = [p.grad for p in parameters]
         for p in parameters:
             p.grad = None
+        if self.loss_tokens is not None:  # each micro-batch's share of the whole batch's tokens
+            self._batch_tokens = (global_tokens(self.loss_tokens(targets), self.mesh) / self.mesh.size("dp")).float()
         losses: list[Tensor] = []
         loss = torch.zeros((), device=inputs.device)
         schedule = self._ready("train", inputs)
