@@ -52,6 +52,9 @@ TIED_KEY = "lightning_par_tied_parameters"
 # In a checkpoint of a module whose frozen parameters come from a model directory (HFCausalLM with LoRA): that
 # directory, as lightning_par.lora.base_reference gives it. The checkpoint holds the trainable parameters only.
 FROZEN_BASE_KEY = "lightning_par_frozen_base"
+# In a checkpoint written under Lightning Fabric: which entries of the state saved held the model and the optimizers
+# (the checkpoint keeps them under MODEL_KEY and OPTIMIZERS_KEY, as the Trainer's).
+FABRIC_KEY = "lightning_par_fabric_state"
 OPTIMIZERS_KEY = "optimizer_states"  # Lightning's own key: a list, one entry per optimizer
 META_FILE = "meta.pt"
 

@@ -246,3 +246,33 @@ def test_the_old_strategy_argument_plan_still_gives_the_model_map() -> None:
     assert strategy._model_map == ModelMap.from_dict(spec)
     with pytest.raises(ValueError, match="give the model map once"):
         DataParallelStrategy(plan=spec, model_map=spec)
+
+
+def test_no_model_map_names_the_block_lists_it_examined_and_why_each_was_rejected() -> None:
+    """A model of mixed blocks (Jamba's mamba and attention layers) gets no derived map; the refusal names the list
+    and the reason, not only that none was found."""
+    from lightning_par.parallel.model_map import derive_model_map
+    from lightning_par.parallel.tensor import check_tensor_parallel
+
+    class Mamba(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.in_proj = nn.Linear(8, 16)
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj = nn.Linear(8, 8)
+
+    class Hybrid(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Mamba(), Attention(), Mamba(), Attention()])
+            self.norms = nn.ModuleList([nn.LayerNorm(8)])
+
+    model = Hybrid()
+    assert derive_model_map(model) is None
+    with pytest.raises(ValueError, match=r"no model map was found \(candidate block lists examined: layers \(4 "
+                                         r"entries\): mixed block types \(Attention, Mamba\); norms \(1 entries\): its "
+                                         r"LayerNorm entries hold no nn.Linear or Conv1D\)"):
+        check_tensor_parallel(model, None, 2)

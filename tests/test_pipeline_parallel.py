@@ -455,3 +455,27 @@ def test_tied_head_under_multi_stage_schedules_matches_single_process(schedule: 
     assert_layout_matches(tied, functools.partial(make_datamodule, batch_size=4),
                           functools.partial(make_strategy, pipeline_parallel_size=2, pipeline_schedule=schedule, microbatches=2),
                           world_size=2, dp=1, steps=20, rtol=PARITY_RTOL, label=f"tied head, {schedule}")
+
+
+def test_a_block_list_whose_entries_share_one_module_is_refused_by_name() -> None:
+    """ALBERT-style sharing (``nn.ModuleList([block] * 4)``): the list has 4 entries but 1 module; the refusal says so
+    rather than counting one block."""
+    from types import SimpleNamespace
+
+    from lightning_par.parallel.model_map import ModelMap
+    from lightning_par.parallel.pipeline.split import split_pipeline
+
+    class Shared(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            block = torch.nn.Linear(8, 8)
+            self.layers = torch.nn.ModuleList([block] * 4)
+
+    model = Shared()
+    model_map = ModelMap(blocks="layers")
+    assert model_map.shared_blocks(model) == [["layers.0", "layers.1", "layers.2", "layers.3"]]
+    mesh = SimpleNamespace(size=lambda name: 2)
+    with pytest.raises(ValueError, match=r"the 4 entries of the block list 'layers' hold only 1 distinct module, "
+                                         r"because entries share one module \(layers.0 = layers.1 = layers.2 = layers.3\)"):
+        split_pipeline(model, mesh, model_map, schedule="1f1b", virtual_stages=1, balance_by="parameters",
+                       device=torch.device("cpu"), sample_batch=(torch.zeros(1, 8), None))

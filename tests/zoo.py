@@ -282,6 +282,7 @@ def make_model(name: str) -> pl.LightningModule:
 
 
 MODELS = (*ARCHITECTURES, "nanogpt", *TORCH_MODELS)
+MOE_MODELS = ("qwen2_moe", "deepseek_v3")  # the ones with experts to split
 
 
 def factory(name: str) -> Any:

@@ -37,7 +37,7 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.async_tp import enable_async_tensor_parallel
 from lightning_par.parallel.compile import apply_compile
 from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas
-from lightning_par.parallel.experts import apply_expert_parallel
+from lightning_par.parallel.experts import apply_expert_parallel, check_experts_found
 from lightning_par.parallel.float8 import apply_float8, check_float8_device, precompute_scales_before_forward
 from lightning_par.parallel.pipeline.split import (StageLayout, build_stages, check_microbatches,
                                                   check_weight_pass_with_zero3, split_pipeline)
@@ -122,6 +122,7 @@ def parallelize(
     stages = None
     if applied is None:
         _check_fsdp_roots(model, config)
+        check_experts_found(model, model_map, config.ep)
         # Before anything is split: whether the head can run on each context-parallel rank's tokens.
         gather_at_head = (config.cp > 1 and model_map is not None and sample_batch is not None
                           and head_follows_last_block(model, model_map, sample_batch[0].to(device)))

@@ -69,12 +69,8 @@ def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, model_
     average would; without it ZeRO-3 does that (:func:`~lightning_par.parallel.zero.fully_shard_model` shards
     the experts over their replicas).
     """
-    ours = [m for m in module.modules() if routes_its_tokens(m)]
-    split_by_ours = {id(layer.experts) for layer in ours}
-    theirs = [m for name, m in module.named_modules()
-              if model_map is not None and model_map.style_of(name) == "experts" and id(m) not in split_by_ours
-              and _stacked_experts(m) is not None]
-    if ep == 1 or not (ours or theirs):
+    ours, theirs = _expert_layers(module, model_map)
+    if ep == 1 or not (ours or theirs):  # (a model with none is refused before any split: check_experts_found)
         return module
     for n_experts in [layer.n_experts for layer in ours] + [_stacked_experts(m) for m in theirs]:
         if n_experts % ep != 0:
@@ -91,6 +87,41 @@ def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, model_
         _split_weights(experts, meshes.ep, gradient)
         experts.forward = _RoutedExperts(experts, n_experts, meshes.ep.get_group())
     return module
+
+
+def _expert_layers(module: nn.Module, model_map: ModelMap | None) -> tuple[list[nn.Module], list[nn.Module]]:
+    """(the MoE layers that route their own tokens, the stacked experts modules the model map marks)."""
+    ours = [m for m in module.modules() if routes_its_tokens(m)]
+    split_by_ours = {id(layer.experts) for layer in ours}
+    theirs = [m for name, m in module.named_modules()
+              if model_map is not None and model_map.style_of(name) == "experts" and id(m) not in split_by_ours
+              and _stacked_experts(m) is not None]
+    return ours, theirs
+
+
+def check_experts_found(module: nn.Module, model_map: ModelMap | None, ep: int) -> None:
+    """Refuse expert parallel (``ep > 1``) on a model in which it would split no expert: it would train as plain data
+    parallel, not as asked. Run on the whole model, before a pipeline cuts it (each stage's rank sees its own layers
+    only), so that every rank decides alike."""
+    if ep == 1 or any(_expert_layers(module, model_map)):
+        return
+    marked = [name for name, _ in module.named_modules() if model_map is not None
+              and model_map.style_of(name) == "experts"]
+    named = [name for name, _ in module.named_modules() if name.rpartition(".")[2] in ("experts", "expert")]
+    found = (f"the model map marks {marked[:3]} as experts, but they do not hold their experts as stacked 3-D "
+             "weights [experts, ...]" if marked else
+             f"modules named {named[:3]} hold no stacked 3-D weights [experts, ...] and route no tokens themselves"
+             if named else "it has no module of either kind")
+    where = type(module).__name__
+    if model_map is not None and model_map.blocks:
+        blocks = module.get_submodule(model_map.blocks)
+        kinds = sorted({type(block).__name__ for block in blocks.children()})
+        where += f"'s blocks {model_map.blocks!r} ({', '.join(kinds)})"
+    raise ValueError(f"ep={ep}: expert parallel found no experts to split in {where} ({found}). It "
+                     "splits MoE layers that route their own tokens (lightning_par's MoEFeedForward: expert_group, "
+                     "n_experts, experts) and modules the model map marks 'experts' whose weights are stacked by "
+                     "expert (transformers' Mixtral, Qwen-MoE, OLMoE). Use expert_parallel_size=1 for this model, or "
+                     "mark its experts in the model map (docs/expert_parallel.md)")
 
 
 def expert_modules(module: nn.Module) -> list[nn.Module]:

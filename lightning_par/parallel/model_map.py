@@ -130,9 +130,19 @@ class ModelMap:
         return None
 
     def block_names(self, model: nn.Module) -> list[str]:
-        """Full names of the blocks, in execution order."""
+        """Full names of the blocks, in execution order (an entry that repeats an earlier entry's module, as in
+        ``nn.ModuleList([block] * 4)``, is not a block of its own: :meth:`shared_blocks` names them)."""
         container = model.get_submodule(self.blocks)
         return [f"{self.blocks}.{name}" for name, _ in container.named_children()]
+
+    def shared_blocks(self, model: nn.Module) -> list[list[str]]:
+        """The entries of the block list that hold one module between them (ALBERT-style weight sharing), each
+        group by its full names; empty when every entry is a module of its own."""
+        entries: dict[int, list[str]] = {}
+        for name, block in model.get_submodule(self.blocks)._modules.items():
+            if block is not None:
+                entries.setdefault(id(block), []).append(f"{self.blocks}.{name}")
+        return [names for names in entries.values() if len(names) > 1]
 
     def check(self, model: nn.Module) -> None:
         """Raise ``ValueError`` if a named module does not exist in ``model``."""
@@ -300,6 +310,29 @@ def _find_blocks(model: nn.Module) -> str | None:
     return best[1] if best else None
 
 
+def why_no_blocks(model: nn.Module) -> str:
+    """Why no model map could be derived for ``model``: the lists of modules it examined as candidate blocks and why
+    each was rejected (for the refusal of a layout that needs one)."""
+    reasons = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) == 0:
+            continue
+        children = list(module.children())
+        kinds = sorted({type(c).__name__ for c in children})
+        if len(kinds) != 1:
+            reason = f"mixed block types ({', '.join(kinds)})"
+        elif not any(is_projection(m) for m in children[0].modules()):
+            reason = f"its {kinds[0]} entries hold no nn.Linear or Conv1D"
+        elif _inside_experts(name):
+            reason = "it holds experts, inside a block"
+        else:
+            continue
+        reasons.append(f"{name or type(model).__name__} ({len(module)} entries): {reason}")
+    if not reasons:
+        return f"{type(model).__name__} holds no nn.ModuleList or nn.ModuleDict of blocks"
+    return "candidate block lists examined: " + "; ".join(reasons[:4])
+
+
 def model_map_or_its_old_name(model_map: Any, plan: Any, where: str) -> Any:
     """``model_map``, or ``plan`` (its old name, for one release: warns) when only that is given; both is an
     error. ``where`` names the call in the warning."""
@@ -325,4 +358,4 @@ def resolve_model_map(given: ModelMap | None, model: nn.Module) -> ModelMap | No
 
 __all__ = ["HF_STYLES", "MAP_SOURCES", "ModelMap", "SPLIT_STYLES", "STYLES", "derive_model_map",
            "huggingface_model_map", "is_conv1d", "is_projection", "model_map_or_its_old_name", "network_prefix",
-           "projection_features", "resolve_model_map"]
+           "projection_features", "resolve_model_map", "why_no_blocks"]

@@ -106,9 +106,9 @@ def check_model_map(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, 
     if not any(is_projection(sub) and candidate.style_of(name) in SPLIT_STYLES
                for name, sub in module.named_modules() if name.startswith(model_map.blocks + ".")):
         why = "; ".join(notes) if notes else "the model map marks no projection inside the blocks column- and row-wise"
-        raise ValueError(f"tp={mesh.size('tp')} would split no layer inside the blocks of {type(module).__name__} "
-                         f"({model_map.source} map; {why}): the blocks would train replicated on every tensor-parallel "
-                         "rank. Give a model map whose blocks pair colwise and rowwise projections (docs/models.md), "
+        raise ValueError(f"tp={mesh.size('tp')} would split no layer inside the blocks {model_map.blocks!r} of "
+                         f"{type(module).__name__} ({model_map.source} map; {why}): the blocks would train "
+                         "replicated on every tensor-parallel rank. Give a model map whose blocks pair colwise and rowwise projections (docs/models.md), "
                          "or use data parallel / ZeRO-3 for this model")
     return candidate, notes
 

@@ -41,7 +41,8 @@ from lightning_par.parallel.adapters import is_adapted, is_lora, unused_lora_wei
 from lightning_par.parallel.context import SequenceSplit
 from lightning_par.parallel.data import all_reduce_in_buckets
 from lightning_par.parallel.experts import local_part, routes_its_tokens
-from lightning_par.parallel.model_map import SPLIT_STYLES, ModelMap, is_conv1d, is_projection, projection_features
+from lightning_par.parallel.model_map import (SPLIT_STYLES, ModelMap, is_conv1d, is_projection, projection_features,
+                                              why_no_blocks)
 from lightning_par.parallel.modules import retie, tied_groups
 
 
@@ -325,8 +326,9 @@ def check_tensor_parallel(module: nn.Module, model_map: ModelMap | None, tp: int
         return
     if model_map is None:
         raise ValueError(
-            f"tp={tp} needs to know which layers to split, and no model map was found: give the strategy a model map "
-            "(model_map: {blocks: ..., styles: {...}}) or use a standard decoder layout (see docs/models.md)"
+            f"tp={tp} needs to know which layers to split, and no model map was found ({why_no_blocks(module)}): "
+            "give the strategy a model map (model_map: {blocks: ..., styles: {...}}) or use a standard decoder layout "
+            "(see docs/models.md)"
         )
     for name, sub in module.named_modules():
         style = model_map.style_of(name)

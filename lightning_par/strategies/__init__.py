@@ -25,6 +25,9 @@ def register_strategies() -> None:
 
 register_strategies()
 
+# The same names under Lightning Fabric (L.Fabric(strategy="hybrid3d")), registered when imported.
+from lightning_par.strategies import fabric  # noqa: E402
+
 __all__ = ["MeshStrategy", "DataParallelStrategy", "ZeroStrategy", "TensorParallelStrategy", "ContextParallelStrategy",
            "SequenceParallelStrategy", "PipelineParallelStrategy", "ExpertParallelStrategy", "Hybrid3DStrategy",
-           "AutoParallelStrategy", "register_strategies", "STRATEGIES", "DEPRECATED_STRATEGIES"]
+           "AutoParallelStrategy", "fabric", "register_strategies", "STRATEGIES", "DEPRECATED_STRATEGIES"]

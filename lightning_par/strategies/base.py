@@ -136,15 +136,17 @@ class MeshStrategy(StepsThroughTheHandle):
         rename_arguments(exception, self.argument_names)  # in the names of this strategy's arguments, not the mesh's
         super().on_exception(exception)
 
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Shard by data-parallel rank: ranks of one tensor/context/pipeline group must read the same sample.
-        return {"num_replicas": self.mesh.size("dp"), "rank": self.mesh.local_rank("dp")}
-
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        self.start_processes_and_mesh()
+        if self.lightning_module is not None:
+            # LightningModule.device_mesh, for user code in configure_model()/parallelize()
+            self.lightning_module._device_mesh = self._mesh.root
+
+    def start_processes_and_mesh(self) -> None:
+        """Choose and check the layout, connect the ranks and build the mesh: the process side of
+        ``setup_environment``, which the Fabric strategies (``strategies/fabric.py``) run on the strategy they hold."""
         self._prepare_process()
         # Validate the sizes before the first collective: every rank raises the same ValueError.
         self.parallel_config = self._choose_layout(self.parallel_config).validate(self.world_size)
@@ -155,9 +157,6 @@ class MeshStrategy(StepsThroughTheHandle):
                        f"zero_stage={self.parallel_config.zero_stage}")
         if self._mesh.size("tp") > 1:
             share_rng_states(self._mesh.group("tp"), self.root_device)
-        if self.lightning_module is not None:
-            # LightningModule.device_mesh, for user code in configure_model()/parallelize()
-            self.lightning_module._device_mesh = self._mesh.root
 
     def _choose_layout(self, config: ParallelConfig) -> ParallelConfig:
         """The layout to run: the configured one (strategies that plan sizes override this). Runs on every
@@ -185,8 +184,19 @@ class MeshStrategy(StepsThroughTheHandle):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self, module: nn.Module, trainer: Trainer, *, training: bool) -> Parallelized:
+        owner = self.lightning_module
+        return self.lay_out(module, owner, training=training, accumulate=trainer.accumulate_grad_batches,
+                            sample=lambda config, model_map: sample_for_layout(owner, config, model_map,
+                                                                               self.broadcast))
+
+    def lay_out(self, module: nn.Module, owner: nn.Module, *, training: bool, accumulate: int,
+                sample: Callable[[ParallelConfig, ModelMap | None], tuple[Tensor, Tensor | None] | None]
+                ) -> Parallelized:
+        """Lay ``module`` out on the mesh: as ``owner`` (the LightningModule, or Fabric's module) parallelizes
+        itself, as its author already did, or through ``parallelize`` with the model map, ``owner``'s model contract
+        (``loss_fn``, ``loss_tokens``) and ``sample(config, model_map)``, one batch of the data or None."""
         config, mesh = self.parallel_config, self.mesh
-        hook: Callable[..., nn.Module | None] | None = getattr(self.lightning_module, "parallelize", None)
+        hook: Callable[..., nn.Module | None] | None = getattr(owner, "parallelize", None)
         if callable(hook):
             returned = hook(mesh, config)
             return Parallelized(module if returned is None else returned, mesh, config,
@@ -194,8 +204,8 @@ class MeshStrategy(StepsThroughTheHandle):
         if parallelized_by_its_author(module):
             # Lightning's ModelParallelStrategy idiom: configure_model() split and sharded the model itself on
             # self.device_mesh["tensor_parallel"] / ["data_parallel"]. It is trained as it is.
-            rank_zero_info(f"{type(self).__name__}: the LightningModule parallelized itself in configure_model(); "
-                           "the strategy applies no model map to it")
+            rank_zero_info(f"{type(self).__name__}: the model parallelized itself; the strategy applies no model "
+                           "map to it")
             return Parallelized.as_given(module, mesh, config)
         model_map = resolve_model_map(self._model_map, module)
         self.parallel_config = config = resolve_units(config, self._auto_units, module, model_map,
@@ -203,10 +213,9 @@ class MeshStrategy(StepsThroughTheHandle):
                                                       log=lambda line: rank_zero_info(f"{type(self).__name__}: {line}"))
         return parallelize(module, mesh, config, model_map, training=training, device=self.root_device,
                            device_ids=None if self.root_device.type == "cpu" else [self.root_device.index],
-                           sample_batch=sample_for_layout(self.lightning_module, config, model_map, self.broadcast),
-                           log=rank_zero_info, loss_fn=getattr(self.lightning_module, "loss_fn", None),
-                           accumulate=trainer.accumulate_grad_batches,
-                           loss_tokens=getattr(self.lightning_module, "loss_tokens", None))
+                           sample_batch=sample(config, model_map), log=rank_zero_info,
+                           loss_fn=getattr(owner, "loss_fn", None), accumulate=accumulate,
+                           loss_tokens=getattr(owner, "loss_tokens", None))
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

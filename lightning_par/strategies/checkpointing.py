@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import lightning
 import torch
 from lightning.fabric.utilities.seed import _set_rng_states
 from lightning.fabric.utilities.types import _PATH
@@ -145,6 +146,11 @@ class ShardedCheckpoints(MeshProcesses):
             weights_only=self._checkpoint_weights_only if weights_only is None else weights_only,
         )
         checkpoint.pop(ckpt.TIED_KEY, None)  # load_checkpoint restored the ties already
+        if checkpoint.pop(ckpt.FABRIC_KEY, None) is not None:
+            # Written by a Fabric loop, which has neither Lightning's loops nor its schedulers: the Trainer starts at
+            # step 0 from the weights and optimizer states.
+            checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)
+            checkpoint.setdefault("lr_schedulers", [])
         reference = checkpoint.get(ckpt.FROZEN_BASE_KEY)  # kept: the module reads its base again (on_load_checkpoint)
         if reference is not None:
             self._check_frozen_base(reference, path)

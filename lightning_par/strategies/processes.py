@@ -55,7 +55,39 @@ ONE_TRACEBACK_VARIABLE = "LIGHTNING_PAR_ONE_TRACEBACK"
 _STOPPING_LAUNCHED_RANKS = False  # the exit handler that stops launched ranks is registered
 
 
-class MeshProcesses(ParallelStrategy):
+class DevicesOfTheRun:
+    """The devices, nodes and sampler of a run, as Lightning's connectors set them: shared by the Trainer's strategies
+    (:class:`MeshProcesses`) and Fabric's (``strategies/fabric.py``), which need a ``mesh``."""
+
+    _num_nodes: int = 1
+    parallel_devices: list[torch.device] | None
+    local_rank: int
+    mesh: ParallelMesh
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Shard by data-parallel rank: ranks of one tensor/context/pipeline group must read the same sample.
+        return {"num_replicas": self.mesh.size("dp"), "rank": self.mesh.local_rank("dp")}
+
+
+class MeshProcesses(DevicesOfTheRun, ParallelStrategy):
     """Process start-up, fault monitoring and collectives; ``timeout`` bounds every collective and every exit."""
 
     def __init__(self, *, process_group_backend: str | None, timeout: timedelta | None, **kwargs: Any) -> None:
@@ -77,24 +109,6 @@ class MeshProcesses(ParallelStrategy):
         if value is None:
             raise RuntimeError(f"{type(self).__name__}.{name} is made {when}")
         return value
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
     def is_distributed(self) -> bool:
@@ -138,7 +152,7 @@ class MeshProcesses(ParallelStrategy):
         device_id = self.root_device if self.root_device.type != "cpu" else None
         # The flight recorder names the collective that failed (read when the process group starts).
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
-        if isinstance(self._launcher, _SubprocessScriptLauncher) and self._launcher.procs:
+        if getattr(self._launcher, "procs", None):  # Lightning's subprocess launchers (the Trainer's, Fabric's)
             # Once a failure is reported the others leave within their monitors' grace (3 heartbeats), a heartbeat
             # later at most; what is left then is killed.
             _stop_launched_ranks_at_failed_exit(self._launcher.procs,
@@ -176,12 +190,16 @@ class MeshProcesses(ParallelStrategy):
                 exception.lightning_par_traceback_printed = True
         super().on_exception(exception)
 
-    @override
-    def teardown(self) -> None:
-        failed, self._failed_with = self._failed_with, None
+    def stop_watching(self) -> None:
+        """Stop the fault monitor (at the end of a run)."""
         if self._fault_monitor is not None:
             self._fault_monitor.stop()
             self._fault_monitor = None
+
+    @override
+    def teardown(self) -> None:
+        failed, self._failed_with = self._failed_with, None
+        self.stop_watching()
         if failed is None:
             super().teardown()
             return

@@ -46,9 +46,10 @@ class PipelineRunner:
     """Runs ``stages`` (this rank's, from ``parallelize``) with ``config``'s schedule and micro-batches.
 
     ``loss_fn(logits, targets)`` is the model's mean loss; ``accumulate`` the batches accumulated per optimizer
-    step. ``loss_tokens(targets)``, when the model says how many positions of ``targets`` take a loss (its loss being
-    their mean), weighs each micro-batch's mean by its share of the batch's tokens over every data-parallel rank
-    (``parallel.data.token_share``), so that the loss is the mean over the whole batch's tokens, as one process's.
+    step (a hand-written loop may change both between steps). ``loss_tokens(targets)``, when the model says how many
+    positions of ``targets`` take a loss (its loss being their mean), weighs each micro-batch's mean by its share of
+    the batch's tokens over every data-parallel rank (``parallel.data.token_share``), so that the loss is the mean over
+    the whole batch's tokens, as one process's.
     """
 
     #: Under ZB-V and DualPipeV, compute the linear layers' weight gradients in the W actions from what their
@@ -69,8 +70,8 @@ class PipelineRunner:
             # Summed over micro-batches and accumulated batches, the gradients are those of the mean loss: each
             # micro-batch's mean weighs 1 / micro, or its share of the batch's loss-taking tokens.
             if self.loss_tokens is None or self._batch_tokens is None:
-                return loss_fn(logits, targets) / (micro * accumulate)
-            return loss_fn(logits, targets) * (self.loss_tokens(targets) / self._batch_tokens) / accumulate
+                return self.loss_fn(logits, targets) / (micro * self.accumulate)
+            return self.loss_fn(logits, targets) * (self.loss_tokens(targets) / self._batch_tokens) / self.accumulate
 
         self._make_schedule = {"train": lambda: build_schedule(stages, config.pp_schedule, micro, scaled_loss),
                                "eval": lambda: build_schedule(stages, config.pp_schedule, micro, None)}
@@ -88,8 +89,6 @@ class PipelineRunner:
         self.holds_first = any(stage.is_first for stage in stages)
         self.holds_last = any(stage.is_last for stage in stages)
         self._own_losses = _layers_with_own_loss(stages, mesh, device or torch.device(mesh.device_type))
-        for layer in self._own_losses or ():
-            layer.loss_scale_in_backward = 1 / (micro * accumulate)
         last = last_stage_rank(config.pp, config.pp_schedule, config.pp_virtual_stages)
         self.last_stage_global_rank = dist.get_global_rank(mesh.group("pp"), last)
 
@@ -101,6 +100,8 @@ class PipelineRunner:
         earlier = [p.grad for p in parameters]
         for p in parameters:
             p.grad = None
+        for layer in self._own_losses or ():
+            layer.loss_scale_in_backward = 1 / (self.config.pp_microbatches * self.accumulate)
         if self.loss_tokens is not None:  # each micro-batch's share of the whole batch's tokens
             self._batch_tokens = (global_tokens(self.loss_tokens(targets), self.mesh) / self.mesh.size("dp")).float()
         losses: list[Tensor] = []

@@ -56,7 +56,7 @@ from lightning_par.parallel.pipeline.trace import (
     output_item,
     trace_network,
 )
-from lightning_par.parallel.model_map import ModelMap, network_prefix
+from lightning_par.parallel.model_map import ModelMap, network_prefix, why_no_blocks
 from lightning_par.parallel.small_copy import small_copy
 from lightning_par.parallel.modules import clean_name
 from lightning_par.stages import V_SCHEDULES, Schedule, balance, stage_indices, stages_per_rank
@@ -471,12 +471,22 @@ def split_pipeline(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap | 
     """
     pp = mesh.size("pp")
     if model_map is None:
-        raise ValueError(f"pp={pp} needs to know where the blocks are, and no model map was found: give the "
+        raise ValueError(f"pp={pp} needs to know where the blocks are, and no model map was found "
+                         f"({why_no_blocks(module)}): give the "
                          "strategy a model map (model_map: {blocks: ..., embedding: ..., head: ...})")
     if sample_batch is None:
         raise ValueError(f"pp={pp} traces the network once on a sample of the data to place what runs outside the "
                          "blocks, and no data was found: train with a datamodule or dataloaders")
     n_stages = pp * stages_per_rank(schedule, virtual_stages)
+    shared = model_map.shared_blocks(module)
+    if shared:
+        entries = len(module.get_submodule(model_map.blocks)._modules)
+        distinct = entries - sum(len(group) - 1 for group in shared)
+        raise ValueError(f"pp={pp}: the {entries} entries of the block list {model_map.blocks!r} hold only "
+                         f"{distinct} distinct module{'s' * (distinct != 1)}, because entries share one module "
+                         f"({', '.join(' = '.join(group) for group in shared[:2])}): a pipeline stage owns the "
+                         "parameters of its blocks, and one block module cannot be cut between stages. Give each "
+                         "entry a module of its own, or train this model without pipeline parallel")
     blocks = model_map.block_names(module)
     if len(blocks) < n_stages:
         raise ValueError(f"{n_stages} pipeline stages (pp={pp} x {n_stages // pp} per rank for {schedule!r}) need "
