@@ -244,7 +244,7 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
         if runner is None:
             raise RuntimeError("this layout has no pipeline (pp=1): call the model, compute the loss and "
                                "fabric.backward(loss)")
-        if _unwrapped(model) is not self.parallelized.module:
+        if _unwrapped(model) not in (self.parallelized.module, self.parallelized.inner):
             raise ValueError("pipeline_step takes the model fabric.setup returned")
         if loss_fn is not None:
             runner.loss_fn = loss_fn
@@ -336,8 +336,9 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
 
     def _parts(self, state: dict[str, Any]) -> tuple[str, list[tuple[str, Optimizer]], dict[str, Any]]:
         """(the key of the model set up, the optimizers by key, the other entries) of ``state``."""
+        laid_out = (self.parallelized.module, self.parallelized.inner)  # as set up, or without its DDP wrapper
         model_keys = [key for key, value in state.items()
-                      if isinstance(value, nn.Module) and _unwrapped(value) is self.parallelized.module]
+                      if isinstance(value, nn.Module) and any(_unwrapped(value) is m for m in laid_out)]
         if len(model_keys) != 1:
             raise ValueError(f"the state must hold the model fabric.setup returned, once (it holds it under "
                              f"{model_keys or 'no key'}): {{'model': model, 'optimizer': optimizer, ...}}")
