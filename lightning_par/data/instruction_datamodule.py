@@ -13,16 +13,17 @@ from typing import Any, Optional, Union
 from torch.utils.data import Dataset
 from typing_extensions import override
 
-from lightning_par.data.datamodule import WindowDataModule, check_window_arguments
+from lightning_par.data.datamodule import check_window_arguments
 from lightning_par.data.instructions import FORMATS, LOSS_ON, PackedSamples, PaddedSamples, encode, pack_separator
-from lightning_par.data.text import JSON_SUFFIXES, check_sources, load_tokenizer, tokenizer_of
+from lightning_par.data.text import JSON_SUFFIXES, check_sources
+from lightning_par.data.text_datamodule import TokenizedFilesDataModule
 
 __all__ = ["InstructionDataModule"]
 
 Sources = Union[str, list[str]]
 
 
-class InstructionDataModule(WindowDataModule):
+class InstructionDataModule(TokenizedFilesDataModule):
     """Instruction or chat fine-tuning batches: ``{"input_ids", "labels"}`` (and ``attention_mask`` when padded), the
     labels -100 where no loss is taken.
 
@@ -65,12 +66,11 @@ class InstructionDataModule(WindowDataModule):
             raise ValueError(f"format={format!r} is not one of {list(FORMATS)}")
         if loss_on not in LOSS_ON:
             raise ValueError(f"loss_on={loss_on!r} is not one of {list(LOSS_ON)}")
-        super().__init__(seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, shuffle=shuffle)
+        train_paths = _json_sources("train_files", train_files)
+        val_paths = None if val_files is None else _json_sources("val_files", val_files)
+        super().__init__(train_paths=train_paths, val_paths=val_paths, tokenizer=tokenizer, seq_len=seq_len,
+                         batch_size=batch_size, val_fraction=val_fraction, num_workers=num_workers, shuffle=shuffle)
         self.save_hyperparameters()
-        self.train_paths = _json_sources("train_files", train_files)
-        self.val_paths = None if val_files is None else _json_sources("val_files", val_files)
-        self.tokenizer = None if tokenizer is None else load_tokenizer(tokenizer)
-        self.val_fraction = val_fraction
         self.packing = packing
         # The token closing each packed sample (set when the data is built; None when padding).
         self.document_separator: int | None = None
@@ -97,9 +97,7 @@ class InstructionDataModule(WindowDataModule):
     @override
     def _build(self, split: str) -> Dataset:
         if not self._full:
-            if self.tokenizer is None:
-                module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
-                self.tokenizer = tokenizer_of(module, type(self).__name__)
+            self._resolve_tokenizer()
             train = self._samples(self._records(self.train_paths, "train"))
             if self.val_paths is not None:
                 val = self._samples(self._records(self.val_paths, "validation"))

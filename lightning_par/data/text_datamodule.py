@@ -19,13 +19,43 @@ from lightning_par.data.corpus import TokenWindowDataset
 from lightning_par.data.datamodule import WindowDataModule, check_window_arguments
 from lightning_par.data.text import SAMPLE_BY, check_sources, load_documents, load_tokenizer, pack_documents, tokenizer_of
 
-__all__ = ["TextDataModule"]
+__all__ = ["TextDataModule", "TokenizedFilesDataModule"]
 
 # Paths as YAML gives them: one, or a list.
 Sources = Union[str, list[str]]
 
 
-class TextDataModule(WindowDataModule):
+class TokenizedFilesDataModule(WindowDataModule):
+    """What the datamodules of local files share (``TextDataModule``, ``InstructionDataModule``): the checked
+    paths, a Hugging Face tokenizer given or read from the model's pretrained directory when the data is built, and
+    the refusal of token ids the model's embedding has no row for."""
+
+    def __init__(self, *, train_paths: list[Path], val_paths: list[Path] | None, tokenizer: str | None, seq_len: int,
+                 batch_size: int, val_fraction: float, num_workers: int, shuffle: bool) -> None:
+        super().__init__(seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, shuffle=shuffle)
+        self.train_paths, self.val_paths = train_paths, val_paths
+        self.tokenizer = None if tokenizer is None else load_tokenizer(tokenizer)
+        self.val_fraction = val_fraction
+
+    def _module(self) -> Any:
+        return getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+
+    def _resolve_tokenizer(self) -> None:
+        """Without ``tokenizer=``, take the one saved in the pretrained directory of the model being trained."""
+        if self.tokenizer is None:
+            self.tokenizer = tokenizer_of(self._module(), type(self).__name__)
+
+    def _check_vocabulary(self, largest_id: int) -> None:
+        """Refuse token ids the model's embedding has no row for (each rank would fail alone, mid-step)."""
+        module = self._module()
+        config = getattr(module, "model_config", None) or getattr(module, "config", None)
+        model_vocab = getattr(config, "vocab_size", None)
+        if isinstance(model_vocab, int) and largest_id >= model_vocab:
+            raise ValueError(f"the tokenizer {self.tokenizer.name_or_path!r} gives token id {largest_id}, but the "
+                             f"model's vocab_size is {model_vocab}: use the tokenizer saved with the model")
+
+
+class TextDataModule(TokenizedFilesDataModule):
     """Packed next-token windows of local documents, for fine-tuning a pretrained model.
 
     Args:
@@ -62,17 +92,13 @@ class TextDataModule(WindowDataModule):
                                num_workers=num_workers)
         if sample_by not in SAMPLE_BY:
             raise ValueError(f"sample_by={sample_by!r} is not one of {list(SAMPLE_BY)}")
-        super().__init__(seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, shuffle=shuffle)
+        train_paths = check_sources("train_files", train_files)
+        val_paths = None if val_files is None else check_sources("val_files", val_files)
+        super().__init__(train_paths=train_paths, val_paths=val_paths, tokenizer=tokenizer, seq_len=seq_len,
+                         batch_size=batch_size, val_fraction=val_fraction, num_workers=num_workers, shuffle=shuffle)
         self.save_hyperparameters()
-        self.train_paths = check_sources("train_files", train_files)
-        self.val_paths = None if val_files is None else check_sources("val_files", val_files)
-        self.tokenizer = None if tokenizer is None else load_tokenizer(tokenizer)
         self.text_field = text_field
         self.sample_by = sample_by
-        self.val_fraction = val_fraction
-
-    def _module(self) -> Any:
-        return getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
 
     def _tokens(self, paths: list[Path], split: str, name: str) -> torch.Tensor:
         documents = load_documents(paths, text_field=self.text_field, sample_by=self.sample_by, split=split,
@@ -93,8 +119,7 @@ class TextDataModule(WindowDataModule):
     @override
     def _build(self, split: str) -> Dataset:
         if not self._full:
-            if self.tokenizer is None:
-                self.tokenizer = tokenizer_of(self._module(), type(self).__name__)
+            self._resolve_tokenizer()
             tokens = self._split_tokens()
             for name, stream in tokens.items():
                 self._full[name] = TokenWindowDataset(stream, self.seq_len)
@@ -110,12 +135,3 @@ class TextDataModule(WindowDataModule):
         """The token that closes each packed document (the tokenizer's end-of-sequence token), once the tokenizer is
         known: where ``HFCausalLM(packed_documents=True)`` keeps documents apart."""
         return None if self.tokenizer is None else int(self.tokenizer.eos_token_id)
-
-    def _check_vocabulary(self, largest_id: int) -> None:
-        """Refuse token ids the model's embedding has no row for (each rank would fail alone, mid-step)."""
-        module = self._module()
-        config = getattr(module, "model_config", None) or getattr(module, "config", None)
-        model_vocab = getattr(config, "vocab_size", None)
-        if isinstance(model_vocab, int) and largest_id >= model_vocab:
-            raise ValueError(f"the tokenizer {self.tokenizer.name_or_path!r} gives token id {largest_id}, but the "
-                             f"model's vocab_size is {model_vocab}: use the tokenizer saved with the model")
