@@ -146,3 +146,17 @@ def test_fine_tuning_on_instructions_matches_one_process(workspace: dict[str, st
                                  functools.partial(_unset_data, workspace, name, 4 // dp), dp=dp, steps=STEPS)
         loss_error, weight_error = assert_parity(result, expected, rtol=1e-5, weight_atol=1e-3 * 1e-3 * STEPS)
         print(f"{label}: loss {loss_error:.1e}, weights {weight_error:.1e} absolute")
+
+
+def test_token_ids_beyond_the_model_vocabulary_are_refused(workspace: dict[str, str]) -> None:
+    """A tokenizer that is not the model's would index past its embedding on some rank, mid-step."""
+    from types import SimpleNamespace
+
+    from lightning_par.data import InstructionDataModule
+
+    data = InstructionDataModule(train_files=workspace["instructions"], tokenizer=workspace["model"], seq_len=16,
+                                 batch_size=4, val_fraction=0.0)
+    data.trainer = SimpleNamespace(lightning_module=SimpleNamespace(config=SimpleNamespace(vocab_size=16)),
+                                   strategy=None)
+    with pytest.raises(ValueError, match="gives token id .* but the model's vocab_size is 16"):
+        data.setup("fit")

@@ -115,6 +115,7 @@ class InstructionDataModule(TokenizedFilesDataModule):
             if len(self._full["train"]) == 0:
                 raise ValueError(f"train_files {[str(p) for p in self.train_paths]} give no training window of seq_len "
                                  f"+ 1 = {self.seq_len + 1} tokens: give more records or a smaller seq_len")
+            self._check_vocabulary(max((max(ids) for ids, _ in train + val if ids), default=0))
         return self._full[split]
 
 
