@@ -3,13 +3,15 @@ Trainer's load into each other under other layouts.
 
 A hand-written Fabric loop (``fabric.setup(model, optimizer)``, ``fabric.backward``, ``fabric.no_backward_sync``,
 ``fabric.clip_gradients``; under pipeline parallel ``fabric.strategy.pipeline_step``) trains the project's Llama for
-20 AdamW steps on the same global batches as one process. Each layout saves a sharded checkpoint with ``fabric.save``,
+20 AdamW steps on the same global batches as one process; so does litgpt's GPT (Lightning's own LLM library,
+written on Fabric) under tp2 and pp2. Each layout saves a sharded checkpoint with ``fabric.save``,
 whose consolidated weights are compared with the one-process run's. Then a Trainer under tp2 resumes from the
 Fabric zero3 checkpoint for step 21 and saves; a Fabric pp2 loop loads that Trainer checkpoint for step 22: each
 step matches one process, which needs both the weights and the AdamW moments to have moved across."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +30,13 @@ CLIP = 0.5  # below the gradient's norm at the start: clipping acts, so its norm
 PARITY_RTOL = 1e-5
 WEIGHT_ATOL = 1e-3 * LEARNING_RATE * STEPS  # AdamW: see parity.assert_parity
 
-# name -> (strategy name or arguments of Hybrid3DStrategy, batches accumulated per step)
-TWO_RANKS = {"dp2": ("data_parallel", 2), "zero3": ("zero3", 1), "tp2": ("tensor_parallel", 1),
-             "pp2": ("pipeline_parallel", 1)}
-FOUR_RANKS = {"dp2xtp2": (dict(data_parallel_size=2, tensor_parallel_size=2), 2),
-              "pp2xtp2": (dict(pipeline_parallel_size=2, tensor_parallel_size=2, microbatches=2), 2)}
+# name -> (strategy name or arguments of Hybrid3DStrategy, batches accumulated per step, model)
+TWO_RANKS = {"dp2": ("data_parallel", 2, "llama"), "zero3": ("zero3", 1, "llama"),
+             "tp2": ("tensor_parallel", 1, "llama"), "pp2": ("pipeline_parallel", 1, "llama")}
+FOUR_RANKS = {"dp2xtp2": (dict(data_parallel_size=2, tensor_parallel_size=2), 2, "llama"),
+              "pp2xtp2": (dict(pipeline_parallel_size=2, tensor_parallel_size=2, microbatches=2), 2, "llama")}
+if importlib.util.find_spec("litgpt"):  # Lightning's own LLM library, written on Fabric
+    TWO_RANKS.update({"litgpt-tp2": ("tensor_parallel", 1, "litgpt"), "litgpt-pp2": ("pipeline_parallel", 1, "litgpt")})
 
 
 def _batches() -> torch.Tensor:
@@ -40,18 +44,26 @@ def _batches() -> torch.Tensor:
     return torch.randint(0, VOCAB, (STEPS + 2, GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(7))
 
 
-def _module() -> Any:
+def _module(model: str = "llama") -> Any:
+    """The project's Llama, or litgpt's GPT (LLaMA-style, grouped queries) with the same optimizer."""
     from lightning_par.models import LlamaLM
 
     torch.manual_seed(1234)
-    module = LlamaLM(vocab_size=VOCAB, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=SEQ,
-                     learning_rate=LEARNING_RATE, weight_decay=0.1, max_steps=10**9)  # the Trainer's LR stays
+    if model == "litgpt":
+        import zoo
+
+        module = zoo.LitGPTLM(**zoo.LITGPT_CONFIGS["litgpt_llama"])
+        module.configure_optimizers = lambda: {"optimizer": torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE,
+                                                                              weight_decay=0.1)}
+    else:
+        module = LlamaLM(vocab_size=VOCAB, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=SEQ,
+                         learning_rate=LEARNING_RATE, weight_decay=0.1, max_steps=10**9)  # the Trainer's LR stays
     module.example_input_array = _batches()[0, :1, :-1]
     return module
 
 
 def _fabric_loop(strategy: Any, devices: int, steps: range, *, accumulate: int = 1, save: str | None = None,
-                 load: str | None = None) -> list[float]:
+                 load: str | None = None, model: str = "llama") -> list[float]:
     """Train ``steps`` of the global batches with a hand-written Fabric loop (loading ``load`` first, saving to
     ``save`` at the end); returns each step's loss over the global batch."""
     import lightning as L
@@ -60,7 +72,7 @@ def _fabric_loop(strategy: Any, devices: int, steps: range, *, accumulate: int =
 
     fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=strategy)
     fabric.launch()
-    module = _module()
+    module = _module(model)
     model, optimizer = fabric.setup(module, module.configure_optimizers()["optimizer"])
     laid_out = isinstance(fabric.strategy, MeshFabricStrategy)
     mesh = fabric.strategy.mesh if laid_out else None
@@ -116,10 +128,10 @@ def _layouts(rank: int, world_size: int, layouts: dict[str, tuple[Any, int]], fo
     from lightning_par.strategies.fabric import Hybrid3DStrategy
 
     results: dict[str, Any] = {}
-    for name, (strategy, accumulate) in layouts.items():
+    for name, (strategy, accumulate, model) in layouts.items():
         strategy = Hybrid3DStrategy(**strategy) if isinstance(strategy, dict) else strategy
         results[name] = _fabric_loop(strategy, world_size, range(STEPS), accumulate=accumulate,
-                                     save=f"{folder}/{name}")
+                                     save=f"{folder}/{name}", model=model)
     return results
 
 
@@ -153,7 +165,11 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     losses += _fabric_loop("auto", 1, range(STEPS, STEPS + 1), load=str(folder / "20"), save=str(folder / "21"))
     losses += _fabric_loop("auto", 1, range(STEPS + 1, STEPS + 2), load=str(folder / "21"), save=str(folder / "22"))
     weights = {step: torch.load(folder / str(step), weights_only=True)["model"] for step in (20, 21, 22)}
-    return {"losses": losses, "weights": weights}
+    litgpt = {}
+    if importlib.util.find_spec("litgpt"):
+        litgpt["losses"] = _fabric_loop("auto", 1, range(STEPS), save=str(folder / "litgpt"), model="litgpt")
+        litgpt["weights"] = torch.load(folder / "litgpt", weights_only=True)["model"]
+    return {"losses": losses, "weights": weights, "litgpt": litgpt}
 
 
 def _assert_matches(losses: list[float], weights: dict[str, torch.Tensor], expected_losses: list[float],
@@ -172,7 +188,9 @@ def test_every_layout_under_fabric_trains_like_one_process(one_process: dict[str
     for name in (*TWO_RANKS, *FOUR_RANKS):
         weights, rest = consolidated_weights(tmp_path / name)
         assert rest["step"] == STEPS
-        _assert_matches(results[name], weights, one_process["losses"][:STEPS], one_process["weights"][20], name)
+        expected = (one_process["litgpt"] if name.startswith("litgpt")
+                    else {"losses": one_process["losses"], "weights": one_process["weights"][20]})
+        _assert_matches(results[name], weights, expected["losses"][:STEPS], expected["weights"], name)
     # The checkpoints move between Fabric and the Trainer, under other layouts (zero3 -> tp2 -> pp2).
     across = run_distributed(_checkpoints_across, 2, str(tmp_path), timeout=300)[0]
     _assert_matches([across["trainer"]], consolidated_weights(tmp_path / "trainer-tp2")[0],

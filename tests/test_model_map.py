@@ -276,3 +276,70 @@ def test_no_model_map_names_the_block_lists_it_examined_and_why_each_was_rejecte
                                          r"entries\): mixed block types \(Attention, Mamba\); norms \(1 entries\): its "
                                          r"LayerNorm entries hold no nn.Linear or Conv1D\)"):
         check_tensor_parallel(model, None, 2)
+
+
+def _structural_pairs(model: nn.Module, model_map: ModelMap, inputs: torch.Tensor) -> dict[str, str]:
+    from lightning_par.parallel.model_map_structure import structural_styles
+    from lightning_par.parallel.small_copy import small_copy
+
+    copy = small_copy(model, model_map.blocks, torch.device("cpu"), torch.float32)
+    return structural_styles(copy, model_map, lambda: copy(inputs))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "gpt2", "gpt_neox", "phi3", "olmo2", "phi", "nanogpt"])
+def test_pairs_found_from_the_computation_are_those_the_name_rules_give(name: str) -> None:
+    """With the names forgotten, the column/row-wise pairs read off one forward of the blocks are exactly the pairs
+    the name rules give each family of the zoo (fused q/k/v, Conv1D, parallel residuals, post-norms)."""
+    pytest.importorskip("transformers")
+    import zoo
+
+    model = zoo.make_model(name)
+    named = derive_model_map(model)
+    pairs = {p: s for p, s in named.styles.items()
+             if s in ("colwise", "rowwise") and p.startswith(named.blocks + ".")}
+    assert pairs
+    unnamed = named.with_styles({p: s for p, s in named.styles.items() if p not in pairs})
+    assert _structural_pairs(model, unnamed, torch.randint(0, zoo.VOCAB, (1, 8))) == pairs
+
+
+def test_pairs_are_found_from_the_computation_where_no_name_rule_knows_the_layers() -> None:
+    """litgpt's fused q/k/v of all query groups and fc_1/fc_2/proj, projections directly in the block, and a DiT's
+    attention (output projection in to_out.0) and feed-forward (net.0.proj, net.2) beside its adaLN-Zero
+    modulation (a projection of the timestep embedding, which reads no block input and stays whole)."""
+    import zoo
+
+    cases = {"flat_block": (zoo.make_model("flat_block"), {"q": "colwise", "k": "colwise", "v": "colwise",
+                                                         "o": "rowwise", "fc_a": "colwise", "fc_b": "rowwise"})}
+    if zoo.LITGPT_MODELS:
+        cases["litgpt_llama"] = (zoo.make_model("litgpt_llama"),
+                                 {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc_1": "colwise",
+                                  "mlp.fc_2": "colwise", "mlp.proj": "rowwise"})
+    for name, (model, expected) in cases.items():
+        model_map = derive_model_map(model)
+        found = _structural_pairs(model, model_map, torch.randint(0, zoo.VOCAB, (1, 8)))
+        assert found == {f"{model_map.blocks}.*.{layer}": style for layer, style in expected.items()}, name
+    pytest.importorskip("diffusers")
+    from lightning_par.models import DiTDenoiser
+
+    dit = DiTDenoiser(image_size=8, channels=4, classes=4, patch_size=2, heads=2, head_dim=8, depth=2)
+    model_map = derive_model_map(dit)
+    found = _structural_pairs(dit, model_map, torch.zeros(1, 5, 8, 8))
+    expected = {"attn1.to_q": "colwise", "attn1.to_k": "colwise", "attn1.to_v": "colwise", "attn1.to_out.0": "rowwise",
+                "ff.net.0.proj": "colwise", "ff.net.2": "rowwise"}
+    assert found == {f"model.transformer_blocks.*.{layer}": style for layer, style in expected.items()}
+
+
+def test_blocks_whose_parts_run_outside_them_are_found() -> None:
+    """A DiT runs block 0's timestep embedding after the last block (ZeRO-3 then keeps that block with the root);
+    the reference model calls nothing of a block from outside."""
+    from lightning_par.parallel.outside_calls import blocks_used_outside
+
+    cpu = torch.device("cpu")
+    reference = Transformer(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16))
+    assert blocks_used_outside(reference, derive_model_map(reference), torch.randint(0, 64, (1, 8)), cpu) == {}
+    pytest.importorskip("diffusers")
+    from lightning_par.models import DiTDenoiser
+
+    dit = DiTDenoiser(image_size=8, channels=4, classes=4, patch_size=2, heads=2, head_dim=8, depth=2)
+    found = blocks_used_outside(dit, derive_model_map(dit), torch.zeros(1, 5, 8, 8), cpu)
+    assert found == {"model.transformer_blocks.0": ["model.transformer_blocks.0.norm1.emb"]}

@@ -67,9 +67,7 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (2, 1), "dp2xtp2": (4, 2), "tp2-sp": (2, 1), "p
            "dp2-zero2": (2, 2)}
 
 # Cells refused before the first step, and a fragment of the reason they give; every other cell trains exactly.
-NO_SPLIT = "would split no layer inside the blocks"
 REFUSED: dict[tuple[str, str], str] = {
-    **{("custom_names", layout): NO_SPLIT for layout in ("tp2", "dp2xtp2")},
     # Sequence parallel hands the modules it does not split (nn.MultiheadAttention, MoE routers, MLA's low-rank
     # projections) sequence-split DTensors they cannot compute with.
     **{(name, layout): "set sequence_parallel=False for this model"

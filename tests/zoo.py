@@ -17,6 +17,7 @@ explicit map).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 from typing import Any
 
@@ -138,6 +139,35 @@ class NanoGPT(SGDModule):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.model(inputs)
+
+
+# ------------------------------------------------------------------------------------------- litgpt
+class LitGPTLM(SGDModule):
+    """litgpt's ``GPT`` (Lightning's own LLM library) from a ``litgpt.Config``: fused q/k/v of all query groups
+    ([q | k | v], sliced by the config's global head counts), ``attn.proj``, ``mlp.fc_1``/``fc_2``/``proj``; names
+    no rule knows, so tensor parallel pairs its layers by what the blocks compute."""
+
+    def __init__(self, **config: Any) -> None:
+        super().__init__()
+        from litgpt import Config
+        from litgpt.model import GPT as LitGPT
+
+        self.model = LitGPT(Config(**config))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs)
+
+
+_LITGPT_COMMON = dict(block_size=SEQ_LEN, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32)
+LITGPT_CONFIGS: dict[str, dict] = {
+    # LLaMA-style: RMSNorm, SwiGLU (fc_1, fc_2 -> proj), grouped queries (2 groups of 2), full rotary, untied
+    "litgpt_llama": dict(_LITGPT_COMMON, n_query_groups=2, bias=False, norm_class_name="RMSNorm",
+                         mlp_class_name="LLaMAMLP", intermediate_size=48, rotary_percentage=1.0,
+                         parallel_residual=False),
+    # Pythia-style: LayerNorm, GELU MLP (fc -> proj), biases, parallel residual, a quarter of each head rotary
+    "litgpt_pythia": dict(_LITGPT_COMMON, bias=True, norm_class_name="LayerNorm", mlp_class_name="GptNeoxMLP",
+                          intermediate_size=64, rotary_percentage=0.25, parallel_residual=True),
+}
 
 
 # ------------------------------------------------------------------------------------ torch-native blocks
@@ -275,13 +305,17 @@ def make_model(name: str) -> pl.LightningModule:
         return NanoGPT()
     if name in TORCH_MODELS:
         return TorchLM(TORCH_MODELS[name])
+    if name in LITGPT_CONFIGS:
+        return LitGPTLM(**LITGPT_CONFIGS[name])
     config = dict(ARCHITECTURES[name])
     if config["model_type"] != "gpt2":
         config = {**_COMMON, **config}
     return HuggingFaceLM(config, attention="eager" if name == "gemma2" else "sdpa")
 
 
-MODELS = (*ARCHITECTURES, "nanogpt", *TORCH_MODELS)
+# litgpt is a test dependency installed without its own pins (README), skipped where it is missing.
+LITGPT_MODELS = tuple(LITGPT_CONFIGS) if importlib.util.find_spec("litgpt") else ()
+MODELS = (*ARCHITECTURES, "nanogpt", *TORCH_MODELS, *LITGPT_MODELS)
 MOE_MODELS = ("qwen2_moe", "deepseek_v3")  # the ones with experts to split
 
 

@@ -1,5 +1,8 @@
 """Tokens and samples per second, model FLOP/s and MFU, for any layout.
 
+A sample's tokens are its inputs' second dimension (token ids), or the model's ``tokens_per_sample`` where it has one
+(the patches of an image).
+
 Model FLOPs utilisation (MFU; Chowdhery et al. 2022, *PaLM*, appendix B) is the FLOP/s the model's
 arithmetic needs at the measured throughput, per device, over the device's peak: recomputation and
 padding do not count, so layouts are compared on the work that matters. The model's FLOPs per token
@@ -142,7 +145,9 @@ def _batch_size(pl_module: LightningModule, batch: Any) -> tuple[int, int, int]:
     if not isinstance(inputs, Tensor):
         raise TypeError(f"ThroughputMonitor counts tokens of a tensor batch, got {type(inputs).__name__}")
     samples = inputs.shape[0]
-    seq_len = inputs.shape[1] if inputs.dim() > 1 else 1
+    # A model whose inputs are not token ids says how many tokens a sample makes (a ViT's patches).
+    per_sample = getattr(pl_module, "tokens_per_sample", None)
+    seq_len = int(per_sample) if per_sample else inputs.shape[1] if inputs.dim() > 1 else 1
     return samples * seq_len, samples, seq_len
 
 

@@ -3,7 +3,8 @@
 ``corpus`` is pure PyTorch (the stdlib byte corpus, window and synthetic datasets); ``resumable`` a DataLoader
 that resumes mid-epoch; ``datamodule`` adds the Lightning side, with exact sharding across data-parallel ranks;
 ``text`` and ``text_datamodule`` read local text for fine-tuning, tokenized with a model directory's tokenizer;
-``instructions`` and ``instruction_datamodule`` prompt/response records and chats, the loss on the responses.
+``instructions`` and ``instruction_datamodule`` prompt/response records and chats, the loss on the responses;
+``images`` synthetic labelled images for vision models.
 The datamodules are imported lazily (PEP 562) so that the datasets work without Lightning.
 """
 
@@ -16,10 +17,11 @@ from lightning_par.data.resumable import ResumableDataLoader
 
 if TYPE_CHECKING:
     from lightning_par.data.datamodule import TokenDataModule
+    from lightning_par.data.images import SyntheticImageDataModule
     from lightning_par.data.instruction_datamodule import InstructionDataModule
     from lightning_par.data.text_datamodule import TextDataModule
 
-__all__ = ["TokenDataModule", "TextDataModule", "InstructionDataModule", "ResumableDataLoader", "TokenWindowDataset", "SyntheticTokenDataset",
+__all__ = ["SyntheticImageDataModule", "TokenDataModule", "TextDataModule", "InstructionDataModule", "ResumableDataLoader", "TokenWindowDataset", "SyntheticTokenDataset",
            "load_stdlib_tokens"]
 
 
@@ -28,6 +30,10 @@ def __getattr__(name: str) -> Any:
         from lightning_par.data.datamodule import TokenDataModule
 
         return TokenDataModule
+    if name == "SyntheticImageDataModule":
+        from lightning_par.data.images import SyntheticImageDataModule
+
+        return SyntheticImageDataModule
     if name == "TextDataModule":
         from lightning_par.data.text_datamodule import TextDataModule
 

@@ -25,7 +25,7 @@ from typing_extensions import override
 from lightning_par.data.corpus import SyntheticTokenDataset, TokenWindowDataset, load_stdlib_tokens
 from lightning_par.data.resumable import ResumableDataLoader
 
-__all__ = ["TokenDataModule", "WindowDataModule", "check_window_arguments"]
+__all__ = ["ShardedDataModule", "TokenDataModule", "WindowDataModule", "check_window_arguments"]
 
 _SOURCES = ("stdlib", "synthetic")
 # Byte tokens take every value in [0, 256).
@@ -35,14 +35,12 @@ _BYTE_VOCAB = 256
 _VAL_SEED_OFFSET = 2**31
 
 
-class WindowDataModule(pl.LightningDataModule):
-    """Next-token windows ``(B, seq_len + 1)`` of a token stream per split, trimmed for the data-parallel size and
-    served by the resumable loader. Subclasses build each split's dataset in ``_build(split)``, ``split`` being
-    ``"train"`` or ``"val"``."""
+class ShardedDataModule(pl.LightningDataModule):
+    """A training and a validation split, trimmed for the data-parallel size and served by the resumable loader.
+    Subclasses build each split's dataset in ``_build(split)``, ``split`` being ``"train"`` or ``"val"``."""
 
-    def __init__(self, seq_len: int, batch_size: int, num_workers: int, shuffle: bool) -> None:
+    def __init__(self, batch_size: int, num_workers: int, shuffle: bool) -> None:
         super().__init__()
-        self.seq_len = seq_len
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.shuffle = shuffle
@@ -126,6 +124,14 @@ class WindowDataModule(pl.LightningDataModule):
         if self.val_dataset is None:
             self.setup("test")
         return self._loader(self.val_dataset, shuffle=False)
+
+
+class WindowDataModule(ShardedDataModule):
+    """Next-token windows ``(B, seq_len + 1)`` of a token stream per split (see :class:`ShardedDataModule`)."""
+
+    def __init__(self, seq_len: int, batch_size: int, num_workers: int, shuffle: bool) -> None:
+        super().__init__(batch_size=batch_size, num_workers=num_workers, shuffle=shuffle)
+        self.seq_len = seq_len
 
 
 class TokenDataModule(WindowDataModule):

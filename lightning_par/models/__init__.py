@@ -1,6 +1,7 @@
-"""Reference Llama-style decoder: a pure PyTorch ``Transformer`` and its LightningModule ``LlamaLM``.
+"""Reference Llama-style decoder: a pure PyTorch ``Transformer`` and its LightningModule ``LlamaLM``; a vision
+transformer classifier ``ViTClassifier``; a diffusion transformer ``DiTDenoiser`` (diffusers).
 
-``LlamaLM`` is imported lazily (PEP 562) so that ``lightning_par.models.llama`` and the names below
+``LlamaLM``, ``ViTClassifier`` and ``DiTDenoiser`` are imported lazily (PEP 562) so that ``lightning_par.models.llama`` and the names below
 other than ``LlamaLM`` can be used without importing Lightning (the planner and ``parallel/`` must not).
 """
 
@@ -22,11 +23,15 @@ from lightning_par.models.llama import (
 from lightning_par.models.moe import GroupedExperts, MoEFeedForward, RoutingStats
 
 if TYPE_CHECKING:
+    from lightning_par.models.diffusion import DiTDenoiser
     from lightning_par.models.hf import HFCausalLM
     from lightning_par.models.lightning_module import LlamaLM
+    from lightning_par.models.vision import ViTClassifier
+    from lightning_par.models.vision import ViTClassifier
 
 __all__ = [
     "Attention",
+    "DiTDenoiser",
     "FeedForward",
     "GroupedExperts",
     "HFCausalLM",
@@ -37,6 +42,7 @@ __all__ = [
     "RoutingStats",
     "Transformer",
     "TransformerBlock",
+    "ViTClassifier",
     "apply_rotary",
     "llama_flops_per_token",
     "rope_tables",
@@ -48,6 +54,14 @@ def __getattr__(name: str) -> Any:
         from lightning_par.models.lightning_module import LlamaLM
 
         return LlamaLM
+    if name == "DiTDenoiser":
+        from lightning_par.models.diffusion import DiTDenoiser
+
+        return DiTDenoiser
+    if name == "ViTClassifier":
+        from lightning_par.models.vision import ViTClassifier
+
+        return ViTClassifier
     if name == "HFCausalLM":
         from lightning_par.models.hf import HFCausalLM
 

@@ -25,7 +25,7 @@ from typing_extensions import override
 from lightning_par.data.text import TOKENIZER_MARKERS, load_tokenizer
 from lightning_par.huggingface import config_from_arguments, load_huggingface_weights
 from lightning_par.lora import FROZEN_BASE_KEY, LORA_DEFAULTS, lora_settings, with_lora
-from lightning_par.models.lightning_module import NextTokenLM
+from lightning_par.models.lightning_module import ContractModule
 from lightning_par.models.packing import DocumentPositions, check_document_masking, cross_document_targets
 from lightning_par.parallel.adapters import initialize_lora
 
@@ -34,7 +34,7 @@ __all__ = ["HFCausalLM", "LORA_DEFAULTS", "lora_settings"]
 IGNORE_INDEX = -100  # Hugging Face's label for positions that take no loss
 
 
-class HFCausalLM(NextTokenLM):
+class HFCausalLM(ContractModule):
     """Next-token training of a Hugging Face causal LM, from a local pretrained directory or from a config.
 
     Args:

@@ -72,10 +72,11 @@ def _total_steps(module: pl.LightningModule) -> int | None:
     return int(estimated) if math.isfinite(estimated) and estimated > 0 else None
 
 
-class NextTokenLM(pl.LightningModule):
-    """Next-token training shared by the project's models. A subclass gives the model contract (``split_batch``,
-    ``forward``, ``loss_fn``) and the optimizer's hyper-parameters; this logs ``train_loss`` / ``val_loss`` /
-    ``test_loss`` (averaged over ranks) and configures AdamW with warmup and cosine decay."""
+class ContractModule(pl.LightningModule):
+    """Training shared by the project's models (language models, the vision transformer). A subclass gives the model
+    contract (``split_batch``, ``forward``, ``loss_fn``) and the optimizer's hyper-parameters; this logs
+    ``train_loss`` / ``val_loss`` / ``test_loss`` (averaged over ranks) and configures AdamW with warmup and cosine
+    decay."""
 
     def _shared_step(self, batch: Any) -> Tensor:
         inputs, targets = self.split_batch(batch)
@@ -104,7 +105,7 @@ class NextTokenLM(pl.LightningModule):
         return adamw_warmup_cosine(self)
 
 
-class LlamaLM(NextTokenLM):
+class LlamaLM(ContractModule):
     """Next-token language modelling with :class:`~lightning_par.models.llama.Transformer`.
 
     Model contract (pipeline and tensor-parallel strategies rely on these three methods rather than on

@@ -43,6 +43,7 @@ from lightning_par.parallel.pipeline.split import (StageLayout, build_stages, ch
                                                   check_weight_pass_with_zero3, split_pipeline)
 from lightning_par.parallel.model_map import ModelMap, model_map_or_its_old_name, network_prefix
 from lightning_par.parallel.model_map_check import check_model_map
+from lightning_par.parallel.outside_calls import blocks_used_outside
 from lightning_par.parallel.recompute import apply_activation_checkpointing
 from lightning_par.parallel.context import apply_context_parallel, check_sequence_length, head_follows_last_block
 from lightning_par.parallel.parallelized import Parallelized
@@ -123,6 +124,13 @@ def parallelize(
     if applied is None:
         _check_fsdp_roots(model, config)
         check_experts_found(model, model_map, config.ep)
+        # Before anything is split: blocks whose parts the network also runs outside them (ZeRO-3 keeps them whole).
+        used_outside = (blocks_used_outside(model, model_map, sample_batch[0], device)
+                        if config.zero_stage == 3 and config.pp == 1 and model_map is not None
+                        and sample_batch is not None else {})
+        if used_outside and log is not None:
+            log(f"zero_stage=3: the network also runs {', '.join(p for ps in used_outside.values() for p in ps)} "
+                f"outside {', '.join(used_outside)}: sharded with the root, gathered for the whole step")
         # Before anything is split: whether the head can run on each context-parallel rank's tokens.
         gather_at_head = (config.cp > 1 and model_map is not None and sample_batch is not None
                           and head_follows_last_block(model, model_map, sample_batch[0].to(device)))
@@ -167,7 +175,8 @@ def parallelize(
                                            root=stages is None, keep_gathered_blocks=config.keep_gathered_blocks,
                                            prefetch_blocks=config.prefetch_blocks,
                                            blocks_per_unit=config.blocks_per_unit,
-                                           stage_blocks=None if stages is None else _stage_blocks(model, stages))
+                                           stage_blocks=None if stages is None else _stage_blocks(model, stages),
+                                           blocks_used_outside=list(used_outside))
         record = layout_record(model, create=True)
         if stages is not None:  # 1, completed: each stage's view of the blocks as they now are
             record.stages = build_stages(model, stages, mesh, device, sequence_parallel=config.sequence_parallel,

@@ -36,15 +36,38 @@ from lightning_par.parallel.adapters import base_layer
 STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_split", "vocab", "sequence", "per_shard", "experts",
           "replicate")
 SPLIT_STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_split")  # styles that shard a projection
-MAP_SOURCES = ("given", "huggingface", "derived")
+MAP_SOURCES = ("given", "huggingface", "derived", "structure")
 
-# Names used across decoder families for the same role inside a block.
-_COLWISE_NAMES = ("q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "gate_proj", "up_proj", "w1", "w3", "fc1", "c_fc",
-                  "fc_in", "dense_h_to_4h", "query", "key", "value", "q_b_proj", "kv_b_proj")
-_ROWWISE_NAMES = ("o_proj", "wo", "out_proj", "down_proj", "w2", "fc2", "c_proj", "fc_out", "dense_4h_to_h", "dense")
+# The names model families give a projection of each role inside a block: one vocabulary for the model map (which
+# pairs projections for tensor parallel) and for the planner's description of a module
+# (lightning_par.strategies.model_spec). Llama/Mistral/Qwen q_proj..., Meta's wq..., BERT-style query...,
+# GPT-2 c_attn/c_proj, GPT-NeoX query_key_value/dense, Phi dense/fc1/fc2, MLA's q_b_proj/kv_b_proj, single letters.
+PROJECTION_NAMES: dict[str, tuple[str, ...]] = {
+    "query": ("q_proj", "wq", "query", "q", "q_b_proj"),
+    "key": ("k_proj", "wk", "key", "k", "kv_b_proj"),
+    "value": ("v_proj", "wv", "value", "v"),
+    # q, k and v in one matrix
+    "qkv": ("qkv_proj", "Wqkv", "c_attn", "query_key_value", "W_pack", "qkv", "in_proj"),
+    "output": ("o_proj", "wo", "out_proj", "c_proj", "dense", "o", "proj"),
+    "up": ("gate_proj", "up_proj", "w1", "w3", "fc1", "c_fc", "fc_in", "dense_h_to_4h"),
+    "gate_up": ("gate_up_proj",),
+    "down": ("down_proj", "w2", "fc2", "c_proj", "fc_out", "dense_4h_to_h", "dense"),
+}
+# Names too generic to pair by name (single letters; ``proj`` ends both the attention and the MLP of a ViT and of
+# litgpt; ``in_proj`` is nn.MultiheadAttention's bare parameter): the model map leaves them to the pairs found from
+# what the blocks compute (lightning_par.parallel.model_map_structure).
+_GENERIC_NAMES = ("q", "k", "v", "o", "proj", "in_proj")
+
+
+def _names(*roles: str) -> tuple[str, ...]:
+    return tuple(n for role in roles for n in PROJECTION_NAMES[role] if n not in _GENERIC_NAMES)
+
+
+_COLWISE_NAMES = _names("query", "key", "value", "up")
+_ROWWISE_NAMES = _names("output", "down")
 # Several projections in one matrix: split like the others when each rank's rows hold whole heads (GPT-NeoX's
 # per-head q/k/v), gathered when the model slices the output by global sizes; the tensor-parallel check decides.
-_FUSED_NAMES = ("qkv_proj", "Wqkv", "c_attn", "query_key_value", "gate_up_proj", "W_pack", "qkv")
+_FUSED_NAMES = _names("qkv", "gate_up")
 _EXPERT_NAMES = ("experts",)
 _FINAL_NORM_NAMES = ("norm", "final_norm", "ln_f", "final_layernorm", "norm_f", "final_layer_norm")
 
@@ -93,7 +116,9 @@ class ModelMap:
     head: str | None = None
     styles: dict[str, str] = field(default_factory=dict)
     split_points: tuple[str, ...] = ()
-    source: str = "given"  # given (by the user), huggingface (the model's config), derived (derive_model_map)
+    # given (by the user), huggingface (the model's config), derived (derive_model_map: names and shapes), structure
+    # (derived, with pairs found from what the blocks compute: lightning_par.parallel.model_map_structure)
+    source: str = "given"
 
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, str) or not self.blocks:
@@ -356,6 +381,6 @@ def resolve_model_map(given: ModelMap | None, model: nn.Module) -> ModelMap | No
     return huggingface_model_map(model) or derive_model_map(model)
 
 
-__all__ = ["HF_STYLES", "MAP_SOURCES", "ModelMap", "SPLIT_STYLES", "STYLES", "derive_model_map",
+__all__ = ["HF_STYLES", "MAP_SOURCES", "ModelMap", "PROJECTION_NAMES", "SPLIT_STYLES", "STYLES", "derive_model_map",
            "huggingface_model_map", "is_conv1d", "is_projection", "model_map_or_its_old_name", "network_prefix",
            "projection_features", "resolve_model_map", "why_no_blocks"]

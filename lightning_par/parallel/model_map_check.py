@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -37,7 +37,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.modules import first_tensor
-from lightning_par.parallel.model_map import SPLIT_STYLES, ModelMap, is_projection, network_prefix
+from lightning_par.parallel.model_map import SPLIT_STYLES, ModelMap, is_projection
+from lightning_par.parallel.model_map_structure import structural_styles
 from lightning_par.parallel.small_copy import Vocabulary, small_copy
 from lightning_par.parallel.modules import clean_name
 
@@ -46,6 +47,9 @@ from lightning_par.parallel.modules import clean_name
 # version, such as grouped expert matmuls); a wrong split differs by O(0.1-1).
 _RTOL = {torch.float64: 1e-5, torch.float32: 1e-4}
 _GATHERED = {"colwise": "colwise_gather", "rowwise": "rowwise_split"}
+# Model maps the project found (by names, by structure): a split that does not compute the same falls back to
+# gathered or whole. A map the user or the model's config gave is refused instead.
+FOUND_SOURCES = ("derived", "structure")
 
 
 @dataclass
@@ -68,13 +72,16 @@ def check_model_map(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, 
     """The model map to train with, and notes on what the check changed. Collective over the ``tp`` ranks.
 
     ``apply(copy, mesh, model_map, sequence_parallel=..., loss_parallel=...)`` splits a copy as training will
-    (``apply_tensor_parallel``). ``inputs``: a sample of the network's input; its first row is used. Raises
+    (``apply_tensor_parallel``). ``inputs``: a sample of the input of the model's own forward, which the copy runs
+    (it may hand the network more than the inputs: a timestep, labels); its first row is used. Raises
     ``ValueError`` naming the module and the reason when the model map cannot compute what the model computes.
     """
     notes: list[str] = []
-    candidate = model_map
     device = torch.device(mesh.device_type)
     vocabulary, sample, dtype = _copy_settings(module, model_map, inputs[:1], mesh.size("tp"), device)
+    if model_map.source == "derived":  # layers no name rule knows: paired by what the blocks compute
+        model_map = _with_structural_pairs(module, model_map, sample, dtype, vocabulary, device, notes)
+    candidate = model_map
     for _ in range(4 * max(1, len(_regions(module, model_map))) + 4):
         outcome = _run(module, mesh, candidate, sample, dtype=dtype, sequence_parallel=sequence_parallel,
                        loss_parallel=loss_parallel, apply=apply, vocabulary=vocabulary)
@@ -87,7 +94,7 @@ def check_model_map(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, 
             candidate = candidate.with_styles({**added, **candidate.styles})
             continue
         where = outcome.region or outcome.module or "the model"
-        if model_map.source != "derived" or outcome.region is None:
+        if model_map.source not in FOUND_SOURCES or outcome.region is None:
             raise ValueError(_refusal(model_map, outcome, mesh.size("tp"), sequence_parallel))
         layers = _layers(module, candidate, outcome.region)
         styles = {_key_of(candidate, layer): candidate.style_of(layer) for layer in layers}
@@ -113,6 +120,18 @@ def check_model_map(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, 
     return candidate, notes
 
 
+def _with_structural_pairs(module: nn.Module, model_map: ModelMap, sample: Tensor, dtype: torch.dtype,
+                           vocabulary: Vocabulary | None, device: torch.device, notes: list[str]) -> ModelMap:
+    """``model_map`` with the column/row-wise pairs the blocks compute among the projections it leaves unstyled
+    (``lightning_par.parallel.model_map_structure``), source ``structure`` when it found any."""
+    model_copy = small_copy(module, model_map.blocks, device, dtype, vocabulary=vocabulary)
+    found = structural_styles(model_copy, model_map, lambda: model_copy(_as(sample, device, dtype)))
+    if not found:
+        return model_map
+    notes.append("found from the computation: " + ", ".join(f"{p}: {s}" for p, s in found.items()))
+    return replace(model_map, styles={**model_map.styles, **found}, source="structure")
+
+
 def _key_of(model_map: ModelMap, name: str) -> str:
     """The pattern of ``model_map.styles`` that gives ``name`` its style."""
     return next(pattern for pattern in model_map.styles if fnmatch.fnmatchcase(name, pattern))
@@ -128,19 +147,21 @@ def _pattern(model_map: ModelMap, name: str) -> str:
 
 
 def _regions(module: nn.Module, model_map: ModelMap) -> list[str]:
-    """Modules holding split layers, in module order."""
-    regions: list[str] = []
+    """Modules holding split layers, in module order; one inside another is part of it (diffusers' attention keeps
+    its output projection in ``to_out.0``, its feed-forward's first one in ``net.0.proj``)."""
+    parents: list[str] = []
     for name, sub in module.named_modules():
         if is_projection(sub) and model_map.style_of(name) in SPLIT_STYLES and name != model_map.head:
             parent = name.rpartition(".")[0]
-            if parent not in regions:
-                regions.append(parent)
-    return regions
+            if parent not in parents:
+                parents.append(parent)
+    return [p for p in parents if not any(p.startswith(other + ".") for other in parents)]
 
 
 def _layers(module: nn.Module, model_map: ModelMap, region: str) -> list[str]:
-    return [f"{region}.{name}" for name, sub in module.get_submodule(region).named_children()
-            if is_projection(sub) and model_map.style_of(f"{region}.{name}") in SPLIT_STYLES]
+    """The split layers inside ``region``."""
+    return [f"{region}.{name}" for name, sub in module.get_submodule(region).named_modules()
+            if name and is_projection(sub) and model_map.style_of(f"{region}.{name}") in SPLIT_STYLES]
 
 
 def _refusal(model_map: ModelMap, outcome: _Outcome, tp: int, sequence_parallel: bool) -> str:
@@ -159,11 +180,6 @@ def _refusal(model_map: ModelMap, outcome: _Outcome, tp: int, sequence_parallel:
 
 
 # ------------------------------------------------------------------------------------------- one run
-def _network(model_copy: nn.Module, model_map: ModelMap) -> nn.Module:
-    prefix = network_prefix(model_map)
-    return model_copy.get_submodule(prefix.rstrip(".")) if prefix else model_copy
-
-
 # Rows per tensor-parallel rank of the copy's embedding and head: enough for every split to hold several.
 _VOCABULARY_ROWS_PER_RANK = 16
 
@@ -184,7 +200,7 @@ def _copy_settings(module: nn.Module, model_map: ModelMap, inputs: Tensor, tp: i
         for dtype in (torch.float64, torch.float32):
             try:
                 model_copy = small_copy(module, model_map.blocks, device, dtype, vocabulary=vocabulary)
-                logits, _, _ = first_tensor(_network(model_copy, model_map)(_as(sample, device, dtype)))
+                logits, _, _ = first_tensor(model_copy(_as(sample, device, dtype)))
             except Exception:  # noqa: BLE001 - a dtype without kernels, or whatever the cut model raises
                 continue
             if model_map.head is None or logits.shape[-1] == vocabulary.rows:
@@ -207,7 +223,7 @@ def _dtype_that_runs(module: nn.Module, model_map: ModelMap, inputs: Tensor, dev
     """float64 where the whole model runs in it, else float32."""
     try:
         model_copy = small_copy(module, model_map.blocks, device, torch.float64)
-        _network(model_copy, model_map)(_as(inputs, device, torch.float64))
+        model_copy(_as(inputs, device, torch.float64))
         return torch.float64
     except RuntimeError:
         return torch.float32
@@ -223,7 +239,6 @@ def _run(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, inputs: Ten
          vocabulary: Vocabulary | None) -> _Outcome:
     device = torch.device(mesh.device_type)
     model_copy = small_copy(module, model_map.blocks, device, dtype, vocabulary=vocabulary)
-    network = _network(model_copy, model_map)
     regions = _regions(model_copy, model_map)
     inputs = _as(inputs, device, dtype)
     def run(record: dict[str, Tensor], stack: list[str], settle: Callable[[], None] = lambda: None) -> Tensor:
@@ -235,7 +250,7 @@ def _run(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, inputs: Ten
                 lambda m, a, k, n=name: _enter(stack, n, record, a, k, regions), with_kwargs=True))
             handles.append(sub.register_forward_hook(lambda m, a, o, n=name: _leave(stack, n, record, o, regions)))
         try:
-            logits, _, _ = first_tensor(network(inputs))
+            logits, _, _ = first_tensor(model_copy(inputs))
         finally:
             for handle in handles:
                 handle.remove()

@@ -57,14 +57,15 @@ def retie(module: nn.Module, groups: Iterable[tuple[str, ...]]) -> None:
 
     The split (DTensor) version wins; it must be the same split for every user, because the same tensor is
     used by both. A module marked ``holds_only`` keeps a tied parameter without computing with it (a pipeline
-    stage's stand-in for a part it does not run), so it takes whatever version the others use. Raises
-    ``ValueError`` naming the users when they are split differently.
+    stage's stand-in for a part it does not run), so it takes whatever version the others use; so does a module
+    that holds the parameter of one of its own submodules (Hugging Face's ``BertLMPredictionHead.bias``, which is
+    its ``decoder.bias``). Raises ``ValueError`` naming the users when they are split differently.
     """
     for group in groups:
         users = {name: _owner(module, name) for name in group}
         versions = {name: getattr(owner, leaf) for name, (owner, leaf) in users.items()}
         computing = {name: tensor for name, tensor in versions.items()
-                     if not getattr(users[name][0], "holds_only", False)}
+                     if not getattr(users[name][0], "holds_only", False) and not _holds_for_submodule(name, group)}
         split = {name: tensor for name, tensor in computing.items() if isinstance(tensor, DTensor)}
         if split and len(split) != len(computing):
             plain = sorted(set(computing) - set(split))
@@ -81,6 +82,13 @@ def retie(module: nn.Module, groups: Iterable[tuple[str, ...]]) -> None:
         for name, (owner, leaf) in users.items():
             if versions[name] is not chosen:
                 owner._parameters[leaf] = chosen
+
+
+def _holds_for_submodule(name: str, group: tuple[str, ...]) -> bool:
+    """Whether parameter ``name``'s module is an ancestor of the module of another name in ``group``."""
+    owner = name.rpartition(".")[0]
+    return any(other != name and (not owner or other.startswith(owner + ".")) and other.count(".") > name.count(".")
+               for other in group)
 
 
 def first_tensor(output: Any) -> tuple[Tensor | None, int | None, int]:

@@ -52,7 +52,8 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap
                       reduce_dtype: torch.dtype | None = None, cpu_offload: bool = False,
                       root: bool = True, keep_gathered_blocks: int = 0, prefetch_blocks: int = 0,
                       blocks_per_unit: int = 1,
-                      stage_blocks: Sequence[Sequence[nn.Module]] | None = None) -> Callable[[nn.Module], None]:
+                      stage_blocks: Sequence[Sequence[nn.Module]] | None = None,
+                      blocks_used_outside: Sequence[str] = ()) -> Callable[[nn.Module], None]:
     """ZeRO-3: shard every block of ``model_map`` with FSDP2, then the root (embedding, norm, head, the rest).
 
     Without a model map the whole model is one unit: still sharded at rest, but gathered whole for forward.
@@ -70,6 +71,9 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap
 
     ``stage_blocks``: under pipeline parallel, this rank's blocks by stage; a unit never spans two stages (each
     stage is a root of its own).
+
+    ``blocks_used_outside``: names of blocks whose parts the network also calls outside the block
+    (``lightning_par.parallel.outside_calls``): not units of their own, their parameters join the root's unit.
 
     Returns the function that shards a root with the same settings. With ``root=False`` the module itself is
     left to the caller: under pipeline parallel each pipeline stage is a root (torchtitan's PP x FSDP), and
@@ -101,8 +105,10 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap
             # copying instead of reduce-scattering, and would divide a second time.)
             experts.set_force_sum_reduction_for_comms(True)
     if model_map is not None:
-        blocks = [block for block in module.get_submodule(model_map.blocks).children()
-                  if next(block.parameters(), None) is not None]  # not the stand-ins for other pipeline ranks' blocks
+        container = model_map.blocks
+        blocks = [block for name, block in module.get_submodule(container).named_children()
+                  if next(block.parameters(), None) is not None  # not the stand-ins for other pipeline ranks' blocks
+                  and f"{container}.{name}" not in blocks_used_outside]
         runs = [blocks] if stage_blocks is None else [[b for b in blocks if any(b is s for s in stage)]
                                                       for stage in stage_blocks]
         units = [run[first:first + blocks_per_unit] for run in runs for first in range(0, len(run), blocks_per_unit)]

@@ -176,6 +176,11 @@ class MeshStrategy(StepsThroughTheHandle):
         self.model_to_device()
         self._parallelized = self._parallelize(self.model, trainer, training=fitting)
         self.model = self.parallelized.module
+        if self.parallel_config.pp > 1:
+            # Lightning's model summary runs example_input_array through the whole model, of which a pipeline stage
+            # holds a part: it lists the layers without their input and output sizes. Put back at teardown.
+            self._example_input, self.lightning_module.example_input_array = (
+                self.lightning_module.example_input_array, None)
         if fitting:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
@@ -264,6 +269,8 @@ class MeshStrategy(StepsThroughTheHandle):
 
     @override
     def teardown(self) -> None:
+        if getattr(self, "_example_input", None) is not None and self.lightning_module is not None:
+            self.lightning_module.example_input_array, self._example_input = self._example_input, None
         if self._parallelized is not None:
             self.model = self._parallelized.inner  # drop the DDP wrapper; the next run wraps again
             if self.parallel_config.compile:

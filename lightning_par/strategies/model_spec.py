@@ -32,17 +32,13 @@ from typing import Any
 from torch import nn
 
 from lightning_par.parallel.adapters import outside_adapters
-from lightning_par.parallel.model_map import (ModelMap, derive_model_map, huggingface_model_map, is_projection,
-                                              projection_features)
+from lightning_par.parallel.model_map import (PROJECTION_NAMES, ModelMap, derive_model_map, huggingface_model_map,
+                                              is_projection, projection_features)
 from lightning_par.planner.model import _HF_COUNT_TOLERANCE, ModelSpec, UnknownConfig
 
-# Projection names by role inside an attention module (Llama/Mistral/Qwen q_proj..., Meta's wq..., BERT-style query...,
-# GPT-2 c_attn/c_proj, GPT-NeoX query_key_value/dense, Phi dense, single letters as in tests/zoo.py's FlatBlock).
-_QUERY = ("q_proj", "wq", "query", "q")
-_KEY = ("k_proj", "wk", "key", "k")
-_VALUE = ("v_proj", "wv", "value", "v")
-_FUSED_QKV = ("qkv_proj", "Wqkv", "c_attn", "query_key_value", "W_pack", "qkv", "in_proj")
-_OUTPUT = ("o_proj", "wo", "out_proj", "c_proj", "dense", "o", "proj")
+# Projection names by role inside an attention module: the model map's vocabulary.
+_QUERY, _KEY, _VALUE = PROJECTION_NAMES["query"], PROJECTION_NAMES["key"], PROJECTION_NAMES["value"]
+_FUSED_QKV, _OUTPUT = PROJECTION_NAMES["qkv"], PROJECTION_NAMES["output"]
 _ATTENTION_ROLES = _QUERY + _KEY + _VALUE + _FUSED_QKV
 # Attributes an attention module keeps its sizes in (its forward reshapes by them).
 _HEADS_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads", "heads", "n_heads_q")

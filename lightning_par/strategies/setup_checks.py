@@ -90,9 +90,9 @@ def first_batch(module: LightningModule, config: ParallelConfig,
 def sample_for_layout(module: LightningModule, config: ParallelConfig, model_map: ModelMap | None,
                       broadcast: Callable[[Any], Any]) -> tuple[Tensor, Tensor | None] | None:
     """The first batch where the layout runs the model at set-up (checking a tensor-parallel split, cutting pipeline
-    stages) or splits batches (context parallel), else None. Raises when a tensor-parallel split needs one and the
-    data gives none the model contract can read."""
-    if config.tp == 1 and config.pp == 1 and config.cp == 1:
+    stages, finding blocks that ZeRO-3 must not gather alone) or splits batches (context parallel), else None.
+    Raises when a tensor-parallel split needs one and the data gives none the model contract can read."""
+    if config.tp == 1 and config.pp == 1 and config.cp == 1 and config.zero_stage != 3:
         return None
     sample = first_batch(module, config, broadcast)
     if config.tp > 1 and model_map is not None and sample is None:

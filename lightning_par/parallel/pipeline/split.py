@@ -219,6 +219,8 @@ class StandInModule(nn.Module):
         x = args[0] if args else next(iter(kwargs.values()))
         if self.spec.kind == "zeros":  # an embedding's output: (*input shape, width)
             return torch.zeros(*x.shape, self.spec.width, dtype=self.spec.dtype, device=x.device)
+        if self.spec.kind == "batch_zeros":  # per sample, the shape the module made (patches x width, say)
+            return torch.zeros(x.shape[0], *self.spec.shape, dtype=self.spec.dtype, device=x.device)
         return x
 
 
@@ -386,9 +388,11 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, trac
     for name in blocks:
         if block_stage[name] not in mine:
             _set(network, name[len(prefix):], SkippedBlock(trace.block_call))
+    replaced: list[str] = []
     for name, stages in runs.items():
-        if stages & set(mine):
-            continue
+        if stages & set(mine) or any(name.startswith(outer + ".") for outer in replaced):
+            continue  # run here, or inside a module a stand-in already took the place of
+        replaced.append(name)
         sub = module.get_submodule(name)
         kept = {leaf: p for leaf, p in sub.named_parameters(recurse=False) if holders[id(p)] & set(mine)}
         spec = trace.outside[name] if name in trace.before_blocks else StandIn("unused")

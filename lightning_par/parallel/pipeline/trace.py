@@ -45,14 +45,17 @@ class Call:
 @dataclass(frozen=True)
 class StandIn:
     """How a stage that does not run an outside module replaces it: ``identity`` (returns its input, same
-    shape), ``zeros`` (an embedding: the input's shape plus ``width``), or ``unused`` (never called there).
-    ``reason``: why no stand-in fits (a module the first stage runs before the blocks that neither keeps its
-    input's shape nor embeds it)."""
+    shape), ``zeros`` (an embedding: the input's shape plus ``width``), ``batch_zeros`` (zeros of ``shape`` per
+    sample: a patch embedding, a projection into the blocks' width), or ``unused`` (never called there). Later
+    stages replace the first block's input with the hidden states they receive, so a stand-in's values are never
+    used; only the shapes the code before the blocks computes with must be right. ``reason``: why no stand-in fits
+    (a module that takes no tensor)."""
 
     kind: str
     width: int = 0
     dtype: torch.dtype = torch.float32
     reason: str = ""
+    shape: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,8 @@ def _stand_in(shapes: tuple | None) -> StandIn:
         return StandIn("identity")
     if len(out_shape) == len(in_shape) + 1 and out_shape[:-1] == in_shape:
         return StandIn("zeros", width=out_shape[-1], dtype=out_dtype)
+    if in_shape and out_shape and in_shape[0] == out_shape[0]:  # a sample in, a sample of another shape out
+        return StandIn("batch_zeros", shape=tuple(out_shape[1:]), dtype=out_dtype)
     return StandIn("identity", reason=f"it turns a {list(in_shape)} input into a {list(out_shape)} output")
 
 
@@ -237,7 +242,14 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
     if logits is not last_output and last_output.grad_fn not in _walk([logits], set())[1]:
         raise ValueError(f"pipeline parallel: the network's output does not depend on the last block "
                          f"{block_names[-1]!r}; the last stage could not compute it")
-    if after & inner or postlude & in_block:
+    if postlude & in_block:
+        used = sorted({n.rpartition(".")[0] for i in postlude & in_block for n in names_by_id.get(i, ())})
+        shared = _common_module([name.split(".") for name in used])
+        used = [shared] if shared.count(".") > min(b.count(".") for b in block_names) else used
+        raise ValueError(f"pipeline parallel: the code after the last block runs parts of blocks ({', '.join(used)}) "
+                         "with their parameters; only the last stage runs that code, and it holds only its own "
+                         "blocks. Train this model without pp (data parallel, ZeRO-3 and tensor parallel train it)")
+    if after & inner:
         raise ValueError("pipeline parallel: the network's output uses more than the last block's output (an earlier "
                          "block's or the embedding's activations); only the last stage computes it, and it holds "
                          "neither. Train this model without pp")
@@ -261,6 +273,16 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
                         outside={name: _stand_in(first_calls.get(name)) if name in first_calls else StandIn("unused")
                                  for name in outside_modules},
                         before_blocks=frozenset(first_calls))
+
+
+def _common_module(names: list[list[str]]) -> str:
+    """The longest dotted prefix that ``names`` (split at the dots) share."""
+    common: list[str] = []
+    for parts in zip(*names):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
 
 
 def _signature(module: nn.Module) -> list[str]:
