@@ -20,8 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(path.stem for path in (REPO / "configs").glob("*.yaml") if not path.stem.startswith("finetune_"))
 # The shipped config as it is, shortened: few steps, a small slice of the corpus.
 SHORTENED = ["--trainer.max_steps=6", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=2",
-             "--trainer.num_sanity_val_steps=0", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
-             "--data.init_args.max_bytes=300000"]
+             "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", "--data.init_args.max_bytes=300000"]
 
 
 def _devices(name: str) -> int:
