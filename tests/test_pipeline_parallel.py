@@ -233,7 +233,7 @@ def _schedule_step(rank: int, world_size: int, schedules: tuple[str, ...], micro
         runner.step(*((inputs,) if stages[0].is_first else ()), target=targets if stages[-1].is_last else None,
                     tokens=inputs)
         fraction = meter.stop()
-        blocks = sum(len([b for b in stage.submod.network.blocks if isinstance(b, SleepBlock)]) for stage in stages)
+        blocks = sum(len([b for b in stage.submod.model.model.blocks if isinstance(b, SleepBlock)]) for stage in stages)
         results[schedule] = {"actions": meter.actions, "n_stages": meter.n_stages, "busy": meter._busy,
                              "fraction": fraction, "blocks": blocks}
     dist.destroy_process_group()

@@ -9,8 +9,8 @@ holds ``r`` and ``2pp - 1 - r``) and fills the bubble with the weight-gradient h
 schedules and stage communication are PyTorch's ``torch.distributed.pipelining``; this module decides
 where the stages are and builds them from the model map.
 
-How a stage is made, without model-specific code: every stage runs the network's own forward (the module
-holding the map's blocks), with the blocks it does not own skipped. What runs outside the blocks is found
+How a stage is made, without model-specific code: every stage runs the model's own forward over a view
+of it in which the network (the module holding the map's blocks) has the blocks the stage does not own skipped. What runs outside the blocks is found
 by tracing one forward (``lightning_par.parallel.pipeline.trace``): stage 0 runs the code before the first
 block (embedding, positions, scaling); a later stage runs the same code on stand-ins that hold no weights
 (zeros for an embedding), only for the tensors every block takes beside the hidden states (rotary tables,
@@ -28,7 +28,7 @@ import copy
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -187,11 +187,22 @@ def _time_forward_and_backward(module: nn.Module, key: str, timings: dict[str, f
 
 # ---------------------------------------------------------------------------------- stage modules
 class SkippedBlock(nn.Module):
-    """Stands in for a block another stage owns: hands its hidden-state input on, shaped like the block's output."""
+    """Stands in for a block another stage owns: hands its hidden-state input on, shaped like the block's output.
 
-    def __init__(self, call: Call) -> None:
+    ``parts`` (names relative to the block -> modules) are the parts of the block the network runs after its last
+    block, kept at their paths on the last stage (the same modules, so their parameters are the block's)."""
+
+    def __init__(self, call: Call, parts: dict[str, nn.Module] | None = None) -> None:
         super().__init__()
         self.call = call
+        for path, part in (parts or {}).items():
+            parent: nn.Module = self
+            *containers, leaf = path.split(".")
+            for name in containers:
+                if name not in parent._modules:
+                    parent.add_module(name, nn.Module())
+                parent = parent._modules[name]
+            parent.add_module(leaf, part)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         hidden = _hidden_of(self.call, args, kwargs)
@@ -233,7 +244,7 @@ class _StageOutput(Exception):
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: the network's forward with only this stage's parts; returns a tensor.
+    """One pipeline stage: the model's forward with only this stage's parts of its network; returns a tensor.
 
     ``forward(x, tokens)``: ``x`` is the micro-batch's inputs on the first stage and the received hidden
     states elsewhere; ``tokens`` (the inputs, on every stage) feed the code before the blocks on later stages,
@@ -243,10 +254,10 @@ class StageModule(nn.Module):
     stages that receive such slices), which makes it a DTensor again.
     """
 
-    def __init__(self, network: nn.Module, *, is_first: bool, is_last: bool = False,
+    def __init__(self, model: nn.Module, *, is_first: bool, is_last: bool = False,
                  sequence_mesh: DeviceMesh | None = None) -> None:
         super().__init__()
-        self.network = network
+        self.model = model
         self.is_first, self.is_last = is_first, is_last
         self.sequence_mesh = sequence_mesh
         self.incoming: Tensor | None = None  # the received hidden states, for the first block's input hook
@@ -260,7 +271,7 @@ class StageModule(nn.Module):
                 x = DTensor.from_local(x, self.sequence_mesh, (Shard(1),), run_check=False)
             self.incoming, x = x, tokens
         try:
-            output, _, _ = first_tensor(self.network(x))
+            output, _, _ = first_tensor(self.model(x))
         except _StageOutput as stop:
             output = stop.hidden
         finally:
@@ -327,6 +338,13 @@ class StageLayout:
     stages: dict[int, tuple[frozenset[str], frozenset[str]]]
     stand_ins: dict[str, StandIn]  # outside modules (relative to ``network``) -> their stand-in on other stages
     shared: dict[str, tuple[int, ...]]  # parameter names (from the model root) -> pp ranks holding a copy (2+)
+    # blocks (relative to ``network``) -> their parts the network runs after its last block (relative to the block)
+    parts_after_blocks: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+def _skipped(call: Call, block: nn.Module, paths: tuple[str, ...]) -> SkippedBlock:
+    """The stand-in for ``block``, keeping its parts at ``paths`` (on the last stage: those run after the blocks)."""
+    return SkippedBlock(call, {path: block.get_submodule(path) for path in paths})
 
 
 def _outside_runs(trace: NetworkTrace, name: str, module: nn.Module, n_stages: int) -> set[int]:
@@ -376,8 +394,8 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, trac
         for leaf, parameter in sub.named_parameters(recurse=False):
             full = clean_name(f"{name}.{leaf}" if name else leaf)
             block = next((b for b in blocks if full.startswith(b + ".")), None)
-            if block is not None:
-                stages = {block_stage[block]}
+            if block is not None:  # its stage, and the last one for a part run after the blocks
+                stages = {block_stage[block]} | trace.role_stages(full, n_stages)
             elif name in runs:
                 stages = runs[name] | trace.role_stages(full, n_stages)
             else:
@@ -385,9 +403,13 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, trac
             holders.setdefault(id(parameter), set()).update(stages)
             names.setdefault(id(parameter), full)
 
+    parts_after = {b[len(prefix):]: tuple(p[len(b) + 1:] for p in sorted(trace.parts_after_blocks)
+                                          if p.startswith(b + "."))
+                   for b in blocks if any(p.startswith(b + ".") for p in trace.parts_after_blocks)}
     for name in blocks:
         if block_stage[name] not in mine:
-            _set(network, name[len(prefix):], SkippedBlock(trace.block_call))
+            paths = parts_after.get(name[len(prefix):], ()) if n_stages - 1 in mine else ()
+            _set(network, name[len(prefix):], _skipped(trace.block_call, module.get_submodule(name), paths))
     replaced: list[str] = []
     for name, stages in runs.items():
         if stages & set(mine) or any(name.startswith(outer + ".") for outer in replaced):
@@ -414,7 +436,7 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, trac
             shared[name] = ranks
     return StageLayout(prefix.rstrip("."), n_stages, trace.block_call, stage_parts,
                        {n[len(prefix):]: trace.outside[n] if n in trace.before_blocks else StandIn("unused")
-                        for n in runs}, shared)
+                        for n in runs}, shared, parts_after)
 
 
 def build_stages(module: nn.Module, layout: StageLayout, mesh: ParallelMesh, device: torch.device, *,
@@ -440,9 +462,16 @@ def build_stages(module: nn.Module, layout: StageLayout, mesh: ParallelMesh, dev
         n[len(prefix):] for n, _ in module.named_modules() if n[len(prefix):] in blocks_held)}
     stages = []
     for index, (owned, running) in layout.stages.items():
-        replacements: dict[str, nn.Module] = {name: SkippedBlock(layout.call) for name in blocks_held - owned}
+        last = index == layout.n_stages - 1
+        replacements: dict[str, nn.Module] = {
+            name: _skipped(layout.call, network.get_submodule(name),
+                           layout.parts_after_blocks.get(name, ()) if last else ())
+            for name in blocks_held - owned}
         replacements.update({name: StandInModule(layout.stand_ins[name]) for name in outside_held - running})
-        stage_module = StageModule(_replace(network, replacements), is_first=index == 0,
+        # The stage runs the model's own forward (which may hand the network more than the inputs: a timestep,
+        # labels), over a view of the model with this stage's parts.
+        stage_module = StageModule(_replace(module, {prefix + n: m for n, m in replacements.items()}),
+                                   is_first=index == 0,
                                    is_last=index == layout.n_stages - 1,
                                    sequence_mesh=sliced if index > 0 else None)
         if shard_root is not None:

@@ -1,6 +1,6 @@
 """What a network does outside its blocks, established from one traced forward (for pipeline parallel).
 
-A pipeline stage runs the network's own forward with the blocks it does not own skipped. That is only right
+A pipeline stage runs the model's own forward with the blocks it does not own skipped. That is only right
 if everything outside the blocks runs exactly once, on the right stage: the embedding, learned positions,
 embedding scaling and dropout before the first block; the final norm under any name, the head and post-head
 transforms such as soft-capping after the last block; and the tensors every block receives beside the hidden
@@ -11,7 +11,9 @@ model was built there) and reads, from the graph:
 - the *prelude*: parameters on the path from the inputs into the first block's hidden states (stage 0);
 - the *postlude*: parameters between the last block's output and the network's output (the last stage);
 - *shared*: parameters behind the blocks' other inputs (every stage that holds a block);
-- where each block takes and returns its hidden states.
+- where each block takes and returns its hidden states;
+- parts of blocks the network runs again after its last block (a DiT's final modulation computed by block 0's
+  timestep embedding): the last stage holds a copy of them.
 
 It refuses, naming the blocks or the argument, a network whose stages could not reproduce it: an output that
 uses more than the last block's output, a block argument computed from the hidden states, or a parameter
@@ -72,6 +74,9 @@ class NetworkTrace:
     shared: frozenset[str]
     outside: dict[str, StandIn]  # modules outside the blocks holding parameters of their own -> stand-in
     before_blocks: frozenset[str]  # those of them the network calls before its first block
+    # Parts of blocks (full names, outermost) the network runs after its last block, outside any block's forward (a
+    # DiT's final modulation from block 0's timestep embedding): the last stage holds a copy.
+    parts_after_blocks: frozenset[str] = frozenset()
 
     def role_stages(self, name: str, n_stages: int) -> set[int]:
         """The stages that use parameter ``name`` outside the blocks."""
@@ -170,10 +175,13 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
     calls: list[dict[str, Any]] = [{} for _ in blocks]
     first_calls: dict[str, tuple | None] = {}  # outside modules called before the first block -> shapes
     blocks_started = []
+    running: list[int] = []  # the blocks whose forward is running
+    parts_after: list[str] = []  # block parts called after the last block, outside every block
 
     def before_block(index: int) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             blocks_started.append(index)
+            running.append(index)
             position, hidden = _hidden_argument(args, kwargs, _signature(module))
             side = [t for i, a in enumerate(args) if i != position for t in _tensors(a)]
             side += [t for k, v in kwargs.items() if k != position for t in _tensors(v)]
@@ -183,6 +191,14 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
     def after_block(index: int) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             calls[index]["output"] = output
+            running.pop()
+        return hook
+
+    def block_part_call(name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if (not running and len(blocks_started) == len(blocks)
+                    and not any(name == p or name.startswith(p + ".") for p in parts_after)):
+                parts_after.append(name)
         return hook
 
     def outside_call(name: str) -> Callable:
@@ -201,6 +217,10 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
         handles.append(block.register_forward_hook(after_block(index)))
     for name, module in outside_modules.items():
         handles.append(module.register_forward_hook(outside_call(name)))
+    for block_name, block in zip(block_names, blocks):
+        for name, part in block.named_modules():
+            if name and next(part.parameters(), None) is not None:
+                handles.append(part.register_forward_pre_hook(block_part_call(f"{block_name}.{name}")))
     frozen = [p for p in root.parameters() if not p.requires_grad]
     for parameter in frozen:
         parameter.requires_grad_(True)
@@ -242,13 +262,13 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
     if logits is not last_output and last_output.grad_fn not in _walk([logits], set())[1]:
         raise ValueError(f"pipeline parallel: the network's output does not depend on the last block "
                          f"{block_names[-1]!r}; the last stage could not compute it")
-    if postlude & in_block:
-        used = sorted({n.rpartition(".")[0] for i in postlude & in_block for n in names_by_id.get(i, ())})
-        shared = _common_module([name.split(".") for name in used])
-        used = [shared] if shared.count(".") > min(b.count(".") for b in block_names) else used
-        raise ValueError(f"pipeline parallel: the code after the last block runs parts of blocks ({', '.join(used)}) "
-                         "with their parameters; only the last stage runs that code, and it holds only its own "
-                         "blocks. Train this model without pp (data parallel, ZeRO-3 and tensor parallel train it)")
+    uncovered = sorted({n for i in postlude & in_block for n in names_by_id.get(i, ())
+                        if not any(n.startswith(part + ".") for part in parts_after)})
+    if uncovered:
+        raise ValueError(f"pipeline parallel: the code after the last block uses parameters of blocks "
+                         f"({', '.join(uncovered[:4])}) other than through a call of a part of a block; only the "
+                         "last stage runs that code, and it holds only its own blocks. Train this model without pp "
+                         "(data parallel, ZeRO-3 and tensor parallel train it)")
     if after & inner:
         raise ValueError("pipeline parallel: the network's output uses more than the last block's output (an earlier "
                          "block's or the embedding's activations); only the last stage computes it, and it holds "
@@ -272,17 +292,7 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
                         prelude=names(prelude), postlude=names(postlude), shared=names(shared),
                         outside={name: _stand_in(first_calls.get(name)) if name in first_calls else StandIn("unused")
                                  for name in outside_modules},
-                        before_blocks=frozenset(first_calls))
-
-
-def _common_module(names: list[list[str]]) -> str:
-    """The longest dotted prefix that ``names`` (split at the dots) share."""
-    common: list[str] = []
-    for parts in zip(*names):
-        if len(set(parts)) != 1:
-            break
-        common.append(parts[0])
-    return ".".join(common)
+                        before_blocks=frozenset(first_calls), parts_after_blocks=frozenset(parts_after))
 
 
 def _signature(module: nn.Module) -> list[str]:
