@@ -10,6 +10,9 @@ gathered for the whole forward and backward.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,43 +22,75 @@ from lightning_par.parallel.model_map import ModelMap
 from lightning_par.parallel.small_copy import small_copy
 
 
-def blocks_used_outside(module: nn.Module, model_map: ModelMap, inputs: Tensor,
-                        device: torch.device) -> dict[str, list[str]]:
-    """``{block name: [its submodules called outside it]}`` for the forward of ``module`` on the first row of
-    ``inputs`` (full names; blocks beyond the first of each kind are not run)."""
-    model_copy = small_copy(module, model_map.blocks, device, torch.float32)
+@dataclass(frozen=True)
+class PartCall:
+    """A call of a part of a block (a submodule holding parameters), and where the forward was then."""
+
+    block: str  # the block's full name
+    part: str  # the part's full name
+    inside_its_block: bool  # its own block's forward was running
+    inside_a_block: bool  # some block's forward was running
+    after_every_block_started: bool
+
+
+@contextmanager
+def watching_block_parts(blocks: Iterable[tuple[str, nn.Module]]) -> Iterator[list[PartCall]]:
+    """Record every call of a part of ``blocks`` ((full name, block) pairs) while the context is open: a list the
+    context yields, filled as the forward runs. The pipeline trace keeps the calls after every block; ZeRO-3 those
+    outside their own block."""
+    blocks = list(blocks)
     running: list[nn.Module] = []
-    found: dict[str, list[str]] = {}
+    started: set[int] = set()
+    calls: list[PartCall] = []
     handles = []
 
     def enter(block: nn.Module) -> Any:
-        return lambda *_: running.append(block)
-
-    def leave(*_: Any) -> None:
-        running.pop()
-
-    def called(block: nn.Module, block_name: str, name: str) -> Any:
         def hook(*_: Any) -> None:
-            parts = found.setdefault(block_name, [])
-            if not any(r is block for r in running) and not any(name.startswith(p + ".") or name == p for p in parts):
-                parts.append(name)
+            running.append(block)
+            started.add(id(block))
         return hook
 
-    for index, block in model_copy.get_submodule(model_map.blocks).named_children():
-        block_name = f"{model_map.blocks}.{index}"
+    def leave(*_: Any) -> None:  # (a forward hook that returned the popped block would replace the output)
+        running.pop()
+
+    def called(block: nn.Module, block_name: str, part: str) -> Any:
+        return lambda *_: calls.append(PartCall(block_name, part, any(r is block for r in running), bool(running),
+                                                len(started) == len(blocks)))
+
+    for block_name, block in blocks:
         handles.append(block.register_forward_pre_hook(enter(block)))
         handles.append(block.register_forward_hook(leave, always_call=True))
         for name, sub in block.named_modules():
             if name and next(sub.parameters(), None) is not None:
                 handles.append(sub.register_forward_pre_hook(called(block, block_name, f"{block_name}.{name}")))
-    sample = inputs[:1].to(device)
     try:
-        with torch.no_grad():
-            model_copy(sample.float() if sample.is_floating_point() else sample)
+        yield calls
     finally:
         for handle in handles:
             handle.remove()
-    return {block: parts for block, parts in found.items() if parts}
 
 
-__all__ = ["blocks_used_outside"]
+def outermost(names: Iterable[str]) -> list[str]:
+    """``names`` without repeats and without those inside another of them (a part's own submodules)."""
+    names = list(dict.fromkeys(names))
+    return [n for n in names if not any(n.startswith(other + ".") for other in names)]
+
+
+def blocks_used_outside(module: nn.Module, model_map: ModelMap, inputs: Tensor,
+                        device: torch.device) -> dict[str, list[str]]:
+    """``{block name: [its submodules called outside it]}`` for the forward of ``module`` on the first row of
+    ``inputs`` (full names; blocks beyond the first of each kind are not run)."""
+    model_copy = small_copy(module, model_map.blocks, device, torch.float32)
+    blocks = [(f"{model_map.blocks}.{index}", block)
+              for index, block in model_copy.get_submodule(model_map.blocks).named_children()]
+    sample = inputs[:1].to(device)
+    with watching_block_parts(blocks) as calls, torch.no_grad():
+        model_copy(sample.float() if sample.is_floating_point() else sample)
+    outside: dict[str, list[str]] = {}
+    for call in calls:
+        if not call.inside_its_block:
+            outside.setdefault(call.block, []).append(call.part)
+    return {block: outermost(parts) for block, parts in outside.items()}
+
+
+__all__ = ["PartCall", "blocks_used_outside", "outermost", "watching_block_parts"]

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_par.parallel.modules import clean_name, first_tensor
+from lightning_par.parallel.outside_calls import outermost, watching_block_parts
 
 
 @dataclass(frozen=True)
@@ -175,13 +176,10 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
     calls: list[dict[str, Any]] = [{} for _ in blocks]
     first_calls: dict[str, tuple | None] = {}  # outside modules called before the first block -> shapes
     blocks_started = []
-    running: list[int] = []  # the blocks whose forward is running
-    parts_after: list[str] = []  # block parts called after the last block, outside every block
 
     def before_block(index: int) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             blocks_started.append(index)
-            running.append(index)
             position, hidden = _hidden_argument(args, kwargs, _signature(module))
             side = [t for i, a in enumerate(args) if i != position for t in _tensors(a)]
             side += [t for k, v in kwargs.items() if k != position for t in _tensors(v)]
@@ -191,14 +189,6 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
     def after_block(index: int) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             calls[index]["output"] = output
-            running.pop()
-        return hook
-
-    def block_part_call(name: str) -> Callable:
-        def hook(module: nn.Module, args: tuple) -> None:
-            if (not running and len(blocks_started) == len(blocks)
-                    and not any(name == p or name.startswith(p + ".") for p in parts_after)):
-                parts_after.append(name)
         return hook
 
     def outside_call(name: str) -> Callable:
@@ -217,17 +207,13 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
         handles.append(block.register_forward_hook(after_block(index)))
     for name, module in outside_modules.items():
         handles.append(module.register_forward_hook(outside_call(name)))
-    for block_name, block in zip(block_names, blocks):
-        for name, part in block.named_modules():
-            if name and next(part.parameters(), None) is not None:
-                handles.append(part.register_forward_pre_hook(block_part_call(f"{block_name}.{name}")))
     frozen = [p for p in root.parameters() if not p.requires_grad]
     for parameter in frozen:
         parameter.requires_grad_(True)
     networks: list[Any] = []
     handles.append(network.register_forward_hook(lambda m, a, o: networks.append(o)))
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), watching_block_parts(zip(block_names, blocks)) as part_calls:
             returned = root(inputs)
     finally:
         for handle in handles:
@@ -262,6 +248,8 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
     if logits is not last_output and last_output.grad_fn not in _walk([logits], set())[1]:
         raise ValueError(f"pipeline parallel: the network's output does not depend on the last block "
                          f"{block_names[-1]!r}; the last stage could not compute it")
+    # Parts of blocks the network runs again after its last block, outside every block: the last stage keeps them.
+    parts_after = outermost(c.part for c in part_calls if c.after_every_block_started and not c.inside_a_block)
     uncovered = sorted({n for i in postlude & in_block for n in names_by_id.get(i, ())
                         if not any(n.startswith(part + ".") for part in parts_after)})
     if uncovered:
