@@ -43,6 +43,8 @@ from torch.optim import Optimizer
 from lightning_par import checkpoint_validation as check
 from lightning_par import safe_dcp
 from lightning_par.parallel.modules import clean_name, tied_aliases
+from lightning_par.parallel.regroup import (optimizer_to_stored_order, optimizer_to_training_order, to_stored_order,
+                                            to_training_order)
 from lightning_par.parallel.zero_experts import ZeroWithExperts
 
 MODEL_KEY = "state_dict"  # Lightning's own key for the model weights
@@ -66,6 +68,7 @@ def model_state_dict(module: nn.Module, *, full: bool, aliases: bool = True,
     tied parameter, so that a checkpoint holds it once; ``trainable_only`` keeps the parameters that require a
     gradient (a LoRA run's adapters: its frozen base is read from the model directory again)."""
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+    state = to_stored_order(module, state)  # fused projections regrouped for tensor parallel, as the model has them
     if not aliases:
         for alias in tied_aliases(module):
             state.pop(alias, None)
@@ -100,8 +103,8 @@ def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, *, full: bool)
         return {"state": {name: value for part in parts for name, value in part["state"].items()},
                 "param_groups": _named_groups(module, optimizer.param_groups)}
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
-        return get_optimizer_state_dict(module, optimizer, options=options)
-    local = _zero_optimizer_state(module, optimizer, full=full)
+        return optimizer_to_stored_order(module, get_optimizer_state_dict(module, optimizer, options=options))
+    local = optimizer_to_stored_order(module, _zero_optimizer_state(module, optimizer, full=full))
     if not full:
         return local
     parts: list[Any] = [None] * dist.get_world_size(optimizer.process_group)
@@ -145,7 +148,7 @@ def _load_optimizer_state(module: nn.Module, optimizer: Optimizer, state: dict[s
             exposed.update(_hyper_parameters(saved))
         return
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
-        set_optimizer_state_dict(module, optimizer, state, options=options)
+        set_optimizer_state_dict(module, optimizer, optimizer_to_training_order(module, state), options=options)
         return
     # Keep the states of the parameters this rank owns under the current partition.
     local_groups = get_optimizer_state_dict(module, optimizer.optim)["param_groups"]
@@ -155,7 +158,8 @@ def _load_optimizer_state(module: nn.Module, optimizer: Optimizer, state: dict[s
         "param_groups": [{**_hyper_parameters(saved), "params": local["params"]}
                          for saved, local in zip(state["param_groups"], local_groups)],
     }
-    set_optimizer_state_dict(module, optimizer.optim, local_state, options=options)
+    set_optimizer_state_dict(module, optimizer.optim, optimizer_to_training_order(module, local_state),
+                             options=options)
     for exposed, saved in zip(optimizer.param_groups, state["param_groups"]):
         exposed.update(_hyper_parameters(saved))
 
@@ -311,7 +315,7 @@ def load_checkpoint(
             weights = {name: tensor for name, tensor in weights.items()
                        if name in local or name in aliases or name not in expected}
             full = StateDictOptions(full_state_dict=True, strict=strict)
-            set_model_state_dict(module, weights, options=full)
+            set_model_state_dict(module, to_training_order(module, weights), options=full)
             for optimizer, state in zip(optimizers, checkpoint.pop(OPTIMIZERS_KEY, [])):
                 _load_optimizer_state(module, optimizer, state, full=True)
     except (Exception, CheckpointException) as error:
@@ -380,7 +384,8 @@ def _load_sharded(path: Path, module: nn.Module, local: dict[str, Any], optimize
 
     model_state = {MODEL_KEY: local}  # this rank's tensors, filled by DCP
     load(model_state)
-    set_model_state_dict(module, with_aliases(model_state[MODEL_KEY], aliases), options=StateDictOptions(strict=strict))
+    set_model_state_dict(module, with_aliases(to_training_order(module, model_state[MODEL_KEY]), aliases),
+                         options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
         key = f"optimizer_{index}"
         template = optimizer_state_dict(module, optimizer, full=False)

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning
+import pytest
 import torch
+import zoo
 from harness import run_distributed
 from parity import RecordLoss
 from test_checkpoint import make_datamodule, make_strategy
@@ -66,8 +68,12 @@ def _optimizer_state(strategy: Any, module: Any, optimizer: Any) -> dict[str, An
     return {"state": state, "param_groups": groups}
 
 
+def _module(model: str, tied: bool) -> Any:
+    return make_module(tie_embeddings=tied) if model == "llama" else zoo.make_model(model)
+
+
 def _fit(rank: int, world_size: int, directory: str, strategy: str, seed: int, ckpt_path: str | None,
-         max_epochs: int = 1, tied: bool = False) -> dict:
+         max_epochs: int = 1, tied: bool = False, model: str = "llama") -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_par.parallel.modules import clean_name
@@ -80,7 +86,7 @@ def _fit(rank: int, world_size: int, directory: str, strategy: str, seed: int, c
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0,
     )
-    module = make_module(tie_embeddings=tied)
+    module = _module(model, tied)
     trainer.fit(module, datamodule=make_datamodule(), ckpt_path=ckpt_path)
     return {"losses": recorder.losses, "step": trainer.global_step,
             "weights": trainer.strategy.consolidated_state_dict(),
@@ -105,7 +111,7 @@ def _merge(results: list[dict]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups[0]}
 
 
-def _assert_resharded(saved: list[dict], loaded: list[dict], tied: bool = False) -> None:
+def _assert_resharded(saved: list[dict], loaded: list[dict], tied: bool = False, model: str = "llama") -> None:
     assert saved[0]["step"] == loaded[0]["step"] > 0
     assert all(r["losses"] == [] for r in loaded)  # restored at the end of the run: nothing left to train
 
@@ -115,16 +121,19 @@ def _assert_resharded(saved: list[dict], loaded: list[dict], tied: bool = False)
         assert torch.equal(weights_b[name], tensor), name
 
     optim_a, optim_b = _merge(saved), _merge(loaded)
-    trainable = {name for name, p in make_module(tie_embeddings=tied).named_parameters() if p.requires_grad}
+    trainable = {name for name, p in _module(model, tied).named_parameters() if p.requires_grad}
     assert optim_a["state"].keys() == optim_b["state"].keys() == trainable
+    # AdamW's moments (the reference model), SGD's momentum (the zoo's)
+    kinds = {"step", "exp_avg", "exp_avg_sq"} if model == "llama" else {"momentum_buffer"}
     for name, entry in optim_a["state"].items():
-        assert entry.keys() == optim_b["state"][name].keys() == {"step", "exp_avg", "exp_avg_sq"}, name
+        assert entry.keys() == optim_b["state"][name].keys() == kinds, name
         for key, tensor in entry.items():
             other = optim_b["state"][name][key]
             assert other.shape == tensor.shape and torch.equal(other, tensor), (name, key)
-        assert entry["exp_avg"].shape == weights_a[name].shape, name
-        assert float(entry["step"]) == saved[0]["step"], name
-    assert len(optim_a["param_groups"]) == 2  # decayed matrices, undecayed gains
+        moment = entry.get("exp_avg", entry.get("momentum_buffer"))
+        assert moment.shape == weights_a[name].shape, name
+        assert "step" not in entry or float(entry["step"]) == saved[0]["step"], name
+    assert len(optim_a["param_groups"]) == (2 if model == "llama" else 1)  # AdamW: decayed matrices, undecayed gains
     assert optim_a["param_groups"] == optim_b["param_groups"]  # lr (scheduled), betas, weight decay, ...
 
 
@@ -133,6 +142,18 @@ def test_zero3_checkpoint_reshards_into_tensor_parallel(tmp_path: Path) -> None:
     saved = run_distributed(_fit, 2, str(tmp_path / "a"), "zero3", 0, None)
     loaded = run_distributed(_fit, 2, str(tmp_path / "b"), "tensor_parallel", 1, str(tmp_path / "a" / "last.ckpt"))
     _assert_resharded(saved, loaded)
+
+
+@pytest.mark.skipif(not zoo.LITGPT_MODELS, reason="litgpt is not installed (the README's test command installs it)")
+def test_fused_qkv_regrouped_for_tensor_parallel_is_saved_and_loaded_in_the_models_order(tmp_path: Path) -> None:
+    """litgpt's [q | k | v] of 2 query groups trains under tp2 with its rows regrouped (each rank: the q, k, v of its
+    group). The checkpoint holds the model's own order: ZeRO-3, which does not regroup, loads the same weights and
+    momenta, and tp2 loading it regroups them again (a load that did not would consolidate to other rows)."""
+    saved = run_distributed(_fit, 2, str(tmp_path / "a"), "tensor_parallel", 0, None, model="litgpt_llama")
+    checkpoint = str(tmp_path / "a" / "last.ckpt")
+    for layout in ("zero3", "tensor_parallel"):
+        loaded = run_distributed(_fit, 2, str(tmp_path / layout), layout, 1, checkpoint, model="litgpt_llama")
+        _assert_resharded(saved, loaded, model="litgpt_llama")
 
 
 def test_pipeline_checkpoint_reshards_into_fewer_stages(tmp_path: Path) -> None:

@@ -343,3 +343,80 @@ def test_blocks_whose_parts_run_outside_them_are_found() -> None:
     dit = DiTDenoiser(image_size=8, channels=4, classes=4, patch_size=2, heads=2, head_dim=8, depth=2)
     found = blocks_used_outside(dit, derive_model_map(dit), torch.zeros(1, 5, 8, 8), cpu)
     assert found == {"model.transformer_blocks.0": ["model.transformer_blocks.0.norm1.emb"]}
+
+
+class _Cut(nn.Module):
+    """A fused projection and the way a model cuts its output."""
+
+    def __init__(self, cut: str) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.cut = cut
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.qkv(x)
+        if self.cut == "split":  # litgpt: q of 4 heads, k and v of 2 groups, head size 3
+            q, k, v = out.split((12, 6, 6), dim=-1)
+        elif self.cut == "chunk":  # a gate/up pair
+            q, k = out.chunk(2, dim=-1)
+            v = q
+        elif self.cut == "slices":  # Phi-3: slices by offsets
+            q, k, v = out[..., :12], out[..., 12:18], out[..., 18:]
+        else:  # timm: (3, heads, head size)
+            q, k, v = out.reshape(*x.shape[:-1], 3, 2, 4).unbind(-3)
+        return q.sum() + k.sum() + v.sum()
+
+
+@pytest.mark.parametrize("cut, sections", [("split", (12, 6, 6)), ("chunk", (12, 12)), ("slices", (12, 6, 6)),
+                                           ("reshape", (8, 8, 8))])
+def test_the_sections_a_model_cuts_a_fused_projection_into_are_read_off_its_forward(cut: str, sections: tuple) -> None:
+    from lightning_par.parallel.model_map_structure import fused_sections
+
+    model = _Cut(cut)
+    assert fused_sections(model, ["qkv"], lambda: model(torch.randn(2, 5, 8))) == {"qkv": sections}
+
+
+def test_regrouped_rows_give_each_rank_its_part_of_every_section_and_convert_back() -> None:
+    """[q0 q1 q2 q3 | k0 k1 | v0 v1] over 2 ranks -> [q0 q1 k0 v0 | q2 q3 k1 v1]; state dicts see the stored order."""
+    from lightning_par.parallel.regroup import regroup_rows, section_order, to_stored_order, to_training_order
+
+    assert section_order((4, 2, 2), 2).tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
+    with pytest.raises(ValueError, match=r"tp=4 does not divide the sections \[4, 2, 2\].*fit: \[1, 2\]"):
+        section_order((4, 2, 2), 4)
+    layer = nn.Linear(3, 8)
+    stored = {name: value.detach().clone() for name, value in layer.state_dict().items()}
+    regroup_rows(layer, (4, 2, 2), 2, {"weight": 0, "bias": 0})
+    assert torch.equal(layer.weight[2], stored["weight"][4]) and torch.equal(layer.bias[3], stored["bias"][6])
+    model = nn.Sequential(layer)
+    out = to_stored_order(model, {f"0.{k}": v for k, v in layer.state_dict().items()})
+    assert all(torch.equal(out[f"0.{k}"], v) for k, v in stored.items())
+    back = to_training_order(model, out)
+    assert torch.equal(back["0.weight"], layer.weight) and torch.equal(back["0.bias"], layer.bias)
+    with pytest.raises(ValueError, match="add up to 8, but its weight has 6 output features"):
+        regroup_rows(nn.Linear(3, 6), (4, 2, 2), 2, {"weight": 0})
+
+
+def test_head_counts_per_rank_copy_a_shared_config_and_name_what_does_not_divide() -> None:
+    from types import SimpleNamespace
+
+    from lightning_par.parallel.local_heads import head_counts, localize_head_counts
+
+    config = SimpleNamespace(n_head=4, n_query_groups=2, n_embd=32, head_size=8)
+    blocks = [nn.Module() for _ in range(2)]
+    for block in blocks:
+        block.attn = nn.Module()
+        block.attn.config = config
+        block.attn.num_heads = 4
+    assert head_counts(blocks[0], 2) == {"attn.num_heads": (4, 2), "attn.config.n_head": (4, 2),
+                                         "attn.config.n_query_groups": (2, 1)}
+    assert head_counts(blocks[0], 4) is None  # 2 query groups do not split 4 ways
+    localize_head_counts(blocks, 2)
+    assert (config.n_head, config.n_query_groups) == (4, 2)  # the model's own config is untouched
+    local = blocks[0].attn.config
+    assert local is blocks[1].attn.config and (local.n_head, local.n_query_groups, local.n_embd) == (2, 1, 32)
+    assert blocks[1].attn.num_heads == 2
+    attention = nn.Module()
+    attention.config = config
+    with pytest.raises(ValueError, match=r"tp=4 does not divide Module.config.n_query_groups=2.*fit: \[1, 2\]"):
+        localize_head_counts([attention], 4)
+    assert attention.config is config and config.n_head == 4  # nothing changed

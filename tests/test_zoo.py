@@ -79,6 +79,13 @@ REFUSED: dict[tuple[str, str], str] = {
 }
 
 
+# Models whose attention output tensor parallel gathers (weights split, attention computed whole on each rank),
+# because their code cuts the heads by the input's whole width (nanoGPT: C // n_head), or their config's plan says
+# so (Phi-3's and OLMo 2's Hugging Face plans). Every other model's heads are split, fused q/k/v included (litgpt,
+# GPT-2: rows regrouped per rank, head counts per rank).
+GATHERED = ("nanogpt", "phi3", "olmo2")
+
+
 def float8_model(name: str) -> torch.nn.Module:
     """Zoo model ``name`` with the layers of its blocks in float8, as the strategy converts them, in one process."""
     from lightning_par.parallel.float8 import apply_float8
@@ -188,6 +195,9 @@ def test_zoo_trains_like_one_process_or_is_refused(layout: str) -> None:
             failures.append(f"{name}: {sum(sizes.values())} parameters under {layout}, {single} in one process")
         if "tp" in layout and rank_zero_plan(outcomes) is None:
             failures.append(f"{name}: no log line says where the tensor-parallel split came from and what it split")
+        elif "tp" in layout and ("colwise_gather" in rank_zero_plan(outcomes)) != (name in GATHERED):
+            failures.append(f"{name}: attention {'not ' if name in GATHERED else ''}gathered under {layout}: "
+                            f"{rank_zero_plan(outcomes)}")
         try:
             loss_error, weight_error = assert_parity(actual, expected, rtol=PARITY_RTOL)
             model_map = rank_zero_plan(outcomes) or ""

@@ -116,6 +116,11 @@ class ModelMap:
     head: str | None = None
     styles: dict[str, str] = field(default_factory=dict)
     split_points: tuple[str, ...] = ()
+    # Patterns of split modules whose head counts are set to each rank's (lightning_par.parallel.local_heads).
+    local_heads: tuple[str, ...] = ()
+    # Fused column-wise projections by pattern -> the sizes of the sections their output is cut into ([q, k, v]):
+    # each rank holds its part of every section (lightning_par.parallel.regroup).
+    sections: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # given (by the user), huggingface (the model's config), derived (derive_model_map: names and shapes), structure
     # (derived, with pairs found from what the blocks compute: lightning_par.parallel.model_map_structure)
     source: str = "given"
@@ -126,6 +131,10 @@ class ModelMap:
         for pattern, style in self.styles.items():
             if style not in STYLES:
                 raise ValueError(f"ModelMap style {style!r} for {pattern!r} is not one of {STYLES}")
+        for pattern, sizes in self.sections.items():
+            if not (isinstance(sizes, tuple) and len(sizes) > 1 and all(isinstance(n, int) and n > 0 for n in sizes)):
+                raise ValueError(f"ModelMap sections for {pattern!r} must be two or more positive sizes (the widths of "
+                                 f"the projections fused in one layer, such as [q, k, v]), got {sizes!r}")
         if self.source not in MAP_SOURCES:
             raise ValueError(f"ModelMap.source={self.source!r} is not one of {MAP_SOURCES}")
 
@@ -136,15 +145,18 @@ class ModelMap:
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> ModelMap:
         """Build a model map from a YAML/dict spec with the field names of this class."""
-        unknown = set(spec) - {"blocks", "embedding", "final_norm", "head", "styles", "split_points"}
+        keys = ("blocks", "embedding", "final_norm", "head", "styles", "split_points", "local_heads", "sections")
+        unknown = set(spec) - set(keys)
         if unknown:
-            raise ValueError(f"unknown ModelMap keys {sorted(unknown)}; expected blocks, embedding, final_norm, "
-                             "head, styles, split_points")
+            raise ValueError(f"unknown ModelMap keys {sorted(unknown)}; expected {', '.join(keys)}")
         if "blocks" not in spec:
             raise ValueError("a ModelMap spec needs 'blocks': the dotted name of the list of transformer blocks")
         spec = dict(spec)
         spec["split_points"] = tuple(spec.get("split_points", ()))
         spec["styles"] = dict(spec.get("styles", {}))
+        spec["local_heads"] = tuple(spec.get("local_heads", ()))
+        spec["sections"] = {pattern: tuple(sizes) if isinstance(sizes, (list, tuple)) else sizes
+                            for pattern, sizes in dict(spec.get("sections", {})).items()}
         return cls(**spec)
 
     def style_of(self, module_name: str) -> str | None:
@@ -153,6 +165,15 @@ class ModelMap:
             if fnmatch.fnmatchcase(module_name, pattern):
                 return style
         return None
+
+    def sections_of(self, module_name: str) -> tuple[int, ...] | None:
+        """The sections of the fused projection ``module_name`` (None when it is not cut into sections)."""
+        return next((sizes for pattern, sizes in self.sections.items() if fnmatch.fnmatchcase(module_name, pattern)),
+                    None)
+
+    def has_local_heads(self, module_name: str) -> bool:
+        """Whether the head counts of ``module_name`` are each rank's under tensor parallel."""
+        return any(fnmatch.fnmatchcase(module_name, pattern) for pattern in self.local_heads)
 
     def block_names(self, model: nn.Module) -> list[str]:
         """Full names of the blocks, in execution order (an entry that repeats an earlier entry's module, as in
@@ -176,7 +197,7 @@ class ModelMap:
             name = getattr(self, role)
             if name is not None and name not in names:
                 raise ValueError(f"ModelMap.{role}={name!r} is not a module of {type(model).__name__}")
-        for pattern in self.styles:
+        for pattern in (*self.styles, *self.local_heads, *self.sections):
             if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
                 raise ValueError(f"ModelMap style pattern {pattern!r} matches no module of {type(model).__name__}")
 

@@ -17,8 +17,9 @@ but receives each rank's share of the gradient only. Names cannot tell these apa
 What disagrees is named: the region whose output differs first, or the module that raised. A replicated
 parameter whose gradient is exactly the sum over the ranks of the split one is marked ``per_shard`` (its
 gradients are then summed). For a model map :func:`~lightning_par.parallel.model_map.derive_model_map` made, a
-region that does not compute the same is tried again with its output gathered (``colwise_gather`` / ``rowwise_split``),
-then left whole, and the log says so; a model map the user or the model's config gave is refused with the module,
+region that does not compute the same is tried again with its heads per rank (its head counts each rank's, a fused
+projection's rows regrouped by the sections the model cuts it into: :class:`_HeadsPerRank`), then with its output
+gathered (``colwise_gather`` / ``rowwise_split``), then left whole, and the log says so; a model map the user or the model's config gave is refused with the module,
 the reason and the model map key that would change it. A model of which nothing in the blocks stays split is
 refused: it would train replicated, not tensor parallel.
 """
@@ -38,7 +39,9 @@ from torch.distributed.tensor import DTensor
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.modules import first_tensor
 from lightning_par.parallel.model_map import SPLIT_STYLES, ModelMap, is_projection
-from lightning_par.parallel.model_map_structure import structural_styles
+from lightning_par.parallel.local_heads import head_counts
+from lightning_par.parallel.model_map_structure import fused_sections, structural_styles
+from lightning_par.parallel.regroup import regrouped_parameters
 from lightning_par.parallel.small_copy import Vocabulary, small_copy
 from lightning_par.parallel.modules import clean_name
 
@@ -82,7 +85,8 @@ def check_model_map(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, 
     if model_map.source == "derived":  # layers no name rule knows: paired by what the blocks compute
         model_map = _with_structural_pairs(module, model_map, sample, dtype, vocabulary, device, notes)
     candidate = model_map
-    for _ in range(4 * max(1, len(_regions(module, model_map))) + 4):
+    per_rank = _HeadsPerRank(module, model_map, sample, dtype, vocabulary, device, mesh.size("tp"))
+    for _ in range(5 * max(1, len(_regions(module, model_map))) + 4):
         outcome = _run(module, mesh, candidate, sample, dtype=dtype, sequence_parallel=sequence_parallel,
                        loss_parallel=loss_parallel, apply=apply, vocabulary=vocabulary)
         if outcome.ok:
@@ -96,6 +100,11 @@ def check_model_map(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, 
         where = outcome.region or outcome.module or "the model"
         if model_map.source not in FOUND_SOURCES or outcome.region is None:
             raise ValueError(_refusal(model_map, outcome, mesh.size("tp"), sequence_parallel))
+        tried = per_rank.applied_to(candidate, outcome.region)
+        if tried is not candidate:
+            candidate = tried
+            continue
+        candidate = per_rank.removed_from(candidate, outcome.region)
         layers = _layers(module, candidate, outcome.region)
         styles = {_key_of(candidate, layer): candidate.style_of(layer) for layer in layers}
         if any(style in _GATHERED for style in styles.values()):
@@ -110,6 +119,7 @@ def check_model_map(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, 
     else:
         raise ValueError(f"tensor parallel: the model map for {type(module).__name__} did not settle; last: "
                          f"{_refusal(model_map, outcome, mesh.size('tp'), sequence_parallel)}")
+    notes.extend(per_rank.notes(candidate))
     if not any(is_projection(sub) and candidate.style_of(name) in SPLIT_STYLES
                for name, sub in module.named_modules() if name.startswith(model_map.blocks + ".")):
         why = "; ".join(notes) if notes else "the model map marks no projection inside the blocks column- and row-wise"
@@ -130,6 +140,63 @@ def _with_structural_pairs(module: nn.Module, model_map: ModelMap, sample: Tenso
         return model_map
     notes.append("found from the computation: " + ", ".join(f"{p}: {s}" for p, s in found.items()))
     return replace(model_map, styles={**model_map.styles, **found}, source="structure")
+
+
+class _HeadsPerRank:
+    """The second try for a region of a found map that does not compute what the whole model does, before its
+    output is gathered: its head counts set to each rank's (:mod:`~lightning_par.parallel.local_heads`) and its fused
+    projections regrouped by the sections the model cuts them into (:mod:`~lightning_par.parallel.regroup`; the
+    sections are read off one forward of a small copy, the first time a region needs them)."""
+
+    def __init__(self, module: nn.Module, model_map: ModelMap, sample: Tensor, dtype: torch.dtype,
+                 vocabulary: Vocabulary | None, device: torch.device, tp: int) -> None:
+        self.module, self.model_map, self.tp = module, model_map, tp
+        self.copy_settings = (sample, dtype, vocabulary, device)
+        self.tried: set[str] = set()
+        self.sections: dict[str, tuple[int, ...]] = {}  # layer -> the sections the model cuts its output into
+        self.probed: set[str] = set()
+        self.counts: dict[str, dict[str, tuple[int, int]]] = {}
+
+    def applied_to(self, candidate: ModelMap, region: str) -> ModelMap:
+        """``candidate`` with ``region``'s heads per rank; ``candidate`` itself where that was tried or cannot be."""
+        key = _pattern(candidate, region)
+        if key in self.tried:
+            return candidate
+        self.tried.add(key)
+        counts = head_counts(self.module.get_submodule(region), self.tp)
+        fused = [layer for layer in _layers(self.module, candidate, region) if candidate.style_of(layer) == "colwise"]
+        self._probe([layer for layer in fused if layer not in self.probed])
+        sections = {_pattern(candidate, layer): self.sections[layer] for layer in fused if layer in self.sections}
+        if counts is None or not (counts or sections):
+            return candidate
+        self.counts[key] = counts
+        return replace(candidate, local_heads=(*candidate.local_heads, key),
+                       sections={**candidate.sections, **sections})
+
+    def _probe(self, layers: list[str]) -> None:
+        if not layers:
+            return
+        sample, dtype, vocabulary, device = self.copy_settings
+        model_copy = small_copy(self.module, self.model_map.blocks, device, dtype, vocabulary=vocabulary)
+        self.sections.update(fused_sections(model_copy, layers, lambda: model_copy(_as(sample, device, dtype))))
+        self.probed.update(layers)
+
+    def removed_from(self, candidate: ModelMap, region: str) -> ModelMap:
+        """``candidate`` without ``region``'s heads per rank (its output is about to be gathered: whole, in the
+        model's own order, with its own counts)."""
+        key = _pattern(candidate, region)
+        layers = {_pattern(candidate, layer) for layer in _layers(self.module, candidate, region)}
+        self.counts.pop(key, None)
+        return replace(candidate, local_heads=tuple(p for p in candidate.local_heads if p != key),
+                       sections={p: s for p, s in candidate.sections.items() if p not in layers})
+
+    def notes(self, final: ModelMap) -> list[str]:
+        notes = [f"{key}: head counts per rank ("
+                 + ", ".join(f"{name} {whole} -> {mine}" for name, (whole, mine) in self.counts[key].items()) + ")"
+                 for key in final.local_heads if self.counts.get(key)]
+        notes.extend(f"{key}: rows regrouped by section {list(sizes)} (each rank holds its part of every section)"
+                     for key, sizes in final.sections.items() if key not in self.model_map.sections)
+        return notes
 
 
 def _key_of(model_map: ModelMap, name: str) -> str:
@@ -335,6 +402,8 @@ def _leave(stack: list[str], name: str, record: dict[str, Tensor], output: Any, 
 
 def _compare(model_copy: nn.Module, expected: dict[str, Tensor], actual: dict[str, Tensor],
              expected_grads: dict[str, Tensor], regions: list[str], group: dist.ProcessGroup) -> _Outcome:
+    for name in sorted(set(expected) & set(actual)):
+        actual[name] = _whole(actual[name], expected[name], group)
     for name in [*regions, "logits"]:
         if name in expected and not _close(actual.get(name), expected[name]):
             error = _error(actual.get(name), expected[name])
@@ -350,6 +419,7 @@ def _compare(model_copy: nn.Module, expected: dict[str, Tensor], actual: dict[st
     # Gradients that are zero in exact arithmetic (a key bias: softmax ignores a constant added to every key)
     # are rounding noise on both sides: compare them against the size of the gradients, not their own.
     floor = 1e-6 * max((g.abs().max().item() for g in expected_grads.values()), default=0.0)
+    regrouped = regrouped_parameters(model_copy)
     for name, parameter in model_copy.named_parameters():
         name = clean_name(name)
         grad = parameter.grad
@@ -360,6 +430,9 @@ def _compare(model_copy: nn.Module, expected: dict[str, Tensor], actual: dict[st
             continue
         if isinstance(grad, DTensor):
             got = grad.full_tensor()
+            if name in regrouped:  # rows in the order the whole model has them
+                dim, order = regrouped[name]
+                got = got.index_select(dim, torch.argsort(order).to(got.device))
         else:
             got = grad.detach().clone()
             summed = got.clone()
@@ -373,6 +446,19 @@ def _compare(model_copy: nn.Module, expected: dict[str, Tensor], actual: dict[st
             return _Outcome(region=region, module=owner,
                             reason=f"the gradient of {name!r} differs by {_error(got, want, floor):.1e} relative")
     return _Outcome(partial=tuple(dict.fromkeys(partial)))
+
+
+def _whole(actual: Any, expected: Tensor, group: dist.ProcessGroup) -> Any:
+    """``actual`` made whole where it is this rank's slice of ``expected``'s features: the output of a region that
+    ends in column-wise split layers (BERT's self-attention, whose output projection is a module of its own), or
+    the gradient of the next region's input."""
+    tp = dist.get_world_size(group)
+    if (not isinstance(actual, Tensor) or isinstance(actual, DTensor) or tp == 1 or actual.dim() != expected.dim()
+            or actual.shape[:-1] != expected.shape[:-1] or actual.shape[-1] * tp != expected.shape[-1]):
+        return actual
+    pieces = [torch.empty_like(actual) for _ in range(tp)]
+    dist.all_gather(pieces, actual.contiguous(), group=group)
+    return torch.cat(pieces, dim=-1)
 
 
 def _agree(outcome: _Outcome, group: dist.ProcessGroup) -> _Outcome:

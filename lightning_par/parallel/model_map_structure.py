@@ -22,6 +22,7 @@ sizes, as litgpt and timm do, is gathered), so a wrong guess costs a fallback, n
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -185,4 +186,107 @@ def structural_styles(model_copy: nn.Module, model_map: ModelMap, run: Callable[
     return styles
 
 
-__all__ = ["structural_styles"]
+
+
+# ------------------------------------------------------------------------------------------- fused sections
+_SPLITS = {torch.split, torch.Tensor.split, torch.Tensor.split_with_sizes}
+_CHUNKS = {torch.chunk, torch.Tensor.chunk, torch.Tensor.tensor_split}
+_RESHAPES = {torch.reshape, torch.Tensor.reshape, torch.Tensor.view, torch.Tensor.unflatten}
+
+
+class _Cuts(TorchFunctionMode):
+    """Records how the model cuts the outputs of some projections along their features: the sizes of a ``split``,
+    the number of a ``chunk``, the leading factor of a reshape into (sections, heads, head size), the bounds of
+    slices ``[..., a:b]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: dict[int, tuple[Tensor, str]] = {}
+        self.found: dict[str, tuple[int, ...]] = {}
+        self.bounds: dict[str, set[int]] = {}
+        self.widths: dict[str, int] = {}
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        entry = self.outputs.get(id(args[0])) if args and isinstance(args[0], Tensor) else None
+        if entry is not None and entry[0] is args[0] and entry[1] not in self.found:
+            self._record(entry[1], func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _record(self, layer: str, func: Callable, args: tuple, kwargs: dict) -> None:
+        tensor = args[0]
+        width, last = tensor.shape[-1], tensor.dim() - 1
+        if func in _SPLITS or func in _CHUNKS:
+            how = args[1] if len(args) > 1 else kwargs.get("split_size_or_sections", kwargs.get("chunks"))
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+            if dim % tensor.dim() != last:
+                return
+            if func in _CHUNKS and isinstance(how, int) and width % how == 0:
+                self.found[layer] = (width // how,) * how
+            elif func in _SPLITS and isinstance(how, int) and width % how == 0:
+                self.found[layer] = (how,) * (width // how)
+            elif func in _SPLITS and isinstance(how, (list, tuple)) and sum(how) == width:
+                self.found[layer] = tuple(int(n) for n in how)
+        elif func in _RESHAPES:
+            shape = _shape_argument(func, args, kwargs, tensor)
+            factors = shape[last:] if shape is not None and list(shape[:last]) == list(tensor.shape[:last]) else ()
+            if len(factors) >= 3 and math.prod(factors) == width and factors[0] > 1:
+                self.found[layer] = (width // factors[0],) * factors[0]  # (q|k|v, heads, head size)
+        elif func is torch.Tensor.__getitem__:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            cut = index[-1] if index and (index[0] is Ellipsis or len(index) == tensor.dim()) else None
+            if isinstance(cut, slice) and cut.step in (None, 1):
+                bounds = self.bounds.setdefault(layer, set())
+                bounds.update(b % width if b < 0 else b for b in (cut.start, cut.stop) if isinstance(b, int))
+
+    def sections(self) -> dict[str, tuple[int, ...]]:
+        found = dict(self.found)
+        for layer, bounds in self.bounds.items():
+            width = self.widths[layer]
+            edges = sorted({0, width, *(b for b in bounds if 0 < b < width)})
+            if layer not in found and len(edges) > 2:
+                found[layer] = tuple(b - a for a, b in zip(edges, edges[1:]))
+        return found
+
+
+def _shape_argument(func: Callable, args: tuple, kwargs: dict, tensor: Tensor) -> tuple[int, ...] | None:
+    if func is torch.Tensor.unflatten:
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        sizes = args[2] if len(args) > 2 else kwargs.get("sizes")
+        if dim is None or sizes is None or dim % tensor.dim() != tensor.dim() - 1:
+            return None
+        shape = [*tensor.shape[:-1], *sizes]
+    else:
+        shape = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)) else args[1:]
+        shape = shape or kwargs.get("shape") or kwargs.get("size")
+        if not shape or not all(isinstance(n, int) for n in shape):
+            return None
+        shape = list(shape)
+    if shape.count(-1) == 1:
+        known = math.prod(n for n in shape if n != -1)
+        shape[shape.index(-1)] = tensor.numel() // known if known else 0
+    return tuple(shape)
+
+
+def fused_sections(model_copy: nn.Module, layers: list[str], run: Callable[[], Any]) -> dict[str, tuple[int, ...]]:
+    """Name -> section sizes of each of ``layers`` (projections of ``model_copy``) whose output the model cuts into
+    several pieces along its features (a fused q/k/v or gate/up), found while ``run()`` runs the forward once."""
+    cuts = _Cuts()
+    handles = []
+    for name in layers:
+        def keep(module: nn.Module, args: tuple, output: Any, name: str = name) -> None:
+            if isinstance(output, Tensor):
+                cuts.outputs[id(output)] = (output, name)
+                cuts.widths[name] = output.shape[-1]
+
+        handles.append(model_copy.get_submodule(name).register_forward_hook(keep))
+    try:
+        with torch.no_grad(), cuts:
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return cuts.sections()
+
+
+__all__ = ["fused_sections", "structural_styles"]

@@ -10,7 +10,9 @@ the logits stay split and the cross-entropy is computed on the shards). Which mo
 comes from the model map (``colwise``, ``rowwise``, ``colwise_gather``, ``rowwise_split``, ``vocab``,
 ``sequence``, ``per_shard``; see ``lightning_par.parallel.model_map``), checked against the model's computation
 before training (``lightning_par.parallel.model_map_check``). ``nn.Linear`` and GPT-2's ``Conv1D`` (weight stored
-as (in, out)) are both split.
+as (in, out)) are both split. A fused projection whose output the model cuts into sections ([q | k | v]) has its
+rows regrouped so that each rank holds its part of every section (``lightning_par.parallel.regroup``), and the
+head counts of a module the model map names are set to each rank's (``lightning_par.parallel.local_heads``).
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ from lightning_par.parallel.adapters import is_adapted, is_lora, unused_lora_wei
 from lightning_par.parallel.context import SequenceSplit
 from lightning_par.parallel.data import all_reduce_in_buckets
 from lightning_par.parallel.experts import local_part, routes_its_tokens
+from lightning_par.parallel.local_heads import localize_head_counts
 from lightning_par.parallel.model_map import (SPLIT_STYLES, ModelMap, is_conv1d, is_projection, projection_features,
                                               why_no_blocks)
 from lightning_par.parallel.modules import retie, tied_groups
+from lightning_par.parallel.regroup import regroup_rows
 
 
 class PrepareFirstInput(ParallelStyle):
@@ -375,6 +379,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: ParallelMesh, model_map: Mode
     assert model_map is not None
     styles = tensor_parallel_styles(module, model_map, sequence_parallel=sequence_parallel,
                                     vocab_parallel_logits=loss_parallel)
+    _split_heads_per_rank(module, model_map, tp)
     ties = tied_groups(module)
     parallelize_module(module, mesh["tp"], styles)
     # parallelize_module gives each module its own DTensors: a head tied to the embedding would become a copy.
@@ -388,6 +393,25 @@ def apply_tensor_parallel(module: nn.Module, mesh: ParallelMesh, model_map: Mode
         # otherwise fail deep inside DTensor with shapes that do not mention the cause.
         module.get_submodule(model_map.embedding).register_forward_pre_hook(_SequenceLengthCheck(tp))
     return module
+
+
+def _split_heads_per_rank(module: nn.Module, model_map: ModelMap, tp: int) -> None:
+    """Fused projections regrouped so that each rank's rows hold its part of every section
+    (:mod:`~lightning_par.parallel.regroup`), and head counts set to each rank's
+    (:mod:`~lightning_par.parallel.local_heads`), where the model map says so."""
+    for name, sub in module.named_modules():
+        sections = model_map.sections_of(name)
+        if sections is None:
+            continue
+        if not is_projection(sub) or model_map.style_of(name) != "colwise":
+            raise ValueError(f"the model map gives {name!r} sections {list(sections)}, which only a fused linear "
+                             f"projection split colwise has (it is a {type(sub).__name__}, style "
+                             f"{model_map.style_of(name)!r})")
+        held = dict(sub.named_parameters())
+        dims = {parameter: placement.dim for parameter, placement in _split_placements(sub, colwise=True).items()
+                if isinstance(placement, Shard) and parameter in held}
+        regroup_rows(sub, sections, tp, dims)
+    localize_head_counts([sub for name, sub in module.named_modules() if model_map.has_local_heads(name)], tp)
 
 
 def split_summary(module: nn.Module, model_map: ModelMap) -> str:
