@@ -306,16 +306,22 @@ def _precision_knobs(zero: int, precision: str) -> dict[str, Any]:
 
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: ParallelConfig,
-             microbatches: int, micro_batch_size: int) -> Candidate:
-    """Cost one sized layout."""
-    memory = estimate_memory(model, config, seq_len=training.seq_len, micro_batch_size=micro_batch_size,
-                             precision=training.precision, microbatches=microbatches, optimizer=training.optimizer)
+             microbatches: int, micro_batch_size: int, memory: MemoryBreakdown | None = None) -> Candidate:
+    """Cost one sized layout (``memory``: its :func:`layout_memory`, where already estimated)."""
+    memory = memory or layout_memory(model, training, config, microbatches, micro_batch_size)
     time = estimate_step_time(model, config, cluster, seq_len=training.seq_len, micro_batch_size=micro_batch_size,
                               microbatches=microbatches, precision=training.precision, compiled=training.compiled,
                               float8=training.float8)
     return Candidate(config=config, microbatches=microbatches, micro_batch_size=micro_batch_size, memory=memory,
                      time=time, fits=memory.total <= cluster.usable_memory_bytes, cluster=cluster,
                      mfu=time.mfu(cluster, training.precision))
+
+
+def layout_memory(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, microbatches: int,
+                  micro_batch_size: int) -> MemoryBreakdown:
+    """The peak memory of the most loaded rank of one sized layout."""
+    return estimate_memory(model, config, seq_len=training.seq_len, micro_batch_size=micro_batch_size,
+                           precision=training.precision, microbatches=microbatches, optimizer=training.optimizer)
 
 
 def chosen_units(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig) -> ParallelConfig:
@@ -352,13 +358,20 @@ def plan_layouts(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     allowed = [(c, m, b) for c, m, b in layouts if composable(c)]
     if not allowed:
         raise ValueError(_nothing_possible(model, cluster, training, fixed, found=len(layouts)))
-    candidates = [evaluate(model, cluster, training, chosen_units(model, cluster, c), m, b)
-                  for c, m, b in allowed]
-    fitting = sorted((c for c in candidates if c.fits), key=lambda c: (c.time.total, c.memory.total))
+    sized = [(chosen_units(model, cluster, c), m, b) for c, m, b in allowed]
+    # Memory first: the step time of a layout that does not fit is costed only where it is shown.
+    memories = [layout_memory(model, training, *layout) for layout in sized]
+    fits = [memory.total <= cluster.usable_memory_bytes for memory in memories]
+    fitting = sorted((evaluate(model, cluster, training, *layout, memory=memory)
+                      for layout, memory, fit in zip(sized, memories, fits) if fit),
+                     key=lambda c: (c.time.total, c.memory.total))
+    unfit = sorted(((layout, memory) for layout, memory, fit in zip(sized, memories, fits) if not fit),
+                   key=lambda pair: pair[1].total)
     if not fitting:
-        raise ValueError(_nothing_fits(model, cluster, training, candidates))
+        smallest = evaluate(model, cluster, training, *unfit[0][0], memory=unfit[0][1])
+        raise ValueError(_nothing_fits(model, cluster, training, [smallest]))
     if include_unfit:
-        fitting += sorted((c for c in candidates if not c.fits), key=lambda c: c.memory.total)
+        fitting += [evaluate(model, cluster, training, *layout, memory=memory) for layout, memory in unfit]
     return fitting[:top] if top else fitting
 
 
@@ -393,4 +406,4 @@ def _nothing_fits(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
 
 
 __all__ = ["TrainingSpec", "Candidate", "plan_layouts", "enumerate_layouts", "evaluate", "normalize_fixed",
-           "chosen_units"]
+           "chosen_units", "layout_memory"]
