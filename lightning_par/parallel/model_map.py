@@ -199,7 +199,7 @@ class ModelMap:
                 raise ValueError(f"ModelMap.{role}={name!r} is not a module of {type(model).__name__}")
         for pattern in (*self.styles, *self.local_heads, *self.sections):
             if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-                raise ValueError(f"ModelMap style pattern {pattern!r} matches no module of {type(model).__name__}")
+                raise ValueError(f"ModelMap pattern {pattern!r} matches no module of {type(model).__name__}")
 
 
 def network_prefix(model_map: ModelMap) -> str:
