@@ -35,7 +35,22 @@ from lightning_par.parallel.model_map import ModelMap
 from lightning_par.parallel.modules import clean_name, tied_aliases
 from lightning_par.parallel.parallelized import Parallelized
 from lightning_par.strategies.base import MeshStrategy
-from lightning_par.strategies.processes import DevicesOfTheRun
+from lightning_par.strategies.processes import DevicesOfTheRun, launched_ranks_grace, start_ranks
+
+
+class _SubprocessLauncher(_SubprocessScriptLauncher):
+    """Fabric's subprocess launcher, its ranks watched as the Trainer's are
+    (:class:`~lightning_par.strategies.processes.LaunchedRanksObserver`)."""
+
+    def __init__(self, *args: Any, grace: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._grace = grace
+
+    @override
+    def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        start_ranks(self, self._grace)
+        return function(*args, **kwargs)
+
 
 class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
     """A lightning_par layout for ``L.Fabric``: the arguments of the Trainer strategy :attr:`layout_of`."""
@@ -77,7 +92,8 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _SubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
+                                                 grace=launched_ranks_grace(self.layout._timeout))
 
     def _hand_over(self) -> None:
         """Give the Trainer strategy held what Fabric set on this one: devices, nodes, cluster, launcher."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -24,12 +25,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
@@ -122,7 +125,8 @@ class MeshProcesses(DevicesOfTheRun, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _SubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
+                                                 grace=launched_ranks_grace(self._timeout))
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -155,8 +159,7 @@ class MeshProcesses(DevicesOfTheRun, ParallelStrategy):
         if getattr(self._launcher, "procs", None):  # Lightning's subprocess launchers (the Trainer's, Fabric's)
             # Once a failure is reported the others leave within their monitors' grace (3 heartbeats), a heartbeat
             # later at most; what is left then is killed.
-            _stop_launched_ranks_at_failed_exit(self._launcher.procs,
-                                                5 * heartbeat_interval(self._timeout.total_seconds()))
+            _stop_launched_ranks_at_failed_exit(self._launcher.procs, launched_ranks_grace(self._timeout))
         if not dist.is_initialized():
             if not _init_under_torchelastic(self.cluster_environment, self._process_group_backend, self._timeout,
                                             device_id):
@@ -279,6 +282,52 @@ def _destroy_process_group_at_exit() -> None:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - exiting anyway; a failed clean-up must not mask the run's result
         pass
+
+
+def launched_ranks_grace(timeout: timedelta) -> float:
+    """Seconds the ranks of a failed run are given to leave by themselves before they are killed: each rank's
+    monitor makes it leave within 3 heartbeats of a reported failure (``lightning_par.fault``); 5 leave a margin."""
+    return 5 * heartbeat_interval(timeout.total_seconds())
+
+
+class LaunchedRanksObserver(_ChildProcessObserver):
+    """Lightning's watcher of the ranks its subprocess launcher started, which kills them all and the launching
+    process (rank 0) the moment one of them has failed, but only after ``grace`` seconds: every rank reports its own
+    failure and leaves by itself within that time, so the command ends with its exit code and its report whole, not
+    killed while rank 0 is still printing it (which on a loaded machine can take seconds)."""
+
+    def __init__(self, child_processes: list[Any], grace: float) -> None:
+        super().__init__(main_pid=os.getpid(), child_processes=child_processes)
+        self._grace = grace
+
+    @override
+    def _terminate_all(self) -> None:
+        time.sleep(self._grace)  # a daemon thread: if this process leaves meanwhile, nothing is killed by it
+        super()._terminate_all()
+
+
+class _SubprocessLauncher(_SubprocessScriptLauncher):
+    """Lightning's subprocess launcher (the command runs again for every other rank of this machine), with the
+    :class:`LaunchedRanksObserver`."""
+
+    def __init__(self, *args: Any, grace: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._grace = grace
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        start_ranks(self, self._grace)
+        return function(*args, **kwargs)
+
+
+def start_ranks(launcher: Any, grace: float) -> None:
+    """What Lightning's subprocess launchers (the Trainer's, Fabric's) do before running the function: start the
+    other ranks of this machine, watched by a :class:`LaunchedRanksObserver`."""
+    launcher.cluster_environment.validate_settings(num_devices=launcher.num_processes, num_nodes=launcher.num_nodes)
+    if not launcher.cluster_environment.creates_processes_externally:
+        launcher._call_children_scripts()
+        LaunchedRanksObserver(launcher.procs, grace).start()
+    _set_num_threads_if_needed(num_processes=launcher.num_processes)
 
 
 def _stop_launched_ranks_at_failed_exit(processes: list[Any], grace: float) -> None:
