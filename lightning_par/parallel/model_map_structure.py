@@ -186,8 +186,6 @@ def structural_styles(model_copy: nn.Module, model_map: ModelMap, run: Callable[
     return styles
 
 
-
-
 # ------------------------------------------------------------------------------------------- fused sections
 _SPLITS = {torch.split, torch.Tensor.split, torch.Tensor.split_with_sizes}
 _CHUNKS = {torch.chunk, torch.Tensor.chunk, torch.Tensor.tensor_split}
