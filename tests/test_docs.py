@@ -6,6 +6,7 @@ are checked by kind, without the minutes a full run takes:
 - ``lightning-par fit|validate ...`` (also after ``srun``/``torchrun ... -m lightning_par.cli``): the
   command line and its config parse, with ``--print_config``, in this process;
 - ``lightning-par plan ...``: runs, in this process;
+- ``lightning-par check|verify ...``: read and checked as the command does before its processes start;
 - ``python benchmarks/X.py ...`` / ``python docs/X.py``: the script's own parser accepts the arguments;
 - ``sbatch SCRIPT CONFIG ...``: the script and config exist (tests/test_slurm.py submits it for real);
 - ``pip install`` and ``python -m pytest``: what CI itself runs; ``tensorboard``: installed.
@@ -81,6 +82,12 @@ def test_documented_command(document: str, command: str, monkeypatch: pytest.Mon
         _check_script_arguments(REPO / words[1], words[2:])
         return
     assert words[0] == "lightning-par", f"no check for this kind of command yet: {command}"
+    if words[1] in ("check", "verify"):  # read and checked as each command does before its processes start
+        from lightning_par.cli_check import read_command as read_check
+        from lightning_par.cli_verify import read_command as read_verify
+
+        (read_check if words[1] == "check" else read_verify)(words[2:])
+        return
     if words[1] == "plan":
         from lightning_par.planner.cli import main as plan
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 # Modules that must stay usable without lightning: configuration, mesh, stage arithmetic, techniques,
-# checkpoints, fault detection, the planner (and its command), and the pure parts of the model and data packages.
+# checkpoints, fault detection, dry runs, the planner (and its command), and the pure parts of the model and data packages.
 PURE_MODULES = [
     "lightning_par",
     "lightning_par.config",
@@ -14,6 +14,7 @@ PURE_MODULES = [
     "lightning_par.stages",
     "lightning_par.parallel",
     "lightning_par.parallel.comm",
+    "lightning_par.dry_run",
     "lightning_par.checkpoint",
     "lightning_par.checkpoint_validation",
     "lightning_par.safe_dcp",

@@ -8,7 +8,8 @@
 - :class:`LayoutSummary`: which rank holds which mesh coordinates;
 - :class:`ParallelMonitor`: all of the above, each switchable (on by default in the ``lightning-par`` command);
 - :class:`ParallelProgressBar`: the layout and throughput in the progress bar;
-- :class:`HuggingFaceExport`: the trained model saved as a Hugging Face directory when training ends.
+- :class:`HuggingFaceExport`: the trained model saved as a Hugging Face directory when training ends;
+- :class:`StepRecord`: batches, losses, gradient norms and weights of every step (``lightning-par verify``).
 
 Expert load and dropped tokens are logged by the mixture-of-experts model itself (``moe/*``).
 """
@@ -21,6 +22,7 @@ from lightning_par.callbacks.memory import MemoryMonitor
 from lightning_par.callbacks.monitor import ParallelMonitor
 from lightning_par.callbacks.pipeline import PipelineBubbleMonitor
 from lightning_par.callbacks.progress import ParallelProgressBar
+from lightning_par.callbacks.step_record import StepRecord
 from lightning_par.callbacks.throughput import ThroughputMonitor
 
 __all__ = [
@@ -32,5 +34,6 @@ __all__ = [
     "ParallelMonitor",
     "ParallelProgressBar",
     "PipelineBubbleMonitor",
+    "StepRecord",
     "ThroughputMonitor",
 ]

@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from lightning_par.models.hf import HFCausalLM
     from lightning_par.models.lightning_module import LlamaLM
     from lightning_par.models.vision import ViTClassifier
-    from lightning_par.models.vision import ViTClassifier
 
 __all__ = [
     "Attention",

@@ -37,8 +37,8 @@ import torch
 
 from lightning_par.mesh import FLATTENED_DIMS, MESH_DIM_NAMES, ParallelMesh
 
-__all__ = ["CommunicationCounter", "CommTotals", "DIMENSIONS", "PipelineSends", "flight_recorder_trace",
-           "message_bytes"]
+__all__ = ["CommunicationCounter", "CommTotals", "DIMENSIONS", "PipelineSends", "dimension_of_group",
+           "flight_recorder_trace", "message_bytes", "world_dimension"]
 
 DIMENSIONS = ("dp", "tp", "pp", "cp", "ep", "other")
 # Mesh (and sub-mesh) names -> the dimension their traffic counts for.
@@ -98,11 +98,7 @@ class CommunicationCounter:
     _default_label: str = field(init=False, default="other")
 
     def __post_init__(self) -> None:
-        world = torch.distributed.group.WORLD
-        for name in MESH_DIM_NAMES + tuple(FLATTENED_DIMS):
-            if self.mesh.size(name) > 1 and self.mesh.group(name) == world:
-                self._default_label = _LABELS[name]
-                break
+        self._default_label = world_dimension(self.mesh)
         self.read()  # start counting from now
 
     def read(self) -> dict[str, CommTotals]:
@@ -121,7 +117,7 @@ class CommunicationCounter:
             name, desc = entry["process_group"]
             if entry.get("is_p2p") or _group_size(name) < 2:
                 continue
-            total = totals[self._label(name, desc)]
+            total = totals[dimension_of_group(desc, self._default_label)]
             total.bytes += message_bytes(entry)
             total.calls += 1
             duration = entry.get("duration_ms")
@@ -129,10 +125,24 @@ class CommunicationCounter:
                 total.seconds = (total.seconds or 0.0) + duration / 1000
         return totals
 
-    def _label(self, name: str, desc: str) -> str:
-        if desc.startswith("mesh_") and desc[5:] in _LABELS:
-            return _LABELS[desc[5:]]
-        return self._default_label if desc == "default_pg" else "other"
+
+
+def world_dimension(mesh: ParallelMesh) -> str:
+    """The dimension whose traffic the default process group carries: a mesh dimension that spans the whole world
+    reuses it (else ``other``: barriers, a checkpoint's own collectives)."""
+    world = torch.distributed.group.WORLD
+    for name in MESH_DIM_NAMES + tuple(FLATTENED_DIMS):
+        if mesh.size(name) > 1 and mesh.group(name) == world:
+            return _LABELS[name]
+    return "other"
+
+
+def dimension_of_group(description: str, world_label: str) -> str:
+    """The dimension (:data:`DIMENSIONS`) of a process group by its description (``mesh_tp`` -> ``tp``);
+    ``world_label`` (:func:`world_dimension`) for the default group."""
+    if description.startswith("mesh_") and description[5:] in _LABELS:
+        return _LABELS[description[5:]]
+    return world_label if description == "default_pg" else "other"
 
 
 def message_bytes(entry: dict[str, Any]) -> int:

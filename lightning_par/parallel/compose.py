@@ -89,6 +89,7 @@ def parallelize(
     accumulate: int = 1,
     plan: ModelMap | None = None,
     loss_tokens: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    dry_run: Callable[[nn.Module, torch.device], bool] | None = None,
 ) -> Parallelized:
     """Apply every technique ``config`` asks for to ``model`` over ``mesh``; return the handle of the result
     (:class:`~lightning_par.parallel.parallelized.Parallelized`: the module to run and what a training loop asks).
@@ -103,7 +104,10 @@ def parallelize(
     and what the check changed. Under pipeline parallel, the handle's runner computes ``loss_fn(logits, targets)``
     (the model's mean loss) for batches of which ``accumulate`` make one optimizer step, weighing micro-batches by
     their ``loss_tokens(targets)`` where the model counts them. ``plan`` is the old name of ``model_map`` (warns;
-    goes in the next release).
+    goes in the next release). ``dry_run`` (``lightning_par.dry_run.FakeAllocation``) makes this a dry run: what
+    was built on the meta device is allocated by ``dry_run(model, device)`` (as fake tensors), the set-up's runs of a
+    small copy (pipeline trace, parts used outside blocks) run on the meta device, and the tensor-parallel split is
+    applied unchecked (on the fake backend its collectives move nothing to compare).
     """
     model_map = model_map_or_its_old_name(model_map, plan, "parallelize")
     device = device if device is not None else torch.device(mesh.device_type)
@@ -121,11 +125,15 @@ def parallelize(
         raise ValueError(f"this module was parallelized for {applied[1].describe()} already and cannot be "
                          f"re-laid out as {config.describe()}; build a new module (or load a checkpoint into one)")
     stages = None
+    allocate = dry_run or materialize_meta_parameters
+    if dry_run is not None and sample_batch is not None:  # shapes are all a dry run's set-up needs of the data
+        sample_batch = tuple(t if t is None else t.to("meta") for t in sample_batch)  # type: ignore[assignment]
+    analysis_device = torch.device("meta") if dry_run is not None else device
     if applied is None:
         _check_fsdp_roots(model, config)
         check_experts_found(model, model_map, config.ep)
         # Before anything is split: blocks whose parts the network also runs outside them (ZeRO-3 keeps them whole).
-        used_outside = (blocks_used_outside(model, model_map, sample_batch[0], device)
+        used_outside = (blocks_used_outside(model, model_map, sample_batch[0], analysis_device)
                         if config.zero_stage == 3 and config.pp == 1 and model_map is not None
                         and sample_batch is not None else {})
         if used_outside and log is not None:
@@ -133,8 +141,8 @@ def parallelize(
                 f"outside {', '.join(used_outside)}: sharded with the root, gathered for the whole step")
         # Before anything is split: whether the head can run on each context-parallel rank's tokens.
         gather_at_head = (config.cp > 1 and model_map is not None and sample_batch is not None
-                          and head_follows_last_block(model, model_map, sample_batch[0].to(device)))
-        if config.tp > 1 and model_map is not None and sample_batch is not None:  # 0: the model map, checked
+                          and head_follows_last_block(model, model_map, sample_batch[0].to(analysis_device)))
+        if config.tp > 1 and model_map is not None and sample_batch is not None and dry_run is None:  # 0
             model_map, notes = check_model_map(model, mesh, model_map, sample_batch[0],
                                                sequence_parallel=config.sequence_parallel,
                                                loss_parallel=config.loss_parallel, apply=apply_tensor_parallel)
@@ -156,7 +164,7 @@ def parallelize(
         if config.pp > 1:  # 1
             stages = split_pipeline(model, mesh, model_map, schedule=config.pp_schedule,
                                     virtual_stages=config.pp_virtual_stages, balance_by=config.pp_balance,
-                                    device=device, sample_batch=sample_batch)
+                                    device=analysis_device, sample_batch=sample_batch)
         apply_tensor_parallel(model, mesh, model_map, sequence_parallel=config.sequence_parallel,  # 2
                               loss_parallel=config.loss_parallel)
         if config.tp > 1 and log is not None and model_map is not None:
@@ -187,7 +195,7 @@ def parallelize(
             for root, network in roots:
                 precompute_scales_before_forward(root, network)
         record.layout = layout
-    materialize_meta_parameters(model, device)
+    allocate(model, device)
     if stages is not None:
         # After allocation: a model built on the meta device gets new parameter objects there.
         by_name = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
@@ -199,7 +207,9 @@ def parallelize(
     if config.pp > 1:
         pipeline = PipelineRunner(layout_record(model).stages, mesh, config, loss_fn, accumulate=accumulate,
                                   device=device, loss_tokens=loss_tokens)
-    reduces_after_backward = training and config.reduces_gradients_after_backward
+    # DDP reduces in its C++ reducer, which takes no fake tensor: a dry run reduces the same gradients in the
+    # handle's flattened all-reduces over dp x cp instead (the bytes DDP's buckets move; their copy is not held).
+    reduces_after_backward = training and (config.reduces_gradients_after_backward or dry_run is not None)
     if config.zero_stage == 3 or not training or config.zero_stage == 2 or reduces_after_backward:
         # ZeRO-3 reduces gradients in FSDP2's hooks, stage 2 in hooks installed by Parallelized.shard_optimizer(),
         # the others listed in ParallelConfig.reduces_gradients_after_backward in Parallelized.after_backward().

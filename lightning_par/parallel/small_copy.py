@@ -58,6 +58,9 @@ def small_copy(module: nn.Module, blocks: str, device: torch.device, dtype: torc
             if id(parameter) in seen:
                 continue
             seen.add(id(parameter))
+            if parameter.is_meta:  # a copy on the meta device (a dry run's set-up) has no values to draw
+                parameter.requires_grad_(True)
+                continue
             generator = torch.Generator(device="cpu").manual_seed(zlib.crc32(clean_name(name).encode()))
             values = torch.randn(parameter.shape, generator=generator, dtype=torch.float64).to(dtype)
             # Matrices scaled like a fan-in init; vectors (norm gains, biases) around one.

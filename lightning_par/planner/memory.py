@@ -110,7 +110,7 @@ class MemoryBreakdown:
         return self.resident + self.recompute + self.loss_workspace + self.comm_buffers
 
     def as_dict(self) -> dict[str, float]:
-        return {**asdict(self), "resident": self.resident, "total": self.total}
+        return {**asdict(self), "model_states": self.model_states, "resident": self.resident, "total": self.total}
 
 
 # ------------------------------------------------------------------------------------------ precisions

@@ -195,11 +195,12 @@ class MeshStrategy(StepsThroughTheHandle):
                                                                                self.broadcast))
 
     def lay_out(self, module: nn.Module, owner: nn.Module, *, training: bool, accumulate: int,
-                sample: Callable[[ParallelConfig, ModelMap | None], tuple[Tensor, Tensor | None] | None]
-                ) -> Parallelized:
+                sample: Callable[[ParallelConfig, ModelMap | None], tuple[Tensor, Tensor | None] | None],
+                **parallelize_options: Any) -> Parallelized:
         """Lay ``module`` out on the mesh: as ``owner`` (the LightningModule, or Fabric's module) parallelizes
         itself, as its author already did, or through ``parallelize`` with the model map, ``owner``'s model contract
-        (``loss_fn``, ``loss_tokens``) and ``sample(config, model_map)``, one batch of the data or None."""
+        (``loss_fn``, ``loss_tokens``) and ``sample(config, model_map)``, one batch of the data or None.
+        ``parallelize_options`` go to ``parallelize`` (``dry_run``)."""
         config, mesh = self.parallel_config, self.mesh
         hook: Callable[..., nn.Module | None] | None = getattr(owner, "parallelize", None)
         if callable(hook):
@@ -220,7 +221,7 @@ class MeshStrategy(StepsThroughTheHandle):
                            device_ids=None if self.root_device.type == "cpu" else [self.root_device.index],
                            sample_batch=sample(config, model_map), log=rank_zero_info,
                            loss_fn=getattr(owner, "loss_fn", None), accumulate=accumulate,
-                           loss_tokens=getattr(owner, "loss_tokens", None))
+                           loss_tokens=getattr(owner, "loss_tokens", None), **parallelize_options)
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

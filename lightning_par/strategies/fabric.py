@@ -11,8 +11,8 @@ Under pipeline parallel a step is one call, :meth:`MeshFabricStrategy.pipeline_s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,6 @@ from typing_extensions import override
 from lightning_par import checkpoint as ckpt
 from lightning_par import strategies as trainer_strategies
 from lightning_par.config import ParallelConfig
-from lightning_par.parallel import data
 from lightning_par.parallel.model_map import ModelMap
 from lightning_par.parallel.modules import clean_name, tied_aliases
 from lightning_par.parallel.parallelized import Parallelized

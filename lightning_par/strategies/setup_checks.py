@@ -66,6 +66,14 @@ def first_batch(module: LightningModule, config: ParallelConfig,
     if loader is None:
         return None
     batch = broadcast(next(iter(loader)))
+    batch_size = getattr(loader, "batch_size", None)
+    return layout_sample(module, config, batch, batch_size=batch_size if isinstance(batch_size, int) else None)
+
+
+def layout_sample(module: LightningModule, config: ParallelConfig, batch: Any, *,
+                  batch_size: int | None) -> tuple[Tensor, Tensor | None] | None:
+    """The (inputs, targets) of ``batch`` that the layout runs at set-up (:func:`first_batch`), checked against what
+    the layout needs of every batch of ``batch_size`` samples (None: the batch's own size)."""
     split = getattr(module, "split_batch", None)
     targets = None
     if callable(split):
@@ -78,8 +86,7 @@ def first_batch(module: LightningModule, config: ParallelConfig,
         inputs = batch[0]
     else:
         return None
-    batch_size = getattr(loader, "batch_size", None)
-    check_batch_fits(config, batch_size=batch_size if isinstance(batch_size, int) else inputs.shape[0],
+    check_batch_fits(config, batch_size=batch_size if batch_size is not None else inputs.shape[0],
                      seq_len=inputs.shape[1] if inputs.dim() == 2 else None)
     if callable(split) and config.pp > 1:
         size = max(1, inputs.shape[0] // config.pp_microbatches)

@@ -1,0 +1,72 @@
+"""What a run trained, step by step, for ``lightning-par verify`` to hold one run against another."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.optim import Optimizer
+from torch.utils._pytree import tree_map
+from typing_extensions import override
+
+from lightning_par.callbacks.gradient_norm import whole_gradient_norm
+
+__all__ = ["StepRecord"]
+
+
+class StepRecord(Callback):
+    """Records, on every rank, the batches it trained on and the loss of each (as the whole global batch's mean:
+    Lightning's loss times ``accumulate_grad_batches``), the whole model's gradient norm before each optimizer step
+    (:func:`~lightning_par.callbacks.gradient_norm.whole_gradient_norm`) and, on global rank 0, the whole model's
+    weights before the first step and after each (``consolidated_state_dict`` under a lightning_par strategy). At the
+    end of training each rank writes ``folder/rank{global_rank}.pt``, with its data-parallel replica's index.
+
+    Each step's weights are whole tensors on rank 0: for the models that ``lightning-par verify`` runs (what one CPU
+    process holds), not for a run at scale."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+        self.batches: list[Any] = []
+        self.losses: list[float] = []
+        self.gradient_norms: list[float] = []
+        self.weights: list[dict[str, torch.Tensor]] = []
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._keep_weights(trainer, pl_module)
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self.batches.append(tree_map(lambda x: x.detach().cpu().clone() if isinstance(x, torch.Tensor) else x, batch))
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
+        self.gradient_norms.append(float(whole_gradient_norm(trainer, optimizer)))
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss) * trainer.accumulate_grad_batches)
+        if trainer.global_step == len(self.weights):  # an optimizer step was taken: weights after it
+            self._keep_weights(trainer, pl_module)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        torch.save({"replica": sampler["rank"], "replicas": sampler["num_replicas"], "batches": self.batches,
+                    "losses": self.losses, "gradient_norms": self.gradient_norms, "weights": self.weights,
+                    "accumulate": trainer.accumulate_grad_batches, "layout": _layout(trainer)}, self.folder / f"rank{trainer.global_rank}.pt")
+
+    def _keep_weights(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        consolidate = getattr(trainer.strategy, "consolidated_state_dict", None)
+        state = consolidate() if consolidate is not None else pl_module.state_dict()  # collective in the former
+        self.weights.append({name: tensor.detach().cpu().clone() for name, tensor in state.items()})
+
+
+def _layout(trainer: Trainer) -> str:
+    config = getattr(trainer.strategy, "parallel_config", None)
+    return config.describe() if config is not None else f"{type(trainer.strategy).__name__} on one device"

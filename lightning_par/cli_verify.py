@@ -1,0 +1,345 @@
+"""``lightning-par verify``: proof that a config's layout trains what one process trains, on the user's own model and
+data, at a size this machine holds.
+
+    lightning-par verify --config RUN.yaml [--steps 20] [--world-size N] [--tolerance 1e-5] [fit options]
+
+Two runs of ``--steps`` optimizer steps from the config's seed:
+
+- the layout run is ``lightning-par fit`` itself, on ``N`` CPU processes (default: the config's ``devices`` x
+  ``num_nodes``), with :class:`~lightning_par.callbacks.StepRecord` as its only callback (no logger, checkpoint,
+  validation or export: nothing the user wrote is touched);
+- the reference is Lightning's own single-device loop in this process, with the config's model, optimizer, schedule,
+  accumulation, clipping and precision, fed the global batches the layout run trained on (each step's batches of the
+  data-parallel replicas, joined).
+
+Each step's loss, whole-model gradient norm and weights are compared. PASS when all stay within ``--tolerance``
+(relative; 1e-5 holds in fp32 on CPU), else the first step where the runs part, and the parameter that differs most
+there. A model too large for this machine is shrunk with fit options (``--model.init_args.n_layers=2``); the
+report names every option given on top of the config. Exits 1 when the runs part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+from lightning_par.cli_classes import quiet_lightning
+
+__all__ = ["Comparison", "Run", "VerifyCommand", "compare", "main", "read_command"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-par verify", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps of each run (default 20)")
+    parser.add_argument("--world-size", type=int, help="CPU processes of the layout run (default: the config's "
+                        "devices x num_nodes)")
+    parser.add_argument("--tolerance", type=float, default=1e-5, help="largest relative difference that passes")
+    parser.add_argument("--json", type=Path, help="also write the per-step comparison here")
+    return parser
+
+
+@dataclass
+class Run:
+    """What a run trained: one global batch per micro-batch, the loss of each, one gradient norm per optimizer step
+    and the whole model's weights before the first step and after each."""
+
+    batches: list[Any]
+    losses: list[float]
+    gradient_norms: list[float]
+    weights: list[dict[str, Tensor]]
+    accumulate: int
+    layout: str
+
+
+@dataclass
+class Comparison:
+    """Per optimizer step (1 = after the first): the two runs' losses and gradient norms, and the largest relative
+    weight difference with its parameter (step 0: the initial weights)."""
+
+    rows: list[dict[str, Any]]
+    tolerance: float
+    parted_at: int | None  # the first step beyond the tolerance, None when every step is within it
+    reason: str  # why the runs part there, or the worst figures of a pass
+
+    @property
+    def passed(self) -> bool:
+        return self.parted_at is None
+
+
+def read_layout_run(folder: Path) -> Run:
+    """The layout run from its ranks' records: each micro-batch's global batch is the batches of the data-parallel
+    replicas joined in replica order (the first rank of each), its loss the mean over the ranks."""
+    records = [torch.load(path, weights_only=False) for path in sorted(folder.glob("rank*.pt"))]
+    first_of_replica: dict[int, dict] = {}
+    for record in records:
+        first_of_replica.setdefault(record["replica"], record)
+    replicas = [first_of_replica[index] for index in sorted(first_of_replica)]
+    batches = [_joined([replica["batches"][m] for replica in replicas]) for m in range(len(replicas[0]["batches"]))]
+    losses = torch.tensor([record["losses"] for record in records], dtype=torch.float64).mean(0).tolist()
+    rank0 = next(record for record in records if record["weights"] and record["weights"][0])
+    return Run(batches, losses, rank0["gradient_norms"], rank0["weights"], rank0["accumulate"], rank0["layout"])
+
+
+def compare(layout: Run, reference: Run, tolerance: float) -> Comparison:
+    """Hold ``layout`` to ``reference`` step by step (see the module docstring)."""
+    steps = len(reference.gradient_norms)
+    if len(layout.gradient_norms) != steps or len(layout.weights) != len(reference.weights):
+        return Comparison([], tolerance, 1, f"the layout run took {len(layout.gradient_norms)} optimizer steps, "
+                          f"one process {steps}")
+    rows: list[dict[str, Any]] = []
+    parted_at, reason = None, ""
+    for step in range(steps + 1):
+        worst, parameter = _weights_error(layout.weights[step], reference.weights[step])
+        row: dict[str, Any] = {"step": step, "weights_error": worst, "parameter": parameter}
+        errors = {"weights": worst}
+        if step > 0:
+            window = slice((step - 1) * reference.accumulate, step * reference.accumulate)
+            row["loss"] = (_mean(layout.losses[window]), _mean(reference.losses[window]))
+            row["gradient_norm"] = (layout.gradient_norms[step - 1], reference.gradient_norms[step - 1])
+            errors = {"loss": _relative(*row["loss"]), "gradient norm": _relative(*row["gradient_norm"]), **errors}
+            row["loss_error"], row["gradient_norm_error"] = errors["loss"], errors["gradient norm"]
+        rows.append(row)
+        beyond = [name for name, error in errors.items() if not error <= tolerance]
+        if beyond and parted_at is None:
+            parted_at = step
+            if step == 0:
+                reason = (f"the runs start from different weights: {parameter} differs by {worst:.1e} relative (the "
+                          "model's initial weights do not follow the seed alike in both runs)")
+            else:
+                reason = "; ".join(f"{parameter if name == 'weights' else name} differs by {errors[name]:.1e} "
+                                   "relative" for name in beyond)
+                if "weights" not in beyond:
+                    reason += f" (of the weights, {parameter} differs most: {worst:.1e})"
+    if parted_at is None:
+        reason = ", ".join(f"{label} {max(row.get(key, 0.0) for row in rows):.1e}" for label, key in
+                           (("loss", "loss_error"), ("gradient norm", "gradient_norm_error"),
+                            ("weights", "weights_error")))
+    return Comparison(rows, tolerance, parted_at, reason)
+
+
+def format_comparison(comparison: Comparison, header: str) -> str:
+    lines = [header, f"{'step':>4} {'loss':>12} {'one process':>12} {'rel':>8} {'grad norm':>12} {'one process':>12} "
+             f"{'rel':>8} {'weights rel':>11}  parameter differing most"]
+    for row in comparison.rows:
+        if "loss" in row:
+            figures = (f"{row['loss'][0]:>12.6f} {row['loss'][1]:>12.6f} {row['loss_error']:>8.1e} "
+                       f"{row['gradient_norm'][0]:>12.6f} {row['gradient_norm'][1]:>12.6f} "
+                       f"{row['gradient_norm_error']:>8.1e}")
+        else:
+            figures = f"{'(initial weights)':>70}"
+        lines.append(f"{row['step']:>4} {figures} {row['weights_error']:>11.1e}  {row['parameter']}")
+    if comparison.passed:
+        lines.append(f"PASS: every step within {comparison.tolerance:.0e} relative (largest: {comparison.reason})")
+    else:
+        lines.append(f"FAIL at step {comparison.parted_at}: {comparison.reason}")
+    return "\n".join(lines)
+
+
+@dataclass
+class VerifyCommand:
+    """A ``lightning-par verify`` command line, read and checked: nothing has run yet."""
+
+    options: argparse.Namespace
+    cli_args: list[str]  # the config's options (``lightning-par fit``'s)
+    seed: int
+    world_size: int
+
+    @property
+    def given(self) -> list[str]:
+        """The options given on top of the config (a shrunk model's, say)."""
+        args = self.cli_args
+        return [arg for index, arg in enumerate(args) if arg != "--config" and not arg.startswith("--config=")
+                and (index == 0 or args[index - 1] != "--config")]
+
+
+def read_command(argv: list[str]) -> VerifyCommand:
+    """``argv`` (after ``verify``) read and checked: the config parses, its model fits this machine."""
+    options, cli_args = _parser().parse_known_args(argv)
+    if options.steps < 1:
+        raise ValueError(f"--steps {options.steps} is not a number of optimizer steps; fit: 1 or more")
+    with quiet_lightning():
+        seed, world_size = _seed_and_world_size(cli_args, options.world_size)
+        _check_it_fits(cli_args, world_size)
+    return VerifyCommand(options, cli_args, seed, world_size)
+
+
+def main(argv: list[str]) -> None:
+    """``lightning-par verify`` with ``argv`` (after ``verify``)."""
+    command = read_command(argv)
+    options, cli_args, seed, world_size, given = (command.options, command.cli_args, command.seed,
+                                                  command.world_size, command.given)
+    with tempfile.TemporaryDirectory(prefix="lightning-par-verify-") as folder:
+        layout = _layout_run(cli_args, seed, world_size, options.steps, Path(folder) / "layout")
+        reference = _reference_run(cli_args, seed, options.steps, layout.batches, Path(folder) / "reference")
+    comparison = compare(layout, reference, options.tolerance)
+    header = (f"lightning-par verify: {layout.layout} on {world_size} CPU processes against one process, "
+              f"{options.steps} steps from seed {seed} on the same global batches"
+              + (f"; options on top of the config: {' '.join(given)}" if given else ""))
+    print(format_comparison(comparison, header))
+    if options.json is not None:
+        options.json.write_text(json.dumps({"passed": comparison.passed, "parted_at": comparison.parted_at,
+                                            "reason": comparison.reason, "rows": comparison.rows}, indent=1))
+    if not comparison.passed:
+        raise SystemExit(1)
+
+
+# The trainer of both runs: no logger, checkpoint, validation or progress bar, and what Lightning writes (the config
+# it saves) in ``folder``: nothing the user wrote is touched.
+def _quiet_trainer(steps: int, folder: Path) -> list[str]:
+    return [f"--trainer.default_root_dir={folder}", f"--trainer.max_steps={steps}", "--trainer.max_epochs=-1", "--trainer.accelerator=cpu",
+            "--trainer.num_nodes=1", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+            "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false",
+            *(f"--monitor.{part}=false" for part in ("throughput", "memory", "communication", "pipeline_bubble",
+                                                     "gradient_norm", "layout"))]
+
+
+def _record_callback(folder: Path) -> str:
+    return "--trainer.callbacks=" + json.dumps([{"class_path": "lightning_par.callbacks.StepRecord",
+                                                 "init_args": {"folder": str(folder)}}])
+
+
+def _seed_and_world_size(cli_args: list[str], world_size: int | None) -> tuple[int, int]:
+    """The config's seed (0 when it draws one) and the layout run's processes."""
+    from lightning_par.cli_classes import ParallelCLI, Parser
+
+    class _Parsed(ParallelCLI):
+        def instantiate_classes(self) -> None:  # only the values are read
+            pass
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
+        config = _Parsed(args=cli_args, run=False, parser_class=Parser).config
+    seed = config.get("seed_everything")
+    seed = 0 if seed is None or isinstance(seed, bool) else int(seed)
+    if world_size is None:
+        devices, nodes = config["trainer"].get("devices"), config["trainer"].get("num_nodes") or 1
+        if not isinstance(devices, int) and not str(devices).isdigit():
+            raise ValueError(f"trainer.devices={devices!r} is not a number of processes; give --world-size")
+        world_size = int(devices) * int(nodes)
+    if world_size < 1:
+        raise ValueError(f"--world-size {world_size} is not a number of processes; fit: 1 or more")
+    return seed, world_size
+
+
+def _check_it_fits(cli_args: list[str], world_size: int) -> None:
+    """Refuse a model whose weights, gradients and Adam states (16 bytes a parameter) would not fit this machine's
+    memory once in each of the ``world_size`` layout processes and once in the reference, naming the way to shrink
+    it."""
+    from lightning_par.strategies.dry_run import read_config
+
+    model = read_config(cli_args, model_contract=False).model  # on the meta device
+    parameters = sum(p.numel() for p in model.parameters())
+    needed, available = 16 * parameters * (world_size + 1), _available_memory()
+    if available is not None and needed > 0.8 * available:
+        raise ValueError(
+            f"{type(model).__name__} has {parameters / 1e9:.2f}B parameters: {world_size} layout processes and one "
+            f"reference would need about {needed / 2 ** 30:.0f} GiB, this machine has {available / 2 ** 30:.0f} GiB "
+            "available; shrink the model with fit options (fewer blocks, narrower: e.g. --model.init_args.n_layers=2 "
+            "--model.init_args.dim=256), which the report names")
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _layout_run(cli_args: list[str], seed: int, world_size: int, steps: int, folder: Path) -> Run:
+    command = [sys.executable, "-m", "lightning_par.cli", "fit", *cli_args, *_quiet_trainer(steps, folder),
+               f"--trainer.devices={world_size}", f"--seed_everything={seed}", "--ckpt_path=null",
+               _record_callback(folder)]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.splitlines() if line.startswith("lightning-par: error:")]
+        last = lines[0] if lines else (result.stderr.strip().splitlines() or ["no message"])[-1]
+        raise RuntimeError(f"the layout run failed: {last.removeprefix('lightning-par: error: ')}")
+    return read_layout_run(folder)
+
+
+def _reference_run(cli_args: list[str], seed: int, steps: int, batches: list[Any], folder: Path) -> Run:
+    """Lightning's single-device loop over ``batches`` (one per micro-batch) with the config's model and trainer."""
+    from lightning_par.cli_classes import ParallelCLI, Parser
+    from lightning_par.data.replayed import ReplayedData
+
+    with warnings.catch_warnings(), quiet_lightning():
+        warnings.filterwarnings("ignore")
+        cli = ParallelCLI(args=[*cli_args, *_quiet_trainer(steps, folder), "--trainer.strategy=auto",
+                                "--trainer.devices=1", f"--seed_everything={seed}", _record_callback(folder)],
+                          run=False, parser_class=Parser)
+        data = ReplayedData(cli.datamodule, batches)
+        if callable(getattr(cli.model, "load_pretrained", None)):
+            _load_pretrained(cli.model, data)
+        cli.trainer.fit(cli.model, datamodule=data)
+    record = torch.load(folder / "rank0.pt", weights_only=False)
+    return Run(batches, record["losses"], record["gradient_norms"], record["weights"], record["accumulate"],
+               record["layout"])
+
+
+def _load_pretrained(module: Any, data: Any) -> None:
+    """Build and load a model that a lightning_par strategy builds on the meta device and reads its pretrained weights
+    into once the layout is applied (``HFCausalLM``; docs/finetuning.md): Lightning's single-device strategy would
+    move it to the device still empty. What the two read of a trainer before its run: each other (the data takes the
+    model's tokenizer, the model the data's packing separator), and no checkpoint."""
+    data.trainer = module._trainer = SimpleNamespace(datamodule=data, lightning_module=module, ckpt_path=None)
+    try:
+        data.prepare_data()
+        data.setup("fit")
+        module.configure_model()
+        module.load_pretrained()
+    finally:
+        data.trainer = module._trainer = None
+
+
+def _joined(batches: list[Any]) -> Any:
+    """One batch of the samples of ``batches`` (tensors joined along the first dimension, in order)."""
+    return tree_map(lambda *parts: torch.cat(parts) if isinstance(parts[0], Tensor) else parts[0], *batches)
+
+
+def _weights_error(actual: dict[str, Tensor], expected: dict[str, Tensor]) -> tuple[float, str]:
+    """The largest difference between two state dicts, tensor by tensor as the 2-norm of the difference over the
+    expected tensor's 2-norm (at least a millionth of the largest tensor's: one that starts at zero is held to the
+    model's scale), and its name.
+
+    A norm, not the largest element: an adaptive optimizer (Adam) divides each element's step by that element's
+    gradient size, so an element whose gradient is near zero moves by rounding, by up to a whole step either way;
+    such elements are few, and a norm weighs them by their share. A wrong gradient moves every element."""
+    if actual.keys() != expected.keys():
+        differing = sorted(actual.keys() ^ expected.keys())
+        return float("inf"), f"parameters held by one run only: {', '.join(differing[:4])}"
+    norms = {key: float(torch.linalg.vector_norm(tensor.double())) for key, tensor in expected.items()
+             if tensor.is_floating_point()}
+    floor = 1e-6 * max(norms.values(), default=0.0)
+    worst, name = 0.0, "-"
+    for key, norm in norms.items():
+        expected_tensor = expected[key].double()
+        difference = float(torch.linalg.vector_norm(actual[key].double() - expected_tensor))
+        error = difference / max(norm, floor, 1e-30)
+        if error > worst or name == "-":
+            worst, name = error, key
+    return worst, name
+
+
+def _relative(actual: float, expected: float) -> float:
+    return abs(actual - expected) / max(abs(expected), 1e-12)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)

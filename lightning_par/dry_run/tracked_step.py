@@ -1,0 +1,185 @@
+"""A training step on fake tensors, with its memory by kind and its collectives by dimension.
+
+The step is the one a run takes through the handle ``parallelize`` returned (docs/architecture.md, "The flow of a
+run"): the pipeline runner's schedule, or the module's forward and loss inside the handle's loss context and
+backward; then the handle's ``after_backward``, the optimizer's step and ``zero_grad``. The first step creates the
+optimizer's states and is not measured; the second is, with torch's ``MemTracker`` (parameters, buffers, gradients,
+optimizer states, activations and temporaries at the step's peak) and :class:`~lightning_par.dry_run.collectives.
+CollectiveRecorder` (calls and bytes per mesh dimension). Nothing is allocated: every tensor is fake.
+
+Pure PyTorch: no lightning import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.optim import Optimizer
+
+from lightning_par.dry_run.collectives import CollectiveRecorder
+from lightning_par.parallel.comm import CommTotals
+from lightning_par.parallel.parallelized import Parallelized
+
+__all__ = ["StepMemory", "StepReport", "measure_training_step"]
+
+# MemTracker's kinds -> StepMemory's fields
+_KINDS = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Optstate": "optimizer_states",
+          "Activation": "activations", "Temp": "temporaries", "Other": "other", "Total": "peak"}
+
+
+@dataclass
+class StepMemory:
+    """Bytes held at the step's peak, by kind (``peak`` is their sum)."""
+
+    parameters: int = 0
+    buffers: int = 0
+    gradients: int = 0
+    optimizer_states: int = 0
+    activations: int = 0
+    temporaries: int = 0
+    other: int = 0
+    peak: int = 0
+
+    @property
+    def model_states(self) -> int:
+        """Parameters, gradients and optimizer states: what sharding divides."""
+        return self.parameters + self.gradients + self.optimizer_states
+
+
+class _StepPeakTracker(MemTracker):
+    """torch's ``MemTracker`` for a step that runs a module's forward again before its backward (a pipeline's
+    micro-batches): its statistics per module start afresh at each forward, and only the step's peak is kept (torch's
+    tracker also updates every module's peak at every op: quadratic in the blocks, minutes for 126 of them)."""
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        if not self._mod_tracker.is_bw:
+            self.memory_tracking.pop(module, None)
+        super()._pre_fw_hook(module, inputs)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                self._peak_mem[device] = snapshot["Total"]
+                self._peak_mem_snap[device] = dict(snapshot)
+
+
+@dataclass
+class StepReport:
+    """What one training step of a rank held and moved."""
+
+    peak: StepMemory  # at the step's peak
+    states: StepMemory  # parameters, gradients and optimizer states after the optimizer's step, before zero_grad
+    collectives: dict[str, CommTotals]  # per mesh dimension
+
+
+def measure_training_step(handle: Parallelized, optimizer: Optimizer, mode: FakeTensorMode, *,
+                          split_batch: Callable[[Tensor], tuple[Tensor, Tensor]],
+                          loss_fn: Callable[[Tensor, Tensor], Tensor], batch: Tensor,
+                          autocast: AbstractContextManager | None = None) -> StepReport:
+    """Take two training steps of ``handle`` on ``batch`` under ``mode`` (the fake mode its parameters were
+    allocated in); report the second. A step whose shapes follow the values of the data (an MoE layer's tokens per
+    expert) cannot run on fake tensors: refused with the module and the operation."""
+    recorder = CollectiveRecorder(handle.mesh)
+    with mode:
+        with _running_modules(handle.module) as running:
+            try:
+                _step(handle, optimizer, split_batch, loss_fn, batch, autocast, before_zero_grad=lambda: None)
+            except (DynamicOutputShapeException, DataDependentOutputException) as error:
+                inner = running[-1] if running else "the training step"
+                raise ValueError(
+                    f"{inner} runs {error}, whose output's shape or value follows the values of the data: fake "
+                    "tensors have none, so a dry run cannot take this step (MoE routing is one such: the tokens each "
+                    "expert gets). Check the layout without it (a dense model of the same sizes), and prove it with "
+                    "lightning-par verify") from None
+        tracker = _StepPeakTracker()
+        tracker.track_external(handle.module, *_optimizers(optimizer))
+        recorder.reset()
+        states: list[StepMemory] = []
+        with tracker, recorder:
+            _step(handle, optimizer, split_batch, loss_fn, batch, autocast,
+                  before_zero_grad=lambda: states.append(_held_states(handle.module, optimizer)))
+    return StepReport(peak=_memory(tracker.get_tracker_snapshot("peak")), states=states[0],
+                      collectives=recorder.totals)
+
+
+@contextmanager
+def _running_modules(root: nn.Module) -> Iterator[list[str]]:
+    """The names of the modules whose forward is running, outermost first; a forward that raises stays on it."""
+    names = {module: name or type(root).__name__ for name, module in root.named_modules(remove_duplicate=False)}
+    running: list[str] = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        running.append(names.get(module, type(module).__name__))
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:  # not called when the forward raises
+        running.pop()
+
+    before, after = register_module_forward_pre_hook(enter), register_module_forward_hook(leave)
+    try:
+        yield running
+    finally:
+        before.remove()
+        after.remove()
+
+
+def _optimizers(optimizer: Optimizer) -> list[Optimizer]:
+    """``optimizer`` and those it steps through (``ZeroRedundancyOptimizer.optim``, a list of partitions)."""
+    found = [optimizer]
+    for value in vars(optimizer).values():
+        for inner in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(inner, Optimizer) and inner is not optimizer:
+                found.extend(_optimizers(inner))
+    return found
+
+
+def _held_states(module: nn.Module, optimizer: Optimizer) -> StepMemory:
+    """The bytes of this rank's parameters, gradients and optimizer states, each storage counted once."""
+    seen: set[Any] = set()
+
+    def size(tensors: Any) -> int:
+        total = 0
+        for tensor in tensors:
+            local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard on this rank
+            if isinstance(local, Tensor) and local.untyped_storage()._cdata not in seen:
+                seen.add(local.untyped_storage()._cdata)
+                total += local.untyped_storage().nbytes()
+        return total
+
+    parameters = list(module.parameters())
+    states = [value for inner in _optimizers(optimizer) for state in inner.state.values() for value in state.values()]
+    return StepMemory(parameters=size(parameters), gradients=size(p.grad for p in parameters if p.grad is not None),
+                      optimizer_states=size(states))
+
+
+def _memory(snapshot: dict) -> StepMemory:
+    by_kind = next(iter(snapshot.values()), {}) if snapshot else {}
+    return StepMemory(**{field: int(by_kind.get(kind, 0)) for kind, field in _KINDS.items()})
+
+
+def _step(handle: Parallelized, optimizer: Optimizer, split_batch: Callable[[Tensor], tuple[Tensor, Tensor]],
+          loss_fn: Callable[[Tensor, Tensor], Tensor], batch: Tensor,
+          autocast: AbstractContextManager | None, *, before_zero_grad: Callable[[], None]) -> None:
+    inputs, targets = split_batch(batch)
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    with autocast if autocast is not None else nullcontext():
+        if handle.pipeline is not None:
+            handle.pipeline.train_step(inputs, targets, parameters)
+            handle.pipeline.take_gradients()
+        else:
+            with handle.loss_context():
+                loss = loss_fn(handle.module(inputs), targets)
+    if handle.pipeline is None:
+        with handle.loss_context():
+            loss.backward()
+    handle.after_backward()
+    optimizer.step()
+    before_zero_grad()
+    optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,84 @@
+"""``lightning-par check``: the real layout code of chosen ranks at 512 ranks on one machine (fake backend, fake
+tensors), its collectives per mesh dimension held to the formulas, its model states to the bytes a rank holds, and
+its refusals made before any rank process starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_par.cli_check import chosen_ranks, main
+
+REPO = Path(__file__).resolve().parents[1]
+MIB = 2 ** 20
+# A model whose every dimension divides 512 ranks' shards and 8 tensor-parallel ranks (FSDP2 pads a dimension 0
+# that does not divide to a multiple of the shards, which would add bytes the formulas do not count).
+DIM, FFN, VOCAB = 512, 1024, 512
+MODEL = [f"--model.init_args.vocab_size={VOCAB}", f"--model.init_args.dim={DIM}", "--model.init_args.n_heads=8",
+         "--model.init_args.n_kv_heads=8", f"--model.init_args.ffn_hidden_size={FFN}"]
+BLOCK_MATRICES = 4 * DIM * DIM + 3 * DIM * FFN  # q, k, v, o; gate, up, down
+BLOCK = BLOCK_MATRICES + 2 * DIM  # and two norm gains
+ROOT = 2 * VOCAB * DIM + DIM  # embedding, untied head, final norm
+
+
+def _check(tmp_path: Path, config: str, n_layers: int, *options: str) -> list[dict]:
+    report = tmp_path / f"{config}-{n_layers}.json"
+    main(["--config", str(REPO / "configs" / config), "--world-size", "512", "--json", str(report), *MODEL,
+          f"--model.init_args.n_layers={n_layers}", *options])
+    return json.loads(report.read_text())
+
+
+def _bytes(report: dict, dimension: str) -> int:
+    return report["collectives"][dimension]["bytes"]
+
+
+def test_zero3_moves_three_times_each_block_and_holds_a_512th_of_the_model(tmp_path: Path) -> None:
+    """ZeRO-3 over 512 ranks, one FSDP2 unit per block, resharded after forward: each block is all-gathered for the
+    forward, again for the backward, and its gradient reduced (3 x its fp32 bytes, message sizes as
+    ``comm/dp_bytes`` counts them); the root (embedding, head, final norm) stays gathered (2 x). Each rank keeps a
+    512th of the parameters and AdamW's two moments of them."""
+    options = ["--trainer.strategy.init_args.blocks_per_unit=1", "--trainer.strategy.init_args.keep_gathered_blocks=0"]
+    two, four = (_check(tmp_path, "zero3.yaml", n, *options)[0] for n in (2, 4))
+    assert two["layout"].startswith("pp=1 x dp_replicate=1 x dp_shard=512")
+    per_block = (_bytes(four, "dp") - _bytes(two, "dp")) / 2
+    assert per_block == pytest.approx(3 * 4 * BLOCK, rel=0.01)
+    assert _bytes(two, "dp") == pytest.approx(3 * 4 * 2 * BLOCK + 2 * 4 * ROOT, rel=0.01)
+    for report, blocks in ((two, 2), (four, 4)):
+        held = 4 * (blocks * BLOCK + ROOT) / 512
+        assert report["states"]["parameters"] == pytest.approx(held, rel=0.01)
+        assert report["states"]["optimizer_states"] == pytest.approx(2 * held, rel=0.01)
+
+
+def test_pipeline_tensor_and_data_parallel_traffic_per_block_at_512_ranks(tmp_path: Path) -> None:
+    """pp=2 x dp=32 x tp=8 with sequence parallel (configs/hybrid3d.yaml, 8 sequences of 128 tokens per data-parallel
+    rank in 4 micro-batches): both stages of rank 0's pipeline run. Per block, tensor parallel moves 8 b s h (an
+    all-gather and a reduce-scatter around attention and around the MLP, forward and backward; Korthikanti et al.
+    2022); data parallel all-reduces the block's gradient shard once a step; the pipeline sends each micro-batch's
+    (2, 128/8, 512) slice of hidden states, whatever the depth."""
+    options = ["--trainer.strategy.init_args.tensor_parallel_size=8", "--trainer.strategy.init_args.data_parallel_size=auto"]
+    two, four = (_check(tmp_path, "hybrid3d.yaml", n, *options) for n in (2, 4))
+    assert [report["rank"] for report in two] == [0, 256] and [report["stages"] for report in two] == [[0], [1]]
+    batch, seq_len, tp, microbatches = 8, 128, 8, 4
+    for first, second in zip(two, four):  # one more block on each stage
+        assert _bytes(second, "tp") - _bytes(first, "tp") == pytest.approx(8 * batch * seq_len * DIM * 4, rel=0.01)
+        gradient_shard = 4 * (BLOCK_MATRICES / tp + 2 * DIM)  # norm gains are whole on every tp rank
+        assert _bytes(second, "dp") - _bytes(first, "dp") == pytest.approx(gradient_shard, rel=0.01)
+        sends = microbatches * (batch // microbatches) * (seq_len // tp) * DIM * 4
+        assert sends <= _bytes(first, "pp") <= sends + 64  # + the loss broadcast to every stage
+
+
+def test_check_refuses_before_any_rank_starts(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"= 8 does not equal the world size 12"):
+        main(["--config", str(REPO / "configs" / "hybrid3d.yaml"), "--world-size", "12"])
+    with pytest.raises(ValueError, match=r"--ranks 16 are not ranks of a world of 16; fit: 0 to 15"):
+        main(["--config", str(REPO / "configs" / "zero3.yaml"), "--world-size", "16", "--ranks", "3,16"])
+    with pytest.raises(ValueError, match=r"trainer.strategy=DDPStrategy is not a lightning-par strategy"):
+        main(["--config", str(REPO / "configs" / "zero3.yaml"), "--world-size", "16", "--trainer.strategy=ddp"])
+
+
+def test_a_rank_runs_with_the_other_stages_of_its_pipeline() -> None:
+    assert chosen_ranks(None, 512, 1) == [0]
+    assert chosen_ranks([17], 512, 4) == [17, 145, 273, 401]
+    assert chosen_ranks([0, 7], 8, 2) == [0, 3, 4, 7]

@@ -1,0 +1,119 @@
+"""``lightning-par verify``: a shipped config's layout against one process over 20 steps of the same global batches,
+PASS within 1e-5; a layout that trains something else (an untied head, a dropped gradient average) FAILs at the
+step where the runs part, naming the parameter; a model too large for the machine is refused with the way to shrink
+it, before any process starts."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hf_directories import make_model_directory, write_instructions
+
+from lightning_par.cli_verify import Run, compare, main
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+
+def _verify(tmp_path: Path, config: str, *options: str) -> dict:
+    report = tmp_path / "verify.json"
+    try:
+        main(["--config", str(REPO / "configs" / config), "--json", str(report), *options])
+    except SystemExit as exit_:
+        assert exit_.code == 1
+    return json.loads(report.read_text())
+
+
+@pytest.fixture
+def faults_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/verify_faults.py importable by the layout run's processes."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.syspath_prepend(str(TESTS))
+
+
+@pytest.mark.parametrize("config", ["hybrid3d.yaml", "zero3.yaml"])
+def test_a_shipped_layout_trains_what_one_process_trains(tmp_path: Path, config: str,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    """hybrid3d (pipeline x tensor+SP x data: weights gathered from stages and shards) and ZeRO-3 (FSDP2 units):
+    20 steps within 1e-5 of one process, loss, gradient norm and weights, from the same initial weights."""
+    result = _verify(tmp_path, config)
+    out = capsys.readouterr().out
+    assert result["passed"], out
+    assert [row["step"] for row in result["rows"]] == list(range(21))
+    assert "PASS: every step within 1e-05" in out
+
+
+def test_a_lora_fine_tuning_on_instruction_data_trains_what_one_process_trains(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """configs/finetune_lora.yaml on the tiny pretrained model it looks for: the reference reads the pretrained
+    weights as the layout does, and trains on the layout's packed prompt/response batches (loss on the responses)."""
+    monkeypatch.chdir(tmp_path)
+    make_model_directory(tmp_path / "tiny-pretrained" / "model")  # what examples/make_tiny_pretrained.py writes
+    write_instructions(tmp_path / "tiny-pretrained", repeats=40)
+    result = _verify(tmp_path, "finetune_lora.yaml")
+    assert result["passed"], capsys.readouterr().out
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["tiny-pretrained", "verify.json"]  # nothing written
+
+
+def test_an_untied_head_fails_at_the_first_step_naming_the_embedding(tmp_path: Path, faults_importable: None,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    result = _verify(tmp_path, "data_parallel.yaml", "--model=verify_faults.UntiesItsHead",
+                     "--model.init_args.tie_embeddings=true")
+    out = capsys.readouterr().out
+    assert not result["passed"] and result["parted_at"] == 1, out
+    assert result["rows"][1]["parameter"] in ("model.embed_tokens.weight", "model.lm_head.weight"), out
+    verdict = out.strip().splitlines()[-1]
+    assert verdict.startswith("FAIL at step 1:") and result["rows"][1]["parameter"] in verdict
+
+
+def test_a_dropped_gradient_average_fails_at_the_first_step(tmp_path: Path, faults_importable: None,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    """Tensor x data parallel whose two replicas step on their own gradients: the gradient norm and every weight part
+    at step 1."""
+    result = _verify(tmp_path, "hybrid3d.yaml", "--trainer.strategy=verify_faults.DropsGradientAverage",
+                     *(f"--trainer.strategy.init_args.{name}" for name in (
+                         "data_parallel_size=2", "tensor_parallel_size=2", "zero_stage=0")),
+                     "--world-size", "4", "--steps", "2")
+    out = capsys.readouterr().out
+    assert "pp=1 x dp_replicate=1 x dp_shard=2 x cp=1 x tp=2, ep=1 on 4 CPU processes" in out
+    assert not result["passed"] and result["parted_at"] == 1, out
+    assert result["rows"][1]["gradient_norm_error"] > 1e-3 and result["rows"][1]["weights_error"] > 1e-3, out
+    assert result["rows"][0]["weights_error"] == 0.0
+
+
+def _run(weights: list[dict[str, torch.Tensor]], losses: list[float]) -> Run:
+    return Run(batches=[], losses=losses, gradient_norms=[1.0] * (len(weights) - 1), weights=weights, accumulate=1,
+               layout="test")
+
+
+def test_the_first_step_beyond_the_tolerance_is_named_with_its_parameter() -> None:
+    w0 = {"a": torch.ones(100), "b": torch.full((10,), 2.0)}
+    w1 = {"a": torch.ones(100) * 0.9, "b": torch.full((10,), 1.9)}
+    w2 = {"a": torch.ones(100) * 0.8, "b": torch.full((10,), 1.8)}
+    reference = _run([w0, w1, w2], [3.0, 2.0])
+    one_element_off = {"a": w1["a"].clone(), "b": w1["b"].clone()}
+    one_element_off["b"][3] += 1e-3  # b's norm 6.0: 1.7e-4 relative
+    parted = compare(_run([w0, w1, {"a": w2["a"], "b": w2["b"] + 1e-3}], [3.0, 2.0]), reference, 1e-5)
+    assert (parted.parted_at, parted.rows[2]["parameter"]) == (2, "b")
+    assert parted.reason == f"b differs by {1e-3 / 1.8:.1e} relative"
+    assert compare(_run([w0, one_element_off, w2], [3.0, 2.0]), reference, 1e-5).parted_at == 1
+    loss_only = compare(_run([w0, w1, w2], [3.0, 2.0 * (1 + 1e-4)]), reference, 1e-5)
+    assert loss_only.parted_at == 2 and loss_only.reason.startswith("loss differs by 1.0e-04 relative (of the weights")
+    assert compare(_run([w0, w1, w2], [3.0, 2.0 * (1 + 1e-6)]), reference, 1e-5).passed
+    start = compare(_run([{"a": w0["a"] * 2, "b": w0["b"]}, w1, w2], [3.0, 2.0]), reference, 1e-5)
+    assert start.parted_at == 0 and start.reason.startswith("the runs start from different weights: a differs")
+    renamed = compare(_run([w0, {"c": w1["a"], "b": w1["b"]}, w2], [3.0, 2.0]), reference, 1e-5)
+    assert renamed.parted_at == 1 and "parameters held by one run only: a, c" in renamed.reason
+
+
+def test_a_model_too_large_for_the_machine_is_refused_with_the_way_to_shrink_it() -> None:
+    with pytest.raises(ValueError, match=r"LlamaLM has [\d.]+B parameters: 2 layout processes and one reference "
+                                         r"would need about \d+ GiB.*shrink the model with fit options"):
+        main(["--config", str(REPO / "configs" / "data_parallel.yaml"), "--model.init_args.dim=8192",
+              "--model.init_args.n_layers=32", "--model.init_args.n_heads=64", "--model.init_args.n_kv_heads=8"])
+    with pytest.raises(ValueError, match=r"--steps 0 is not a number of optimizer steps; fit: 1 or more"):
+        main(["--config", str(REPO / "configs" / "data_parallel.yaml"), "--steps", "0"])
