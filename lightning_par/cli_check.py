@@ -95,8 +95,8 @@ def format_report(reports: list[dict[str, Any]]) -> str:
         return "no rank was dry-run"
     first = reports[0]
     lines = [f"Dry run of {first['layout']}, zero_stage={first['zero_stage']}, on {first['world_size']} ranks "
-             "(fake backend, fake tensors): memory at the peak of a training step, GiB; the model states a rank keeps "
-             "and its peak beside the planner's (lightning_par.planner.memory)",
+             "(fake backend, fake tensors): memory at the peak of a training step, GiB; the model states a rank holds "
+             "once backward made its gradients and its peak beside the planner's (lightning_par.planner.memory)",
              f"{'rank':>6} {'stage':>5} {'params':>10} {'param':>7} {'grad':>7} {'optim':>7} {'activ':>7} "
              f"{'other':>7} {'peak':>7} | {'states':>7} {'planned':>7} | {'peak':>7} {'planned':>7} | {'host GiB':>8} "
              f"{'s':>6}"]

@@ -154,9 +154,10 @@ def test_memory_model_matches_measured_bytes_per_rank(world_size: int) -> None:
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_activation_derivation_holds_in_every_precision(precision: str, checkpointing: str) -> None:
     """The per-token counts of memory.py's docstring, one process: autocast's casts, fp32 norms under bf16-mixed,
-    bf16 weights under bf16-true, recomputed casts under full checkpointing."""
+    bf16 weights under bf16-true, recomputed casts under full checkpointing; autocast's cached weight copies."""
     import torch
     import torch.nn.functional as F
+    from torch.distributed._tools.mem_tracker import MemTracker
 
     from lightning_par.models.llama import LlamaConfig, Transformer
     from lightning_par.parallel.model_map import derive_model_map
@@ -168,14 +169,27 @@ def test_activation_derivation_holds_in_every_precision(precision: str, checkpoi
     apply_activation_checkpointing(model, derive_model_map(model), mode=checkpointing)
     weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     tokens = torch.randint(0, MODEL["vocab_size"], (GLOBAL_BATCH, SEQ_LEN + 1))
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            logits = model(tokens[:, :-1])
-            F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+    def forward(cache_enabled: bool) -> tuple[list[torch.Tensor], int]:
+        """What autograd saves for backward, and all this rank holds at the forward's end, autocast's cache in it."""
+        saved: list[torch.Tensor] = []
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed",
+                                cache_enabled=cache_enabled):
+                logits = model(tokens[:, :-1])
+                F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+                held = next(iter(tracker.get_tracker_snapshot("current").values()))["Total"]
+        return saved, held
+
+    saved, held = forward(cache_enabled=True)
+    # autocast's cache of the weights' bf16 copies, kept until the region ends even where checkpointed blocks save
+    # none of them for backward (the same copies as the saved ones where blocks are not checkpointed)
+    cache = held - forward(cache_enabled=False)[1]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
                 if t.untyped_storage().data_ptr() not in weights}
-    measured = sum(storages.values())
+    measured = sum(storages.values()) + cache
     memory = estimate_memory(ModelSpec.from_llama_config(config), ParallelConfig(dp_shard=1,
                              activation_checkpointing=checkpointing), seq_len=SEQ_LEN,
                              micro_batch_size=GLOBAL_BATCH, precision=precision)

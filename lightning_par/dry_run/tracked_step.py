@@ -76,7 +76,7 @@ class StepReport:
     """What one training step of a rank held and moved."""
 
     peak: StepMemory  # at the step's peak
-    states: StepMemory  # parameters, gradients and optimizer states after the optimizer's step, before zero_grad
+    states: StepMemory  # parameters, gradients and optimizer states after backward, before gradients are averaged
     collectives: dict[str, CommTotals]  # per mesh dimension
 
 
@@ -91,7 +91,7 @@ def measure_training_step(handle: Parallelized, optimizer: Optimizer, mode: Fake
     with mode:
         with _running_modules(handle.module) as running:
             try:
-                _step(handle, optimizer, split_batch, loss_fn, batch, autocast, before_zero_grad=lambda: None)
+                _step(handle, optimizer, split_batch, loss_fn, batch, autocast, gradients_made=lambda: None)
             except (DynamicOutputShapeException, DataDependentOutputException) as error:
                 inner = running[-1] if running else "the training step"
                 raise ValueError(
@@ -105,7 +105,7 @@ def measure_training_step(handle: Parallelized, optimizer: Optimizer, mode: Fake
         states: list[StepMemory] = []
         with tracker, recorder:
             _step(handle, optimizer, split_batch, loss_fn, batch, autocast,
-                  before_zero_grad=lambda: states.append(_held_states(handle.module, optimizer)))
+                  gradients_made=lambda: states.append(_held_states(handle.module, optimizer)))
     return StepReport(peak=_memory(tracker.get_tracker_snapshot("peak")), states=states[0],
                       collectives=recorder.totals)
 
@@ -166,7 +166,7 @@ def _memory(snapshot: dict) -> StepMemory:
 
 def _step(handle: Parallelized, optimizer: Optimizer, split_batch: Callable[[Tensor], tuple[Tensor, Tensor]],
           loss_fn: Callable[[Tensor, Tensor], Tensor], batch: Tensor,
-          autocast: AbstractContextManager | None, *, before_zero_grad: Callable[[], None]) -> None:
+          autocast: AbstractContextManager | None, *, gradients_made: Callable[[], None]) -> None:
     inputs, targets = split_batch(batch)
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
     with autocast if autocast is not None else nullcontext():
@@ -179,7 +179,7 @@ def _step(handle: Parallelized, optimizer: Optimizer, split_batch: Callable[[Ten
     if handle.pipeline is None:
         with handle.loss_context():
             loss.backward()
+    gradients_made()  # before the handle averages them (and frees those another rank owns)
     handle.after_backward()
     optimizer.step()
-    before_zero_grad()
     optimizer.zero_grad(set_to_none=True)

@@ -442,13 +442,13 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
         loss_workspace = loss_workspace_bytes(model, precision=precision, tp=tp,
                                               loss_parallel=config.loss_parallel) * whole
 
-    # ---- bf16 weight copies autocast saves for backward (FSDP2 with bf16 params frees its own after use;
-    # with fp32 FSDP2 parameters autocast's copies are of the gathered, whole weights). Inside checkpointed
-    # blocks the casts are recomputed too: only the head's copy stays.
+    # ---- bf16 weight copies under autocast: it caches the cast of every block weight it multiplies by
+    # until the outermost autocast region ends, the whole forward (under pipeline parallel the whole schedule),
+    # whether blocks are checkpointed or not (measured in tests/test_planner.py). With fp32 FSDP2 parameters the
+    # copies are of the gathered, whole weights; with bf16 ones there is nothing to cast.
     autocast_copies = 0.0
     if precision == "bf16-mixed" and not (stage == 3 and config.param_dtype != "fp32"):
-        head = model.vocab_size * model.hidden / tp if stages.head else 0.0
-        autocast_copies = 2 * (head if config.activation_checkpointing != "none" else matmul)
+        autocast_copies = 2 * matmul
 
     # ---- communication buffers
     comm = 0.0
