@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -131,6 +133,7 @@ def compare(layout: Run, reference: Run, tolerance: float) -> Comparison:
 
 
 def format_comparison(comparison: Comparison, header: str) -> str:
+    """``header``, a row per step (the two runs' loss and gradient norm, the weights' difference) and the verdict."""
     lines = [header, f"{'step':>4} {'loss':>12} {'one process':>12} {'rel':>8} {'grad norm':>12} {'one process':>12} "
              f"{'rel':>8} {'weights rel':>11}  parameter differing most"]
     for row in comparison.rows:
@@ -266,7 +269,8 @@ def _layout_run(cli_args: list[str], seed: int, world_size: int, steps: int, fol
     command = [sys.executable, "-m", "lightning_par.cli", "fit", *cli_args, *_quiet_trainer(steps, folder),
                f"--trainer.devices={world_size}", f"--seed_everything={seed}", "--ckpt_path=null",
                _record_callback(folder)]
-    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    result = subprocess.run(command, capture_output=True, text=True,
+                            env={**_environment_of_this_machine(), "PYTHONWARNINGS": "ignore"})
     if result.returncode != 0:
         lines = [line for line in result.stderr.splitlines() if line.startswith("lightning-par: error:")]
         last = lines[0] if lines else (result.stderr.strip().splitlines() or ["no message"])[-1]
@@ -274,12 +278,38 @@ def _layout_run(cli_args: list[str], seed: int, world_size: int, steps: int, fol
     return read_layout_run(folder)
 
 
+# What makes Lightning join a launched or scheduled run instead of starting its own processes: a launcher's variables
+# (Lightning's own launcher leaves them in the process that launched), SLURM's, LSF's, MPI's.
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+                     "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+_LAUNCH_PREFIXES = ("SLURM_", "LSB_", "OMPI_COMM_WORLD_", "PMI_")
+
+
+def _environment_of_this_machine() -> dict[str, str]:
+    """This process's environment without what would make a run join another's: both runs are this machine's."""
+    return {name: value for name, value in os.environ.items()
+            if name not in _LAUNCH_VARIABLES and not name.startswith(_LAUNCH_PREFIXES)}
+
+
+@contextmanager
+def _on_this_machine() -> Iterator[None]:
+    """:func:`_environment_of_this_machine` as this process's environment while the reference runs."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_environment_of_this_machine())
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def _reference_run(cli_args: list[str], seed: int, steps: int, batches: list[Any], folder: Path) -> Run:
     """Lightning's single-device loop over ``batches`` (one per micro-batch) with the config's model and trainer."""
     from lightning_par.cli_classes import ParallelCLI, Parser
     from lightning_par.data.replayed import ReplayedData
 
-    with warnings.catch_warnings(), quiet_lightning():
+    with warnings.catch_warnings(), quiet_lightning(), _on_this_machine():
         warnings.filterwarnings("ignore")
         cli = ParallelCLI(args=[*cli_args, *_quiet_trainer(steps, folder), "--trainer.strategy=auto",
                                 "--trainer.devices=1", f"--seed_everything={seed}", _record_callback(folder)],

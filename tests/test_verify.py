@@ -28,6 +28,15 @@ def _verify(tmp_path: Path, config: str, *options: str) -> dict:
     return json.loads(report.read_text())
 
 
+@pytest.fixture(autouse=True)
+def launched_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What Lightning's launcher leaves in a process that ran a multi-process fit (this one may have): verify's runs
+    are this machine's own, whatever the environment says."""
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1"), ("NODE_RANK", "0"), ("LOCAL_RANK", "0"),
+                        ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+
+
 @pytest.fixture
 def faults_importable(monkeypatch: pytest.MonkeyPatch) -> None:
     """tests/verify_faults.py importable by the layout run's processes."""
