@@ -211,6 +211,36 @@ def test_hugging_face_plans_are_translated(config: dict, expected: dict) -> None
     assert huggingface_model_map(_Network()) is None  # not a Hugging Face model
 
 
+def test_the_shared_rotary_key_style_comes_from_the_plan_and_needs_the_rotary_width() -> None:
+    """transformers' ``mla_kv_a_proj`` (multi-head latent attention's projection to the latent and the shared rotary
+    key) becomes ``shared_rope_key``, whose width is the attention's ``qk_rope_head_dim``; a module without one is
+    refused, naming the projection."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_par.parallel.model_map import huggingface_model_map
+    from lightning_par.parallel.tensor import tensor_parallel_styles
+
+    config = transformers.AutoConfig.for_model("deepseek_v3", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=4, q_lora_rank=16,
+                                               kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+    model = nn.Module()
+    model.model = transformers.AutoModelForCausalLM.from_config(config)
+    # The plan as transformers states it for MLA (older releases leave the attention out of it).
+    model.model.model.config.base_model_tp_plan = {"layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+                                                   "layers.*.self_attn.kv_b_proj": "colwise",
+                                                   "layers.*.self_attn.o_proj": "rowwise"}
+    model_map = huggingface_model_map(model)
+    projection = "model.model.layers.0.self_attn.kv_a_proj_with_mqa"
+    assert model_map.style_of(projection) == "shared_rope_key"
+    assert tensor_parallel_styles(model, model_map)[projection].rope_features == 4
+
+    plain = HFLlamaLike()
+    plain_map = ModelMap.from_dict({"blocks": "model.layers", "styles": {"model.layers.*.self_attn.q_proj":
+                                                                         "shared_rope_key"}})
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_proj' the style 'shared_rope_key'.*"
+                                         r"_HFAttention 'model.layers.0.self_attn' holds no qk_rope_head_dim"):
+        tensor_parallel_styles(plain, plain_map)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
 def test_the_tensor_parallel_checks_copy_cuts_the_vocabulary(model_type: str) -> None:
     """The tensor-parallel check's copy keeps a few rows per rank of a large embedding and linear head (tied ones stay

@@ -350,3 +350,48 @@ def test_dropout_draws_the_same_masks_on_every_tensor_parallel_rank() -> None:
     pytest.importorskip("transformers")
     first, second = run_distributed(_replicated_weights_after_dropout, 2)
     assert torch.equal(first, second)
+
+
+def _latent_attention_checked(rank: int, world_size: int) -> dict:
+    """The tensor-parallel check's verdict on DeepSeek-V3's latent attention split by heads, with the shared rotary
+    key's projection given ``shared_rope_key`` and without it (left whole, as a map that drops the style would)."""
+    import dataclasses
+
+    import torch.distributed as dist
+    import zoo
+
+    from lightning_par.config import ParallelConfig
+    from lightning_par.parallel.model_map import resolve_model_map
+    from lightning_par.parallel.model_map_check import check_model_map
+    from lightning_par.parallel.tensor import apply_tensor_parallel
+
+    dist.init_process_group("gloo")
+    mesh = ParallelConfig(tp=world_size).build_mesh("cpu")
+    model = zoo.make_model("deepseek_v3")
+    found = resolve_model_map(None, model)
+    attention = f"{found.blocks}.*.self_attn"
+    split_heads = {f"{attention}.q_b_proj": "colwise", f"{attention}.kv_b_proj": "colwise",
+                   f"{attention}.o_proj": "rowwise"}
+    verdicts = {}
+    for rope_key in ("shared_rope_key", "replicate"):
+        given = dataclasses.replace(found, source="given", styles={
+            **found.styles, **split_heads, f"{attention}.kv_a_proj_with_mqa": rope_key})
+        try:
+            check_model_map(model, mesh, given, torch.randint(0, 64, (1, 16)), apply=apply_tensor_parallel)
+            verdicts[rope_key] = "trains"
+        except ValueError as error:
+            verdicts[rope_key] = str(error)
+    return verdicts
+
+
+def test_latent_attention_splits_its_heads_with_the_shared_rotary_key_summed() -> None:
+    """Multi-head latent attention (DeepSeek-V2/V3) computes one rotary key for all heads from a replicated
+    projection: split by heads, that key's gradient holds each rank's heads only. With ``shared_rope_key`` (the
+    translation of transformers' ``mla_kv_a_proj``) the split computes the whole model's outputs and every gradient;
+    without it the check refuses it, naming the attention."""
+    pytest.importorskip("transformers")
+    from harness import run_distributed
+
+    for verdicts in run_distributed(_latent_attention_checked, 2):
+        assert verdicts["shared_rope_key"] == "trains"
+        assert "self_attn" in verdicts["replicate"] and "gradient it passes back" in verdicts["replicate"], verdicts

@@ -19,8 +19,10 @@ the output features, then gather them: for a projection whose output the model s
 as a fused q/k/v), ``rowwise_split`` (split the input features of a layer whose input arrives whole),
 ``vocab`` (vocabulary-parallel embedding), ``sequence`` (norms that run on sequence-sharded activations),
 ``per_shard`` (a replicated module applied to each rank's split activations, such as a per-head q/k norm:
-its gradients are summed over the tensor-parallel ranks), ``experts`` (an MoE expert group), ``replicate``
-(leave whole).
+its gradients are summed over the tensor-parallel ranks), ``shared_rope_key`` (a replicated projection whose last
+``qk_rope_head_dim`` output features, the rotary key multi-head latent attention shares among all heads, reach each
+rank's split heads directly: their gradient is summed over the tensor-parallel ranks), ``experts`` (an MoE expert
+group), ``replicate`` (leave whole).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from torch import nn
 
 from lightning_par.parallel.adapters import base_layer
 
-STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_split", "vocab", "sequence", "per_shard", "experts",
-          "replicate")
+STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_split", "vocab", "sequence", "per_shard",
+          "shared_rope_key", "experts", "replicate")
 SPLIT_STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_split")  # styles that shard a projection
 MAP_SOURCES = ("given", "huggingface", "derived", "structure")
 
@@ -75,7 +77,8 @@ _FINAL_NORM_NAMES = ("norm", "final_norm", "ln_f", "final_layernorm", "norm_f", 
 # left to expert parallel; styles not listed are left out of the model map.
 HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output": "colwise_gather",
              "rowwise_split_input": "rowwise_split", "embedding_rowwise": "vocab",
-             "replicated_with_grad_allreduce": "per_shard", "moe_tp_experts": "experts"}
+             "replicated_with_grad_allreduce": "per_shard", "mla_kv_a_proj": "shared_rope_key",
+             "moe_tp_experts": "experts"}
 
 
 def is_projection(module: nn.Module) -> bool:

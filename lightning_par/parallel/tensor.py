@@ -8,7 +8,7 @@ The embedding is split by vocabulary rows (each rank looks up the tokens it hold
 them) and the head by vocabulary columns (an all-gather assembles the logits, or, with loss parallel,
 the logits stay split and the cross-entropy is computed on the shards). Which module gets which style
 comes from the model map (``colwise``, ``rowwise``, ``colwise_gather``, ``rowwise_split``, ``vocab``,
-``sequence``, ``per_shard``; see ``lightning_par.parallel.model_map``), checked against the model's computation
+``sequence``, ``per_shard``, ``shared_rope_key``; see ``lightning_par.parallel.model_map``), checked against the model's computation
 before training (``lightning_par.parallel.model_map_check``). ``nn.Linear`` and GPT-2's ``Conv1D`` (weight stored
 as (in, out)) are both split. A fused projection whose output the model cuts into sections ([q | k | v]) has its
 rows regrouped so that each rank holds its part of every section (``lightning_par.parallel.regroup``), and the
@@ -22,10 +22,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (DTensor, Partial, Placement, Replicate, Shard, distribute_module,
+                                      distribute_tensor)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -195,6 +197,43 @@ class PerShard(ParallelStyle):
             declare_split, local)
 
 
+class SharedRopeKey(ParallelStyle):
+    """A replicated projection whose last ``rope_features`` output features reach every rank's split heads directly:
+    the rotary key that multi-head latent attention computes once and shares among all heads (DeepSeek-AI 2024,
+    "DeepSeek-V2", section 2.1.3). The rest of its output (the compressed key/value latent) reaches the heads through
+    a column-wise projection, whose input gradient tensor parallel already sums over the ranks; the rotary part's
+    gradient holds only this rank's heads' share, so it is summed here (Megatron's f operator on that part only).
+    The weights stay whole and plain: their gradients are then whole on every rank."""
+
+    def __init__(self, rope_features: int) -> None:
+        super().__init__()
+        self.rope_features = rope_features
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def sum_rope_gradient(m: nn.Module, args: tuple, output: Tensor) -> Tensor:
+            latent, rope = output.split([output.shape[-1] - self.rope_features, self.rope_features], dim=-1)
+            # Identity forward; backward declares the gradient partial, and from_local's backward sums it over tp.
+            rope = DTensor.from_local(rope, device_mesh, (Replicate(),), run_check=False).to_local(
+                grad_placements=(Partial(),))
+            return torch.cat([latent, rope], dim=-1)
+
+        module.register_forward_hook(sum_rope_gradient)
+        return module
+
+
+def _rope_features(module: nn.Module, name: str) -> int:
+    """``qk_rope_head_dim`` of the attention holding projection ``name`` (its attribute, or its config's)."""
+    parent = module.get_submodule(name.rpartition(".")[0])
+    for holder in (parent, parent.__dict__.get("config")):
+        value = getattr(holder, "qk_rope_head_dim", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(f"the model map gives {name!r} the style 'shared_rope_key', which sums the gradient of the "
+                     f"projection's last qk_rope_head_dim output features over tp; {type(parent).__name__} "
+                     f"{name.rpartition('.')[0]!r} holds no qk_rope_head_dim (nor does its config): give that "
+                     "projection another style ('replicate' keeps the attention whole)")
+
+
 class RoutedOnLocalTokens(ParallelStyle):
     """Under sequence parallel, a mixture-of-experts layer that routes its own tokens takes this rank's piece of the
     sequence (the local tensor of the sequence-split activations) and hands its output back as that piece: the
@@ -287,6 +326,8 @@ def tensor_parallel_styles(module: nn.Module, model_map: ModelMap, *, sequence_p
             styles[name] = RoutedOnLocalTokens()
         elif style == "per_shard":
             styles[name] = PerShard()
+        elif style == "shared_rope_key":
+            styles[name] = SharedRopeKey(_rope_features(module, name))
         elif (sequence_parallel and style in (None, "replicate") and not name.startswith(blocks)
               and name != model_map.blocks and next(sub.parameters(recurse=False), None) is not None):
             styles[name] = Replicated()
