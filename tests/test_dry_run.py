@@ -56,7 +56,7 @@ def test_pipeline_tensor_and_data_parallel_traffic_per_block_at_512_ranks(tmp_pa
     rank in 4 micro-batches): both stages of rank 0's pipeline run. Per block, tensor parallel moves 8 b s h (an
     all-gather and a reduce-scatter around attention and around the MLP, forward and backward; Korthikanti et al.
     2022); data parallel all-reduces the block's gradient shard once a step; the pipeline sends each micro-batch's
-    (2, 128/8, 512) slice of hidden states, whatever the depth."""
+    (2, 128/8, 512) slice of hidden states, whatever the depth. The model is built on the meta device."""
     options = ["--trainer.strategy.init_args.tensor_parallel_size=8", "--trainer.strategy.init_args.data_parallel_size=auto"]
     two, four = (_check(tmp_path, "hybrid3d.yaml", n, *options) for n in (2, 4))
     assert [report["rank"] for report in two] == [0, 256] and [report["stages"] for report in two] == [[0], [1]]
@@ -67,6 +67,10 @@ def test_pipeline_tensor_and_data_parallel_traffic_per_block_at_512_ranks(tmp_pa
         assert _bytes(second, "dp") - _bytes(first, "dp") == pytest.approx(gradient_shard, rel=0.01)
         sends = microbatches * (batch // microbatches) * (seq_len // tp) * DIM * 4
         assert sends <= _bytes(first, "pp") <= sends + 64  # + the loss broadcast to every stage
+    for report in (*two, *four):
+        # Each gradient is the size of its parameter: the first stage's vocabulary-split embedding included, which
+        # DTensor's backward hands over whole (V x h on every tp rank) until it is cut to this rank's rows.
+        assert report["states"]["gradients"] == report["states"]["parameters"], report["stages"]
 
 
 def test_check_refuses_before_any_rank_starts(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ head counts of a module the model map names are set to each rank's (``lightning_
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -426,9 +427,8 @@ def apply_tensor_parallel(module: nn.Module, mesh: ParallelMesh, model_map: Mode
     # parallelize_module gives each module its own DTensors: a head tied to the embedding would become a copy.
     retie(module, ties)
     for name, sub in module.named_modules():
-        if (model_map.style_of(name) == "vocab" and isinstance(sub, nn.Embedding) and isinstance(sub.weight, DTensor)
-                and sub.weight.requires_grad):  # a frozen embedding has no gradient to lay out
-            sub.weight.register_hook(_KeepPlacements(sub.weight.placements))
+        if model_map.style_of(name) == "vocab" and isinstance(sub, nn.Embedding) and isinstance(sub.weight, DTensor):
+            sub.register_forward_pre_hook(_GradientKeepsPlacements())
     if sequence_parallel and model_map.embedding is not None:
         # Before the embedding's collective, on every rank alike: a sequence that does not split would
         # otherwise fail deep inside DTensor with shapes that do not mention the cause.
@@ -466,21 +466,29 @@ def split_summary(module: nn.Module, model_map: ModelMap) -> str:
     return ", ".join(f"{style} {count}" for style, count in sorted(counts.items())) or "nothing"
 
 
-class _KeepPlacements:
-    """Gives a parameter's gradient the parameter's own placements.
+class _GradientKeepsPlacements:
+    """Gives a vocabulary-split embedding's gradient the weight's own placements.
 
-    DTensor's embedding backward returns the gradient of a vocabulary-sharded table replicated: the whole
-    (V, h) table on every tensor-parallel rank (torch 2.13). Re-sharding it right away is a local slice, and
-    the accumulated gradient (and what the optimizer reads) is then 1/tp of it, like the weight.
+    DTensor's embedding backward returns the gradient of a vocabulary-sharded table replicated: the whole (V, h)
+    table on every tensor-parallel rank (torch 2.13). Re-sharding it right away copies this rank's rows, and the
+    accumulated gradient (and what the optimizer reads) is then 1/tp of it, like the weight. The gradient hook is
+    put on the weight the embedding holds when it runs (a forward pre-hook), once per weight: a model built on the
+    meta device gets new parameter objects when it is allocated after the split, which would not carry a hook put
+    on the weight at the split (the whole table would then stay held as the gradient, (tp-1)/tp of it wasted).
     """
 
-    def __init__(self, placements: tuple[Placement, ...]) -> None:
-        self.placements = placements
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        weight = module.weight
+        if (isinstance(weight, DTensor) and weight.requires_grad  # a frozen embedding has no gradient to lay out
+                and not getattr(weight, "_gradient_keeps_placements", False)):
+            weight.register_hook(functools.partial(_with_placements, placements=tuple(weight.placements)))
+            weight._gradient_keeps_placements = True
 
-    def __call__(self, grad: DTensor) -> DTensor:
-        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(self.placements):
-            return grad.redistribute(grad.device_mesh, self.placements)
-        return grad
+
+def _with_placements(grad: Tensor, *, placements: tuple[Placement, ...]) -> Tensor:
+    if isinstance(grad, DTensor) and tuple(grad.placements) != placements:
+        return grad.redistribute(grad.device_mesh, placements)
+    return grad
 
 
 class _SequenceLengthCheck:
