@@ -395,3 +395,50 @@ def test_latent_attention_splits_its_heads_with_the_shared_rotary_key_summed() -
     for verdicts in run_distributed(_latent_attention_checked, 2):
         assert verdicts["shared_rope_key"] == "trains"
         assert "self_attn" in verdicts["replicate"] and "gradient it passes back" in verdicts["replicate"], verdicts
+
+
+class _ScaledEmbedding(torch.nn.Embedding):
+    """An embedding with a forward of its own (Gemma's scales its output): split by DTensor's own lookup."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+        return super().forward(input) * 2.0
+
+
+@pytest.mark.parametrize(("embedding", "rows_of_the_gradient"), [(torch.nn.Embedding, 512), (_ScaledEmbedding, 1024)])
+def test_a_vocabulary_split_embedding_computes_the_gradient_of_its_own_rows(embedding, rows_of_the_gradient) -> None:
+    """tp=2 on a fake world: a plain embedding looks up its own rows (Megatron's vocabulary-parallel embedding), so
+    its backward makes a gradient of V/tp rows; one with a forward of its own keeps DTensor's lookup, whose backward
+    makes the whole V rows before they are cut to the rank's. Either way the gradient kept is the rank's rows."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_par.config import ParallelConfig
+    from lightning_par.dry_run.fake_world import fake_world
+    from lightning_par.models import LlamaConfig, Transformer
+    from lightning_par.parallel.model_map import derive_model_map
+    from lightning_par.parallel.tensor import apply_tensor_parallel
+
+    class EmbeddingBackwards(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shapes: list[tuple[int, ...]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.embedding_dense_backward.default:
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    with fake_world(0, 2):
+        mesh = ParallelConfig(tp=2).build_mesh("cpu")
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = Transformer(LlamaConfig(vocab_size=1024, dim=32, n_layers=1, n_heads=4, max_seq_len=16))
+            model.embed_tokens = embedding(1024, 32)
+            model_map = derive_model_map(model)
+            apply_tensor_parallel(model, mesh, model_map)
+            recorded = EmbeddingBackwards()
+            with recorded:
+                model(torch.randint(0, 1024, (2, 16))).sum().backward()
+            gradient = model.get_submodule(model_map.embedding).weight.grad
+    assert recorded.shapes == [(rows_of_the_gradient, 32)]
+    assert gradient.to_local().shape == (512, 32)

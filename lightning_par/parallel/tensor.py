@@ -174,6 +174,42 @@ class Rowwise(RowwiseParallel):
         return _distribute_split(self, module, device_mesh, colwise=False)
 
 
+class VocabParallelEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` whose weight is split by vocabulary rows over the tensor-parallel ranks, looking up on its own
+    rows only (Megatron-LM's ``VocabParallelEmbedding``; Shoeybi et al. 2019): a token another rank holds reads zeros
+    here, and the partial embeddings are summed (the all-reduce, or the reduce-scatter of sequence parallel, that
+    the style's output layout asks for). Its backward then produces the gradient of this rank's rows only, where
+    DTensor's embedding backward hands over the whole (V, h) table on every rank first (torch 2.13). The class of
+    a plain ``nn.Embedding`` the ``vocab`` style splits (:class:`VocabParallel`); the state dict is unchanged."""
+
+    def forward(self, input: Tensor) -> DTensor:  # noqa: A002 - nn.Embedding's own argument name
+        weight = self.weight
+        rows = weight.to_local()  # its gradient arrives as a shard of the weight's, like the weight
+        ids = input.to_local() if isinstance(input, DTensor) else input
+        per_rank = -(-weight.shape[0] // weight.device_mesh.size())  # torch.chunk's rows per shard
+        first = min(weight.device_mesh.get_local_rank() * per_rank, weight.shape[0])
+        local_ids = ids - first
+        elsewhere = (local_ids < 0) | (local_ids >= rows.shape[0])
+        padding = (self.padding_idx - first if self.padding_idx is not None
+                   and 0 <= self.padding_idx - first < rows.shape[0] else None)
+        looked_up = F.embedding(local_ids.masked_fill(elsewhere, 0), rows, padding)
+        looked_up = looked_up.masked_fill(elsewhere.unsqueeze(-1), 0)
+        return DTensor.from_local(looked_up, weight.device_mesh, (Partial(),), run_check=False)
+
+
+class VocabParallel(Rowwise):
+    """The ``vocab`` style: PyTorch's row-wise split of an embedding's weight (``Shard(0)``), a plain ``nn.Embedding``
+    becoming a :class:`VocabParallelEmbedding`. A subclass of ``nn.Embedding`` with a forward of its own (Gemma's
+    scaled embedding) and one with ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` keep DTensor's lookup."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        if (type(module) is nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq
+                and not module.sparse):
+            module.__class__ = VocabParallelEmbedding
+        return module
+
+
 class PerShard(ParallelStyle):
     """A replicated module applied to each rank's share of a split activation (a norm over each head's features).
 
@@ -312,8 +348,8 @@ def tensor_parallel_styles(module: nn.Module, model_map: ModelMap, *, sequence_p
         style = model_map.style_of(name)
         if style == "vocab" and isinstance(sub, nn.Embedding):
             # Rows are the vocabulary: each rank embeds the tokens it holds; the partial sums are reduced.
-            styles[name] = Rowwise(input_layouts=Replicate(), output_layouts=between,
-                                   use_local_output=not sequence_parallel)
+            styles[name] = VocabParallel(input_layouts=Replicate(), output_layouts=between,
+                                         use_local_output=not sequence_parallel)
         elif style in ("colwise", "colwise_gather") and is_projection(sub) and name == model_map.head:
             # The vocabulary-sharded logits are gathered so that any loss function sees them whole, unless the
             # loss runs on the shards (loss parallel).
