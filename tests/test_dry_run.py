@@ -1,6 +1,6 @@
 """``lightning-par check``: the real layout code of chosen ranks at 512 ranks on one machine (fake backend, fake
-tensors), its collectives per mesh dimension held to the formulas, its model states to the bytes a rank holds, and
-its refusals made before any rank process starts."""
+tensors), its collectives per mesh dimension held to the formulas, its model states to the bytes a rank holds and to
+the planner's count of them, and its refusals made before any rank process starts."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ def _check(tmp_path: Path, config: str, n_layers: int, *options: str) -> list[di
     return json.loads(report.read_text())
 
 
+def _model_states(report: dict) -> int:
+    return sum(report["states"][kind] for kind in ("parameters", "gradients", "optimizer_states"))
+
+
 def _bytes(report: dict, dimension: str) -> int:
     return report["collectives"][dimension]["bytes"]
 
@@ -49,6 +53,7 @@ def test_zero3_moves_three_times_each_block_and_holds_a_512th_of_the_model(tmp_p
         held = 4 * (blocks * BLOCK + ROOT) / 512
         assert report["states"]["parameters"] == pytest.approx(held, rel=0.01)
         assert report["states"]["optimizer_states"] == pytest.approx(2 * held, rel=0.01)
+        assert _model_states(report) == pytest.approx(report["planned"]["model_states"], rel=0.01)
 
 
 def test_pipeline_tensor_and_data_parallel_traffic_per_block_at_512_ranks(tmp_path: Path) -> None:
@@ -68,9 +73,10 @@ def test_pipeline_tensor_and_data_parallel_traffic_per_block_at_512_ranks(tmp_pa
         sends = microbatches * (batch // microbatches) * (seq_len // tp) * DIM * 4
         assert sends <= _bytes(first, "pp") <= sends + 64  # + the loss broadcast to every stage
     for report in (*two, *four):
-        # Each gradient is the size of its parameter: the first stage's vocabulary-split embedding included, which
-        # DTensor's backward hands over whole (V x h on every tp rank) until it is cut to this rank's rows.
+        # Each gradient is the size of its parameter: the first stage's vocabulary-split embedding included, whose
+        # gradient is this rank's rows even though the model was allocated after the split.
         assert report["states"]["gradients"] == report["states"]["parameters"], report["stages"]
+        assert _model_states(report) == pytest.approx(report["planned"]["model_states"], rel=0.01), report["stages"]
 
 
 def test_check_refuses_before_any_rank_starts(tmp_path: Path) -> None:
