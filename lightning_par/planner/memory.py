@@ -443,12 +443,17 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
                                               loss_parallel=config.loss_parallel) * whole
 
     # ---- bf16 weight copies under autocast: it caches the cast of every block weight it multiplies by
-    # until the outermost autocast region ends, the whole forward (under pipeline parallel the whole schedule),
-    # whether blocks are checkpointed or not (measured in tests/test_planner.py). With fp32 FSDP2 parameters the
-    # copies are of the gathered, whole weights; with bf16 ones there is nothing to cast.
+    # until the outermost autocast region ends, the whole forward, whether blocks are checkpointed or not
+    # (measured in tests/test_planner.py). A pipeline whose every block is recomputed runs its schedule without the
+    # cache (parallel.pipeline.runner): one block's copies at a time. With fp32 FSDP2 parameters the copies are of
+    # the gathered, whole weights; with bf16 ones there is nothing to cast.
     autocast_copies = 0.0
     if precision == "bf16-mixed" and not (stage == 3 and config.param_dtype != "fp32"):
-        autocast_copies = 2 * matmul
+        uncached = (config.pp > 1 and config.activation_checkpointing == "full"
+                    and config.activation_checkpointing_every == 1)
+        autocast_copies = 2 * (max(block_local_params(model, config, moe) for moe, count in
+                                   ((False, stages.n_dense), (True, stages.n_moe)) if count)
+                               if uncached and stages.n_blocks else matmul)
 
     # ---- communication buffers
     comm = 0.0

@@ -21,6 +21,7 @@ summed over the pipeline's stages, to the loss it reports.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -111,7 +112,7 @@ class PipelineRunner:
             self.deferred.stepping = True
         self.bubble.start()
         try:
-            with self._loss_context():
+            with self._loss_context(), self._autocast_for_schedule():
                 schedule.step(*self._stage_inputs(inputs), target=targets if self.holds_last else None,
                               losses=losses, return_outputs=False, tokens=inputs)
         finally:
@@ -184,6 +185,24 @@ class PipelineRunner:
             layer.losses_in_backward.clear()
         dist.all_reduce(total, group=self.mesh.group("pp"))
         return total
+
+    def _autocast_for_schedule(self) -> Any:
+        """Autocast without its weight cache while every block is recomputed.
+
+        Autocast keeps the low-precision copy of each weight it casts until the outermost autocast region ends: here
+        the whole schedule, so every micro-batch's graph reaches the weight through the one cast node made in the
+        first micro-batch's forward. The autograd engine runs the oldest nodes last (it orders ready nodes by
+        creation), so from the second micro-batch on, each weight's low-precision gradient waits at that node until
+        the stage's whole backward is done: all of them at once, 2 bytes a parameter at bf16, on top of the cached
+        copies themselves (another 2). With every block recomputed nothing saves a cast weight for backward, so
+        casting afresh at each use (a copy per weight per use, cheap beside the matmul) holds neither. Without full
+        recomputation the cache stays: each micro-batch in flight would keep its own copies."""
+        if self.config.activation_checkpointing != "full" or self.config.activation_checkpointing_every != 1:
+            return contextlib.nullcontext()
+        device = self.mesh.device_type
+        if not torch.is_autocast_enabled(device):
+            return contextlib.nullcontext()
+        return torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False)
 
     def _loss_context(self) -> Any:
         """Under loss parallel the last stage's logits are split over the vocabulary: the loss, forward and backward
