@@ -188,6 +188,13 @@ class ParallelConfig:
         every schedule."""
         return self.zero_stage == 3 and self.pp > 1 and self.pp_schedule in V_SCHEDULES
 
+    @property
+    def pipeline_casts_without_cache(self) -> bool:
+        """A pipeline whose every block is recomputed runs its schedule without autocast's weight cache
+        (``parallel.pipeline.runner``): nothing keeps a cast weight for backward, so no copies and no piled-up bf16
+        weight gradients (the planner counts one block's copies)."""
+        return self.pp > 1 and self.activation_checkpointing == "full" and self.activation_checkpointing_every == 1
+
     def validate(self, world_size: int) -> ParallelConfig:
         """Check the layout against ``world_size`` processes and return it with ``"auto"`` resolved.
 

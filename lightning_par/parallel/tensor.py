@@ -463,7 +463,8 @@ def apply_tensor_parallel(module: nn.Module, mesh: ParallelMesh, model_map: Mode
     # parallelize_module gives each module its own DTensors: a head tied to the embedding would become a copy.
     retie(module, ties)
     for name, sub in module.named_modules():
-        if model_map.style_of(name) == "vocab" and isinstance(sub, nn.Embedding) and isinstance(sub.weight, DTensor):
+        if (model_map.style_of(name) == "vocab" and isinstance(sub, nn.Embedding) and isinstance(sub.weight, DTensor)
+                and not isinstance(sub, VocabParallelEmbedding)):  # which computes its own rows' gradient only
             sub.register_forward_pre_hook(_GradientKeepsPlacements())
     if sequence_parallel and model_map.embedding is not None:
         # Before the embedding's collective, on every rank alike: a sequence that does not split would
@@ -503,7 +504,7 @@ def split_summary(module: nn.Module, model_map: ModelMap) -> str:
 
 
 class _GradientKeepsPlacements:
-    """Gives a vocabulary-split embedding's gradient the weight's own placements.
+    """Gives the gradient of a vocabulary-split embedding that keeps DTensor's lookup the weight's own placements.
 
     DTensor's embedding backward returns the gradient of a vocabulary-sharded table replicated: the whole (V, h)
     table on every tensor-parallel rank (torch 2.13). Re-sharding it right away copies this rank's rows, and the

@@ -449,11 +449,9 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
     # the gathered, whole weights; with bf16 ones there is nothing to cast.
     autocast_copies = 0.0
     if precision == "bf16-mixed" and not (stage == 3 and config.param_dtype != "fp32"):
-        uncached = (config.pp > 1 and config.activation_checkpointing == "full"
-                    and config.activation_checkpointing_every == 1)
         autocast_copies = 2 * (max(block_local_params(model, config, moe) for moe, count in
                                    ((False, stages.n_dense), (True, stages.n_moe)) if count)
-                               if uncached and stages.n_blocks else matmul)
+                               if config.pipeline_casts_without_cache and stages.n_blocks else matmul)
 
     # ---- communication buffers
     comm = 0.0

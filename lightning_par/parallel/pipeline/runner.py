@@ -197,10 +197,8 @@ class PipelineRunner:
         copies themselves (another 2). With every block recomputed nothing saves a cast weight for backward, so
         casting afresh at each use (a copy per weight per use, cheap beside the matmul) holds neither. Without full
         recomputation the cache stays: each micro-batch in flight would keep its own copies."""
-        if self.config.activation_checkpointing != "full" or self.config.activation_checkpointing_every != 1:
-            return contextlib.nullcontext()
         device = self.mesh.device_type
-        if not torch.is_autocast_enabled(device):
+        if not (self.config.pipeline_casts_without_cache and torch.is_autocast_enabled(device)):
             return contextlib.nullcontext()
         return torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False)
 
