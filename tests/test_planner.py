@@ -437,7 +437,7 @@ def test_plan_command_costs_the_sizes_fixed_on_its_command_line(capsys: pytest.C
     from lightning_par.planner.cli import main
 
     main(["--config", str(REPO / "configs" / "tensor_parallel.yaml"), "--model", "llama3-70b", "--nodes", "8",
-          "--devices-per-node", "8", "--device", "h100-80gb", "--seq-len", "4096", "--global-batch-size", "512",
+          "--devices-per-node", "8", "--device", "h100-80gb", "--seq-len", "4096", "--global-batch-size", "64",
           "--tp", "8", "--pp", "4",
           "--zero-stage", "1", "--no-sequence-parallel"])
     out = capsys.readouterr().out

@@ -22,7 +22,9 @@ from torch import Tensor, nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.optim import Optimizer
+from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_par.dry_run.collectives import CollectiveRecorder
 from lightning_par.parallel.comm import CommTotals
@@ -103,7 +105,7 @@ def measure_training_step(handle: Parallelized, optimizer: Optimizer, mode: Fake
         tracker.track_external(handle.module, *_optimizers(optimizer))
         recorder.reset()
         states: list[StepMemory] = []
-        with tracker, recorder:
+        with tracker, recorder, _shape_inference_untracked():
             _step(handle, optimizer, split_batch, loss_fn, batch, autocast,
                   gradients_made=lambda: states.append(_held_states(handle.module, optimizer)))
     return StepReport(peak=_memory(tracker.get_tracker_snapshot("peak")), states=states[0],
@@ -162,6 +164,26 @@ def _held_states(module: nn.Module, optimizer: Optimizer) -> StepMemory:
 def _memory(snapshot: dict) -> StepMemory:
     by_kind = next(iter(snapshot.values()), {}) if snapshot else {}
     return StepMemory(**{field: int(by_kind.get(kind, 0)) for kind, field in _KINDS.items()})
+
+
+@contextmanager
+def _shape_inference_untracked() -> Iterator[None]:
+    """DTensor learns an output's global shape by running the operation on fake tensors of the global shape
+    (``ShardingPropagator._propagate_tensor_meta_non_cached``, on the fake mode it finds, which in a dry run is the
+    step's own). A run's are fake and cost nothing; a dry run's tracker would count them with the step's real, local
+    tensors (under loss parallel, two vocabulary-wide fp32 logits at the loss's backward). They run outside the
+    step's modes instead, on a fake mode of their own."""
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def untracked(self: ShardingPropagator, op_schema: Any) -> Any:
+        with _disable_current_modes():
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = untracked
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
 
 
 def _step(handle: Parallelized, optimizer: Optimizer, split_batch: Callable[[Tensor], tuple[Tensor, Tensor]],

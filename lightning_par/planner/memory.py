@@ -68,6 +68,7 @@ buffers; transients: one block's recomputation and the logits' fp32 copies and g
 from __future__ import annotations
 
 import functools
+import heapq
 from dataclasses import asdict, dataclass
 
 from lightning_par import stages as placement
@@ -107,7 +108,9 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
-        return self.resident + self.recompute + self.loss_workspace + self.comm_buffers
+        # The loss's backward runs before the blocks' (and their recomputation): its workspace and a block's rebuilt
+        # activations are never held at once.
+        return self.resident + max(self.recompute, self.loss_workspace) + self.comm_buffers
 
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "model_states": self.model_states, "resident": self.resident, "total": self.total}
@@ -126,6 +129,13 @@ def param_bytes(precision: str) -> int:
 
 def matmul_activation_bytes(precision: str) -> int:
     return 4 if precision == "32-true" else 2
+
+
+def computed_precision(precision: str, config: ParallelConfig) -> str:
+    """The precision a layout's activations are in: ZeRO-3 gathering 16-bit parameters computes as ``bf16-true``
+    does whatever Lightning's precision (FSDP2's ``MixedPrecisionPolicy`` casts every unit's floating inputs to its
+    parameters' dtype, so the residual stream, the stage boundaries and the logits are 16-bit), else ``precision``."""
+    return "bf16-true" if config.zero_stage == 3 and config.param_dtype in ("bf16", "fp16") else precision
 
 
 def residual_bytes(precision: str) -> int:
@@ -285,8 +295,12 @@ def final_activation_bytes(model: ModelSpec, *, precision: str, tp: int = 1, seq
 
 
 def loss_workspace_bytes(model: ModelSpec, *, precision: str, tp: int = 1, loss_parallel: bool = False) -> float:
-    """Transient bytes per token while the loss runs: the logits, their fp32 copy and their gradient(s)."""
-    per_vocab = 8 if precision == "32-true" else 12  # 32: logits + grad; bf16: + fp32 copy and bf16 grad
+    """Transient bytes per token while the loss's backward runs, beside the fp32 log-softmax output that the logits
+    term keeps: the gradients of the log-softmax output and of its input, fp32 whatever the precision (the fp32 copy
+    of 16-bit logits is not kept for backward, and their 16-bit gradient comes once the first is freed). Under loss
+    parallel, PyTorch's fused backward holds three such tensors on the vocabulary shard (its zeros, the exponential and
+    their sum)."""
+    per_vocab = 12 if loss_parallel and tp > 1 else 8
     return per_vocab * model.vocab_size / (tp if loss_parallel else 1)
 
 
@@ -354,7 +368,7 @@ def _ranks(model: ModelSpec, config: ParallelConfig, *, seq_len: int, micro_batc
         raise ValueError(f"optimizer={optimizer!r} is not one of {OPTIMIZERS}")
     config.mesh_shape()  # raises if sizes are still "auto"
     # A block's activations per token, kept for backward and rebuilt by recomputation, are the same on every rank.
-    knobs = dict(precision=precision, tp=config.tp, sequence_parallel=config.sequence_parallel, cp=config.cp,
+    knobs = dict(precision=computed_precision(precision, config), tp=config.tp, sequence_parallel=config.sequence_parallel, cp=config.cp,
                  cp_method=config.cp_method)
     kept = {moe: block_activation_bytes(model, moe=moe, checkpointing=config.activation_checkpointing, **knobs)
             for moe in (False, True)}
@@ -390,6 +404,7 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
     tp, cp = config.tp, config.cp
     dp_shard = int(config.dp_shard)
     pbytes = param_bytes(precision)
+    computed = computed_precision(precision, config)
     params, matmul, experts = local_params(model, config, stages)
 
     # ---- model states (ZeRO)
@@ -398,7 +413,7 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
     accumulating = microbatches > 1
 
     def fsdp_shard(nbytes_per_param: float) -> float:
-        """This rank's ZeRO share of its parameters at ``nbytes_per_param``. FSDP2 (and ZeRO-1/2) shard the dense ones over
+        """This rank's ZeRO-3 share of its parameters at ``nbytes_per_param``. FSDP2 shards the dense ones evenly over
         ``dp_shard x cp``, but the experts (already split over ``ep`` of those ranks) only over the
         ``dp_shard x cp / ep`` ranks holding the same experts (``parallel.zero.fully_shard_model`` on
         ``ParallelMesh.experts(ep).shard``, torchtitan's "dp_shard_mod_ep"): at dp_shard = ep nothing shards them.
@@ -406,6 +421,12 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
         return ((params - experts) / fsdp + experts / (fsdp // config.ep)) * nbytes_per_param
 
     parameters = fsdp_shard(pbytes) if stage == 3 else params * pbytes
+    # ZeRO-1/2 partition a pipeline stage's states: the dense ones by whole tensors over the stage's dp_shard x cp
+    # ranks (the heaviest owner's share, zero_owner_params), the experts' over the ranks holding the same experts
+    # (parallel.zero_experts).
+    owned = experts / (fsdp // config.ep) + (
+        zero_owner_params(model, tp, fsdp, stages.n_dense, stages.n_moe, stages.embedding, stages.head)
+        if stage in (1, 2) else 0.0)
     # Under accumulation ZeRO-2/3 keep whole gradients (FSDP2's unsharded, in fp32) until the last micro-batch,
     # unless they are reduced on every one (sharded_accumulation). The micro-batches of a pipeline schedule count
     # too: torch.distributed.pipelining turns FSDP2's gradient sync off for all but a stage's last backward, so a
@@ -413,13 +434,11 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
     whole = accumulating and not config.sharded_accumulation
     if stage == 3:
         gradients = params * 4 if whole else fsdp_shard(pbytes)
-    elif stage == 2:
-        gradients = params * pbytes if whole else fsdp_shard(pbytes)
+    elif stage == 2:  # the reducer keeps the gradients of the parameters this rank steps
+        gradients = params * pbytes if whole else owned * pbytes
     else:
         gradients = params * pbytes
-    # ZeRO-1/2 partition a pipeline stage's states like ZeRO-3 its parameters: the dense ones over the stage's
-    # dp_shard x cp ranks, the experts' over the ranks holding the same experts (parallel.zero_experts).
-    optimizer_states = 2 * (fsdp_shard(pbytes) if stage else params * pbytes)
+    optimizer_states = 2 * (fsdp_shard(pbytes) if stage == 3 else owned * pbytes if stage else params * pbytes)
 
     # ---- activations of the blocks, one micro-batch (_on_rank multiplies them by the micro-batches in flight)
     tokens = mbs * seq_len / cp
@@ -434,12 +453,12 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
     logits = loss_workspace = 0.0
     if stages.head:
         whole = mbs * seq_len
-        norm_head, log_softmax = final_activation_bytes(model, precision=precision, tp=tp,
+        norm_head, log_softmax = final_activation_bytes(model, precision=computed, tp=tp,
                                                  sequence_parallel=config.sequence_parallel,
                                                  loss_parallel=config.loss_parallel)
         in_flight_losses = microbatches if config.pp > 1 and config.pp_schedule == "gpipe" else 1
         logits = (norm_head / cp + log_softmax) * whole * in_flight_losses
-        loss_workspace = loss_workspace_bytes(model, precision=precision, tp=tp,
+        loss_workspace = loss_workspace_bytes(model, precision=computed, tp=tp,
                                               loss_parallel=config.loss_parallel) * whole
 
     # ---- bf16 weight copies under autocast: it caches the cast of every block weight it multiplies by
@@ -480,12 +499,48 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
         else:
             comm += params * gather + unit_gradients
     if config.pp > 1:
-        boundary = tokens * model.hidden * residual_bytes(precision) / (tp if config.sequence_parallel else 1)
-        comm += 2 * boundary * len(stages.stage_blocks)  # receive buffers: activation forward, gradient backward
+        # torch.distributed.pipelining gives every stage a receive buffer per micro-batch, made once and kept: for
+        # the activation (stages after the first) and for its gradient (stages before the last). A micro-batch in
+        # flight keeps its activation buffer as its first block's input, counted with the activations above.
+        boundary = tokens * model.hidden * residual_bytes(computed) / (tp if config.sequence_parallel else 1)
+        receiving = len(stages.stage_blocks) - int(stages.embedding)
+        returning = len(stages.stage_blocks) - int(stages.head)
+        comm += boundary * microbatches * (receiving + returning)
+        activations -= boundary * receiving
     return MemoryBreakdown(parameters=parameters, gradients=gradients, optimizer_states=optimizer_states,
                            activations=activations, logits=logits, autocast_copies=autocast_copies,
                            recompute=recompute, loss_workspace=loss_workspace, comm_buffers=comm,
                            stage=stages.rank)
+
+
+@functools.lru_cache(maxsize=4096)
+def zero_owner_params(model: ModelSpec, tp: int, owners: int, n_dense: int, n_moe: int, embedding: bool,
+                      head: bool) -> float:
+    """The dense parameters (all but the experts) that the heaviest ZeRO-1/2 owner of a rank's stages steps, out of
+    ``owners`` ranks. torch's ``ZeroRedundancyOptimizer`` hands out whole tensors, the largest first, each to the
+    owner with the fewest elements so far (Graham's LPT rule, 1969; it sorts by a DTensor's global size): a tensor
+    larger than an even share, such as a vocabulary-wide embedding on a stage of few blocks, leaves its owner above
+    ``params / owners``."""
+    split = 1 / tp
+    # (global elements, elements on this rank, how many)
+    tensors = [(model.heads * model.head_dim * model.hidden, split, 2 * (n_dense + n_moe)),  # q, o
+               (model.kv_dim * model.hidden, split, 2 * (n_dense + n_moe)),  # k, v
+               (model.ffn_hidden * model.hidden, split, model.ffn_matrices * n_dense),
+               (model.hidden, 1.0, 2 * (n_dense + n_moe)),  # the norms
+               (model.moe_experts * model.hidden, 1.0, n_moe)]  # the routers
+    vocab = model.vocab_size * model.hidden
+    tensors.append((vocab, split, int(embedding) + int(head and not (model.tie_embeddings and embedding))))
+    tensors.append((model.hidden, 1.0, int(head)))  # the final norm
+    ordered = [(size, local) for size, local, count in sorted(tensors, key=lambda t: -t[0]) for _ in range(count)]
+    if owners == 1:
+        return sum(size * local for size, local in ordered)
+    loads = [(0, owner) for owner in range(owners)]  # a heap: the owner with the fewest elements, lowest rank first
+    held = [0.0] * owners
+    for size, local in ordered:
+        load, owner = heapq.heappop(loads)
+        held[owner] += size * local
+        heapq.heappush(loads, (load + size, owner))
+    return max(held)
 
 
 def block_local_params(model: ModelSpec, config: ParallelConfig, moe: bool) -> float:
@@ -495,6 +550,6 @@ def block_local_params(model: ModelSpec, config: ParallelConfig, moe: bool) -> f
     return model.norm_params + model.attention_params / config.tp + ffn
 
 
-__all__ = ["LIGHTNING_PRECISIONS", "MemoryBreakdown", "PRECISIONS", "estimate_memory", "block_activation_bytes", "final_activation_bytes",
+__all__ = ["LIGHTNING_PRECISIONS", "MemoryBreakdown", "computed_precision", "PRECISIONS", "estimate_memory", "block_activation_bytes", "final_activation_bytes",
            "loss_workspace_bytes", "rank_memory", "rank_stages", "RankStages", "in_flight", "local_params", "param_bytes",
-           "block_local_params"]
+           "block_local_params", "zero_owner_params"]
