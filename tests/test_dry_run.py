@@ -167,3 +167,46 @@ def test_loss_parallel_holds_the_loss_on_the_vocabulary_shard(tmp_path: Path) ->
     whole_logits = batch * seq_len * vocab * 4
     (rank,) = json.loads(report.read_text())
     assert 0.75 * whole_logits <= rank["memory"]["temporaries"] < 1.25 * whole_logits
+
+
+def test_a_schedule_that_splits_backward_is_dry_run_too(tmp_path: Path) -> None:
+    """ZB-V runs each backward as an input-gradient pass (``torch.autograd.grad``) and a weight pass, which torch's
+    module tracker cannot follow: the step is measured without it, the model states as the planner counts them."""
+    report = tmp_path / "zbv.json"
+    main(["--config", str(REPO / "configs" / "hybrid3d.yaml"), "--world-size", "8", "--json", str(report),
+          "--trainer.strategy.init_args.pipeline_schedule=zbv", "--trainer.strategy.init_args.microbatches=8"])
+    ranks = json.loads(report.read_text())
+    assert [rank["stages"] for rank in ranks] == [[0, 3], [1, 2]]
+    for rank in ranks:
+        assert _model_states(rank) == pytest.approx(rank["planned"]["model_states"], rel=0.05), rank["stages"]
+
+
+def test_a_planned_layout_is_written_onto_the_config_as_it_was_planned() -> None:
+    """``plan --check`` gives the config's strategy each layout through hybrid3d's arguments: read back as
+    ``lightning-par fit`` reads them, they are the planner's layout."""
+    from lightning_par.cli_plan_check import layout_arguments
+    from lightning_par.config import ParallelConfig
+    from lightning_par.strategies.dry_run import layout_of, read_config
+
+    planned = ParallelConfig(pp=2, dp_replicate=2, dp_shard=2, tp=2, zero_stage=3, sequence_parallel=True,
+                             loss_parallel=True, pp_schedule="interleaved_1f1b", pp_microbatches=8,
+                             activation_checkpointing="selective", param_dtype="bf16").validate(16)
+    cli = read_config(["--config", str(REPO / "configs" / "zero3.yaml"), *layout_arguments(planned)])
+    assert layout_of(cli, 16) == planned
+
+
+def test_plan_check_puts_the_dry_run_beside_the_planner(capsys: pytest.CaptureFixture) -> None:
+    """``lightning-par plan --config ... --check 1``: the first layout's pipeline ranks, each with its model states
+    and peak from the dry run beside the planner's; a command without the config's model is refused first."""
+    from lightning_par.planner.cli import main as plan
+
+    plan(["--config", str(REPO / "configs" / "hybrid3d.yaml"), "--top", "1", "--check", "1"])
+    out = capsys.readouterr().out
+    rows = [line.split("|") for line in out.splitlines()[out.splitlines().index(next(
+        line for line in out.splitlines() if line.startswith("Dry runs of the first layouts"))) + 2:] if "|" in line]
+    assert rows, out
+    for states, peak in ((row[1].split(), row[2].split()) for row in rows):
+        assert float(states[0]) == pytest.approx(float(states[1]), rel=0.05, abs=0.005), out
+        assert 0.8 <= float(peak[2]) <= 1.25, out
+    with pytest.raises(SystemExit, match="--check dry-runs the config's own model"):
+        plan(["--model", "llama3-8b", "--seq-len", "4096", "--check"])

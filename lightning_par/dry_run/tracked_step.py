@@ -12,17 +12,16 @@ Pure PyTorch: no lightning import.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim import Optimizer
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -61,6 +60,11 @@ class _StepPeakTracker(MemTracker):
     micro-batches): its statistics per module start afresh at each forward, and only the step's peak is kept (torch's
     tracker also updates every module's peak at every op: quadratic in the blocks, minutes for 126 of them)."""
 
+    def __init__(self, *, track_modules: bool = True) -> None:
+        super().__init__()
+        if not track_modules:
+            self._mod_tracker = _NoModules()
+
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         if not self._mod_tracker.is_bw:
             self.memory_tracking.pop(module, None)
@@ -71,6 +75,32 @@ class _StepPeakTracker(MemTracker):
             if self._peak_mem.get(device, 0) < snapshot["Total"]:
                 self._peak_mem[device] = snapshot["Total"]
                 self._peak_mem_snap[device] = dict(snapshot)
+
+
+class _NoModules:
+    """A ``ModTracker`` that follows no module. A schedule that splits each backward into an input-gradient pass
+    (``torch.autograd.grad``) and a weight pass (ZB-V, DualPipeV) cannot run under torch's module tracker, whose
+    backward hooks autograd refuses inside ``autograd.grad``: the step's memory is then measured without knowing
+    forward from backward, every tensor an op makes counted as an activation (the peak and the model states are the
+    same)."""
+
+    is_bw = False
+    parents: set[str] = set()
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def get_known_fqn(self, module: nn.Module) -> str | None:
+        return None
+
+    def __enter__(self) -> _NoModules:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
 
 
 @dataclass
@@ -85,10 +115,11 @@ class StepReport:
 def measure_training_step(handle: Parallelized, optimizer: Optimizer, mode: FakeTensorMode, *,
                           split_batch: Callable[[Tensor], tuple[Tensor, Tensor]],
                           loss_fn: Callable[[Tensor, Tensor], Tensor], batch: Tensor,
-                          autocast: AbstractContextManager | None = None) -> StepReport:
+                          autocast: AbstractContextManager | None = None, splits_backward: bool = False) -> StepReport:
     """Take two training steps of ``handle`` on ``batch`` under ``mode`` (the fake mode its parameters were
     allocated in); report the second. A step whose shapes follow the values of the data (an MoE layer's tokens per
-    expert) cannot run on fake tensors: refused with the module and the operation."""
+    expert) cannot run on fake tensors: refused with the module and the operation. ``splits_backward``: the
+    pipeline's schedule splits each backward in two (``_NoModules``)."""
     recorder = CollectiveRecorder(handle.mesh)
     with mode:
         with _running_modules(handle.module) as running:
@@ -101,7 +132,7 @@ def measure_training_step(handle: Parallelized, optimizer: Optimizer, mode: Fake
                     "tensors have none, so a dry run cannot take this step (MoE routing is one such: the tokens each "
                     "expert gets). Check the layout without it (a dense model of the same sizes), and prove it with "
                     "lightning-par verify") from None
-        tracker = _StepPeakTracker()
+        tracker = _StepPeakTracker(track_modules=not splits_backward)
         tracker.track_external(handle.module, *_optimizers(optimizer))
         recorder.reset()
         states: list[StepMemory] = []

@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     fix.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
     fix.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
+    parser.add_argument("--check", type=_positive, nargs="?", const=3, metavar="K",
+                        help="dry-run the first K layouts that fit (default 3) with the config's model and data, and "
+                             "print each pipeline rank's planned memory beside the dry run's (lightning-par check)")
     parser.add_argument("--all", action="store_true", help="rank every layout the cost model understands, not only "
                         "those this version of lightning_par composes")
     return parser
@@ -182,6 +185,11 @@ def main(argv: list[str] | None = None) -> None:
     # The loader's batch per data-parallel rank, as Lightning (and the auto_parallel strategy) runs it: the global
     # batch then grows with the data-parallel size.
     loader_batch = per_rank and options.global_batch_size is None and options.micro_batch_size is None
+    if options.check and not (options.config is not None and config.get("model") and not options.model
+                              and loader_batch):
+        raise SystemExit("lightning-par plan: --check dry-runs the config's own model on its loader's batch: give "
+                         "--config with a model and a data section, without --model, --global-batch-size or "
+                         "--micro-batch-size")
     batch_text = (f"{per_rank} sequences per data-parallel rank" if loader_batch
                   else f"{global_batch} sequences per step")
     print(f"Planning {model.name} ({parameter_count(model.total_params)} parameters) on {cluster.nodes} x "
@@ -201,6 +209,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"lightning-par plan: {error}") from None
     print(format_table(candidates, top=options.top))
     print(explain(candidates))
+    if options.check:
+        from lightning_par.cli_plan_check import check_candidates  # runs the strategies: Lightning's layer
+
+        print(check_candidates(options.config, [c for c in candidates if c.fits][:options.check], cluster.world_size))
     if device == "cpu":
         print("Note: the cpu preset's peak and bandwidths are rough figures, not measured on this machine, so its "
               "times and tokens/s are far from a run's; the auto_parallel strategy with calibrate: true measures them "

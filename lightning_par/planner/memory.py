@@ -97,6 +97,7 @@ class MemoryBreakdown:
     loss_workspace: float
     comm_buffers: float
     stage: int = 0
+    attention_scores: float = 0.0  # ring attention's chunk-pair scores while a block's attention runs
 
     @property
     def model_states(self) -> float:
@@ -109,8 +110,8 @@ class MemoryBreakdown:
     @property
     def total(self) -> float:
         # The loss's backward runs before the blocks' (and their recomputation): its workspace and a block's rebuilt
-        # activations are never held at once.
-        return self.resident + max(self.recompute, self.loss_workspace) + self.comm_buffers
+        # activations, or its attention's scores, are never held at once.
+        return self.resident + max(self.recompute + self.attention_scores, self.loss_workspace) + self.comm_buffers
 
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "model_states": self.model_states, "resident": self.resident, "total": self.total}
@@ -129,6 +130,12 @@ def param_bytes(precision: str) -> int:
 
 def matmul_activation_bytes(precision: str) -> int:
     return 4 if precision == "32-true" else 2
+
+
+# Chunk-pair score blocks a ring attention's backward holds at its peak (parallel.context._RingAttention.backward:
+# the probabilities, the masked scores and their exponential being formed, the scores' gradient), measured by the
+# dry run at 128K tokens (tests/test_dry_run.py).
+RING_SCORE_BLOCKS = 4
 
 
 def computed_precision(precision: str, config: ParallelConfig) -> str:
@@ -392,7 +399,8 @@ def _on_rank(one: MemoryBreakdown, held: float, rank: int) -> MemoryBreakdown:
     return MemoryBreakdown(parameters=one.parameters, gradients=one.gradients, optimizer_states=one.optimizer_states,
                            activations=one.activations * held, logits=one.logits,
                            autocast_copies=one.autocast_copies, recompute=one.recompute,
-                           loss_workspace=one.loss_workspace, comm_buffers=one.comm_buffers, stage=rank)
+                           loss_workspace=one.loss_workspace, comm_buffers=one.comm_buffers, stage=rank,
+                           attention_scores=one.attention_scores)
 
 
 def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *, seq_len: int, mbs: int,
@@ -507,10 +515,17 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
         returning = len(stages.stage_blocks) - int(stages.head)
         comm += boundary * microbatches * (receiving + returning)
         activations -= boundary * receiving
+    # ---- ring attention's scores: each pair of sequence chunks (2 cp chunks of the sequence, parallel.context) is
+    # attended to as an fp32 (heads, chunk, chunk) block per sequence; the backward of a pair holds
+    # RING_SCORE_BLOCKS of them at once.
+    attention_scores = 0.0
+    if cp > 1 and config.cp_method == "ring" and stages.n_blocks:
+        chunk = seq_len / (2 * cp)
+        attention_scores = RING_SCORE_BLOCKS * mbs * model.heads / tp * chunk * chunk * 4
     return MemoryBreakdown(parameters=parameters, gradients=gradients, optimizer_states=optimizer_states,
                            activations=activations, logits=logits, autocast_copies=autocast_copies,
                            recompute=recompute, loss_workspace=loss_workspace, comm_buffers=comm,
-                           stage=stages.rank)
+                           stage=stages.rank, attention_scores=attention_scores)
 
 
 @functools.lru_cache(maxsize=4096)
