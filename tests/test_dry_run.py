@@ -152,6 +152,20 @@ def test_the_planner_holds_to_the_dry_run_of_llama3_405b_on_512_ranks(tmp_path: 
     _held_to_the_planner(report, 8)
 
 
+def test_the_planner_holds_to_the_dry_run_of_a_long_context_layout(tmp_path: Path) -> None:
+    """Llama 3 405B's width at 128K tokens, context parallel composed with pipeline and tensor parallel with sequence
+    parallel (Llama 3's long-context layout): pp2 x cp8 x tp8 with ring attention on 128 ranks, two blocks per
+    stage. The planner counts the ring's chunk-pair scores, the whole sequence the first block keeps as its input
+    (it cuts out the rank's chunks) and the logits of the whole sequence the last stage keeps for the loss."""
+    report = tmp_path / "long.json"
+    main(["--config", str(REPO / "benchmarks" / "dry_run" / "llama3_405b.yaml"), "--world-size", "128", "--json",
+          str(report), "--model.init_args.n_layers=4", "--model.init_args.max_seq_len=131072",
+          "--data.init_args.seq_len=131072", "--trainer.strategy.init_args.pipeline_parallel_size=2",
+          "--trainer.strategy.init_args.context_parallel_size=8",
+          "--trainer.strategy.init_args.context_parallel_method=ring"])
+    _held_to_the_planner(report, 2)
+
+
 def test_loss_parallel_holds_the_loss_on_the_vocabulary_shard(tmp_path: Path) -> None:
     """Under loss parallel, DTensor learns each loss operation's global shape by running it on fake tensors of the
     whole vocabulary: a run's cost nothing, and a dry run must not count them. At the step's peak (the loss's

@@ -4,10 +4,10 @@ Model states (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Traini
 Models"). With AdamW every parameter has a weight, a gradient and two moments. Lightning's "32-true" and
 "bf16-mixed" both keep fp32 weights (autocast computes in bf16 from them), so 4 + 4 + 8 = 16 bytes; under
 "bf16-true" the weights are bf16 and ``torch.optim.AdamW`` creates its moments in the parameters' dtype,
-so 2 + 2 + 4 = 8 bytes. ZeRO-1 divides the moments, ZeRO-2 the gradients too, ZeRO-3 (FSDP2) all
-three, by the sharding ranks ``dp_shard x cp`` (context-parallel ranks hold the same weights and shard with the
-data-parallel ones, as in ``lightning_par.parallel.zero``); the HSDP replicate
-dimension does not shard. Under gradient accumulation this project skips the reduction of all but the
+so 2 + 2 + 4 = 8 bytes. ZeRO-1 divides the moments, ZeRO-2 the gradients too (both by whole tensors,
+:func:`zero_owner_params`), ZeRO-3 (FSDP2) all three, by the sharding ranks ``dp_shard x cp`` (context-parallel
+ranks hold the same weights and shard with the data-parallel ones, as in ``lightning_par.parallel.zero``); the HSDP
+replicate dimension does not shard. Under gradient accumulation this project skips the reduction of all but the
 last micro-batch (``no_gradient_sync``): ZeRO-2's reducer and FSDP2 then keep the whole local gradient
 until the last backward, so the gradient saving of stages 2 and 3 only holds with one micro-batch.
 
@@ -62,7 +62,10 @@ memory of 1F1B, Qi et al. 2024).
 
 Buffers: DDP's gradient buckets (a second copy of the gradients), FSDP2's gathered units (the block being
 computed and the one prefetched, plus the root unit, kept gathered after forward), pipeline receive
-buffers; transients: one block's recomputation and the logits' fp32 copies and gradient during the loss.
+buffers (torch.distributed.pipelining keeps one per micro-batch, for the activation and for its gradient);
+transients: one block's recomputation with its ring-attention scores, or the loss's gradients (the two are never
+held at once: the loss's backward runs first). Each figure is held to ``lightning-par check``'s dry run of the real
+layout code (tests/test_dry_run.py, docs/planner.md "Checking before the cluster").
 """
 
 from __future__ import annotations
@@ -241,6 +244,12 @@ def in_flight(config: ParallelConfig, rank: int, microbatches: int) -> float:
 
 
 # ------------------------------------------------------------------------------- activations per token
+def kept_input_bytes(model: ModelSpec, precision: str, config: ParallelConfig) -> float:
+    """Bytes per token of a block's input (the residual stream; split by tp under sequence parallel): what a
+    recomputed block keeps."""
+    return residual_bytes(precision) * model.hidden / (config.tp if config.sequence_parallel else 1)
+
+
 def block_activation_bytes(model: ModelSpec, *, moe: bool = False, precision: str, tp: int = 1,
                            sequence_parallel: bool = False, cp: int = 1, cp_method: str = "ulysses",
                            checkpointing: str = "none") -> float:
@@ -451,6 +460,10 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
     # ---- activations of the blocks, one micro-batch (_on_rank multiplies them by the micro-batches in flight)
     tokens = mbs * seq_len / cp
     activations = (stages.n_dense * kept[False] + stages.n_moe * kept[True]) * tokens
+    if cp > 1 and config.activation_checkpointing != "none" and stages.embedding and stages.n_blocks:
+        # The first block cuts this rank's chunks out of the whole sequence's hidden states (parallel.context), so
+        # its recomputation keeps the whole sequence as its input.
+        activations += (cp - 1) * tokens * kept_input_bytes(model, computed, config)
     recompute = 0.0
     if config.activation_checkpointing != "none" and stages.n_blocks:
         recompute = tokens * max(rebuilt[moe] for moe, count in ((False, stages.n_dense), (True, stages.n_moe))
@@ -465,6 +478,8 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
                                                  sequence_parallel=config.sequence_parallel,
                                                  loss_parallel=config.loss_parallel)
         in_flight_losses = microbatches if config.pp > 1 and config.pp_schedule == "gpipe" else 1
+        if config.pp > 1:  # the schedule keeps the last stage's output, the logits, until their backward
+            log_softmax += matmul_activation_bytes(computed) * model.vocab_size / (tp if config.loss_parallel else 1)
         logits = (norm_head / cp + log_softmax) * whole * in_flight_losses
         loss_workspace = loss_workspace_bytes(model, precision=computed, tp=tp,
                                               loss_parallel=config.loss_parallel) * whole
