@@ -101,6 +101,8 @@ class MemoryBreakdown:
     comm_buffers: float
     stage: int = 0
     attention_scores: float = 0.0  # ring attention's chunk-pair scores while a block's attention runs
+    # One micro-batch a step: its gradients are made in backward as its activations are freed, never both whole
+    gradients_after_activations: bool = False
 
     @property
     def model_states(self) -> float:
@@ -114,7 +116,12 @@ class MemoryBreakdown:
     def total(self) -> float:
         # The loss's backward runs before the blocks' (and their recomputation): its workspace and a block's rebuilt
         # activations, or its attention's scores, are never held at once.
-        return self.resident + max(self.recompute + self.attention_scores, self.loss_workspace) + self.comm_buffers
+        total = self.resident + max(self.recompute + self.attention_scores, self.loss_workspace) + self.comm_buffers
+        if not self.gradients_after_activations:
+            return total
+        # Backward makes the gradients of the blocks it has passed and frees their activations: at any moment a
+        # share of each, so the peak is before the first gradient (the loss's backward) or after the last.
+        return max(total - self.gradients, self.model_states + self.comm_buffers)
 
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "model_states": self.model_states, "resident": self.resident, "total": self.total}
@@ -409,7 +416,8 @@ def _on_rank(one: MemoryBreakdown, held: float, rank: int) -> MemoryBreakdown:
                            activations=one.activations * held, logits=one.logits,
                            autocast_copies=one.autocast_copies, recompute=one.recompute,
                            loss_workspace=one.loss_workspace, comm_buffers=one.comm_buffers, stage=rank,
-                           attention_scores=one.attention_scores)
+                           attention_scores=one.attention_scores,
+                           gradients_after_activations=one.gradients_after_activations)
 
 
 def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *, seq_len: int, mbs: int,
@@ -540,7 +548,8 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
     return MemoryBreakdown(parameters=parameters, gradients=gradients, optimizer_states=optimizer_states,
                            activations=activations, logits=logits, autocast_copies=autocast_copies,
                            recompute=recompute, loss_workspace=loss_workspace, comm_buffers=comm,
-                           stage=stages.rank, attention_scores=attention_scores)
+                           stage=stages.rank, attention_scores=attention_scores,
+                           gradients_after_activations=config.pp == 1 and not accumulating)
 
 
 @functools.lru_cache(maxsize=4096)
