@@ -56,8 +56,8 @@ def check_candidates(config_path: Path, candidates: Sequence[Candidate], world_s
                         [(report, command.planned[report["coordinates"]["pp"]]) for report in reports]))
     peaks = [report["memory"]["peak"] for _, _, ranks in checked if isinstance(ranks, list) for report, _ in ranks]
     unit, scale = ("GiB", 2 ** 30) if max(peaks, default=0) >= 2 ** 30 else ("MiB", 2 ** 20)
-    lines = [f"Dry runs of the first layouts (lightning-par check: rank 0's pipeline, fake backend, fake tensors), {unit} "
-             "per rank: model states and peak, dry run / planned",
+    lines = [f"Dry runs of the first layouts (lightning-par check: rank 0's pipeline, fake backend, fake tensors), "
+             f"{unit} per rank: model states and peak, dry run / planned",
              f"{'#':>2}  {'layout':<28} {'rank':>6} {'stage':>5} | {'states':>8} {'planned':>8} | {'peak':>8} "
              f"{'planned':>8} {'ratio':>6}"]
     for number, name, ranks in checked:

@@ -62,7 +62,8 @@ def test_pipeline_tensor_and_data_parallel_traffic_per_block_at_512_ranks(tmp_pa
     all-gather and a reduce-scatter around attention and around the MLP, forward and backward; Korthikanti et al.
     2022); data parallel all-reduces the block's gradient shard once a step; the pipeline sends each micro-batch's
     (2, 128/8, 512) slice of hidden states, whatever the depth. The model is built on the meta device."""
-    options = ["--trainer.strategy.init_args.tensor_parallel_size=8", "--trainer.strategy.init_args.data_parallel_size=auto"]
+    options = ["--trainer.strategy.init_args.tensor_parallel_size=8",
+               "--trainer.strategy.init_args.data_parallel_size=auto"]
     two, four = (_check(tmp_path, "hybrid3d.yaml", n, *options) for n in (2, 4))
     assert [report["rank"] for report in two] == [0, 256] and [report["stages"] for report in two] == [[0], [1]]
     batch, seq_len, tp, microbatches = 8, 128, 8, 4

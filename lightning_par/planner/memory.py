@@ -391,8 +391,8 @@ def _ranks(model: ModelSpec, config: ParallelConfig, *, seq_len: int, micro_batc
         raise ValueError(f"optimizer={optimizer!r} is not one of {OPTIMIZERS}")
     config.mesh_shape()  # raises if sizes are still "auto"
     # A block's activations per token, kept for backward and rebuilt by recomputation, are the same on every rank.
-    knobs = dict(precision=computed_precision(precision, config), tp=config.tp, sequence_parallel=config.sequence_parallel, cp=config.cp,
-                 cp_method=config.cp_method)
+    knobs = dict(precision=computed_precision(precision, config), tp=config.tp,
+                 sequence_parallel=config.sequence_parallel, cp=config.cp, cp_method=config.cp_method)
     kept = {moe: block_activation_bytes(model, moe=moe, checkpointing=config.activation_checkpointing, **knobs)
             for moe in (False, True)}
     rebuilt = {moe: block_activation_bytes(model, moe=moe, **knobs) for moe in (False, True)} \
@@ -589,6 +589,7 @@ def block_local_params(model: ModelSpec, config: ParallelConfig, moe: bool) -> f
     return model.norm_params + model.attention_params / config.tp + ffn
 
 
-__all__ = ["LIGHTNING_PRECISIONS", "MemoryBreakdown", "computed_precision", "PRECISIONS", "estimate_memory", "block_activation_bytes", "final_activation_bytes",
-           "loss_workspace_bytes", "rank_memory", "rank_stages", "RankStages", "in_flight", "local_params", "param_bytes",
-           "block_local_params", "zero_owner_params"]
+__all__ = ["LIGHTNING_PRECISIONS", "MemoryBreakdown", "PRECISIONS", "RankStages", "block_activation_bytes",
+           "block_local_params", "computed_precision", "estimate_memory", "final_activation_bytes", "in_flight",
+           "kept_input_bytes", "local_params", "loss_workspace_bytes", "param_bytes", "rank_memory", "rank_stages",
+           "zero_owner_params"]
