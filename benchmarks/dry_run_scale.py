@@ -7,7 +7,8 @@ The layouts (``benchmarks/dry_run/*.yaml``, 8K context, bf16-mixed, full recompu
 
 - ``405b-zero1``: Llama 3 405B on 512 ranks, pp8 x dp8 x tp8 (sequence parallel), ZeRO-1, 8 micro-batches;
 - ``405b-zero3``: the same model on 512 ranks, dp64 x tp8, ZeRO-3, one sequence per rank;
-- ``70b-zero1``: Llama 3 70B on 256 ranks, pp4 x dp8 x tp8, ZeRO-1, 4 micro-batches.
+- ``70b-zero1``: Llama 3 70B on 256 ranks, pp4 x dp8 x tp8, ZeRO-1, 4 micro-batches;
+- ``8b-zero3``: Llama 3 8B on 8 ranks, FSDP2 over 8 gathering bf16 weights, one sequence per rank.
 
 Each runs rank 0's pipeline (one process per stage, at once) and reports, per rank, the model states it keeps and
 its peak, with the planner's figures for the same rank (``lightning_par.planner.memory.rank_memory``). The wall
@@ -32,6 +33,7 @@ RUNS = {
                                              "--trainer.strategy.init_args.zero_stage=3",
                                              "--data.init_args.batch_size=1"]),
     "70b-zero1": ("llama3_70b.yaml", 256, []),
+    "8b-zero3": ("llama3_8b.yaml", 8, []),
 }
 GIB = 1024 ** 3
 
