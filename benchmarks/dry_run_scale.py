@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lightning_par.cli_check import held_model_states
+
 HERE = Path(__file__).resolve().parent
 RUNS = {
     "405b-zero1": ("llama3_405b.yaml", 512, []),
@@ -55,7 +57,7 @@ def run(name: str) -> dict:
     return {"name": name, "world_size": world_size, "layout": ranks[0]["layout"], "seconds": seconds,
             "host_peak_gib": max([parent, *(r["host_peak_bytes"] for r in ranks)]) / GIB,
             "ranks": [{"rank": r["rank"], "stages": r["stages"],
-                       "states_gib": sum(r["states"][k] for k in ("parameters", "gradients", "optimizer_states")) / GIB,
+                       "states_gib": held_model_states(r) / GIB,
                        "planned_states_gib": r["planned"]["model_states"] / GIB,
                        "peak_gib": r["memory"]["peak"] / GIB, "planned_peak_gib": r["planned"]["total"] / GIB}
                       for r in ranks]}

@@ -29,7 +29,8 @@ import torch
 
 from lightning_par.config import ParallelConfig
 
-__all__ = ["CheckCommand", "chosen_ranks", "format_report", "main", "read_command", "run_dry_runs"]
+__all__ = ["CheckCommand", "chosen_ranks", "format_report", "held_model_states", "main", "read_command",
+           "run_dry_runs"]
 
 _GIB = 1024 ** 3
 
@@ -124,10 +125,14 @@ def format_report(reports: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def held_model_states(report: dict[str, Any]) -> int:
+    """Bytes of parameters, gradients and optimizer states a dry-run rank held once backward made its gradients."""
+    return sum(report["states"][kind] for kind in ("parameters", "gradients", "optimizer_states"))
+
+
 def _versus(report: dict[str, Any]) -> str:
     """Model states and peak, dry run against the planner's memory model (``planned``, when the report has it)."""
-    states = report["states"]
-    held = (states["parameters"] + states["gradients"] + states["optimizer_states"]) / _GIB
+    held = held_model_states(report) / _GIB
     planned = report.get("planned")
     if planned is None:
         return f" | {held:>7.2f} {'-':>7} | {report['memory']['peak'] / _GIB:>7.2f} {'-':>7}"

@@ -71,7 +71,9 @@ def check_candidates(config_path: Path, candidates: Sequence[Candidate], world_s
 
 
 def _row(report: dict[str, Any], planned: dict[str, float], scale: float) -> str:
-    states = sum(report["states"][kind] for kind in ("parameters", "gradients", "optimizer_states"))
+    from lightning_par.cli_check import held_model_states
+
+    states = held_model_states(report)
     peak = report["memory"]["peak"]
     return (f"{report['rank']:>6} {','.join(map(str, report['stages'])):>5} | {states / scale:>8.2f} "
             f"{planned['model_states'] / scale:>8.2f} | {peak / scale:>8.2f} {planned['total'] / scale:>8.2f} "

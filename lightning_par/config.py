@@ -186,7 +186,13 @@ class ParallelConfig:
         gathered weights it saved, which resharding or the float8 gather has replaced by then: measured 0.1
         relative in the weights after 8 steps on float8 and MoE models. torchtitan keeps blocks gathered under
         every schedule."""
-        return self.zero_stage == 3 and self.pp > 1 and self.pp_schedule in V_SCHEDULES
+        return self.zero_stage == 3 and self.splits_backward
+
+    @property
+    def splits_backward(self) -> bool:
+        """A pipeline whose schedule (ZB-V, DualPipeV) runs each backward as an input-gradient pass
+        (``torch.autograd.grad``) and a later weight-gradient pass."""
+        return self.pp > 1 and self.pp_schedule in V_SCHEDULES
 
     @property
     def pipeline_casts_without_cache(self) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_par.cli_check import chosen_ranks, main
+from lightning_par.cli_check import chosen_ranks, held_model_states, main
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2 ** 20
@@ -28,10 +28,6 @@ def _check(tmp_path: Path, config: str, n_layers: int, *options: str) -> list[di
     main(["--config", str(REPO / "configs" / config), "--world-size", "512", "--json", str(report), *MODEL,
           f"--model.init_args.n_layers={n_layers}", *options])
     return json.loads(report.read_text())
-
-
-def _model_states(report: dict) -> int:
-    return sum(report["states"][kind] for kind in ("parameters", "gradients", "optimizer_states"))
 
 
 def _bytes(report: dict, dimension: str) -> int:
@@ -53,7 +49,7 @@ def test_zero3_moves_three_times_each_block_and_holds_a_512th_of_the_model(tmp_p
         held = 4 * (blocks * BLOCK + ROOT) / 512
         assert report["states"]["parameters"] == pytest.approx(held, rel=0.01)
         assert report["states"]["optimizer_states"] == pytest.approx(2 * held, rel=0.01)
-        assert _model_states(report) == pytest.approx(report["planned"]["model_states"], rel=0.01)
+        assert held_model_states(report) == pytest.approx(report["planned"]["model_states"], rel=0.01)
 
 
 def test_pipeline_tensor_and_data_parallel_traffic_per_block_at_512_ranks(tmp_path: Path) -> None:
@@ -77,7 +73,7 @@ def test_pipeline_tensor_and_data_parallel_traffic_per_block_at_512_ranks(tmp_pa
         # Each gradient is the size of its parameter: the first stage's vocabulary-split embedding included, whose
         # gradient is this rank's rows even though the model was allocated after the split.
         assert report["states"]["gradients"] == report["states"]["parameters"], report["stages"]
-        assert _model_states(report) == pytest.approx(report["planned"]["model_states"], rel=0.01), report["stages"]
+        assert held_model_states(report) == pytest.approx(report["planned"]["model_states"], rel=0.01), report["stages"]
 
 
 def test_check_refuses_before_any_rank_starts(tmp_path: Path) -> None:
@@ -118,7 +114,7 @@ def _held_to_the_planner(report: Path, stages: int) -> None:
     assert [rank["stages"] for rank in ranks] == [[s] for s in range(stages)]
     for rank in ranks:
         planned = rank["planned"]
-        assert _model_states(rank) == pytest.approx(planned["model_states"], rel=0.05), rank["stages"]
+        assert held_model_states(rank) == pytest.approx(planned["model_states"], rel=0.05), rank["stages"]
         assert rank["memory"]["peak"] == pytest.approx(planned["total"], rel=0.15), rank["stages"]
 
 
@@ -196,7 +192,7 @@ def test_a_schedule_that_splits_backward_is_dry_run_too(tmp_path: Path) -> None:
     ranks = json.loads(report.read_text())
     assert [rank["stages"] for rank in ranks] == [[0, 3], [1, 2]]
     for rank in ranks:
-        assert _model_states(rank) == pytest.approx(rank["planned"]["model_states"], rel=0.05), rank["stages"]
+        assert held_model_states(rank) == pytest.approx(rank["planned"]["model_states"], rel=0.05), rank["stages"]
 
 
 def test_a_planned_layout_is_written_onto_the_config_as_it_was_planned() -> None:

@@ -9,10 +9,11 @@ them) and the head by vocabulary columns (an all-gather assembles the logits, or
 the logits stay split and the cross-entropy is computed on the shards). Which module gets which style
 comes from the model map (``colwise``, ``rowwise``, ``colwise_gather``, ``rowwise_split``, ``vocab``,
 ``sequence``, ``per_shard``, ``shared_rope_key``; see ``lightning_par.parallel.model_map``), checked against the
-model's computation before training (``lightning_par.parallel.model_map_check``). ``nn.Linear`` and GPT-2's ``Conv1D`` (weight stored
-as (in, out)) are both split. A fused projection whose output the model cuts into sections ([q | k | v]) has its
-rows regrouped so that each rank holds its part of every section (``lightning_par.parallel.regroup``), and the
-head counts of a module the model map names are set to each rank's (``lightning_par.parallel.local_heads``).
+model's computation before training (``lightning_par.parallel.model_map_check``). ``nn.Linear`` and GPT-2's
+``Conv1D`` (weight stored as (in, out)) are both split. A fused projection whose output the model cuts into sections
+([q | k | v]) has its rows regrouped so that each rank holds its part of every section
+(``lightning_par.parallel.regroup``), and the head counts of a module the model map names are set to each rank's
+(``lightning_par.parallel.local_heads``).
 """
 
 from __future__ import annotations
@@ -176,8 +177,8 @@ class Rowwise(RowwiseParallel):
 
 class VocabParallelEmbedding(nn.Embedding):
     """An ``nn.Embedding`` whose weight is split by vocabulary rows over the tensor-parallel ranks, looking up on its
-    own rows only (Megatron-LM's ``VocabParallelEmbedding``; Shoeybi et al. 2019): a token another rank holds reads zeros
-    here, and the partial embeddings are summed (the all-reduce, or the reduce-scatter of sequence parallel, that
+    own rows only (Megatron-LM's ``VocabParallelEmbedding``; Shoeybi et al. 2019): a token another rank holds reads
+    zeros here, and the partial embeddings are summed (the all-reduce, or the reduce-scatter of sequence parallel, that
     the style's output layout asks for). Its backward then produces the gradient of this rank's rows only, where
     DTensor's embedding backward hands over the whole (V, h) table on every rank first (torch 2.13). The class of
     a plain ``nn.Embedding`` the ``vocab`` style splits (:class:`VocabParallel`); the state dict is unchanged."""

@@ -251,10 +251,10 @@ def in_flight(config: ParallelConfig, rank: int, microbatches: int) -> float:
 
 
 # ------------------------------------------------------------------------------- activations per token
-def kept_input_bytes(model: ModelSpec, precision: str, config: ParallelConfig) -> float:
+def kept_input_bytes(model: ModelSpec, precision: str, *, tp: int = 1, sequence_parallel: bool = False) -> float:
     """Bytes per token of a block's input (the residual stream; split by tp under sequence parallel): what a
-    recomputed block keeps."""
-    return residual_bytes(precision) * model.hidden / (config.tp if config.sequence_parallel else 1)
+    recomputed block keeps, and what a pipeline stage receives."""
+    return residual_bytes(precision) * model.hidden / (tp if sequence_parallel else 1)
 
 
 def block_activation_bytes(model: ModelSpec, *, moe: bool = False, precision: str, tp: int = 1,
@@ -265,15 +265,15 @@ def block_activation_bytes(model: ModelSpec, *, moe: bool = False, precision: st
     h, heads = model.hidden, model.heads
     a = matmul_activation_bytes(precision)
     outside = tp if sequence_parallel else 1  # the norms' region: split by tp only under sequence parallel
-    x = residual_bytes(precision) * h  # the block's input
+    block_input = kept_input_bytes(model, precision, tp=tp, sequence_parallel=sequence_parallel)
     if checkpointing == "full":
-        return x / outside
+        return block_input
     if checkpointing == "selective":
         q_k_v = a * (h + 2 * model.kv_dim)
         ffn = _ffn_selective_bytes(model, moe, a)
         attention_out = a * h + 4 * heads
         # o_proj and down outputs are partial sums of the whole hidden size on every tensor-parallel rank.
-        return x / outside + (q_k_v + attention_out + ffn) / tp + 2 * a * h
+        return block_input + (q_k_v + attention_out + ffn) / tp + 2 * a * h
     norm = {"32-true": 8 * h, "bf16-mixed": 8 * h, "bf16-true": 6 * h}[precision] + 4
     if precision == "bf16-mixed":
         attention_input, ffn_input = 3 * 2 * h, (1 if moe else 2) * 2 * h  # an MoE's router casts once
@@ -471,7 +471,8 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
     if cp > 1 and config.activation_checkpointing != "none" and stages.embedding and stages.n_blocks:
         # The first block cuts this rank's chunks out of the whole sequence's hidden states (parallel.context), so
         # its recomputation keeps the whole sequence as its input.
-        activations += (cp - 1) * tokens * kept_input_bytes(model, computed, config)
+        activations += (cp - 1) * tokens * kept_input_bytes(model, computed, tp=tp,
+                                                            sequence_parallel=config.sequence_parallel)
     recompute = 0.0
     if config.activation_checkpointing != "none" and stages.n_blocks:
         recompute = tokens * max(rebuilt[moe] for moe, count in ((False, stages.n_dense), (True, stages.n_moe))
@@ -533,7 +534,7 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
         # torch.distributed.pipelining gives every stage a receive buffer per micro-batch, made once and kept: for
         # the activation (stages after the first) and for its gradient (stages before the last). A micro-batch in
         # flight keeps its activation buffer as its first block's input, counted with the activations above.
-        boundary = tokens * model.hidden * residual_bytes(computed) / (tp if config.sequence_parallel else 1)
+        boundary = tokens * kept_input_bytes(model, computed, tp=tp, sequence_parallel=config.sequence_parallel)
         receiving = len(stages.stage_blocks) - int(stages.embedding)
         returning = len(stages.stage_blocks) - int(stages.head)
         comm += boundary * microbatches * (receiving + returning)

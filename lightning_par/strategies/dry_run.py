@@ -25,7 +25,6 @@ from torch import Tensor
 from lightning_par.cli_classes import ParallelCLI, Parser
 from lightning_par.config import ParallelConfig
 from lightning_par.dry_run import FakeAllocation, fake_world, measure_training_step, pipeline_metadata_through
-from lightning_par.stages import V_SCHEDULES
 from lightning_par.strategies.base import MeshStrategy
 from lightning_par.strategies.setup_checks import layout_sample
 
@@ -102,7 +101,7 @@ def dry_run_rank(cli_args: list[str], *, world_size: int, rank: int, store: torc
         step = measure_training_step(
             handle, optimizer, allocation.mode, split_batch=module.split_batch, loss_fn=module.loss_fn, batch=batch,
             autocast=None if autocast is None else torch.autocast("cpu", dtype=autocast),
-            splits_backward=config.pp > 1 and config.pp_schedule in V_SCHEDULES)
+            splits_backward=config.splits_backward)
         coordinates = strategy.mesh.coordinates()
         stages = [stage.stage_index for stage in handle.stages] if handle.pipeline is not None else [0]
     local = sum(_local_numel(p) for p in module.parameters())
