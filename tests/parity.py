@@ -40,8 +40,10 @@ def global_order(num_samples: int, shuffle: bool) -> Tensor:
 
 def reference_run(make_module: Callable[[], Any], make_datamodule: Callable[[], Any], *, dp: int, steps: int,
                   accumulate: int = 1, seed: int = 1234, gradient_clip_val: float | None = None,
-                  pieces_like_ranks: bool = False, pipeline_microbatches: int = 1) -> ParityRun:
+                  pieces_like_ranks: bool = False, pipeline_microbatches: int = 1,
+                  skipped_steps: frozenset[int] = frozenset()) -> ParityRun:
     """The single-process run the layout must reproduce (``gradient_clip_val``: clip by total 2-norm).
+    ``skipped_steps``: steps whose batches the run leaves out (no loss recorded, no optimizer or scheduler step).
 
     ``pieces_like_ranks`` runs each global micro-batch in the pieces the layout multiplies: one per data-parallel
     rank (rank ``r`` reads every ``dp``-th sample from ``r``), each cut into ``pipeline_microbatches``; gradients
@@ -55,14 +57,14 @@ def reference_run(make_module: Callable[[], Any], make_datamodule: Callable[[], 
     try:
         return _reference_run(make_module, make_datamodule, dp=dp, steps=steps, accumulate=accumulate, seed=seed,
                               gradient_clip_val=gradient_clip_val, pieces_like_ranks=pieces_like_ranks,
-                              pipeline_microbatches=pipeline_microbatches)
+                              pipeline_microbatches=pipeline_microbatches, skipped_steps=skipped_steps)
     finally:
         torch.set_num_threads(threads)
 
 
 def _reference_run(make_module: Callable[[], Any], make_datamodule: Callable[[], Any], *, dp: int, steps: int,
                    accumulate: int, seed: int, gradient_clip_val: float | None, pieces_like_ranks: bool,
-                   pipeline_microbatches: int) -> ParityRun:
+                   pipeline_microbatches: int, skipped_steps: frozenset[int]) -> ParityRun:
     datamodule = make_datamodule()
     datamodule.setup("fit")
     dataset = datamodule.train_dataloader().dataset
@@ -82,6 +84,8 @@ def _reference_run(make_module: Callable[[], Any], make_datamodule: Callable[[],
     optimizer, scheduler = _optimizer_and_scheduler(module.configure_optimizers())
     losses: list[float] = []
     for step in range(steps):
+        if step in skipped_steps:
+            continue
         for micro_step in range(accumulate):
             m = step * accumulate + micro_step
             batch = default_collate([dataset[int(i)] for i in order[m * micro:(m + 1) * micro]])
@@ -138,11 +142,12 @@ def _layout_rank(rank: int, world_size: int, make_module: Callable, make_datamod
     torch.manual_seed(seed)
     module = make_module()
     recorder = RecordLoss()
+    trainer_kwargs = dict(trainer_kwargs)
     trainer = lightning.Trainer(
         accelerator="cpu", devices=world_size, strategy=make_strategy(), max_steps=steps,
-        accumulate_grad_batches=accumulate, callbacks=[recorder], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        **trainer_kwargs,
+        accumulate_grad_batches=accumulate, callbacks=[recorder, *trainer_kwargs.pop("callbacks", [])], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, **trainer_kwargs,
     )
     trainer.fit(module, datamodule=make_datamodule())
     state = trainer.strategy.consolidated_state_dict()

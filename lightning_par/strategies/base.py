@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_par.bad_steps import BadSteps
 from lightning_par.config import Float8Recipe, ParallelConfig, Recompute
 from lightning_par.parallel.compose import parallelize
 from lightning_par.parallel.parallelized import Parallelized, parallelized_by_its_author
@@ -70,6 +71,10 @@ class MeshStrategy(StepsThroughTheHandle):
         process_group_backend: ``"nccl"`` / ``"gloo"``; by default from the device type.
         timeout: how long a collective may wait before the process group raises; also the bound within which
             every rank exits after one rank dies or hangs (see ``lightning_par/fault.py``).
+        bad_steps: which steps are skipped before the optimizer applies them, alike on every rank, and how many in
+            a row stop the run (:class:`~lightning_par.bad_steps.BadSteps` or its fields as a dict; by default a
+            step with a non-finite loss or gradient is skipped, and 3 in a row stop the run). See
+            ``lightning_par/bad_steps.py``.
     """
 
     strategy_name = "mesh"
@@ -93,10 +98,10 @@ class MeshStrategy(StepsThroughTheHandle):
                  model_map: ModelMap | dict[str, Any] | None = None, plan: ModelMap | dict[str, Any] | None = None,
                  save_distributed_checkpoint: bool = True, checkpoint_weights_only: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
-                 **lightning_arguments: Any) -> None:
+                 bad_steps: BadSteps | dict[str, Any] | None = None, **lightning_arguments: Any) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          checkpoint_weights_only=checkpoint_weights_only, process_group_backend=process_group_backend,
-                         timeout=timeout, **lightning_arguments)
+                         timeout=timeout, bad_steps=bad_steps, **lightning_arguments)
         config = parallel_config if parallel_config is not None else ParallelConfig()
         given = {"activation_checkpointing": activation_checkpointing,
                  "activation_checkpointing_every": activation_checkpointing_every, "compile": compile,

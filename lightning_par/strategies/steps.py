@@ -10,20 +10,31 @@ from contextlib import contextmanager
 from typing import Any
 
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_par.bad_steps import BadStepGuard, BadSteps
 from lightning_par.parallel.parallelized import Parallelized
 from lightning_par.strategies.checkpointing import ShardedCheckpoints
+
+BAD_STEPS_KEY = "lightning_par_bad_steps"  # the guard's counts and recent losses, in every checkpoint
+_SKIPPED = "skipped step"  # an LR scheduler's interval while the step it would follow was skipped
 
 
 class StepsThroughTheHandle(ShardedCheckpoints):
     """The step hooks of :class:`~lightning_par.strategies.base.MeshStrategy`, which sets ``_parallelized`` up."""
 
     _parallelized: Parallelized | None = None
+
+    def __init__(self, *, bad_steps: BadSteps | dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        rule = BadSteps.of(bad_steps)
+        self._bad_steps = BadStepGuard(rule) if rule.checks else None
+        self._held_schedulers: list[tuple[Any, str]] = []  # (config, interval) held back after a skipped step
 
     @property
     def parallelized(self) -> Parallelized:
@@ -33,7 +44,65 @@ class StepsThroughTheHandle(ShardedCheckpoints):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._enter(f"training step {self.lightning_module.trainer.global_step}")
+        self._release_schedulers()
         super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._bad_steps is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def judged() -> Any:
+            loss = closure()
+            self._judge_step(loss if isinstance(loss, Tensor) else None)
+            return loss
+
+        return super().optimizer_step(optimizer, judged, model, **kwargs)
+
+    def _judge_step(self, loss: Tensor | None) -> None:
+        """Before the optimizer moves (``lightning_par/bad_steps.py``): a bad step's gradients are dropped, so no
+        optimizer moves and none of its states change, and the step-interval LR schedulers are held back for this
+        step, so the run goes on as if the batch had not been there (the step still counts toward ``max_steps``)."""
+        assert self._bad_steps is not None
+        module = self.lightning_module
+        trainer = module.trainer
+        verdict = self._bad_steps.judge(
+            loss, [(name, p.grad) for name, p in module.named_parameters() if p.grad is not None],
+            trainer.global_step, device=self.root_device,
+            last_checkpoint=self._fault_monitor.last_checkpoint if self._fault_monitor is not None else None)
+        if verdict is not None:
+            for parameter in module.parameters():
+                parameter.grad = None
+            for config in trainer.lr_scheduler_configs:
+                if config.interval == "step":
+                    self._held_schedulers.append((config, config.interval))
+                    config.interval = _SKIPPED
+            rank_zero_warn(f"step {trainer.global_step} skipped: {verdict.reason}")
+        module.log("faults/skipped_steps", float(self._bad_steps.skipped), on_step=True, on_epoch=False)
+
+    def _release_schedulers(self) -> None:
+        for config, interval in self._held_schedulers:
+            config.interval = interval
+        self._held_schedulers = []
+
+    @override
+    def on_train_end(self) -> None:
+        self._release_schedulers()
+        super().on_train_end()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self._bad_steps is not None:
+            checkpoint[BAD_STEPS_KEY] = self._bad_steps.state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        state = checkpoint.pop(BAD_STEPS_KEY, None)
+        if state is not None and self._bad_steps is not None:
+            self._bad_steps.load_state_dict(state)
+        return checkpoint
 
     # Under pipeline parallel the runner runs the stages (the model's split_batch -> forward -> loss_fn) and every
     # rank logs the same loss; training_step, validation_step and test_step of the module are not called.
