@@ -22,7 +22,7 @@ from lightning_par.callbacks import ParallelMonitor, ParallelProgressBar
 from lightning_par.checkpoint_validation import CheckpointError
 from lightning_par.cli_errors import CommandLineError
 
-_LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc")
+_LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "auto")  # "auto": lightning_par/strategies/auto_resume.py
 
 
 class Parser(LightningArgumentParser):
@@ -52,7 +52,7 @@ class ParallelCLI(LightningCLI):
         config = self.config.get(self.config.get("subcommand") or "", {})
         path = config.get("ckpt_path") if hasattr(config, "get") else None
         trusted = False if _strategy_argument(config, "checkpoint_weights_only") is False else None
-        # Lightning's own names for a checkpoint it finds ("last", "best", "hpc", "registry:..."): not paths yet
+        # Names for a checkpoint the Trainer finds ("last", "best", "hpc", "auto", "registry:..."): not paths yet
         if path and str(path) not in _LIGHTNING_CHECKPOINT_NAMES and not str(path).startswith("registry"):
             problem = checkpoint.checkpoint_problem(Path(path), weights_only=trusted)
             if problem:

@@ -326,6 +326,39 @@ def _copy(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
     return full, sharded
 
 
+def test_auto_finds_the_newest_complete_checkpoint(saved: Path, tmp_path: Path) -> None:
+    """``ckpt_path="auto"``: the newest checkpoint that loads, of any name the run's ModelCheckpoint writes or an HPC
+    one, also under the logger's earlier versions; a truncated newer one is passed over; nothing yet: a fresh start."""
+    import os
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lightning_par.strategies.auto_resume import newest_checkpoint
+
+    def trainer() -> lightning.Trainer:
+        return lightning.Trainer(default_root_dir=tmp_path, logger=TensorBoardLogger(tmp_path, name="run"),
+                                 callbacks=[ModelCheckpoint()], enable_progress_bar=False)
+
+    assert newest_checkpoint(trainer()) is None
+    earlier = tmp_path / "run" / "version_0" / "checkpoints"
+    earlier.mkdir(parents=True)
+    full, sharded = _copy(saved, tmp_path)
+    shutil.move(full, earlier / "epoch=0-step=3.ckpt")
+    shutil.move(sharded, earlier / "epoch=1-step=6.ckpt")
+    for second, path in enumerate([earlier / "epoch=0-step=3.ckpt", *(earlier / "epoch=1-step=6.ckpt").iterdir()]):
+        os.utime(path, (1e9 + second, 1e9 + second))  # written in the order of their steps
+    (earlier / STAGING_DIR / "epoch=1-step=9.ckpt").mkdir(parents=True)  # a save that was cut off
+    assert newest_checkpoint(trainer()) == str(earlier / "epoch=1-step=6.ckpt")
+    truncated = earlier / "last.ckpt"
+    truncated.write_bytes((earlier / "epoch=0-step=3.ckpt").read_bytes()[:1000])
+    assert newest_checkpoint(trainer()) == str(earlier / "epoch=1-step=6.ckpt")
+    hpc = tmp_path / "hpc_ckpt_1.ckpt"
+    shutil.copy(earlier / "epoch=0-step=3.ckpt", hpc)
+    os.utime(hpc, ns=(0, 1 << 62))
+    assert newest_checkpoint(trainer()) == str(hpc)
+
+
 def test_a_checkpoint_carrying_pickled_code_is_refused(saved: Path, tmp_path: Path) -> None:
     """A full checkpoint and a sharded one's meta.pt carry an object whose unpickling writes a file: loading
     refuses both (weights_only=True, as PyTorch and Lightning do by default), the file is never written, and

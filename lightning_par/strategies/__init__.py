@@ -25,6 +25,11 @@ def register_strategies() -> None:
 
 register_strategies()
 
+# Trainer.fit(ckpt_path="auto"): the newest complete checkpoint of the run, or a fresh start.
+from lightning_par.strategies import auto_resume  # noqa: E402
+
+auto_resume.install()
+
 # The same names under Lightning Fabric (L.Fabric(strategy="hybrid3d")), registered when imported.
 from lightning_par.strategies import fabric  # noqa: E402
 

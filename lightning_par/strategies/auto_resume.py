@@ -1,0 +1,84 @@
+"""``ckpt_path="auto"``: resume from the newest complete checkpoint of the run when there is one, else start afresh.
+
+One setting for the first start and for every restart, which is what a launcher that restarts a failed job
+(``torchrun --max-restarts``, a SLURM requeue, a Kubernetes restart policy) needs: the same command line each time.
+Lightning's ``"last"`` looks only at ``last*.ckpt``; ``"auto"`` takes any checkpoint the run's ``ModelCheckpoint``
+callbacks write (``epoch=E-step=S.ckpt``, ``last.ckpt``) and Lightning's HPC checkpoints (``hpc_ckpt_N.ckpt``), and
+passes over one that cannot be loaded (``lightning_par.checkpoint.checkpoint_problem``): a save that was cut off
+leaves only its staging directory, which is not looked at, and a file truncated by other means is skipped with a
+warning. Newest is the latest written. With a logger that numbers its versions, the run's checkpoint directory
+moves to a new ``version_N`` at each start, so the earlier versions' ``checkpoints`` directories are looked in
+too. Every rank decides by itself, before the processes connect, so the checkpoint directory must be one that every
+node sees (as for any resume).
+
+Installed into Lightning's checkpoint connector when ``lightning_par`` is imported: ``Trainer.fit(ckpt_path="auto")``
+and ``lightning-par fit --ckpt_path auto`` both work, with any strategy.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_par.checkpoint import checkpoint_problem
+
+AUTO = "auto"
+
+__all__ = ["AUTO", "newest_checkpoint"]
+
+
+def newest_checkpoint(trainer: Trainer) -> str | None:
+    """The newest checkpoint of ``trainer``'s run that can be loaded, or None. One process, no collective."""
+    candidates: set[Path] = set()
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint):
+            continue
+        directory = Path(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))  # where it saves, as it decides
+        folders = [directory]
+        if callback.dirpath is None and trainer.loggers and not isinstance(trainer.loggers[0].version, str):
+            folders += directory.parent.parent.glob("version_*/checkpoints")  # the run's earlier starts
+        for folder in folders:
+            candidates |= set(folder.glob(f"*{callback.FILE_EXTENSION}"))
+    hpc = trainer._checkpoint_connector._hpc_resume_path
+    if hpc is not None:
+        candidates.add(Path(hpc))
+    for path in sorted(candidates, key=_written_at, reverse=True):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return str(path)
+        rank_zero_warn(f'ckpt_path="auto" passes over {str(path)!r}: {problem}')
+    return None
+
+
+def _written_at(path: Path) -> int:
+    """When ``path`` was last written: a sharded checkpoint's directory by the newest file in it."""
+    if path.is_dir():
+        return max((entry.stat().st_mtime_ns for entry in os.scandir(path)), default=path.stat().st_mtime_ns)
+    return path.stat().st_mtime_ns
+
+
+def _with_auto(parse: Any) -> Any:
+    @functools.wraps(parse)
+    def parse_ckpt_path(self: _CheckpointConnector, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if ckpt_path != AUTO:
+            return parse(self, state_fn, ckpt_path, *args, **kwargs)
+        found = newest_checkpoint(self.trainer)
+        rank_zero_info(f'ckpt_path="auto": resuming from {found}' if found is not None else
+                       'ckpt_path="auto": no checkpoint of this run yet, starting afresh')
+        return found
+
+    parse_ckpt_path.lightning_par_auto = True  # type: ignore[attr-defined]
+    return parse_ckpt_path
+
+
+def install() -> None:
+    """Teach Lightning's checkpoint connector ``ckpt_path="auto"`` (once)."""
+    if not getattr(_CheckpointConnector._parse_ckpt_path, "lightning_par_auto", False):
+        _CheckpointConnector._parse_ckpt_path = _with_auto(_CheckpointConnector._parse_ckpt_path)
