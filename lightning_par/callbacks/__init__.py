@@ -5,6 +5,7 @@
 - :class:`CommunicationMonitor`: bytes and collectives per mesh dimension per step;
 - :class:`PipelineBubbleMonitor`: the measured pipeline bubble of each step;
 - :class:`GradientNormMonitor`: the global gradient norm;
+- :class:`StragglerMonitor`: the rank the others wait for, every N steps;
 - :class:`LayoutSummary`: which rank holds which mesh coordinates;
 - :class:`ParallelMonitor`: all of the above, each switchable (on by default in the ``lightning-par`` command);
 - :class:`ParallelProgressBar`: the layout and throughput in the progress bar;
@@ -23,6 +24,7 @@ from lightning_par.callbacks.monitor import ParallelMonitor
 from lightning_par.callbacks.pipeline import PipelineBubbleMonitor
 from lightning_par.callbacks.progress import ParallelProgressBar
 from lightning_par.callbacks.step_record import StepRecord
+from lightning_par.callbacks.stragglers import StragglerMonitor
 from lightning_par.callbacks.throughput import ThroughputMonitor
 
 __all__ = [
@@ -35,5 +37,6 @@ __all__ = [
     "ParallelProgressBar",
     "PipelineBubbleMonitor",
     "StepRecord",
+    "StragglerMonitor",
     "ThroughputMonitor",
 ]

@@ -13,26 +13,27 @@ from lightning_par.callbacks.gradient_norm import GradientNormMonitor
 from lightning_par.callbacks.layout import LayoutSummary
 from lightning_par.callbacks.memory import MemoryMonitor
 from lightning_par.callbacks.pipeline import PipelineBubbleMonitor
+from lightning_par.callbacks.stragglers import StragglerMonitor
 from lightning_par.callbacks.throughput import ThroughputMonitor
 
 __all__ = ["ParallelMonitor"]
 
 
 class ParallelMonitor(Callback):
-    """Throughput and MFU, peak memory, communication per mesh dimension, pipeline bubble, gradient norm and
-    the layout table.
+    """Throughput and MFU, peak memory, communication per mesh dimension, pipeline bubble, gradient norm,
+    stragglers and the layout table.
 
     The ``lightning-par`` command adds it to every run (``--monitor.memory=false`` etc. switch parts off);
     in your own code add it, or the single monitors, to ``Trainer(callbacks=[...])``.
 
     Args:
-        throughput, memory, communication, pipeline_bubble, gradient_norm, layout: which monitors run.
+        throughput, memory, communication, pipeline_bubble, gradient_norm, stragglers, layout: which monitors run.
         peak_flops_per_device: the device's peak FLOP/s for MFU (see :class:`ThroughputMonitor`).
     """
 
     def __init__(self, throughput: bool = True, memory: bool = True, communication: bool = True,
-                 pipeline_bubble: bool = True, gradient_norm: bool = True, layout: bool = True,
-                 peak_flops_per_device: float | None = None) -> None:
+                 pipeline_bubble: bool = True, gradient_norm: bool = True, stragglers: bool = True,
+                 layout: bool = True, peak_flops_per_device: float | None = None) -> None:
         chosen = [
             (layout, LayoutSummary()),
             (throughput, ThroughputMonitor(peak_flops_per_device)),
@@ -40,6 +41,7 @@ class ParallelMonitor(Callback):
             (communication, CommunicationMonitor()),
             (pipeline_bubble, PipelineBubbleMonitor()),
             (gradient_norm, GradientNormMonitor()),
+            (stragglers, StragglerMonitor()),
         ]
         self.monitors = [monitor for wanted, monitor in chosen if wanted]
 
