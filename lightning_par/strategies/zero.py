@@ -9,9 +9,10 @@ from typing_extensions import override
 from lightning_par.config import Dtype, ParallelConfig, Size, shard_size
 from lightning_par.strategies.arguments import argument_names
 from lightning_par.strategies.base import MeshStrategy
+from lightning_par.strategies.fault_tolerant import FaultTolerantReplicas, check_fault_tolerance
 
 
-class ZeroStrategy(MeshStrategy):
+class ZeroStrategy(FaultTolerantReplicas, MeshStrategy):
     """ZeRO (Rajbhandari et al. 2020): shard model states over the data-parallel ranks.
 
     Args:
@@ -39,6 +40,11 @@ class ZeroStrategy(MeshStrategy):
         sharded_accumulation: stages 2 and 3, under ``accumulate_grad_batches``: reduce gradients on every
             micro-batch so that each rank keeps only its part between them (gradient memory ``1/N``, the
             reduction traffic once per micro-batch), instead of accumulating whole gradients and reducing once.
+        fault_tolerance: fault-tolerant HSDP with torchft (``lightning_par.parallel.fault_tolerance``): this launch
+            is one replica group of ``{"replica_groups": R, "min_replicas": K, "lighthouse": "http://host:port",
+            "replica_group_id": G}`` (``lighthouse`` and ``replica_group_id`` default to ``$TORCHFT_LIGHTHOUSE`` and
+            ``$REPLICA_GROUP_ID``). FSDP2 shards over the group's ranks; gradients are averaged across the groups
+            that are up, and a restarted group heals from the others. zero_stage=3 and replicate_size=1 only.
     """
 
     strategy_name = "zero"
@@ -46,7 +52,8 @@ class ZeroStrategy(MeshStrategy):
     def __init__(self, zero_stage: int = 3, data_parallel_size: Size = "auto", replicate_size: int = 1,
                  reshard_after_forward: bool = True, param_dtype: Dtype = "fp32", reduce_dtype: Optional[Dtype] = None,
                  cpu_offload: bool = False, sharded_accumulation: bool = False, keep_gathered_blocks: Size = "auto",
-                 prefetch_blocks: Size = "auto", blocks_per_unit: Size = "auto", **kwargs: Any) -> None:
+                 prefetch_blocks: Size = "auto", blocks_per_unit: Size = "auto",
+                 fault_tolerance: Optional[dict[str, Any]] = None, **kwargs: Any) -> None:
         self.argument_names = argument_names("dp_shard" if replicate_size == 1 else None)
         units = self._unit_controls(keep_gathered_blocks=keep_gathered_blocks, prefetch_blocks=prefetch_blocks,
                                     blocks_per_unit=blocks_per_unit)
@@ -55,6 +62,8 @@ class ZeroStrategy(MeshStrategy):
                                 param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
                                 sharded_accumulation=sharded_accumulation, **units)
         super().__init__(config, **kwargs)
+        with self.in_argument_names():
+            self._fault_tolerance = check_fault_tolerance(fault_tolerance, self.parallel_config)
 
     @classmethod
     @override
