@@ -221,26 +221,38 @@ class ReplicaState:
                 mine.copy_(theirs)
 
 
-def first_quorum(manager: Any) -> Any | None:
-    """Run this group's first quorum to the end (the caller's first step then uses it without starting another).
+def first_quorum(manager: Any, device: torch.device) -> tuple[bool, Any | None]:
+    """Run this group's first quorum to the end. Returns whether the first step may use it (else it starts its own)
+    and, when this group heals in it, the ``extra`` part of the state it received.
 
-    Returns None on a fresh start, or, when the group is healing (the quorum's highest step is ahead of it: a
-    restarted group), the ``extra`` part of the state it received, before the model and optimizer are applied (by
-    ``should_commit`` in the first step). The trainer's counters are needed earlier than that: before its loop starts.
+    - A restarted group (the quorum's highest step is ahead of it) heals: it gets the state of a group at that step.
+      Model and optimizer are applied by ``should_commit`` in the first step, which uses this quorum and contributes
+      zeros to its all-reduces; the ``extra`` part (the trainer's counters) is returned now, as the trainer needs it
+      before its loop starts.
+    - When every group of the quorum is at step 0 (a fresh start), torchft's ``init_sync`` heals all groups but one
+      from that one, and a healing group's gradient would count as zeros in the first step. So that quorum is settled
+      here, as a step without a gradient: one all-reduce (the sender serves its state until its ``should_commit``;
+      the all-reduce waits until every healing group has received it) and ``should_commit`` (applies it). The first
+      training step then starts a quorum of its own in which every group takes part.
     """
     manager.start_quorum()
     manager.wait_quorum()
     if manager.errored() is not None:
         raise RuntimeError(f"the first torchft quorum failed: {manager.errored().original_exception!r}")
     if manager.current_step() == 0:
-        return None
+        manager.allreduce(torch.zeros(1, device=device)).wait()
+        if not manager.should_commit():
+            raise RuntimeError(f"the first torchft quorum did not commit: {manager.errored()!r}")
+        return False, None
     # The received state waits in the Manager until should_commit applies it; read (not applied) here. torchft has no
     # public accessor for it (torchft-nightly 2026.10.26, manager.py `_pending_state_dict`).
     pending = getattr(manager, "_pending_state_dict", None)
-    if not isinstance(pending, Mapping) or "user" not in pending:
+    if manager.is_participating() or pending is None:
+        return True, None
+    if not isinstance(pending, Mapping) or "extra" not in pending.get("user", {}):
         raise RuntimeError("torchft healed this replica group but its received state is not where this torchft "
-                           "version was seen to keep it (Manager._pending_state_dict['user'])")
-    return pending["user"]["extra"]
+                           "version was seen to keep it (Manager._pending_state_dict['user']['extra'])")
+    return True, pending["user"]["extra"]
 
 
 class StepThroughManager:

@@ -141,13 +141,17 @@ class FaultTolerantReplicas:
         ft.ReplicaState(manager, self.lightning_module, optimizer,  # type: ignore[attr-defined]
                         extra=self._state_to_send, load_extra=self._load_trainer_state)
         self._ft_optimizer = ManagedOptimizer(manager, optimizer)
-        healed = ft.first_quorum(manager)
-        self._quorum_ready = True
-        if healed is not None:
+        # What a group healing in this first quorum gets: at step 0 (torchft's init_sync: every group takes one group's
+        # initial weights) the trainer's state before any batch, which the healing groups need not restore.
+        self._trainer_state = trainer_state(trainer)
+        self._heal_applied_by_lightning = True  # a heal in the first quorum: its trainer part is restored below
+        self._quorum_ready, healed = ft.first_quorum(manager, self.root_device)  # type: ignore[attr-defined]
+        if healed is None:
+            self._heal_applied_by_lightning = False  # a later heal is one in the middle of the run
+        else:
             rank_zero_info(f"{type(self).__name__}: replica group {config.replica_group_id} heals at step "
                            f"{manager.current_step()} (the sender's global_step {healed.get('global_step')})")
             self._healed_trainer_state = healed
-            self._heal_applied_by_lightning = True
             # Lightning restores what its checkpoint connector holds after setup() (restore_checkpoint_after_setup):
             # loops (with the stateful loader's position), schedulers and callbacks, as from a file.
             trainer._checkpoint_connector._loaded_checkpoint = healed

@@ -1,0 +1,107 @@
+"""One rank of a fault-tolerant HSDP run (one replica group under torchrun), launched by test_fault_tolerance.py.
+
+The tiny Llama on synthetic tokens, ZeRO-3 inside the group, torchft across the groups
+(``ZeroStrategy(fault_tolerance=...)``; the lighthouse and the group come from ``$TORCHFT_LIGHTHOUSE`` and
+``$REPLICA_GROUP_ID``). ``--reference`` runs plain HSDP instead (``replicate_size=2`` over all the ranks torchrun
+starts), the run the replica groups must reproduce.
+
+- ``--steps N``: stop at global step N (without ``--until``: Lightning's ``max_steps``);
+- ``--until N``: train until global step >= N in a step where every replica group took part (all groups stop at
+  the same step: they see the same quorum); ``--steps`` is then only a bound;
+- ``--fail-at S``: group 1's rank 0 leaves (``os._exit``) at the start of global step S, in torchrun's first attempt;
+- ``--step-sleep T``: each step sleeps T seconds (a longer step: a restarted group rejoins after fewer steps).
+
+Each rank writes ``g<G>_r<rank>_a<attempt>.pt`` in ``--out``: per step its global step, torchft step, participants,
+loss and wall time; at the end its global step, its local weight shards and optimizer states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import lightning
+import torch
+from torch.distributed.tensor import DTensor
+
+from lightning_par import ZeroStrategy
+from lightning_par.data import TokenDataModule
+from lightning_par.models import LlamaLM
+
+
+class Record(lightning.Callback):
+    """Each step's numbers, and the injected failure."""
+
+    def __init__(self, args: argparse.Namespace, group: int, rank: int, attempt: int) -> None:
+        self.args, self.group, self.rank, self.attempt = args, group, rank, attempt
+        self.steps: list[dict] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if (self.group == 1 and self.rank == 0 and self.attempt == 0 and trainer.global_step == self.args.fail_at):
+            Path(self.args.out, "fault").write_text(str(time.time()))
+            os._exit(3)
+        self._start = time.monotonic()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.args.step_sleep:
+            time.sleep(self.args.step_sleep)
+        manager = getattr(trainer.strategy, "fault_tolerance_manager", None)
+        participants = manager.num_participants() if manager is not None else None
+        self.steps.append({"global_step": trainer.global_step, "loss": float(outputs["loss"]),
+                           "torchft_step": manager.current_step() if manager is not None else None,
+                           "participants": participants, "seconds": time.monotonic() - self._start,
+                           "time": time.time()})
+        if self.args.until and trainer.global_step >= self.args.until and participants == 2:
+            trainer.should_stop = True
+
+
+def local(value):
+    return value.to_local().detach().clone() if isinstance(value, DTensor) else value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--until", type=int, default=0)
+    parser.add_argument("--fail-at", type=int, default=-1)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--min-replicas", type=int, default=2)
+    parser.add_argument("--reference", action="store_true")
+    args = parser.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+
+    if args.reference:
+        strategy = ZeroStrategy(zero_stage=3, replicate_size=2, timeout=timedelta(seconds=60))
+    else:
+        strategy = ZeroStrategy(zero_stage=3, timeout=timedelta(seconds=60),
+                                fault_tolerance={"replica_groups": 2, "min_replicas": args.min_replicas,
+                                                 "timeout": 30, "quorum_timeout": 90})
+    torch.manual_seed(1234)
+    record = Record(args, group, rank, attempt)
+    trainer = lightning.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=args.steps,
+                                callbacks=[record], logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                                limit_val_batches=0)
+    module = LlamaLM(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16, learning_rate=1e-2,
+                     warmup_steps=2, max_steps=args.steps)
+    # Global batch 2 samples x 4 data-parallel ranks; enough samples that a run stays in its first epoch.
+    data = TokenDataModule(source="synthetic", vocab_size=64, seq_len=16, batch_size=2, num_samples=8 * args.steps)
+    trainer.fit(module, datamodule=data)
+    optimizer = trainer.optimizers[0].state_dict()
+    state = {k: {name: local(v) for name, v in s.items()} for k, s in optimizer["state"].items()}
+    torch.save({"steps": record.steps, "global_step": trainer.global_step, "attempt": attempt,
+                "weights": {k: local(v) for k, v in module.state_dict().items()},
+                "optimizer": state, "param_groups": optimizer["param_groups"]},
+               Path(args.out, f"{'ref' if args.reference else f'g{group}'}_r{rank}_a{attempt}.pt"))
+
+
+if __name__ == "__main__":
+    main()
