@@ -9,10 +9,12 @@ starts), the run the replica groups must reproduce.
 - ``--until N``: train until global step >= N in a step where every replica group took part (all groups stop at
   the same step: they see the same quorum); ``--steps`` is then only a bound;
 - ``--fail-at S``: group 1's rank 0 leaves (``os._exit``) at the start of global step S, in torchrun's first attempt;
-- ``--step-sleep T``: each step sleeps T seconds (a longer step: a restarted group rejoins after fewer steps).
+- ``--fail-in-recovery``: group 1's rank 0 leaves again in torchrun's second attempt, after its first quorum (which
+  heals it) and before its first step;
+- ``--step-sleep T``: each step sleeps T seconds after it (a longer step: a restarted group rejoins after fewer steps).
 
 Each rank writes ``g<G>_r<rank>_a<attempt>.pt`` in ``--out``: per step its global step, torchft step, participants,
-loss and wall time; at the end its global step, its local weight shards and optimizer states.
+loss and wall time (without the sleep), and ``step_g<G>_r<rank>`` its last global step; at the end its global step, its local weight shards and optimizer states.
 """
 
 from __future__ import annotations
@@ -46,15 +48,22 @@ class Record(lightning.Callback):
             os._exit(3)
         self._start = time.monotonic()
 
+    def on_fit_start(self, trainer, pl_module) -> None:
+        # After the strategy's set-up: a restarted group has run its first quorum and holds the healing state.
+        if self.group == 1 and self.rank == 0 and self.attempt == 1 and self.args.fail_in_recovery:
+            Path(self.args.out, "fault_in_recovery").write_text(str(time.time()))
+            os._exit(3)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.args.step_sleep:
-            time.sleep(self.args.step_sleep)
+        seconds = time.monotonic() - self._start
         manager = getattr(trainer.strategy, "fault_tolerance_manager", None)
         participants = manager.num_participants() if manager is not None else None
         self.steps.append({"global_step": trainer.global_step, "loss": float(outputs["loss"]),
                            "torchft_step": manager.current_step() if manager is not None else None,
-                           "participants": participants, "seconds": time.monotonic() - self._start,
-                           "time": time.time()})
+                           "participants": participants, "seconds": seconds, "time": time.time()})
+        Path(self.args.out, f"step_g{self.group}_r{self.rank}").write_text(str(trainer.global_step))
+        if self.args.step_sleep:
+            time.sleep(self.args.step_sleep)
         if self.args.until and trainer.global_step >= self.args.until and participants == 2:
             trainer.should_stop = True
 
@@ -70,6 +79,7 @@ def main() -> None:
     parser.add_argument("--until", type=int, default=0)
     parser.add_argument("--fail-at", type=int, default=-1)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--fail-in-recovery", action="store_true")
     parser.add_argument("--min-replicas", type=int, default=2)
     parser.add_argument("--reference", action="store_true")
     args = parser.parse_args()
