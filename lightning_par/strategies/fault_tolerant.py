@@ -18,6 +18,7 @@ and optimizer states and applies the averaged gradient: the group leaves that st
 from __future__ import annotations
 
 import copy
+import traceback
 from typing import Any
 
 import lightning
@@ -70,6 +71,12 @@ def trainer_state(trainer: Trainer) -> dict[str, Any]:
     if datamodule is not None and (data_state := datamodule.state_dict()):
         state[type(datamodule).__qualname__] = data_state
     return copy.deepcopy(state)
+
+
+def _from_quorum(exception: BaseException) -> bool:
+    """Whether ``exception`` was raised by torchft's quorum (in its thread, re-raised where a step waited for it)."""
+    frames = traceback.extract_tb(exception.__traceback__)
+    return any(frame.name in ("_async_quorum", "wait_quorum", "start_quorum") for frame in frames)
 
 
 class _TakeTrainerState(Callback):
@@ -205,12 +212,7 @@ class FaultTolerantReplicas:
         if self._quorum_ready:  # the quorum of set-up serves the first step
             self._quorum_ready = False
             return
-        try:
-            self._ft_manager.start_quorum()  # waits for the previous one, which raises if it failed
-        except Exception as error:
-            error.add_note(f"lightning_par: the torchft quorum failed (lighthouse {self._fault_tolerance.lighthouse}; "  # type: ignore[union-attr]
-                           "every replica group needs it for every step)")
-            raise
+        self._ft_manager.start_quorum()  # runs behind the forward pass; waits for the previous one first
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -221,10 +223,10 @@ class FaultTolerantReplicas:
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        if self._fault_tolerance is not None and "lighthouse" in str(exception).lower() and not any(
-                "lightning_par: the torchft" in note for note in getattr(exception, "__notes__", [])):
-            exception.add_note(f"lightning_par: the torchft lighthouse {self._fault_tolerance.lighthouse} could not "
-                               "be reached; every replica group needs it for every step")
+        if self._fault_tolerance is not None and _from_quorum(exception):
+            # torchft's own error is a bare timeout ("Timeout expired") from its quorum thread.
+            exception.add_note(f"lightning_par: the torchft quorum failed; is the lighthouse "
+                               f"{self._fault_tolerance.lighthouse} up? Every replica group needs it for every step")
         super().on_exception(exception)  # type: ignore[misc]
 
     @override
