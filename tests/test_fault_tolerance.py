@@ -20,15 +20,48 @@ import pytest
 import torch
 from harness import free_port
 
+from lightning_par import ZeroStrategy
 from lightning_par.parallel.fault_tolerance import torchft_available
 
-pytestmark = pytest.mark.skipif(not torchft_available() or shutil.which("torchft_lighthouse") is None
+needs_torchft = pytest.mark.skipif(not torchft_available() or shutil.which("torchft_lighthouse") is None
                                 or shutil.which("torchrun") is None,
                                 reason="needs torchft (torchft-nightly), its torchft_lighthouse and torchrun")
 
 SCRIPT = Path(__file__).with_name("ft_run.py")
 ROOT = Path(__file__).parents[1]
 GROUPS = 2
+
+
+OPTION = {"replica_groups": 2, "min_replicas": 1, "lighthouse": "http://localhost:29510", "replica_group_id": 0}
+
+
+@pytest.mark.parametrize(("arguments", "option", "message"), [
+    ({"zero_stage": 2}, {}, "needs zero_stage=3"),
+    ({"replicate_size": 2, "data_parallel_size": 4}, {}, "replicate_size=2"),
+    ({}, {"replica_group_id": 2}, r"replica_group_id=2: must be in \[0, 2\)"),
+    ({}, {"replica_group_id": -1}, r"replica_group_id=-1"),
+    ({}, {"min_replicas": 3}, r"min_replicas=3: must be an integer in \[1, 2\]"),
+    ({}, {"lighthouse": None}, "TORCHFT_LIGHTHOUSE is empty"),
+    ({}, {"replica_group_id": None}, "REPLICA_GROUP_ID is empty"),
+    ({}, {"replica_groups": 0}, "replica_groups=0"),
+    ({}, {"lighthous": "x"}, "unknown keys"),
+])
+def test_refused_before_any_process_group(arguments: dict, option: dict, message: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the first version does not support is a ValueError from the constructor, naming the value."""
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
+    with pytest.raises(ValueError, match=message):
+        ZeroStrategy(**arguments, fault_tolerance={**OPTION, **option})
+
+
+def test_environment_fills_lighthouse_and_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lighthouse:1")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "1")
+    if not torchft_available():
+        pytest.skip("needs torchft")
+    resolved = ZeroStrategy(fault_tolerance={"replica_groups": 2})._fault_tolerance
+    assert (resolved.lighthouse, resolved.replica_group_id, resolved.min_replicas) == ("http://lighthouse:1", 1, 1)
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -92,6 +125,7 @@ def logs(out: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted(out.glob("torchrun_*.log")))
 
 
+@needs_torchft
 def test_parity_with_hsdp(tmp_path: Path) -> None:
     """2 groups x 2 ranks through torchft, no failure, equal to plain HSDP (replicate_size=2) on 4 ranks: the same
     losses per step on every rank and the same final shards and optimizer states."""
@@ -146,6 +180,7 @@ def _check_rejoined(out: Path, restarted_attempt: int) -> dict:
     return figures
 
 
+@needs_torchft
 def test_group_killed_and_healed(tmp_path: Path) -> None:
     """Group 1's rank 0 dies at step 5; torchrun restarts group 1, which heals from group 0 and goes on with it."""
     start = time.monotonic()
@@ -156,6 +191,7 @@ def test_group_killed_and_healed(tmp_path: Path) -> None:
     print(f"\nkill: {time.monotonic() - start:.1f} s, {figures}")
 
 
+@needs_torchft
 def test_group_killed_again_while_healing(tmp_path: Path) -> None:
     """The restarted group 1 dies again after its healing quorum, before its first step (group 0 waits for it in that
     step's all-reduce); its third attempt heals and catches up."""
@@ -168,6 +204,7 @@ def test_group_killed_again_while_healing(tmp_path: Path) -> None:
     print(f"\nkill during recovery: {time.monotonic() - start:.1f} s, {figures}")
 
 
+@needs_torchft
 def test_lighthouse_lost(tmp_path: Path) -> None:
     """Without the lighthouse no quorum forms: every group fails at its next step, with an error naming the lighthouse,
     instead of hanging (torchft has no fallback: the lighthouse is a single point of failure). The groups' manager
