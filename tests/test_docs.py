@@ -73,6 +73,17 @@ def test_documented_command(document: str, command: str, monkeypatch: pytest.Mon
     if words[0] == "tensorboard":
         assert shutil.which("tensorboard"), "tensorboard is a dependency"
         return
+    if words[0] == "torchft_lighthouse":  # torchft's own command (the test extra installs it): its flags exist
+        import subprocess
+
+        usage = subprocess.run([shutil.which("torchft_lighthouse"), "--help"], capture_output=True, text=True).stdout
+        assert all(flag in usage for flag in words if flag.startswith("--")), usage
+        return
+    if words[0] == "export":  # the variables lightning_par (or torchft) reads
+        from lightning_par.parallel.fault_tolerance import GROUP_VARIABLE, LIGHTHOUSE_VARIABLE
+
+        assert {word.split("=")[0] for word in words[1:]} <= {GROUP_VARIABLE, LIGHTHOUSE_VARIABLE}, command
+        return
     if words[0] == "sbatch":
         script = next(word for word in words[1:] if not word.startswith("--"))
         config = words[words.index(script) + 1]
