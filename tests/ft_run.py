@@ -11,7 +11,8 @@ starts), the run the replica groups must reproduce.
 - ``--fail-at S``: group 1's rank 0 leaves (``os._exit``) at the start of global step S, in torchrun's first attempt;
 - ``--fail-in-recovery``: group 1's rank 0 leaves again in torchrun's second attempt, after its first quorum (which
   heals it) and before its first step;
-- ``--step-sleep T``: each step sleeps T seconds after it (a longer step: a restarted group rejoins after fewer steps).
+- ``--step-sleep T``: each step sleeps T seconds after it (a longer step: a restarted group rejoins after fewer steps);
+- ``--checkpoints DIR``: every group's ModelCheckpoint saves every 10 steps into this one directory.
 
 Each rank writes ``g<G>_r<rank>_a<attempt>.pt`` in ``--out``: per step its global step, torchft step, participants,
 loss and wall time (without the sleep), and ``step_g<G>_r<rank>`` its last global step; at the end its global step, its local weight shards and optimizer states.
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import lightning
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
 from lightning_par import ZeroStrategy
@@ -82,6 +84,7 @@ def main() -> None:
     parser.add_argument("--fail-in-recovery", action="store_true")
     parser.add_argument("--min-replicas", type=int, default=2)
     parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--checkpoints", default=None, help="a ModelCheckpoint every 10 steps into this directory")
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
@@ -96,8 +99,10 @@ def main() -> None:
                                                  "timeout": 30, "quorum_timeout": 90})
     torch.manual_seed(1234)
     record = Record(args, group, rank, attempt)
+    checkpoints = ([ModelCheckpoint(dirpath=args.checkpoints, every_n_train_steps=10, save_top_k=-1)]
+                   if args.checkpoints else [])
     trainer = lightning.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=args.steps,
-                                callbacks=[record], logger=False, enable_checkpointing=False,
+                                callbacks=[record, *checkpoints], logger=False, enable_checkpointing=bool(checkpoints),
                                 enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                                 limit_val_batches=0)
     module = LlamaLM(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16, learning_rate=1e-2,

@@ -21,6 +21,7 @@ import torch
 from harness import free_port
 
 from lightning_par import ZeroStrategy
+from lightning_par.checkpoint import checkpoint_problem
 from lightning_par.parallel.fault_tolerance import torchft_available
 
 needs_torchft = pytest.mark.skipif(not torchft_available() or shutil.which("torchft_lighthouse") is None
@@ -128,9 +129,12 @@ def logs(out: Path) -> str:
 @needs_torchft
 def test_parity_with_hsdp(tmp_path: Path) -> None:
     """2 groups x 2 ranks through torchft, no failure, equal to plain HSDP (replicate_size=2) on 4 ranks: the same
-    losses per step on every rank and the same final shards and optimizer states."""
+    losses per step on every rank and the same final shards and optimizer states. Both groups' ModelCheckpoint
+    saves into one directory; one group writes each checkpoint, whole."""
     start = time.monotonic()
-    assert run_groups(tmp_path, GROUPS, "--steps", "20", wait=120.0) == [0, 0], logs(tmp_path)[-4000:]
+    checkpoints = tmp_path / "checkpoints"
+    assert run_groups(tmp_path, GROUPS, "--steps", "20", "--checkpoints", str(checkpoints), wait=120.0) == [0, 0], \
+        logs(tmp_path)[-4000:]
     groups_seconds = time.monotonic() - start
     reference = torchrun(tmp_path, 4, "--reference", "--steps", "20")
     assert finish([reference], time.monotonic() + 120.0) == [0], logs(tmp_path)[-4000:]
@@ -152,6 +156,8 @@ def test_parity_with_hsdp(tmp_path: Path) -> None:
     print(f"\nparity: groups {groups_seconds:.1f} s, reference {time.monotonic() - start - groups_seconds:.1f} s, "
           f"max differences {worst}")
     assert max(worst.values()) <= 1e-5, worst
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch=0-step=10.ckpt", "epoch=0-step=20.ckpt"]
+    assert all(checkpoint_problem(path) is None for path in checkpoints.iterdir())
 
 
 def _check_rejoined(out: Path, restarted_attempt: int) -> dict:

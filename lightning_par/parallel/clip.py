@@ -41,7 +41,8 @@ def gradient_norm(parameters: list[Tensor], *, partition_group: dist.ProcessGrou
         plain += local_part(grad).detach().double().pow(2).sum().cpu()
     for group in (partition_group, stage_group):
         if group is not None:
-            squares = torch.stack([plain, sharded]).to(_device(grads))
+            # A step skipped as bad has no gradients, on every rank alike: the parameters say where the group computes.
+            squares = torch.stack([plain, sharded]).to(_device(grads or parameters))
             dist.all_reduce(squares, group=group)
             plain, sharded = squares.cpu()
     return float((plain + sharded).sqrt())
@@ -95,11 +96,11 @@ def _sharded_squares(grads: list[Tensor]) -> Tensor:
     return total
 
 
-def _device(grads: list[Tensor]) -> torch.device:
-    """Where the process group's tensors must live (nccl: on the accelerator)."""
-    if not grads:
+def _device(tensors: list[Tensor]) -> torch.device:
+    """Where the process group's tensors must live (nccl: on the accelerator): where ``tensors`` are."""
+    if not tensors:
         return torch.device("cpu")
-    return grads[0].to_local().device if isinstance(grads[0], DTensor) else grads[0].device
+    return tensors[0].to_local().device if isinstance(tensors[0], DTensor) else tensors[0].device
 
 
 __all__ = ["clip_grad_norm_", "gradient_norm"]

@@ -258,16 +258,21 @@ def first_quorum(manager: Any, device: torch.device) -> tuple[bool, Any | None]:
 class StepThroughManager:
     """The optimizer a Lightning precision plugin steps under fault tolerance: ``step(closure)`` runs the closure
     (forward, backward with the cross-group all-reduces, clipping), then ``torchft.Optimizer.step()``, which applies a
-    pending heal and steps the wrapped optimizer only if ``Manager.should_commit()``. Everything else is the wrapped
+    pending heal and steps the wrapped optimizer only if ``Manager.should_commit()``; ``not_committed()`` is called
+    when it did not (a group failed inside the step: torchft's step count stays). Everything else is the wrapped
     optimizer's (``param_groups`` for clipping and monitors)."""
 
-    def __init__(self, optimizer: Optimizer, managed: Any) -> None:
+    def __init__(self, optimizer: Optimizer, managed: Any, not_committed: Callable[[], None]) -> None:
         self._optimizer = optimizer
         self._managed = managed
+        self._not_committed = not_committed
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = closure() if closure is not None else None
+        before = self._managed.manager.current_step()
         self._managed.step()
+        if self._managed.manager.current_step() == before:
+            self._not_committed()
         return loss
 
     def __getattr__(self, name: str) -> Any:

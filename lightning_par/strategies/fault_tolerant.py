@@ -218,8 +218,36 @@ class FaultTolerantReplicas:
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self._ft_optimizer is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
-        return super().optimizer_step(ft.StepThroughManager(optimizer, self._ft_optimizer), closure,  # type: ignore[misc]
-                                      model, **kwargs)
+        stepped = ft.StepThroughManager(optimizer, self._ft_optimizer, self._not_committed)
+        return super().optimizer_step(stepped, closure, model, **kwargs)  # type: ignore[misc]
+
+    def _not_committed(self) -> None:
+        """A group failed inside this step and torchft did not apply it: like a skipped bad step, its batch is
+        consumed and it counts toward ``max_steps``, but the LR schedulers stay (``steps.py``)."""
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        self._hold_schedulers()  # type: ignore[attr-defined]
+        rank_zero_warn(f"step {trainer.global_step} was not committed by torchft (a replica group failed in it): "
+                       "its update is not applied")
+
+    def _writes_checkpoints(self) -> bool:
+        """One replica group writes the run's checkpoints, the others hold the same state: during training the
+        first group of the step's quorum (torchtitan's rule: ``participating_rank() == 0``), outside it group 0.
+        Two groups never write, or remove, one path."""
+        if self._fault_tolerance is None:
+            return True
+        if self._ft_manager is None:
+            return self._fault_tolerance.replica_group_id == 0
+        return self._ft_manager.participating_rank() == 0
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self._writes_checkpoints():
+            super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self._writes_checkpoints():
+            super().remove_checkpoint(filepath)  # type: ignore[misc]
 
     @override
     def on_exception(self, exception: BaseException) -> None:

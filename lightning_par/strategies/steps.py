@@ -34,7 +34,7 @@ class StepsThroughTheHandle(ShardedCheckpoints):
         super().__init__(**kwargs)
         rule = BadSteps.of(bad_steps)
         self._bad_steps = BadStepGuard(rule) if rule.checks else None
-        self._held_schedulers: list[tuple[Any, str]] = []  # (config, interval) held back after a skipped step
+        self._held_schedulers: list[Any] = []  # step-interval scheduler configs held back after a skipped step
 
     @property
     def parallelized(self) -> Parallelized:
@@ -73,16 +73,20 @@ class StepsThroughTheHandle(ShardedCheckpoints):
         if verdict is not None:
             for parameter in module.parameters():
                 parameter.grad = None
-            for config in trainer.lr_scheduler_configs:
-                if config.interval == "step":
-                    self._held_schedulers.append((config, config.interval))
-                    config.interval = _SKIPPED
+            self._hold_schedulers()
             rank_zero_warn(f"step {trainer.global_step} skipped: {verdict.reason}")
         module.log("faults/skipped_steps", float(self._bad_steps.skipped), on_step=True, on_epoch=False)
 
+    def _hold_schedulers(self) -> None:
+        """Keep the step-interval LR schedulers where they are after this step (its update was not applied)."""
+        for config in self.lightning_module.trainer.lr_scheduler_configs:
+            if config.interval == "step":  # Lightning steps a scheduler whose interval is the loop's
+                self._held_schedulers.append(config)
+                config.interval = _SKIPPED
+
     def _release_schedulers(self) -> None:
-        for config, interval in self._held_schedulers:
-            config.interval = interval
+        for config in self._held_schedulers:
+            config.interval = "step"
         self._held_schedulers = []
 
     @override
