@@ -108,6 +108,8 @@ class BadStepGuard:
         if self.rule.skip_nonfinite and named_grads:
             norms = torch._foreach_norm([g for _, g in named_grads])
             nonfinite = (~torch.isfinite(torch.stack([n.to(device, torch.float32) for n in norms]).sum())).float()
+        if isinstance(loss, DTensor):  # a loss computed on sharded logits (loss parallel)
+            loss = loss.full_tensor()
         has_loss = loss is not None and loss.numel() > 0
         loss_value = loss.detach().float().mean().to(device) if has_loss else torch.zeros((), device=device)
         if self.rule.skip_nonfinite and has_loss:

@@ -12,6 +12,7 @@ starts), the run the replica groups must reproduce.
 - ``--fail-in-recovery``: group 1's rank 0 leaves again in torchrun's second attempt, after its first quorum (which
   heals it) and before its first step;
 - ``--step-sleep T``: each step sleeps T seconds after it (a longer step: a restarted group rejoins after fewer steps);
+- ``--spares``: the global batch fixed at ``--min-replicas`` groups, the other group a spare;
 - ``--checkpoints DIR``: every group's ModelCheckpoint saves every 10 steps into this one directory.
 
 Each rank writes ``g<G>_r<rank>_a<attempt>.pt`` in ``--out``: per step its global step, torchft step, participants,
@@ -83,6 +84,7 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--fail-in-recovery", action="store_true")
     parser.add_argument("--min-replicas", type=int, default=2)
+    parser.add_argument("--spares", action="store_true")
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--checkpoints", default=None, help="a ModelCheckpoint every 10 steps into this directory")
     args = parser.parse_args()
@@ -96,7 +98,7 @@ def main() -> None:
     else:
         strategy = ZeroStrategy(zero_stage=3, timeout=timedelta(seconds=60),
                                 fault_tolerance={"replica_groups": 2, "min_replicas": args.min_replicas,
-                                                 "timeout": 30, "quorum_timeout": 90})
+                                                 "spares": args.spares, "timeout": 30, "quorum_timeout": 90})
     torch.manual_seed(1234)
     record = Record(args, group, rank, attempt)
     checkpoints = ([ModelCheckpoint(dirpath=args.checkpoints, every_n_train_steps=10, save_top_k=-1)]

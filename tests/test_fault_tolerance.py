@@ -46,6 +46,7 @@ OPTION = {"replica_groups": 2, "min_replicas": 1, "lighthouse": "http://localhos
     ({}, {"replica_group_id": None}, "REPLICA_GROUP_ID is empty"),
     ({}, {"replica_groups": 0}, "replica_groups=0"),
     ({}, {"lighthous": "x"}, "unknown keys"),
+    ({}, {"spares": True, "min_replicas": 2}, r"spares=True with min_replicas=2 and replica_groups=2: spares are"),
 ])
 def test_refused_before_any_process_group(arguments: dict, option: dict, message: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
@@ -111,9 +112,10 @@ def finish(processes: list[subprocess.Popen], deadline: float) -> list[int]:
     return codes
 
 
-def run_groups(out: Path, min_replicas: int, *args: str, wait: float = 150.0, restarts: int = 1) -> list[int]:
+def run_groups(out: Path, min_replicas: int, *args: str, wait: float = 150.0, restarts: int = 1,
+               ranks: int = 2) -> list[int]:
     with lighthouse(min_replicas) as (_, address):
-        groups = [torchrun(out, 2, "--min-replicas", str(min_replicas), *args, group=g, restarts=restarts,
+        groups = [torchrun(out, ranks, "--min-replicas", str(min_replicas), *args, group=g, restarts=restarts,
                            TORCHFT_LIGHTHOUSE=address) for g in range(GROUPS)]
         return finish(groups, time.monotonic() + wait)
 
@@ -193,7 +195,7 @@ def test_group_killed_then_killed_again_while_healing(tmp_path: Path) -> None:
     heals from group 0 and trains on with it. Group 0 never stops: it takes every step once, and its longest step
     stays under the fault timeout (torchft's 30 s here) and a bound (a hang guard, not a timing)."""
     start = time.monotonic()
-    codes = run_groups(tmp_path, 1, "--steps", "200", "--until", "12", "--fail-at", "5", "--step-sleep", "0.3",
+    codes = run_groups(tmp_path, 1, "--steps", "200", "--until", "12", "--fail-at", "5", "--step-sleep", "1.0",
                        "--fail-in-recovery", restarts=2)
     assert codes == [0, 0], logs(tmp_path)[-4000:]
     assert not (tmp_path / "g1_r0_a0.pt").exists() and not (tmp_path / "g1_r0_a1.pt").exists()  # both attempts died
@@ -201,6 +203,25 @@ def test_group_killed_then_killed_again_while_healing(tmp_path: Path) -> None:
     figures = _check_rejoined(tmp_path, restarted_attempt=2)
     assert all(figure["longest_step_s"] < 30 + 30 for figure in figures.values()), figures
     print(f"\nkilled, killed again while healing: {time.monotonic() - start:.1f} s, {figures}")
+
+
+@needs_torchft
+def test_spares_keep_the_global_batch(tmp_path: Path) -> None:
+    """``spares: true`` with min_replicas 1 of 2 groups (one rank each): every step averages one group's gradient
+    (the other trains along as a spare, contributing nothing), and both leave every step with the same weights and
+    optimizer states, although they read different samples."""
+    codes = run_groups(tmp_path, 1, "--steps", "8", "--spares", ranks=1, wait=120.0)
+    assert codes == [0, 0], logs(tmp_path)[-4000:]
+    first, spare = result(tmp_path, "g0_r0_a0"), result(tmp_path, "g1_r0_a0")
+    # With min_replicas 1 the group that starts first may take the first step alone; the other then heals first.
+    assert first["global_step"] == spare["global_step"] == 8
+    assert all(s["participants"] == 1 for s in first["steps"] + spare["steps"])
+    assert [s["loss"] for s in first["steps"]] != [s["loss"] for s in spare["steps"]]  # their own samples
+    for name, value in first["weights"].items():
+        assert torch.equal(spare["weights"][name], value), name
+    for key, state in first["optimizer"].items():
+        for name, value in state.items():
+            assert torch.equal(spare["optimizer"][key][name], value), (key, name)
 
 
 @needs_torchft

@@ -43,7 +43,7 @@ __all__ = ["FaultTolerance", "ReplicaState", "StepThroughManager", "average_acro
 
 LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"  # torchft's own (torchft/manager.py reads it too)
 GROUP_VARIABLE = "REPLICA_GROUP_ID"  # torchtitan's name for it
-_KEYS = ("replica_groups", "min_replicas", "lighthouse", "replica_group_id", "timeout", "quorum_timeout")
+_KEYS = ("replica_groups", "min_replicas", "spares", "lighthouse", "replica_group_id", "timeout", "quorum_timeout")
 _registered = itertools.count()  # c10d backend names must be unique in a process
 
 
@@ -63,6 +63,10 @@ class FaultTolerance:
     Args:
         replica_groups: R, the number of replica groups (each its own launch of ``WORLD_SIZE`` ranks).
         min_replicas: the fewest groups a step commits with (torchft's ``min_replica_size``).
+        spares: keep the global batch fixed: ``min_replicas`` groups take part in every step and the others stand by
+            as spares (they train along, contributing nothing, and take the place of a group that fails: torchft's
+            ``WorldSizeMode.FIXED_WITH_SPARES``). False (the default): every group that is up takes part, and the
+            global batch shrinks while a group is away (``DYNAMIC``).
         lighthouse: the torchft lighthouse, ``http://host:port``; by default ``$TORCHFT_LIGHTHOUSE``.
         replica_group_id: this group's index in ``[0, R)``; by default ``$REPLICA_GROUP_ID``.
         timeout: torchft's timeout for collectives, commits and checkpoint transfers, in seconds.
@@ -73,6 +77,7 @@ class FaultTolerance:
     min_replicas: int
     lighthouse: str
     replica_group_id: int
+    spares: bool = False
     timeout: float = 60.0
     quorum_timeout: float = 120.0
 
@@ -111,8 +116,13 @@ class FaultTolerance:
         if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < groups:
             raise ValueError(f"fault_tolerance.replica_group_id={group!r}: must be in [0, {groups}) "
                              f"(replica_groups={groups})")
+        spares = option.get("spares", False)
+        if not isinstance(spares, bool) or (spares and least >= groups):
+            raise ValueError(f"fault_tolerance.spares={spares!r} with min_replicas={least} and replica_groups={groups}: "
+                             "spares are the groups beyond min_replicas, so give min_replicas < replica_groups (or "
+                             "spares: false)")
         timeouts = {k: float(option[k]) for k in ("timeout", "quorum_timeout") if option.get(k) is not None}
-        return cls(groups, least, str(lighthouse), group, **timeouts)
+        return cls(groups, least, str(lighthouse), group, spares, **timeouts)
 
 
 def data_parallel_split(config: FaultTolerance, group_size: int, group_rank: int) -> tuple[int, int]:
@@ -145,10 +155,12 @@ def make_manager(config: FaultTolerance, *, rank: int, world_size: int, store: t
     every quorum (``torchft/process_group.py``). Asynchronous quorum: it runs behind the forward pass, and a healing
     group contributes zeros to its first step. State fns are registered afterwards (:class:`ReplicaState`)."""
     from torchft import Manager, ProcessGroupGloo
+    from torchft.manager import WorldSizeMode
 
     timeout = timedelta(seconds=config.timeout)
+    mode = WorldSizeMode.FIXED_WITH_SPARES if config.spares else WorldSizeMode.DYNAMIC
     return Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
-                   min_replica_size=config.min_replicas, use_async_quorum=True, timeout=timeout,
+                   min_replica_size=config.min_replicas, world_size_mode=mode, use_async_quorum=True, timeout=timeout,
                    quorum_timeout=timedelta(seconds=config.quorum_timeout), connect_timeout=timeout,
                    rank=rank, world_size=world_size, store_addr=store[0], store_port=store[1],
                    lighthouse_addr=config.lighthouse, replica_id=f"replica_group_{config.replica_group_id}")

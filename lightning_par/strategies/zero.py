@@ -41,9 +41,10 @@ class ZeroStrategy(FaultTolerantReplicas, MeshStrategy):
             micro-batch so that each rank keeps only its part between them (gradient memory ``1/N``, the
             reduction traffic once per micro-batch), instead of accumulating whole gradients and reducing once.
         fault_tolerance: fault-tolerant HSDP with torchft (``lightning_par.parallel.fault_tolerance``): this launch
-            is one replica group of ``{"replica_groups": R, "min_replicas": K, "lighthouse": "http://host:port",
-            "replica_group_id": G}`` (``lighthouse`` and ``replica_group_id`` default to ``$TORCHFT_LIGHTHOUSE`` and
-            ``$REPLICA_GROUP_ID``). FSDP2 shards over the group's ranks; gradients are averaged across the groups
+            is one replica group of ``{"replica_groups": R, "min_replicas": K, "spares": False, "lighthouse":
+            "http://host:port", "replica_group_id": G}`` (``lighthouse`` and ``replica_group_id`` default to
+            ``$TORCHFT_LIGHTHOUSE`` and ``$REPLICA_GROUP_ID``; ``spares``: keep the global batch at K groups, see
+            ``FaultTolerance``). FSDP2 shards over the group's ranks; gradients are averaged across the groups
             that are up, and a restarted group heals from the others. zero_stage=3 and replicate_size=1 only.
     """
 
