@@ -50,7 +50,7 @@ OPTION = {"replica_groups": 2, "min_replicas": 1, "lighthouse": "http://localhos
 ])
 def test_refused_before_any_process_group(arguments: dict, option: dict, message: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the first version does not support is a ValueError from the constructor, naming the value."""
+    """What fault tolerance cannot be combined with is a ValueError from the constructor, naming the value."""
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
     with pytest.raises(ValueError, match=message):
@@ -113,8 +113,9 @@ def finish(processes: list[subprocess.Popen], deadline: float) -> list[int]:
 
 
 def run_groups(out: Path, min_replicas: int, *args: str, wait: float = 150.0, restarts: int = 1,
-               ranks: int = 2) -> list[int]:
-    with lighthouse(min_replicas) as (_, address):
+               ranks: int = 2, quorum_of: int | None = None) -> list[int]:
+    """Both groups through one lighthouse; a quorum forms with ``quorum_of`` groups (by default ``min_replicas``)."""
+    with lighthouse(quorum_of or min_replicas) as (_, address):
         groups = [torchrun(out, ranks, "--min-replicas", str(min_replicas), *args, group=g, restarts=restarts,
                            TORCHFT_LIGHTHOUSE=address) for g in range(GROUPS)]
         return finish(groups, time.monotonic() + wait)
@@ -207,13 +208,12 @@ def test_group_killed_then_killed_again_while_healing(tmp_path: Path) -> None:
 
 @needs_torchft
 def test_spares_keep_the_global_batch(tmp_path: Path) -> None:
-    """``spares: true`` with min_replicas 1 of 2 groups (one rank each): every step averages one group's gradient
-    (the other trains along as a spare, contributing nothing), and both leave every step with the same weights and
-    optimizer states, although they read different samples."""
-    codes = run_groups(tmp_path, 1, "--steps", "8", "--spares", ranks=1, wait=120.0)
+    """``spares: true`` with min_replicas 1 of 2 groups (one rank each), both in every quorum (the lighthouse waits
+    for 2): every step averages one group's gradient (the other trains along as a spare, contributing nothing), and
+    both leave every step with the same weights and optimizer states, although they read different samples."""
+    codes = run_groups(tmp_path, 1, "--steps", "8", "--spares", ranks=1, quorum_of=2, wait=120.0)
     assert codes == [0, 0], logs(tmp_path)[-4000:]
     first, spare = result(tmp_path, "g0_r0_a0"), result(tmp_path, "g1_r0_a0")
-    # With min_replicas 1 the group that starts first may take the first step alone; the other then heals first.
     assert first["global_step"] == spare["global_step"] == 8
     assert all(s["participants"] == 1 for s in first["steps"] + spare["steps"])
     assert [s["loss"] for s in first["steps"]] != [s["loss"] for s in spare["steps"]]  # their own samples

@@ -35,7 +35,7 @@ __all__ = ["FaultTolerantReplicas", "check_fault_tolerance", "trainer_state"]
 
 
 def check_fault_tolerance(option: dict[str, Any] | None, config: ParallelConfig) -> ft.FaultTolerance | None:
-    """The ``fault_tolerance`` option resolved, or a ValueError naming what the first version does not support."""
+    """The ``fault_tolerance`` option resolved, or a ValueError naming what it cannot be combined with."""
     if option is None:
         return None
     if config.zero_stage != 3:

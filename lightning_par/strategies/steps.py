@@ -52,26 +52,29 @@ class StepsThroughTheHandle(ShardedCheckpoints):
         if self._bad_steps is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+
         def judged() -> Any:
             loss = closure()
-            self._judge_step(loss if isinstance(loss, Tensor) else None)
+            self._judge_step(loss if isinstance(loss, Tensor) else None, stepped)
             return loss
 
         return super().optimizer_step(optimizer, judged, model, **kwargs)
 
-    def _judge_step(self, loss: Tensor | None) -> None:
-        """Before the optimizer moves (``lightning_par/bad_steps.py``): a bad step's gradients are dropped, so no
-        optimizer moves and none of its states change, and the step-interval LR schedulers are held back for this
-        step, so the run goes on as if the batch had not been there (the step still counts toward ``max_steps``)."""
+    def _judge_step(self, loss: Tensor | None, stepped: set[int]) -> None:
+        """Before the optimizer moves (``lightning_par/bad_steps.py``): a bad step's gradients (of the parameters the
+        optimizer steps, ids in ``stepped``) are dropped, so it moves nothing and none of its states change, and the
+        step-interval LR schedulers are held back for this step, so the run goes on as if the batch had not been
+        there (the step still counts toward ``max_steps``)."""
         assert self._bad_steps is not None
         module = self.lightning_module
         trainer = module.trainer
+        named = [(name, p) for name, p in module.named_parameters() if id(p) in stepped and p.grad is not None]
         verdict = self._bad_steps.judge(
-            loss, [(name, p.grad) for name, p in module.named_parameters() if p.grad is not None],
-            trainer.global_step, device=self.root_device,
+            loss, [(name, p.grad) for name, p in named], trainer.global_step, device=self.root_device,
             last_checkpoint=self._fault_monitor.last_checkpoint if self._fault_monitor is not None else None)
         if verdict is not None:
-            for parameter in module.parameters():
+            for _, parameter in named:
                 parameter.grad = None
             self._hold_schedulers()
             rank_zero_warn(f"step {trainer.global_step} skipped: {verdict.reason}")
