@@ -151,11 +151,12 @@ class FaultTolerantReplicas:
         # What a group healing in this first quorum gets: at step 0 (torchft's init_sync: every group takes one group's
         # initial weights) the trainer's state before any batch, which the healing groups need not restore.
         self._trainer_state = trainer_state(trainer)
-        self._heal_applied_by_lightning = True  # a heal in the first quorum: its trainer part is restored below
+        # A heal in the first quorum (at step 0 inside first_quorum, or at the first batch's should_commit) has its
+        # trainer part restored below or not at all; a later heal is one in the middle of the run.
+        self._heal_applied_by_lightning = True
         self._quorum_ready, healed = ft.first_quorum(manager, self.root_device)  # type: ignore[attr-defined]
-        if healed is None:
-            self._heal_applied_by_lightning = False  # a later heal is one in the middle of the run
-        else:
+        self._heal_applied_by_lightning = healed is not None
+        if healed is not None:
             rank_zero_info(f"{type(self).__name__}: replica group {config.replica_group_id} heals at step "
                            f"{manager.current_step()} (the sender's global_step {healed.get('global_step')})")
             self._healed_trainer_state = healed
