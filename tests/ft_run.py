@@ -71,6 +71,20 @@ class Record(lightning.Callback):
             trainer.should_stop = True
 
 
+class MaskedLlamaLM(LlamaLM):
+    """The loss taken on the targets not divisible by 3 only, so that every rank's batch takes it on another number
+    of tokens (as prompt masking does): the groups' token totals differ and a plain average of their means would not
+    be HSDP's mean over all tokens."""
+
+    def loss_fn(self, logits, targets):
+        kept = self.loss_tokens(targets)
+        losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+        return (losses * (targets.flatten() % 3 != 0)).sum() / kept.clamp(min=1)
+
+    def loss_tokens(self, targets):
+        return (targets % 3 != 0).sum()
+
+
 def local(value):
     return value.to_local().detach().clone() if isinstance(value, DTensor) else value
 
@@ -107,7 +121,7 @@ def main() -> None:
                                 callbacks=[record, *checkpoints], logger=False, enable_checkpointing=bool(checkpoints),
                                 enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                                 limit_val_batches=0)
-    module = LlamaLM(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16, learning_rate=1e-2,
+    module = MaskedLlamaLM(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16, learning_rate=1e-2,
                      warmup_steps=2, max_steps=args.steps)
     # Global batch 2 samples x 4 data-parallel ranks; enough samples that a run stays in its first epoch.
     data = TokenDataModule(source="synthetic", vocab_size=64, seq_len=16, batch_size=2, num_samples=8 * args.steps)

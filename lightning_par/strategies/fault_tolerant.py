@@ -22,6 +22,7 @@ import traceback
 from typing import Any
 
 import lightning
+import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
@@ -29,6 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_par.config import ParallelConfig
+from lightning_par.parallel.data import global_tokens
 from lightning_par.parallel import fault_tolerance as ft
 
 __all__ = ["FaultTolerantReplicas", "check_fault_tolerance", "trainer_state"]
@@ -221,6 +223,20 @@ class FaultTolerantReplicas:
             return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         stepped = ft.StepThroughManager(optimizer, self._ft_optimizer, self._not_committed)
         return super().optimizer_step(stepped, closure, model, **kwargs)  # type: ignore[misc]
+
+    def _token_share(self, batch: Any) -> Any:
+        """For a model that means its loss over the tokens ``loss_tokens`` counts: this rank's share of the tokens of
+        every group taking part, not of its own group only (``parallel/data.py``'s ``token_share`` is over the group's
+        ranks; across groups the gradients are averaged, so the groups' token totals are too). One all-reduce of a
+        number over torchft's groups per step."""
+        count_tokens = getattr(self.lightning_module, "loss_tokens", None)  # type: ignore[attr-defined]
+        if self._ft_manager is None or count_tokens is None:
+            return super()._token_share(batch)  # type: ignore[misc]
+        count = count_tokens(self.lightning_module.split_batch(batch)[1])  # type: ignore[attr-defined]
+        mean_total = global_tokens(count, self.mesh)  # type: ignore[attr-defined]
+        self._ft_manager.allreduce(mean_total).wait()  # the mean of the participating groups' totals
+        share = count.to(torch.float64) * self.mesh.size("dp") / mean_total.clamp(min=1)  # type: ignore[attr-defined]
+        return share.to(torch.float32)
 
     def _not_committed(self) -> None:
         """A group failed inside this step and torchft did not apply it: like a skipped bad step, its batch is
