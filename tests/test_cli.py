@@ -18,9 +18,15 @@ REPO = Path(__file__).resolve().parents[1]
 # Every shipped config trains here, as it is (tests/test_slurm.py also trains hybrid3d as a two-node SLURM job;
 # tests/test_docs.py the fine-tuning configs, as the README runs them, on the model directory it makes first).
 CONFIGS = sorted(path.stem for path in (REPO / "configs").glob("*.yaml") if not path.stem.startswith("finetune_"))
-# The shipped config as it is, shortened: few steps, a small slice of the corpus.
+# The shipped config as it is, shortened: few steps, a small slice of the corpus (the streaming config prepares the
+# whole corpus once, in seconds, and streams it).
 SHORTENED = ["--trainer.max_steps=6", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=2",
-             "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", "--data.init_args.max_bytes=300000"]
+             "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false"]
+SMALL_CORPUS = ["--data.init_args.max_bytes=300000"]
+
+
+def _shortened(name: str) -> list[str]:
+    return SHORTENED + ([] if name.startswith("pretrain_streaming") else SMALL_CORPUS)
 
 
 def _devices(name: str) -> int:
@@ -42,7 +48,7 @@ def _run_configs(rank: int, world_size: int, names: list[str], root: str) -> dic
         directory.mkdir(parents=True, exist_ok=True)
         os.chdir(directory)
         try:
-            main(["fit", "--config", str(REPO / "configs" / f"{name}.yaml"), *SHORTENED])
+            main(["fit", "--config", str(REPO / "configs" / f"{name}.yaml"), *_shortened(name)])
             outcomes[name] = None
         except BaseException:  # noqa: BLE001 - SystemExit too: the command's way to fail
             outcomes[name] = traceback.format_exc()

@@ -4,7 +4,8 @@
 that resumes mid-epoch; ``datamodule`` adds the Lightning side, with exact sharding across data-parallel ranks;
 ``text`` and ``text_datamodule`` read local text for fine-tuning, tokenized with a model directory's tokenizer;
 ``instructions`` and ``instruction_datamodule`` prompt/response records and chats, the loss on the responses;
-``images`` synthetic labelled images for vision models.
+``images`` synthetic labelled images for vision models; ``prepare`` tokenizes a pretraining corpus once into token
+shards, which ``shards`` and ``streaming`` stream, each data-parallel replica reading its own share.
 The datamodules are imported lazily (PEP 562) so that the datasets work without Lightning.
 """
 
@@ -19,9 +20,11 @@ if TYPE_CHECKING:
     from lightning_par.data.datamodule import TokenDataModule
     from lightning_par.data.images import SyntheticImageDataModule
     from lightning_par.data.instruction_datamodule import InstructionDataModule
+    from lightning_par.data.streaming import StreamingTokenDataModule
     from lightning_par.data.text_datamodule import TextDataModule
 
-__all__ = ["SyntheticImageDataModule", "TokenDataModule", "TextDataModule", "InstructionDataModule", "ResumableDataLoader", "TokenWindowDataset", "SyntheticTokenDataset",
+__all__ = ["SyntheticImageDataModule", "TokenDataModule", "TextDataModule", "InstructionDataModule",
+           "StreamingTokenDataModule", "ResumableDataLoader", "TokenWindowDataset", "SyntheticTokenDataset",
            "load_stdlib_tokens"]
 
 
@@ -42,4 +45,8 @@ def __getattr__(name: str) -> Any:
         from lightning_par.data.instruction_datamodule import InstructionDataModule
 
         return InstructionDataModule
+    if name == "StreamingTokenDataModule":
+        from lightning_par.data.streaming import StreamingTokenDataModule
+
+        return StreamingTokenDataModule
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

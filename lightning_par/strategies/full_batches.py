@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 __all__ = ["drop_partial_last_batch"]
 
@@ -21,7 +21,8 @@ __all__ = ["drop_partial_last_batch"]
 def drop_partial_last_batch(loader: Any, log: Callable[[str], None]) -> Any:
     """The training ``loader`` with its partial last batch dropped (in place; see the module docstring), logged
     through ``log`` when there is one."""
-    batches = loader.batch_sampler if isinstance(loader, DataLoader) else None
+    batching_indices = isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset)
+    batches = loader.batch_sampler if batching_indices else None
     if type(batches) is not BatchSampler or batches.drop_last:
         return loader
     samples, batch_size = len(batches.sampler), batches.batch_size

@@ -1,0 +1,227 @@
+"""``StreamingTokenDataModule``: pretraining batches streamed from token shards prepared once
+(``lightning_par.data.prepare``), each data-parallel replica reading its own share, with memory and start-up time
+that do not grow with the corpus (docs/data.md).
+
+Every rank checks, in ``setup`` and before any batch: that each source was prepared to the end and that its shard
+files are whole; that every source was prepared with one tokenizer, the model's where it is known (``tokenizer=``,
+or the tokenizer saved in the model's pretrained directory); that the tokenizer's vocabulary fits the model's
+embedding; that a replica gets at least one batch. Every rank reads the same files, so every rank raises the same
+error before any collective.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any, Dict, List, Optional, Union
+
+import lightning.pytorch as pl
+from typing_extensions import override
+
+from lightning_par.data.datamodule import check_window_arguments
+from lightning_par.data.prepare import BYTES, PreparedData, is_prepared, load_document_tokenizer, read_prepared
+
+__all__ = ["StreamingTokenDataModule"]
+
+# What litdata reads as the world of the process it runs in: a prepare started from a rank of a run must not see it.
+_LITDATA_WORLD_VARIABLES = ("WORLD_SIZE", "GLOBAL_RANK", "NNODES", "RANK", "LOCAL_RANK")
+
+
+class StreamingTokenDataModule(pl.LightningDataModule):
+    """Next-token batches ``(batch_size, seq_len + 1)`` of int64 ids streamed from prepared token shards.
+
+    Args:
+        data_dir: a directory (or object-store URL) written by ``lightning-par prepare``, or a weighted mixture of
+            several: ``{directory: weight, ...}`` (weights positive, normalised; each batch's samples are drawn
+            from the sources with those probabilities).
+        seq_len: tokens per sample fed to the model; each sample holds ``seq_len + 1`` tokens.
+        batch_size: samples per batch on each data-parallel replica.
+        tokenizer: the tokenizer the model uses (a directory saved with ``save_pretrained``, or ``"bytes"``): the
+            shards must have been prepared with it. Default: the one saved in the model's pretrained directory,
+            else unchecked (the vocabulary still is).
+        shuffle: visit shard files and the windows inside them in a seeded random order, new every epoch.
+        seed: the seed of that order and of the mixture's draws.
+        num_workers: loader worker processes (0 reads in the training process: the shards are memory-mapped).
+        prepare_from: inputs to prepare ``data_dir`` from when it holds no prepared data yet (``"stdlib"``, files or
+            directories, as ``lightning-par prepare --input``), on global rank 0 while the other ranks wait.
+        val_fraction: with ``prepare_from``: the share of documents held out for validation.
+        text_field: with ``prepare_from``: the JSON field or column holding the text.
+        cache_dir: where litdata keeps the shards it downloads from an object store.
+    """
+
+    def __init__(
+        self,
+        data_dir: Union[str, Dict[str, float]],
+        seq_len: int = 128,
+        batch_size: int = 8,
+        tokenizer: Optional[str] = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+        prepare_from: Optional[Union[str, List[str]]] = None,
+        val_fraction: float = 0.0,
+        text_field: str = "text",
+        cache_dir: Optional[str] = None,
+    ) -> None:
+        check_window_arguments(seq_len=seq_len, batch_size=batch_size, val_fraction=val_fraction,
+                               num_workers=num_workers)
+        self.sources = _sources(data_dir)
+        if prepare_from is not None and len(self.sources) > 1:
+            raise ValueError(f"prepare_from prepares one directory, and data_dir is a mixture of {len(self.sources)}: "
+                             "prepare each source with `lightning-par prepare` (docs/data.md)")
+        if len(self.sources) > 1 and num_workers > 0:
+            raise ValueError(f"num_workers={num_workers} with a mixture of {len(self.sources)} sources: litdata's "
+                             "mixture resumes exactly only when read in the training process; use num_workers=0 "
+                             "(the shards are memory-mapped, docs/data.md 'Loader throughput')")
+        super().__init__()
+        self.save_hyperparameters()
+        # Global rank 0 prepares into a directory every node sees (a shared file system or an object store).
+        self.prepare_data_per_node = False
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.tokenizer, self.shuffle, self.seed, self.num_workers = tokenizer, shuffle, seed, num_workers
+        self.prepare_from, self.val_fraction, self.text_field = prepare_from, val_fraction, text_field
+        self.cache_dir = cache_dir
+        self.prepared: list[PreparedData] = []
+
+    # ------------------------------------------------------------------ preparing
+    @override
+    def prepare_data(self) -> None:
+        """With ``prepare_from``: prepare ``data_dir`` unless a finished prepare is there. In a process of its own,
+        since litdata's writer reads the world of the process it runs in."""
+        if self.prepare_from is None:
+            return
+        directory = next(iter(self.sources))
+        if is_prepared(directory):
+            return
+        inputs = [self.prepare_from] if isinstance(self.prepare_from, str) else list(self.prepare_from)
+        command = [sys.executable, "-m", "lightning_par.data.prepare", "--input", *inputs, "--output", directory,
+                   "--tokenizer", self._tokenizer_name(), "--val-fraction", str(self.val_fraction),
+                   "--text-field", self.text_field]
+        environment = {name: value for name, value in os.environ.items() if name not in _LITDATA_WORLD_VARIABLES}
+        result = subprocess.run(command, env=environment, capture_output=True, text=True)
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["no message"])[-1]
+            raise ValueError(f"preparing {directory!r} from {inputs} failed: {last}")
+
+    def _tokenizer_name(self) -> str:
+        if self.tokenizer is not None:
+            return self.tokenizer
+        pretrained = self._model_pretrained()
+        if pretrained is None:
+            raise ValueError(f"prepare_from needs tokenizer= (a directory with a saved tokenizer, or {BYTES!r}): the "
+                             "model has no pretrained directory to take it from")
+        return pretrained
+
+    # ------------------------------------------------------------------ checks
+    @override
+    def setup(self, stage: Optional[str] = None) -> None:
+        """Read and check every source (module docstring)."""
+        if self.prepared:
+            return
+        from lightning_par.data.shards import check_shard_files
+
+        prepared = [read_prepared(directory) for directory in self.sources]
+        for data in prepared:
+            for split in data.splits:
+                check_shard_files(data.split_url(split))
+        self._check_one_tokenizer(prepared)
+        self._check_the_models_tokenizer(prepared[0])
+        self._check_vocabulary(prepared[0])
+        self.prepared = prepared
+        if stage in (None, "fit") and len(self.train_dataloader()) == 0:
+            tokens = sum(data.tokens["train"] for data in prepared)
+            replicas, _ = self.data_parallel_world()
+            raise ValueError(f"data_dir {list(self.sources)} holds {tokens} training tokens: fewer than one batch of "
+                             f"{self.batch_size} samples of seq_len + 1 = {self.seq_len + 1} tokens for each of "
+                             f"{replicas} data-parallel replicas; give more text, or a smaller seq_len or batch_size")
+
+    def _check_one_tokenizer(self, prepared: list[PreparedData]) -> None:
+        first = prepared[0]
+        for data in prepared[1:]:
+            if data.tokenizer["fingerprint"] != first.tokenizer["fingerprint"]:
+                raise ValueError(f"the sources of the mixture were prepared with different tokenizers: "
+                                 f"{first.directory!r} with {first.tokenizer['name']!r}, {data.directory!r} with "
+                                 f"{data.tokenizer['name']!r}; prepare them with the model's")
+
+    def _check_the_models_tokenizer(self, prepared: PreparedData) -> None:
+        name = self.tokenizer or self._model_pretrained()
+        if name is None:
+            return
+        fingerprint = load_document_tokenizer(name).fingerprint
+        if fingerprint != prepared.tokenizer["fingerprint"]:
+            raise ValueError(f"{prepared.directory!r} was prepared with the tokenizer {prepared.tokenizer['name']!r}, "
+                             f"which gives other ids than the model's ({name!r}): prepare it again with "
+                             f"--tokenizer {name}")
+
+    def _check_vocabulary(self, prepared: PreparedData) -> None:
+        module = self._module()
+        config = getattr(module, "model_config", None) or getattr(module, "config", None)
+        model_vocab = getattr(config, "vocab_size", None)
+        vocab = prepared.tokenizer["vocab_size"]
+        if isinstance(model_vocab, int) and vocab > model_vocab:
+            raise ValueError(f"{prepared.directory!r} was prepared with the tokenizer {prepared.tokenizer['name']!r} of "
+                             f"{vocab} tokens, more than the model's vocab_size={model_vocab}: use the model's "
+                             "tokenizer, or a model with a vocabulary of at least that size")
+
+    def _module(self) -> Any:
+        return getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+
+    def _model_pretrained(self) -> Optional[str]:
+        module = self._module()
+        pretrained = getattr(module, "hparams", {}).get("pretrained") if module is not None else None
+        return None if pretrained is None else str(pretrained)
+
+    # ------------------------------------------------------------------ loaders
+    def data_parallel_world(self) -> tuple[int, int]:
+        """``(num_replicas, rank)`` of this process's data-parallel replica: the strategy's sampler arguments (the
+        data-parallel mesh under lightning_par's strategies, a replica group's share under fault tolerance)."""
+        strategy = getattr(self.trainer, "strategy", None) if self.trainer is not None else None
+        kwargs = getattr(strategy, "distributed_sampler_kwargs", None)
+        if not kwargs:
+            return 1, 0
+        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+
+    def _loader(self, split: str, *, shuffle: bool) -> Any:
+        from lightning_par.data.shards import ReplicaLoader, token_dataset, token_mixture
+
+        if not self.prepared:
+            self.setup(None)
+        replicas, rank = self.data_parallel_world()
+        sources = [(data, weight) for data, weight in zip(self.prepared, self.sources.values()) if split in data.splits]
+        datasets = [token_dataset(data.split_url(split), seq_len=self.seq_len, num_replicas=replicas, rank=rank,
+                                  shuffle=shuffle, seed=self.seed, cache_dir=self.cache_dir) for data, _ in sources]
+        dataset = datasets[0] if len(datasets) == 1 else token_mixture(datasets, [w for _, w in sources], seed=self.seed)
+        return ReplicaLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers,
+                             num_replicas=replicas, rank=rank)
+
+    @override
+    def train_dataloader(self) -> Any:
+        return self._loader("train", shuffle=self.shuffle)
+
+    @override
+    def val_dataloader(self) -> Any:
+        if not self.prepared:
+            self.setup(None)
+        if not any("val" in data.splits for data in self.prepared):
+            return []  # prepared without a validation split: no validation
+        return self._loader("val", shuffle=False)
+
+    @property
+    def document_separator(self) -> Optional[int]:
+        """The token that closes each document in the shards (the tokenizer's end-of-sequence token), once set up:
+        where ``HFCausalLM(packed_documents=True)`` keeps documents apart."""
+        return int(self.prepared[0].tokenizer["eos_token_id"]) if self.prepared else None
+
+
+def _sources(data_dir: Union[str, Dict[str, float]]) -> dict[str, float]:
+    """``{directory: weight}``: one directory weighs 1."""
+    if isinstance(data_dir, (str, os.PathLike)):
+        return {str(data_dir): 1.0}
+    if not isinstance(data_dir, dict) or not data_dir:
+        raise ValueError(f"data_dir={data_dir!r} must be a prepared directory or a mixture {{directory: weight, ...}}")
+    for directory, weight in data_dir.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ValueError(f"data_dir: the weight of {directory!r} is {weight!r}; weights must be positive numbers "
+                             "(they are normalised to sum to 1)")
+    return {str(directory): float(weight) for directory, weight in data_dir.items()}
