@@ -56,8 +56,10 @@ FORMAT = 1  # of lightning_par.json
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSON_SUFFIXES = (".json", ".jsonl")
 PARQUET_SUFFIXES = (".parquet",)
-_PIECE_BYTES = 32 << 20  # a JSON-lines piece: bounds a worker's memory, spreads one big file over the workers
 _PIECE_ROWS = 20_000  # a datasets piece
+# A JSON-lines piece is a quarter of a shard's bytes of text: litdata starts a shard file only between two items (a
+# piece's tokens), so shards stay near their size and a big file spreads over the workers and over many shards.
+_TEXT_PER_SHARD = 4
 _ENCODE_BATCH = 1024  # documents per tokenizer call
 _UINT16_VOCAB = 1 << 16
 
@@ -132,7 +134,7 @@ def load_document_tokenizer(tokenizer: str) -> DocumentTokenizer:
 
 
 # ----------------------------------------------------------------------------------------------- inputs
-def work_items(inputs: Sequence[str], *, text_field: str = "text") -> list[list[Any]]:
+def work_items(inputs: Sequence[str], *, text_field: str = "text", piece_bytes: int = 16 << 20) -> list[list[Any]]:
     """The pieces of work the inputs make, each ``[kind, path, start, stop]``: ``stdlib`` documents, a text file, a
     byte range of a JSON-lines file, a parquet row group, a row range of a ``save_to_disk`` dataset. Plain lists, as
     litdata keeps them in its checkpoint to resume an interrupted run. Raises ``ValueError`` naming a missing or
@@ -144,13 +146,13 @@ def work_items(inputs: Sequence[str], *, text_field: str = "text") -> list[list[
                          "directory written by datasets' save_to_disk")
     items: list[list[Any]] = []
     for entry in inputs:
-        items.extend(_items_of(str(entry), text_field))
+        items.extend(_items_of(str(entry), text_field, piece_bytes))
     if not items:
         raise ValueError(f"inputs {list(inputs)} hold no documents")
     return items
 
 
-def _items_of(entry: str, text_field: str) -> list[list[Any]]:
+def _items_of(entry: str, text_field: str, piece_bytes: int) -> list[list[Any]]:
     if entry == "stdlib":
         from lightning_par.data.corpus import list_stdlib_documents
 
@@ -166,12 +168,12 @@ def _items_of(entry: str, text_field: str) -> list[list[Any]]:
         if not files:
             raise ValueError(f"input directory {entry!r} holds no {', '.join(TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES)} "
                              "file and was not written by datasets' save_to_disk")
-        return [item for file in files for item in _items_of(str(file), text_field)]
+        return [item for file in files for item in _items_of(str(file), text_field, piece_bytes)]
     if path.suffix in TEXT_SUFFIXES:
         return [["text", str(path), 0, 0]]
     if path.suffix in JSON_SUFFIXES:
         size = path.stat().st_size
-        return [["jsonl", str(path), start, min(start + _PIECE_BYTES, size)] for start in range(0, size, _PIECE_BYTES)]
+        return [["jsonl", str(path), start, min(start + piece_bytes, size)] for start in range(0, size, piece_bytes)]
     if path.suffix in PARQUET_SUFFIXES:
         import pyarrow.parquet as pq
 
@@ -305,8 +307,11 @@ def prepare(inputs: Sequence[str] | str, output_dir: str, tokenizer: str, *, val
         raise ValueError(f"val_fraction={val_fraction!r} must be in [0, 1)")
     if num_workers is not None and num_workers < 1:
         raise ValueError(f"num_workers={num_workers!r} must be at least 1")
+    from litdata.utilities.format import _convert_bytes_to_int
+
     document_tokenizer = load_document_tokenizer(tokenizer)
-    items = work_items(inputs, text_field=text_field)
+    items = work_items(inputs, text_field=text_field,
+                       piece_bytes=max(1, _convert_bytes_to_int(chunk_bytes) // _TEXT_PER_SHARD))
     settings = {"inputs": [str(entry) for entry in ([inputs] if isinstance(inputs, str) else inputs)],
                 "val_fraction": val_fraction, "text_field": text_field}
     store = _Store(output_dir)

@@ -1,0 +1,326 @@
+"""Pretraining data streamed from token shards prepared once (lightning_par.data.prepare, .shards, .streaming):
+what prepare writes, each data-parallel replica's share, exact resume (also on another data-parallel size),
+mixtures, every bad input refused, and training on streamed shards against one process on the same tokens in memory
+under dp2, tp2, cp2 and pp2 x dp2, on the reference model and a Hugging Face model with packed documents."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import re
+import warnings
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning
+import numpy as np
+import pytest
+import torch
+from harness import run_distributed
+from parity import ParityRun, assert_parity, reference_run
+
+pytest.importorskip("litdata")
+
+from lightning_par.data.corpus import is_validation_document, list_stdlib_documents  # noqa: E402
+from lightning_par.data.prepare import ByteTokenizer, load_document_tokenizer, prepare, read_prepared  # noqa: E402
+
+SEQ_LEN = 32  # a multiple of 4: ring attention over cp=2 cuts it into 4 chunks
+BATCH = 4
+STEPS = 20
+
+
+# ------------------------------------------------------------------------------------------------ corpora
+def _documents(total_bytes: int, seed: int = 0) -> list[str]:
+    """Pieces of the standard library's sources, 100 to 1,500 characters each."""
+    rng = random.Random(seed)
+    text = "".join(path.read_text(errors="replace") for _, path in list_stdlib_documents()[:40])[:total_bytes]
+    documents, start = [], 0
+    while start < len(text):
+        length = rng.randrange(100, 1500)
+        documents.append(text[start:start + length].replace("\0", " "))
+        start += length
+    return documents
+
+
+def _write_jsonl(path: Path, documents: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": document}) + "\n" for document in documents))
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Byte shards of ~150 KB of text (train and val), tiny ones for resuming, two sources for mixtures, and shards
+    of proverbs with a Hugging Face tokenizer beside its model."""
+    from hf_directories import LINES, make_model_directory
+
+    root = tmp_path_factory.mktemp("streaming")
+    documents = _documents(150_000)
+    paths = {"documents": str(_write_jsonl(root / "documents.jsonl", documents))}
+    prepare(paths["documents"], str(root / "bytes"), "bytes", val_fraction=0.1, num_workers=2, chunk_bytes="16KB",
+            verbose=False)
+    prepare(_write_jsonl(root / "small.jsonl", _documents(2_800, seed=1)).as_posix(), str(root / "small"), "bytes",
+            num_workers=1, chunk_bytes="1KB", verbose=False)
+    for name, letter in (("a", "a"), ("b", "b")):  # a source's windows hold its own letter only
+        source = _write_jsonl(root / f"{name}.jsonl", [letter * random.Random(i).randrange(50, 200) for i in range(300)])
+        prepare(str(source), str(root / f"source-{name}"), "bytes", num_workers=1, chunk_bytes="4KB", verbose=False)
+    model = make_model_directory(root / "model", "llama-tied")
+    proverbs = _write_jsonl(root / "proverbs.jsonl", LINES * 40)
+    prepare(str(proverbs), str(root / "proverbs"), str(model), num_workers=1, chunk_bytes="2KB", verbose=False)
+    return {**paths, "root": str(root), "bytes": str(root / "bytes"), "small": str(root / "small"),
+            "a": str(root / "source-a"), "b": str(root / "source-b"), "model": str(model),
+            "proverbs": str(root / "proverbs"), "proverbs_jsonl": str(proverbs)}
+
+
+def _shard_tokens(split_dir: str) -> np.ndarray:
+    """Every token of a split, in shard order, read from the shard files as litdata lays them out (a header of
+    1 + items + 1 uint32, then the items' tokens)."""
+    index = json.loads(Path(split_dir, "index.json").read_text())
+    dtype = np.uint16 if index["config"]["data_format"] == ["no_header_tensor:20"] else np.int32
+    pieces = []
+    for chunk in index["chunks"]:
+        data = Path(split_dir, chunk["filename"]).read_bytes()
+        pieces.append(np.frombuffer(data[(chunk["chunk_size"] + 2) * 4:], dtype=dtype))
+    return np.concatenate(pieces)
+
+
+def _split_documents(tokens: np.ndarray, eos: int) -> list[tuple[int, ...]]:
+    ends = np.flatnonzero(tokens == eos)
+    return [tuple(piece.tolist()) for piece in np.split(tokens, ends + 1) if len(piece)]
+
+
+# ------------------------------------------------------------------------------------------------ prepare
+def test_prepare_writes_every_document_once_closed_by_eos(corpora: dict[str, str]) -> None:
+    """Each document's tokens and EOS, in the split its place decides, nothing lost or doubled (sorted multisets);
+    uint16 for a vocabulary of 256; the metadata written last names the tokenizer and counts the tokens."""
+    documents = [json.loads(line)["text"] for line in Path(corpora["documents"]).read_text().splitlines()]
+    offsets = np.cumsum([0] + [len(line) + 1 for line in Path(corpora["documents"]).read_bytes().split(b"\n")[:-1]])
+    expected: dict[str, list] = {"train": [], "val": []}
+    for document, offset in zip(documents, offsets):
+        split = "val" if is_validation_document(f"{corpora['documents']}:{offset}", 0.1) else "train"
+        expected[split].append(tuple(ByteTokenizer().encode([document])[0]))
+    prepared = read_prepared(corpora["bytes"])
+    assert prepared.dtype == "uint16" and prepared.tokenizer["fingerprint"] == ByteTokenizer.fingerprint
+    assert 0 < len(expected["val"]) < len(expected["train"])
+    for split in ("train", "val"):
+        tokens = _shard_tokens(os.path.join(corpora["bytes"], split))
+        assert tokens.dtype == np.uint16 and prepared.tokens[split] == len(tokens)
+        assert sorted(_split_documents(tokens, 0)) == sorted(expected[split]), split
+    index = json.loads(Path(corpora["bytes"], "train", "index.json").read_text())
+    assert len(index["chunks"]) >= 8  # a big file spreads over many shards
+
+
+def test_prepare_with_a_hugging_face_tokenizer_encodes_as_it_does(corpora: dict[str, str]) -> None:
+    """Each record as the tokenizer encodes a text (its special tokens included), closed by its EOS."""
+    from hf_directories import LINES
+
+    tokenizer = load_document_tokenizer(corpora["model"])
+    tokens = _shard_tokens(os.path.join(corpora["proverbs"], "train"))
+    documents = _split_documents(tokens, tokenizer.eos_token_id)
+    expected = [(*tokenizer.tokenizer(line)["input_ids"], tokenizer.eos_token_id) for line in LINES * 40]
+    assert sorted(documents) == sorted(expected)
+
+
+def test_prepare_keeps_what_is_finished_and_refuses_to_overwrite(corpora: dict[str, str], tmp_path: Path) -> None:
+    """Prepared again with the same inputs: kept as it is. With another tokenizer: refused. A prepare that stopped
+    after its training split: the next one writes the validation split only."""
+    output = tmp_path / "out"
+    prepare(corpora["documents"], str(output), "bytes", val_fraction=0.1, chunk_bytes="16KB", verbose=False)
+    train_files = {p.name: p.stat().st_mtime_ns for p in (output / "train").iterdir()}
+    assert prepare(corpora["documents"], str(output), "bytes", val_fraction=0.1, chunk_bytes="16KB",
+                   verbose=False).tokens == read_prepared(corpora["bytes"]).tokens
+    with pytest.raises(ValueError, match="already holds data prepared from .* with the tokenizer 'bytes'"):
+        prepare(corpora["documents"], str(output), corpora["model"], val_fraction=0.1, verbose=False)
+    (output / "lightning_par.json").unlink()
+    for path in (output / "val").iterdir():
+        path.unlink()
+    with pytest.raises(ValueError, match="a prepare started there did not finish: run it again to resume it"):
+        read_prepared(str(output))
+    prepare(corpora["documents"], str(output), "bytes", val_fraction=0.1, chunk_bytes="16KB", verbose=False)
+    assert {p.name: p.stat().st_mtime_ns for p in (output / "train").iterdir()} == train_files
+    assert read_prepared(str(output)).tokens == read_prepared(corpora["bytes"]).tokens
+
+
+# ------------------------------------------------------------------------------------------------ streaming
+def _replica(data_dir, replicas: int = 1, rank: int = 0, module=None, **kwargs):
+    """The data module as data-parallel rank ``rank`` of ``replicas`` sets it up (the strategy's sampler
+    arguments, as lightning_par's strategies give them), set up."""
+    from lightning_par.data import StreamingTokenDataModule
+
+    data = StreamingTokenDataModule(data_dir, **{"seq_len": SEQ_LEN, "batch_size": BATCH, **kwargs})
+    data.trainer = SimpleNamespace(strategy=SimpleNamespace(
+        distributed_sampler_kwargs={"num_replicas": replicas, "rank": rank}), lightning_module=module)
+    data.setup("fit")
+    return data
+
+
+def _samples(batches) -> list[bytes]:
+    return [row.numpy().astype(np.uint16).tobytes() for batch in batches for row in batch]
+
+
+def _all_windows(split_dir: str, seq_len: int = SEQ_LEN) -> list[bytes]:
+    """Every window the shards hold: each shard's tokens cut into seq_len + 1 from its start."""
+    index = json.loads(Path(split_dir, "index.json").read_text())
+    windows = []
+    for chunk in index["chunks"]:
+        data = Path(split_dir, chunk["filename"]).read_bytes()
+        tokens = np.frombuffer(data[(chunk["chunk_size"] + 2) * 4:], dtype=np.uint16)
+        windows += [tokens[i:i + seq_len + 1].tobytes() for i in range(0, len(tokens) - seq_len, seq_len + 1)]
+    return windows
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_each_replica_reads_its_own_share_and_together_the_corpus(corpora: dict[str, str], workers: int) -> None:
+    """Over an epoch, the replicas' samples are disjoint and their union is every window of the shards less the
+    fewer than replicas x batch_size that do not fill a last global batch; two loaders of one replica (its tensor or
+    pipeline ranks) read the same samples in the same order; every replica has the same number of batches."""
+    windows = Counter(_all_windows(os.path.join(corpora["bytes"], "train")))  # source code repeats some windows
+    for replicas in (1, 2, 3):
+        shares = []
+        for rank in range(replicas):
+            loaders = [_replica(corpora["bytes"], replicas, rank, num_workers=workers).train_dataloader()
+                       for _ in range(2)]
+            first, second = (list(loader) for loader in loaders)
+            assert len(first) == len(loaders[0]) and all(torch.equal(a, b) for a, b in zip(first, second))
+            assert all(batch.dtype == torch.int64 and batch.shape == (BATCH, SEQ_LEN + 1) for batch in first)
+            shares.append(_samples(first))
+        assert len({len(share) for share in shares}) == 1
+        union = Counter(sample for share in shares for sample in share)
+        assert union <= windows  # no window read twice
+        total = windows.total()
+        assert total - union.total() == total % (replicas * BATCH), replicas
+
+
+def _resumed(data_dir: str, replicas: int, state: dict | None, workers: int, batches: int | None = None,
+             **kwargs) -> tuple[list[list[bytes]], dict]:
+    """Each replica's loader, resumed from ``state`` (one per replica) when given, read for ``batches`` (or to its
+    epoch's end); returns the samples of each replica and each replica's state after them."""
+    samples, states = [], []
+    for rank in range(replicas):
+        loader = _replica(data_dir, replicas, rank, num_workers=workers, **kwargs).train_dataloader()
+        if state is not None:
+            loader.load_state_dict(state[rank] if isinstance(state, list) else state)
+        read = []
+        for batch in loader:
+            read.append(batch)
+            if batches is not None and len(read) == batches:
+                break
+        samples.append(_samples(read))
+        states.append(loader.state_dict())
+    return samples, states
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resumed_loader_continues_at_the_next_sample(corpora: dict[str, str], workers: int) -> None:
+    """Stopped mid-epoch and resumed from its state: the rest of the epoch and the next epoch, bitwise, also when
+    the resumed run is stopped and resumed once more; an epoch that ends at len(loader) (as Lightning ends it) ends
+    the resumed state too."""
+    data_dir = corpora["small"]
+    whole = [_replica(data_dir, 2, rank, num_workers=workers).train_dataloader() for rank in range(2)]
+    epochs = [[_samples(list(loader)) for loader in whole] for _ in range(2)]
+    length = len(whole[0])
+    assert length >= 6
+    first, states = _resumed(data_dir, 2, None, workers, batches=2)
+    second, states = _resumed(data_dir, 2, states, workers, batches=2)
+    rest = []
+    for rank in range(2):
+        loader = _replica(data_dir, 2, rank, num_workers=workers).train_dataloader()
+        loader.load_state_dict(states[rank])
+        rest.append(_samples(list(loader)) + [None] + _samples(list(loader)))
+    for rank in range(2):
+        assert first[rank] + second[rank] + rest[rank] == epochs[0][rank] + [None] + epochs[1][rank], rank
+
+
+def test_resuming_on_another_data_parallel_size_reads_the_rest_of_the_epoch(corpora: dict[str, str]) -> None:
+    """2 replicas stop after 3 batches each (24 samples); 4 replicas (a global batch of 16) resume after the last
+    whole global batch, 16: 8 samples are read again, none is skipped, and it says so; at 32 samples (a whole number
+    of global batches) nothing is read again. The samples of the epoch are those of an uninterrupted one, less the
+    remainder that does not fill a global batch."""
+    data_dir = corpora["small"]
+    windows = Counter(_all_windows(os.path.join(data_dir, "train")))
+    for batches, repeated in ((3, 8), (4, 0)):
+        before, states = _resumed(data_dir, 2, None, 0, batches=batches)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            after, _ = _resumed(data_dir, 4, states[0], 0)
+        said = [str(w.message) for w in caught if "read again" in str(w.message)]
+        assert (f"{repeated} samples are read again" in said[0]) if repeated else not said, said
+        consumed = Counter(sample for share in before for sample in share)
+        resumed = Counter(sample for share in after for sample in share)
+        assert resumed <= windows
+        assert ((consumed + resumed) - windows).total() == repeated
+        assert (windows - consumed - resumed).total() < 4 * BATCH
+
+
+def test_a_mixture_follows_its_weights_and_resumes_exactly(corpora: dict[str, str]) -> None:
+    """Weights 3:1 over two sources whose windows are all 'a' or all 'b': over the mixture's epoch the share of 'a'
+    is 0.75 within 4 standard errors, the replicas read the same source at each position (one draw sequence) and
+    different samples; a mixture resumed from its state continues bitwise."""
+    mixture = {corpora["a"]: 3.0, corpora["b"]: 1.0}
+    loaders = [_replica(mixture, 2, rank, seq_len=8, batch_size=2).train_dataloader() for rank in range(2)]
+    epochs = [list(loader) for loader in loaders]
+    assert len(epochs[0]) == len(epochs[1])
+    letters = [[chr(int(sample.max())) for batch in epoch for sample in batch] for epoch in epochs]  # EOS is 0
+    assert letters[0] == letters[1]
+    samples = len(letters[0])
+    share = letters[0].count("a") / samples
+    assert samples > 300 and abs(share - 0.75) < 4 * (0.75 * 0.25 / samples) ** 0.5, (share, samples)
+    first, states = _resumed(mixture, 2, None, 0, batches=5, seq_len=8, batch_size=2)
+    rest, _ = _resumed(mixture, 2, states, 0, seq_len=8, batch_size=2)
+    for rank in range(2):
+        assert first[rank] + rest[rank] == _samples(epochs[rank])
+    with pytest.raises(ValueError, match="litdata resumes a weighted mixture only on the same"):
+        _resumed(mixture, 4, states[0], 0, seq_len=8, batch_size=2)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def _copy(source: str, destination: Path) -> str:
+    import shutil
+
+    shutil.copytree(source, destination)
+    return str(destination)
+
+
+def _llama(vocab_size: int = 256):
+    from lightning_par.models import LlamaLM
+
+    return LlamaLM(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ_LEN)
+
+
+def test_bad_inputs_are_refused_with_the_file_or_value(corpora: dict[str, str], tmp_path: Path) -> None:
+    """A missing or truncated shard, an unprepared directory, shards of another tokenizer than the model's, a
+    vocabulary larger than the model's, a mixture of two tokenizers, a weight that is not positive, a mixture read
+    by workers, too little text: each refused with the file or value, in set-up, before any batch."""
+    from lightning_par.data import StreamingTokenDataModule
+
+    copy = _copy(corpora["bytes"], tmp_path / "copy")
+    shard = sorted(Path(copy, "train").glob("*.bin"))[3]
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"the shard '{shard}' holds 100 bytes where its index.json records"):
+        _replica(copy)
+    shard.unlink()
+    with pytest.raises(ValueError, match=f"the shard '{shard}' is missing"):
+        _replica(copy)
+    with pytest.raises(ValueError, match=re.escape(f"'{tmp_path}' holds no prepared data (no lightning_par.json): "
+                                                   "prepare it with `lightning-par prepare")):
+        _replica(str(tmp_path))
+    with pytest.raises(ValueError, match=r"was prepared with the tokenizer 'bytes', which gives other ids than the "
+                                         r"model's \('.*model'\): prepare it again with --tokenizer"):
+        _replica(corpora["bytes"], tokenizer=corpora["model"])
+    hf_model = SimpleNamespace(hparams={"pretrained": corpora["model"]}, model_config=SimpleNamespace(vocab_size=64))
+    with pytest.raises(ValueError, match="which gives other ids than the model's"):
+        _replica(corpora["bytes"], module=hf_model)
+    with pytest.raises(ValueError, match="of 256 tokens, more than the model's vocab_size=128"):
+        _replica(corpora["bytes"], module=_llama(vocab_size=128))
+    with pytest.raises(ValueError, match="the sources of the mixture were prepared with different tokenizers"):
+        _replica({corpora["bytes"]: 1.0, corpora["proverbs"]: 1.0})
+    for weight in (0, -1.0, "x"):
+        with pytest.raises(ValueError, match=f"the weight of 'b' is {weight!r}; weights must be positive"):
+            StreamingTokenDataModule({"a": 1.0, "b": weight})
+    with pytest.raises(ValueError, match="num_workers=2 with a mixture of 2 sources"):
+        StreamingTokenDataModule({corpora["a"]: 1.0, corpora["b"]: 1.0}, num_workers=2)
+    with pytest.raises(ValueError, match="holds 2.* training tokens: fewer than one batch of 4 samples of seq_len "
+                                         "\\+ 1 = 1025 tokens for each of 2 data-parallel replicas"):
+        _replica(corpora["small"], 2, 0, seq_len=1024)
