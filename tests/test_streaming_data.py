@@ -231,6 +231,22 @@ def test_a_resumed_loader_continues_at_the_next_sample(corpora: dict[str, str], 
         rest.append(_samples(list(loader)) + [None] + _samples(list(loader)))
     for rank in range(2):
         assert first[rank] + second[rank] + rest[rank] == epochs[0][rank] + [None] + epochs[1][rank], rank
+    # In the second epoch: saved twice, once before any batch was drawn since the load.
+    later = []
+    for rank in range(2):
+        loader = _replica(data_dir, 2, rank, num_workers=workers).train_dataloader()
+        list(loader)  # the first epoch
+        read = _samples([batch for _, batch in zip(range(2), loader)])
+        for batches in (0, 1, None):
+            state = loader.state_dict()
+            loader = _replica(data_dir, 2, rank, num_workers=workers).train_dataloader()
+            loader.load_state_dict(state)
+            if batches is None:
+                read += _samples(list(loader))
+            elif batches:
+                read += _samples([batch for _, batch in zip(range(batches), loader)])
+        later.append(read)
+    assert later == epochs[1]
 
 
 def test_resuming_on_another_data_parallel_size_reads_the_rest_of_the_epoch(corpora: dict[str, str]) -> None:
@@ -286,7 +302,8 @@ def _copy(source: str, destination: Path) -> str:
 def _llama(vocab_size: int = 256):
     from lightning_par.models import LlamaLM
 
-    return LlamaLM(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ_LEN)
+    return LlamaLM(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ_LEN,
+                   max_steps=STEPS)
 
 
 def test_bad_inputs_are_refused_with_the_file_or_value(corpora: dict[str, str], tmp_path: Path) -> None:
@@ -324,3 +341,176 @@ def test_bad_inputs_are_refused_with_the_file_or_value(corpora: dict[str, str], 
     with pytest.raises(ValueError, match="holds 2.* training tokens: fewer than one batch of 4 samples of seq_len "
                                          "\\+ 1 = 1025 tokens for each of 2 data-parallel replicas"):
         _replica(corpora["small"], 2, 0, seq_len=1024)
+
+
+# ------------------------------------------------------------------------------------------------ training
+class InMemoryWindows(lightning.LightningDataModule):
+    """The reference's data: the windows the replicas stream, each taken from the corpus tokenized in memory (found
+    there by its tokens), in the order of the global batches: step by step, replica by replica."""
+
+    def __init__(self, samples: list[torch.Tensor], batch_size: int, separator: int) -> None:
+        super().__init__()
+        self.samples, self.batch_size, self.shuffle, self.document_separator = samples, batch_size, False, separator
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.samples, batch_size=self.batch_size)
+
+
+def _in_memory(data_dir: str, documents: list[str], tokenizer: str, replicas: int, steps: int) -> InMemoryWindows:
+    """The replicas' first ``steps`` batches, each sample found in the tokens of ``documents`` (the training split's,
+    in their order) encoded in memory, and taken from there."""
+    encoder = load_document_tokenizer(tokenizer)
+    stream = np.asarray([token for ids in encoder.encode(documents) for token in ids], dtype=np.uint16).tobytes()
+    loaders = [iter(_replica(data_dir, replicas, rank).train_dataloader()) for rank in range(replicas)]
+    samples = []
+    for _ in range(steps):
+        for loader in loaders:
+            for row in next(loader):
+                offset = stream.find(row.numpy().astype(np.uint16).tobytes())
+                while offset % 2:  # a match must start on a token
+                    offset = stream.find(row.numpy().astype(np.uint16).tobytes(), offset + 1)
+                assert offset >= 0, "a streamed window is not in the corpus tokenized in memory"
+                start = offset // 2
+                samples.append(torch.from_numpy(np.frombuffer(stream, dtype=np.uint16)[start:start + SEQ_LEN + 1]
+                                                .astype(np.int64)))
+    return InMemoryWindows(samples, BATCH, encoder.eos_token_id)
+
+
+def _training_documents(corpora: dict[str, str], name: str) -> list[str]:
+    """The documents of the training split of ``name``'s source, in their order."""
+    source = corpora["documents" if name == "bytes" else "proverbs_jsonl"]
+    val_fraction = read_prepared(corpora[name]).settings["val_fraction"]
+    documents, offset = [], 0
+    for line in Path(source).read_bytes().split(b"\n")[:-1]:
+        if not (val_fraction and is_validation_document(f"{source}:{offset}", val_fraction)):
+            documents.append(json.loads(line)["text"])
+        offset += len(line) + 1
+    return documents
+
+
+def _hf_model(directory: str):
+    from lightning_par.models import HFCausalLM
+
+    return HFCausalLM(pretrained=directory, packed_documents=True, learning_rate=1e-3, warmup_steps=2, max_steps=STEPS)
+
+
+def _streamed(data_dir: str, **kwargs):
+    from lightning_par.data import StreamingTokenDataModule
+
+    return StreamingTokenDataModule(data_dir, **{"seq_len": SEQ_LEN, "batch_size": BATCH, **kwargs})
+
+
+def _hybrid(**sizes):
+    from lightning_par.strategies import Hybrid3DStrategy
+
+    return Hybrid3DStrategy(**sizes)
+
+
+# name: (world size, source, model, layout)
+LAYOUTS = {
+    "dp2": (2, "bytes", "llama", dict(data_parallel_size=2)),
+    "tp2-hf-packed": (2, "proverbs", "hf", dict(tensor_parallel_size=2, sequence_parallel=True)),
+    "cp2-hf-packed": (2, "proverbs", "hf", dict(context_parallel_size=2, context_parallel_method="ring")),
+    "pp2xdp2": (4, "bytes", "llama", dict(pipeline_parallel_size=2, data_parallel_size=2, microbatches=2)),
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_training_on_streamed_shards_matches_one_process_on_the_same_tokens_in_memory(corpora: dict[str, str],
+                                                                                     world_size: int) -> None:
+    """20 AdamW steps of each layout on streamed shards against one process on the same windows of the corpus
+    tokenized in memory, in the global batches the replicas' shares make: the reference model on byte shards
+    under dp2 and pp2 x dp2, a Hugging Face Llama with packed documents (its masks from the shards' EOS) under tp2
+    with sequence parallel and under cp2 (ring attention)."""
+    from parity import layout_runs
+
+    models = {"llama": _llama, "hf": functools.partial(_hf_model, corpora["model"])}
+    cases = {name: case for name, case in LAYOUTS.items() if case[0] == world_size}
+    runs = {name: (models[model], functools.partial(_streamed, corpora[source]), functools.partial(_hybrid, **sizes))
+            for name, (_, source, model, sizes) in cases.items()}
+    results = layout_runs(runs, world_size=world_size, steps=STEPS, timeout=900)
+    for name, (_, source, model, sizes) in cases.items():
+        replicas = sizes.get("data_parallel_size", 1)
+        memory = _in_memory(corpora[source], _training_documents(corpora, source),
+                            corpora["model"] if model == "hf" else "bytes", replicas, STEPS)
+        expected = reference_run(models[model], lambda memory=memory: memory, dp=replicas, steps=STEPS)
+        loss_error, weight_error = assert_parity(results[name], expected, rtol=1e-5,
+                                                 weight_atol=1e-3 * 1e-3 * STEPS if model == "hf" else None)
+        print(f"{name}: loss {loss_error:.1e}, weights {weight_error:.1e}")
+
+
+class RecordSamples(lightning.Callback):
+    """The samples of every batch this rank trains on, and its losses."""
+
+    def __init__(self) -> None:
+        self.samples: list[bytes] = []
+        self.losses: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.samples += _samples([batch])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+class KilledAt(lightning.Callback):
+    """Every rank fails at the end of step ``step``, as a run whose processes are killed there."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"killed at step {self.step}")
+
+
+def _fit_streamed(rank: int, world_size: int, data_dir: str, directory: str, *, seed: int, workers: int,
+                  ckpt_path: str | None = None, killed_at: int | None = None, max_steps: int = -1,
+                  max_epochs: int | None = None) -> dict:
+    """Data parallel over every rank, a checkpoint every 3 steps; what each rank trained on."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(seed)
+    record = RecordSamples()
+    callbacks = [record, ModelCheckpoint(dirpath=directory, every_n_train_steps=3, save_top_k=-1)]
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy="data_parallel", max_steps=max_steps,
+                                max_epochs=max_epochs, callbacks=callbacks + ([KilledAt(killed_at)] if killed_at else []),
+                                logger=False, enable_progress_bar=False, enable_model_summary=False,
+                                num_sanity_val_steps=0, limit_val_batches=0)
+    try:
+        trainer.fit(_llama(), datamodule=_streamed(data_dir, num_workers=workers), ckpt_path=ckpt_path)
+    except RuntimeError as error:
+        assert f"killed at step {killed_at}" in str(error)
+    return {"samples": record.samples, "losses": record.losses, "step": trainer.global_step,
+            "epoch_batches": len(trainer.train_dataloader),
+            "state": trainer.strategy.consolidated_state_dict() if killed_at is None else None}
+
+
+def test_a_killed_run_resumes_at_the_next_sample_bitwise_and_on_another_data_parallel_size(
+        corpora: dict[str, str], tmp_path: Path) -> None:
+    """2 replicas, 14 steps across an epoch's end; a run killed at step 7 and resumed from its step-6 checkpoint
+    (another seed) trains the same samples, losses and weights, bitwise (loader workers, which the test's ranks
+    cannot start, are resumed in the test of the loader above). The same checkpoint
+    resumed on 1 replica reads the rest of the epoch: with the 48 samples before it, every window of the epoch once,
+    but for the last ones that do not fill a global batch."""
+    data_dir = corpora["small"]
+    whole = run_distributed(_fit_streamed, 2, data_dir, str(tmp_path / "whole"), seed=0, workers=0, max_steps=14)
+    assert whole[0]["epoch_batches"] < 14  # the epoch ends inside the run
+    run_distributed(_fit_streamed, 2, data_dir, str(tmp_path / "killed"), seed=0, workers=0, killed_at=7,
+                    max_steps=14)
+    checkpoint = str(tmp_path / "killed" / "epoch=0-step=6.ckpt")
+    resumed = run_distributed(_fit_streamed, 2, data_dir, str(tmp_path / "resumed"), seed=1, workers=0,
+                              ckpt_path=checkpoint, max_steps=14)
+    for rank in range(2):
+        assert resumed[rank]["samples"] == whole[rank]["samples"][6 * BATCH:], rank
+        assert resumed[rank]["losses"] == whole[rank]["losses"][6:], rank
+    for name, tensor in whole[0]["state"].items():
+        assert torch.equal(resumed[0]["state"][name], tensor), name
+
+    (one,) = run_distributed(_fit_streamed, 1, data_dir, str(tmp_path / "one"), seed=1, workers=0,
+                             ckpt_path=checkpoint, max_epochs=1)
+    consumed = Counter(sample for rank in range(2) for sample in whole[rank]["samples"][:6 * BATCH])
+    rest = Counter(one["samples"])
+    windows = Counter(_all_windows(os.path.join(data_dir, "train")))
+    assert one["samples"] and (consumed + rest) <= windows  # nothing read twice
+    assert (windows - consumed - rest).total() < 2 * BATCH  # nothing skipped but the last partial global batch
