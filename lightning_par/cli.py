@@ -1,5 +1,6 @@
 """The ``lightning-par`` command: fit, validate, test and predict through LightningCLI (``cli_classes.py``), with
-every lightning_par strategy name registered; ``plan`` (the layout planner) and ``check`` (a dry run).
+every lightning_par strategy name registered; ``plan`` (the layout planner), ``check`` (a dry run), ``verify`` (a
+layout against one process) and ``prepare`` (a pretraining corpus tokenized once into shards, docs/data.md).
 
     lightning-par fit --config configs/data_parallel.yaml
     lightning-par validate --config configs/data_parallel.yaml --ckpt_path lightning_logs/.../last.ckpt
@@ -44,6 +45,11 @@ def main(args: Any = None) -> None:
         from lightning_par.cli_check import main as check
 
         _one_line_errors(check, argv[1:], verbose)
+        return
+    if argv[:1] == ["prepare"]:
+        from lightning_par.data.prepare import main as prepare
+
+        _one_line_errors(prepare, argv[1:], verbose)
         return
     if argv[:1] == ["verify"]:
         from lightning_par.cli_verify import main as verify

@@ -99,6 +99,11 @@ def test_documented_command(document: str, command: str, monkeypatch: pytest.Mon
 
         (read_check if words[1] == "check" else read_verify)(words[2:])
         return
+    if words[1] == "prepare":  # its arguments parse; tests/test_streaming_data.py runs it
+        from lightning_par.data.prepare import _parser
+
+        _parser().parse_args(words[2:])
+        return
     if words[1] == "plan":
         from lightning_par.planner.cli import main as plan
 

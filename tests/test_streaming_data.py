@@ -123,24 +123,40 @@ def test_prepare_with_a_hugging_face_tokenizer_encodes_as_it_does(corpora: dict[
     assert sorted(documents) == sorted(expected)
 
 
-def test_prepare_keeps_what_is_finished_and_refuses_to_overwrite(corpora: dict[str, str], tmp_path: Path) -> None:
-    """Prepared again with the same inputs: kept as it is. With another tokenizer: refused. A prepare that stopped
-    after its training split: the next one writes the validation split only."""
+def test_prepare_resumes_a_stopped_run_and_refuses_to_overwrite(corpora: dict[str, str], tmp_path: Path) -> None:
+    """A record that is not JSON stops a prepare in its third part with the file and byte; once it is mended, the
+    prepare run again keeps the two parts it finished (their shards untouched) and ends with every document once,
+    as a prepare that never stopped. Prepared again: kept as it is; with another tokenizer, or into a directory of
+    other files: refused."""
+    lines = Path(corpora["documents"]).read_bytes().split(b"\n")[:-1]
+    offset = sum(len(line) + 1 for line in lines[:len(lines) * 3 // 4])
+    bad = lines[len(lines) * 3 // 4]
+    source = tmp_path / "documents.jsonl"
+    source.write_bytes(b"\n".join(lines).replace(bad, b"x" * len(bad)) + b"\n")
     output = tmp_path / "out"
-    prepare(corpora["documents"], str(output), "bytes", val_fraction=0.1, chunk_bytes="16KB", verbose=False)
-    train_files = {p.name: p.stat().st_mtime_ns for p in (output / "train").iterdir()}
-    assert prepare(corpora["documents"], str(output), "bytes", val_fraction=0.1, chunk_bytes="16KB",
-                   verbose=False).tokens == read_prepared(corpora["bytes"]).tokens
-    with pytest.raises(ValueError, match="already holds data prepared from .* with the tokenizer 'bytes'"):
-        prepare(corpora["documents"], str(output), corpora["model"], val_fraction=0.1, verbose=False)
-    (output / "lightning_par.json").unlink()
-    for path in (output / "val").iterdir():
-        path.unlink()
+    options = dict(val_fraction=0.1, num_workers=1, chunk_bytes="16KB", items_per_part=3, verbose=False)
+    with pytest.raises(ValueError, match=f"{source}: the line at byte {offset} is not JSON"):
+        prepare(str(source), str(output), "bytes", **options)
     with pytest.raises(ValueError, match="a prepare started there did not finish: run it again to resume it"):
         read_prepared(str(output))
-    prepare(corpora["documents"], str(output), "bytes", val_fraction=0.1, chunk_bytes="16KB", verbose=False)
-    assert {p.name: p.stat().st_mtime_ns for p in (output / "train").iterdir()} == train_files
-    assert read_prepared(str(output)).tokens == read_prepared(corpora["bytes"]).tokens
+    progress = json.loads((output / "prepare.progress.json").read_text())
+    assert progress["parts"]["train"] >= 2
+    kept = {p.name: p.stat().st_mtime_ns for p in (output / "train").glob("*.bin")}
+    source.write_bytes(b"\n".join(lines) + b"\n")
+    prepared = prepare(str(source), str(output), "bytes", **options)
+    assert {name: (output / "train" / name).stat().st_mtime_ns for name in kept} == kept
+    assert not (output / "prepare.progress.json").exists()
+    whole = tmp_path / "whole"
+    assert prepare(str(source), str(whole), "bytes", **options).tokens == prepared.tokens
+    for split in ("train", "val"):
+        assert sorted(_split_documents(_shard_tokens(str(output / split)), 0)) == \
+            sorted(_split_documents(_shard_tokens(str(whole / split)), 0))
+
+    assert prepare(str(source), str(output), "bytes", **options).tokens == prepared.tokens
+    with pytest.raises(ValueError, match="already holds data prepared from .* with the tokenizer 'bytes'"):
+        prepare(str(source), str(output), corpora["model"], val_fraction=0.1, verbose=False)
+    with pytest.raises(ValueError, match="is not empty and holds no prepare: give a new or empty output directory"):
+        prepare(str(source), str(tmp_path), "bytes", verbose=False)
 
 
 # ------------------------------------------------------------------------------------------------ streaming

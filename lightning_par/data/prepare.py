@@ -4,8 +4,9 @@
     lightning-par prepare --input corpus/ --output data/corpus --tokenizer path/to/model --val-fraction 0.01
 
 The shards are litdata's (``litdata.optimize`` with its ``TokensLoader``: chunk files of tokens and an
-``index.json``), written by many worker processes, resumed where an interrupted run stopped
-(``use_checkpoint``), to a local directory or to any object-store URL litdata writes (``s3://``, ``gs://``, ...).
+``index.json``), written by many worker processes in parts that are appended whole, so that a run that stopped is
+resumed at the first part it did not finish (``prepare.progress.json``), to a local directory or to any
+object-store URL litdata writes (``s3://``, ``gs://``, ...).
 Pretokenized shards streamed by rank are how Megatron-LM (its indexed datasets), nanotron/datatrove and litgpt feed
 pretraining at scale; docs/data.md says how to use them.
 
@@ -60,6 +61,8 @@ _PIECE_ROWS = 20_000  # a datasets piece
 # A JSON-lines piece is a quarter of a shard's bytes of text: litdata starts a shard file only between two items (a
 # piece's tokens), so shards stay near their size and a big file spreads over the workers and over many shards.
 _TEXT_PER_SHARD = 4
+# A part of the work is this many pieces per worker, appended whole: what a stopped prepare may do again.
+_ITEMS_PER_WORKER_PART = 16
 _ENCODE_BATCH = 1024  # documents per tokenizer call
 _UINT16_VOCAB = 1 << 16
 
@@ -272,13 +275,24 @@ def _is_validation(where: str, val_fraction: float) -> bool:
 
 class _TokenizeItem:
     """litdata's ``fn``: the tokens of one work item's documents of one split, each closed by EOS, as one tensor
-    (litdata's ``TokensLoader`` cares for tokens, not for items). The tokenizer is loaded in each worker."""
+    (litdata's ``TokensLoader`` cares for tokens, not for items). The tokenizer is loaded in each worker. A bad
+    input is written to ``errors`` (a folder) instead of raised: litdata leaves worker processes behind when its
+    ``fn`` raises; the driver reads the folder once the workers are done."""
 
-    def __init__(self, tokenizer: str, split: str, val_fraction: float, text_field: str) -> None:
+    def __init__(self, tokenizer: str, split: str, val_fraction: float, text_field: str, errors: str) -> None:
         self.tokenizer_name, self.split, self.val_fraction, self.text_field = tokenizer, split, val_fraction, text_field
+        self.errors = errors
         self._tokenizer: DocumentTokenizer | None = None
 
     def __call__(self, item: Sequence[Any]) -> torch.Tensor | None:
+        try:
+            return self._tokens(item)
+        except Exception as error:  # noqa: BLE001 - reported by the driver, whatever the input did wrong
+            with open(os.path.join(self.errors, f"{os.getpid()}.txt"), "a") as file:
+                file.write(f"{type(error).__name__}: {error}\n")
+            return None
+
+    def _tokens(self, item: Sequence[Any]) -> torch.Tensor | None:
         if self._tokenizer is None:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers are the parallelism
             self._tokenizer = load_document_tokenizer(self.tokenizer_name)
@@ -296,12 +310,15 @@ class _TokenizeItem:
 # ----------------------------------------------------------------------------------------------- prepare
 def prepare(inputs: Sequence[str] | str, output_dir: str, tokenizer: str, *, val_fraction: float = 0.0,
             text_field: str = "text", num_workers: int | None = None, chunk_bytes: str = "64MB",
-            verbose: bool = True) -> "PreparedData":
+            items_per_part: int = _ITEMS_PER_WORKER_PART, verbose: bool = True) -> "PreparedData":
     """Tokenize ``inputs`` into token shards in ``output_dir`` (module docstring), and return what it holds.
 
-    A complete ``output_dir`` prepared from the same inputs with the same tokenizer is returned as it is; one
-    prepared otherwise is refused (nothing is overwritten). A split left unfinished by an interrupted run is resumed
-    from litdata's checkpoint (its finished pieces are not tokenized again); a finished split is kept.
+    The work is done in parts of ``items_per_part`` pieces per worker, each appended to the shards whole (litdata's
+    ``optimize`` with ``mode="append"``) and recorded in ``prepare.progress.json``. A prepare that stopped (killed,
+    or refused a bad record) is resumed by running it again: what a part left unfinished is dropped, the parts
+    recorded are kept, so every document ends up in the shards once. A complete ``output_dir`` prepared from the
+    same inputs with the same tokenizer is returned as it is; one prepared otherwise is refused, and so is a
+    directory with other files (nothing a user wrote is overwritten).
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction={val_fraction!r} must be in [0, 1)")
@@ -322,17 +339,18 @@ def prepare(inputs: Sequence[str] | str, output_dir: str, tokenizer: str, *, val
                              f"{prepared.tokenizer['name']!r}, not from {settings} with {tokenizer!r}: give another "
                              "output directory, or remove it to prepare it again")
         return prepared
-    from litdata import TokensLoader, optimize
-
-    workers = num_workers or max(1, min(os.cpu_count() or 1, len(items)))
+    workers = min(num_workers or os.cpu_count() or 1, len(items))
     splits = ["train", "val"] if val_fraction > 0 else ["train"]
+    progress = _Progress.start(store, settings, document_tokenizer.fingerprint, splits, len(items))
+    step = workers * items_per_part
     for split in splits:
-        if store.exists(f"{split}/index.json"):  # finished by an earlier, interrupted prepare
-            continue
-        optimize(fn=_TokenizeItem(tokenizer, split, val_fraction, text_field), inputs=items,
-                 output_dir=store.url(split), chunk_bytes=chunk_bytes, item_loader=TokensLoader(),
-                 num_workers=min(workers, len(items)), use_checkpoint=True, start_method="fork",
-                 weights=[_item_size(item) for item in items], verbose=verbose)
+        for part, first in enumerate(range(0, len(items), step)):
+            if part < progress.parts[split]:
+                continue
+            _keep_chunks(store, split, progress.chunks[split])  # drop what an interrupted part wrote
+            _tokenize_part(store, split, items[first:first + step], workers, chunk_bytes, verbose,
+                           _TokenizeItem(tokenizer, split, val_fraction, text_field, ""))
+            progress.done(split, _chunks_of(store, split))
     counts = {split: _tokens_of(store, split) for split in splits}
     if counts["train"] == 0:
         raise ValueError(f"inputs {settings['inputs']} hold no training text (val_fraction={val_fraction})")
@@ -343,15 +361,94 @@ def prepare(inputs: Sequence[str] | str, output_dir: str, tokenizer: str, *, val
                 "dtype": "uint16" if document_tokenizer.vocab_size <= _UINT16_VOCAB else "int32",
                 "tokens": counts}
     store.write_text(METADATA, json.dumps(metadata, indent=2))  # last: the mark of a finished prepare
+    progress.remove()
     return read_prepared(output_dir)
+
+
+def _tokenize_part(store: "_Store", split: str, items: list[list[Any]], workers: int, chunk_bytes: str,
+                   verbose: bool, fn: _TokenizeItem) -> None:
+    """Append the tokens of ``items`` to ``split``'s shards; on a bad input, leave them as they were and raise
+    ``ValueError`` with what the input did wrong."""
+    from litdata import TokensLoader, optimize
+
+    chunks = _chunks_of(store, split)
+    with tempfile.TemporaryDirectory() as errors:
+        fn.errors = errors
+        optimize(fn=fn, inputs=items, output_dir=store.url(split), chunk_bytes=chunk_bytes, item_loader=TokensLoader(),
+                 num_workers=min(workers, len(items)), mode="append" if store.exists(f"{split}/index.json") else None,
+                 start_method="fork", weights=[_item_size(item) for item in items], verbose=verbose)
+        found = sorted(Path(errors).glob("*.txt"))
+        if found:
+            _keep_chunks(store, split, chunks)
+            raise ValueError(found[0].read_text().splitlines()[0])
+
+
+class _Progress:
+    """``prepare.progress.json``: the settings of an unfinished prepare, and per split the parts appended whole and
+    the shard files they made."""
+
+    NAME = "prepare.progress.json"
+
+    def __init__(self, store: "_Store", record: dict[str, Any]) -> None:
+        self.store, self.record = store, record
+        self.parts: dict[str, int] = record["parts"]
+        self.chunks: dict[str, int] = record["chunks"]
+
+    @classmethod
+    def start(cls, store: "_Store", settings: dict[str, Any], fingerprint: str, splits: list[str],
+              items: int) -> "_Progress":
+        """The progress of the prepare started earlier with these settings, or a new one in an empty directory."""
+        identity = {"settings": settings, "tokenizer": fingerprint, "items": items}
+        if store.exists(cls.NAME):
+            record = json.loads(store.read_text(cls.NAME))
+            if {key: record.get(key) for key in identity} != identity:
+                raise ValueError(f"{store.root!r} holds an unfinished prepare of {record.get('settings')} with "
+                                 "another tokenizer or other inputs: run that one again to finish it, or give "
+                                 "another output directory")
+            return cls(store, record)
+        if not store.remote and os.path.isdir(store.root) and os.listdir(store.root):
+            raise ValueError(f"{store.root!r} is not empty and holds no prepare: give a new or empty output directory")
+        progress = cls(store, {**identity, "parts": {split: 0 for split in splits},
+                               "chunks": {split: 0 for split in splits}})
+        progress.store.write_text(cls.NAME, json.dumps(progress.record))
+        return progress
+
+    def done(self, split: str, chunks: int) -> None:
+        self.parts[split] += 1
+        self.chunks[split] = chunks
+        self.store.write_text(self.NAME, json.dumps(self.record))
+
+    def remove(self) -> None:
+        self.store.remove(self.NAME)
+
+
+def _chunks_of(store: "_Store", split: str) -> int:
+    if not store.exists(f"{split}/index.json"):
+        return 0
+    return len(json.loads(store.read_text(f"{split}/index.json"))["chunks"])
+
+
+def _keep_chunks(store: "_Store", split: str, count: int) -> None:
+    """Cut ``split``'s index back to its first ``count`` shard files, and delete the files of a local directory that
+    its index does not list (a part that did not finish)."""
+    if store.exists(f"{split}/index.json"):
+        index = json.loads(store.read_text(f"{split}/index.json"))
+        if len(index["chunks"]) > count:
+            index["chunks"] = index["chunks"][:count]
+            store.write_text(f"{split}/index.json", json.dumps(index))
+        listed = {chunk["filename"] for chunk in index["chunks"]}
+    else:
+        listed = set()
+    if not store.remote and os.path.isdir(store.url(split)):
+        for path in Path(store.url(split)).glob("chunk-*.bin"):
+            if path.name not in listed:
+                path.unlink()
 
 
 def _item_size(item: Sequence[Any]) -> int:
     """How much work an item is, for litdata to balance its workers: bytes of text, or rows."""
     kind, path, start, stop = item
-    if kind == "jsonl":
-        return stop - start
-    if kind == "dataset":
+    if kind in ("jsonl", "dataset"):
         return stop - start
     return os.path.getsize(path) if kind != "parquet" else 1
 
@@ -391,7 +488,7 @@ def read_prepared(directory: str) -> PreparedData:
     (never prepared, or a ``prepare`` that did not finish), or the format of another version."""
     store = _Store(directory)
     if not store.exists(METADATA):
-        unfinished = store.exists("train") or store.exists("train/index.json")
+        unfinished = store.exists(_Progress.NAME)
         raise ValueError(f"{directory!r} holds no prepared data (no {METADATA}"
                          + ("; a prepare started there did not finish: run it again to resume it"
                             if unfinished else "") + "): prepare it with `lightning-par prepare --input ... "
@@ -433,6 +530,7 @@ class _Store:
         """Whole or not at all: a local file is renamed into place; an object store's upload is atomic."""
         if not self.remote:
             target = Path(self.url(name))
+            target.parent.mkdir(parents=True, exist_ok=True)
             staging = target.with_name(f".{target.name}.writing")
             staging.write_text(text)
             os.replace(staging, target)
@@ -441,6 +539,12 @@ class _Store:
             local = os.path.join(folder, os.path.basename(name))
             Path(local).write_text(text)
             self._provider().upload_file(local, self.url(name))
+
+    def remove(self, name: str) -> None:
+        if not self.remote:
+            os.remove(self.url(name))
+        else:
+            self._provider().delete_file_or_directory(self.url(name))
 
     def _provider(self) -> Any:
         from litdata.streaming.fs_provider import _get_fs_provider
