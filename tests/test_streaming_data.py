@@ -382,9 +382,10 @@ def _in_memory(data_dir: str, documents: list[str], tokenizer: str, replicas: in
     for _ in range(steps):
         for loader in loaders:
             for row in next(loader):
-                offset = stream.find(row.numpy().astype(np.uint16).tobytes())
-                while offset % 2:  # a match must start on a token
-                    offset = stream.find(row.numpy().astype(np.uint16).tobytes(), offset + 1)
+                window = row.numpy().astype(np.uint16).tobytes()
+                offset = stream.find(window)
+                while offset >= 0 and offset % 2:  # a match must start on a token
+                    offset = stream.find(window, offset + 1)
                 assert offset >= 0, "a streamed window is not in the corpus tokenized in memory"
                 start = offset // 2
                 samples.append(torch.from_numpy(np.frombuffer(stream, dtype=np.uint16)[start:start + SEQ_LEN + 1]
@@ -530,3 +531,40 @@ def test_a_killed_run_resumes_at_the_next_sample_bitwise_and_on_another_data_par
     windows = Counter(_all_windows(os.path.join(data_dir, "train")))
     assert one["samples"] and (consumed + rest) <= windows  # nothing read twice
     assert (windows - consumed - rest).total() < 2 * BATCH  # nothing skipped but the last partial global batch
+
+
+def _fit_until_refused(rank: int, world_size: int, data_dir: str) -> str:
+    import torch.distributed as dist
+
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy="data_parallel", max_steps=1,
+                                logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    try:
+        trainer.fit(_llama(), datamodule=_streamed(data_dir))
+    except ValueError as error:
+        dist.barrier()  # every rank got here: none is left waiting in a collective
+        return str(error)
+    raise AssertionError("not refused")
+
+
+def test_a_truncated_shard_is_refused_on_every_rank_before_training(corpora: dict[str, str], tmp_path: Path) -> None:
+    copy = _copy(corpora["bytes"], tmp_path / "copy")
+    shard = sorted(Path(copy, "val").glob("*.bin"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-2])
+    messages = run_distributed(_fit_until_refused, 2, copy)
+    assert len(set(messages)) == 1 and f"the shard '{shard}' holds" in messages[0], messages
+
+
+def test_the_prepare_command(corpora: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``lightning-par prepare`` writes what ``prepare`` writes and says so in a line; a bad input is one line too."""
+    from lightning_par.cli import main
+
+    main(["prepare", "--input", corpora["proverbs_jsonl"], "--output", str(tmp_path / "out"), "--tokenizer",
+          corpora["model"], "--workers", "1", "--chunk-bytes", "2KB"])
+    said = capsys.readouterr().out.strip().splitlines()[-1]
+    tokens = read_prepared(corpora["proverbs"]).tokens["train"]
+    assert said == f"prepared {tmp_path / 'out'}: train {tokens:,} tokens (uint16, tokenizer {corpora['model']})"
+    with pytest.raises(SystemExit) as exit_code:
+        main(["prepare", "--input", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "other"),
+              "--tokenizer", "bytes"])
+    assert exit_code.value.code == 1
+    assert f"lightning-par: error: input '{tmp_path / 'missing.jsonl'}' does not exist" in capsys.readouterr().err

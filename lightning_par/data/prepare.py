@@ -376,7 +376,8 @@ def _tokenize_part(store: "_Store", split: str, items: list[list[Any]], workers:
         fn.errors = errors
         optimize(fn=fn, inputs=items, output_dir=store.url(split), chunk_bytes=chunk_bytes, item_loader=TokensLoader(),
                  num_workers=min(workers, len(items)), mode="append" if store.exists(f"{split}/index.json") else None,
-                 start_method="fork", weights=[_item_size(item) for item in items], verbose=verbose)
+                 start_method="fork", weights=[_item_size(item) for item in items], keep_data_ordered=True,
+                 verbose=verbose)
         found = sorted(Path(errors).glob("*.txt"))
         if found:
             _keep_chunks(store, split, chunks)
