@@ -18,6 +18,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -248,6 +249,36 @@ def _text_data(prepare: Callable[[], Any] | None = None, **kwargs: Any) -> Calla
     return make
 
 
+def _streamed(data_dir: Any = "shards", module: Any = None, truncate: bool = False, **kwargs: Any) -> Callable[[], Any]:
+    """StreamingTokenDataModule(data_dir, **kwargs) set up under ``module``, on byte shards of notes.jsonl prepared
+    into ``shards`` first (with the shard file cut short: ``truncate``)."""
+
+    def make() -> Any:
+        from types import SimpleNamespace
+
+        from lightning_par.data import StreamingTokenDataModule
+        from lightning_par.data.prepare import prepare
+
+        prepare("notes.jsonl", "shards", "bytes", text_field="body", num_workers=1, verbose=False)
+        if truncate:
+            shard = Path("shards/train/chunk-0-0.bin")
+            shard.write_bytes(shard.read_bytes()[:10])
+        data = StreamingTokenDataModule(data_dir, **{"seq_len": 4, "batch_size": 1, **kwargs})
+        data.trainer = SimpleNamespace(strategy=None, lightning_module=module)
+        data.setup("fit")
+
+    return make
+
+
+def _prepare(inputs: str, output: str) -> Callable[[], Any]:
+    def make() -> Any:
+        from lightning_par.data.prepare import prepare
+
+        prepare(inputs, output, "bytes", num_workers=1, verbose=False)
+
+    return make
+
+
 def _config_only(path: Path) -> None:
     path.mkdir()
     shutil.copy(Path("hf-model") / "config.json", path / "config.json")
@@ -472,6 +503,23 @@ BAD_INPUTS: list[BadInput] = [
              "train_files ['notes.jsonl']: its fields are ['title', 'body']", _text_data(train_files="notes.jsonl")),
     BadInput("`TextDataModule(tokenizer=...)`, a directory without a tokenizer", "tokenizer='.' holds no tokenizer",
              _text_data(train_files="notes.jsonl", text_field="body", tokenizer=".")),
+    # ------------------------------------------------------------------ pretraining data (docs/data.md)
+    BadInput("`lightning-par prepare --input missing.jsonl ...`", "input 'missing.jsonl' does not exist",
+             _prepare("missing.jsonl", "out")),
+    BadInput("`lightning-par prepare --output .` into a directory of other files", "'.' is not empty and holds no "
+             "prepare: give a new or empty output directory", _prepare("notes.jsonl", ".")),
+    BadInput("`StreamingTokenDataModule(data_dir='corpus')`, never prepared", "'corpus' holds no prepared data (no "
+             "lightning_par.json): prepare it with `lightning-par prepare", _streamed("corpus")),
+    BadInput("`StreamingTokenDataModule(data_dir={'code': 0.7, 'prose': 0})`", "the weight of 'prose' is 0; weights "
+             "must be positive numbers", _streamed({"code": 0.7, "prose": 0})),
+    BadInput("a shard file cut short", "the shard 'shards/train/chunk-0-0.bin' holds 10 bytes where its index.json "
+             "records", _streamed(truncate=True)),
+    BadInput("shards prepared with another tokenizer than the model's", "'shards' was prepared with the tokenizer "
+             "'bytes', which gives other ids than the model's ('hf-model'): prepare it again with --tokenizer hf-model",
+             _streamed(tokenizer="hf-model")),
+    BadInput("shards of a vocabulary larger than the model's", "'shards' was prepared with the tokenizer 'bytes' of "
+             "256 tokens, more than the model's vocab_size=64",
+             _streamed(module=SimpleNamespace(config=SimpleNamespace(vocab_size=64), hparams={}))),
     BadInput("a checkpoint carrying pickled code", "checkpoint 'payload.ckpt' holds getattr, which unpickling would "
              "have to construct and which can run code: it was not loaded",
              _checkpoint("payload.ckpt", _rewritten(_set("hyper_parameters", {"innocent": Payload()})))),
