@@ -49,9 +49,13 @@ def token_dataset(url: str, *, seq_len: int, num_replicas: int, rank: int, shuff
     return dataset
 
 
-def token_mixture(datasets: list[StreamingDataset], weights: Sequence[float], *, seed: int) -> CombinedStreamingDataset:
+def token_mixture(datasets: list[StreamingDataset], weights: Sequence[float] | None, *,
+                  seed: int) -> CombinedStreamingDataset:
     """Samples drawn from ``datasets`` with probabilities ``weights`` (normalised), one draw sequence on every rank;
-    the mixture's epoch ends when a source has given all its samples (the next epoch starts every source afresh)."""
+    the mixture's epoch ends when a source has given all its samples (the next epoch starts every source afresh).
+    Without weights: every sample of every source once (drawn in proportion to the sources' sizes)."""
+    if weights is None:
+        return CombinedStreamingDataset(datasets, seed=seed, iterate_over_all=True)
     return CombinedStreamingDataset(datasets, seed=seed, weights=list(weights), iterate_over_all=False)
 
 
@@ -80,7 +84,7 @@ class ReplicaLoader(StreamingDataLoader):
         return isinstance(self.dataset, CombinedStreamingDataset)
 
     def __len__(self) -> int:
-        if not self.is_mixture:
+        if not self.is_mixture or self.dataset._iterate_over_all:
             return super().__len__()
         # Draws are random: the first source runs out near min over sources of (its samples / its weight).
         sources = self.dataset._datasets

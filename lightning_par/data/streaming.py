@@ -191,7 +191,8 @@ class StreamingTokenDataModule(pl.LightningDataModule):
         sources = [(data, weight) for data, weight in zip(self.prepared, self.sources.values()) if split in data.splits]
         datasets = [token_dataset(data.split_url(split), seq_len=self.seq_len, num_replicas=replicas, rank=rank,
                                   shuffle=shuffle, seed=self.seed, cache_dir=self.cache_dir) for data, _ in sources]
-        dataset = datasets[0] if len(datasets) == 1 else token_mixture(datasets, [w for _, w in sources], seed=self.seed)
+        weights = [weight for _, weight in sources] if split == "train" else None  # validation: every source whole
+        dataset = datasets[0] if len(datasets) == 1 else token_mixture(datasets, weights, seed=self.seed)
         return ReplicaLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers,
                              num_replicas=replicas, rank=rank)
 
