@@ -2,7 +2,7 @@
 (``StreamingTokenDataModule``) beside the corpus read and tokenized on every rank (``TextDataModule``), in the same
 run.
 
-    python benchmarks/data_scale.py [--sizes-mb 4 40 400] [--text-sizes-mb 4 40] [--ranks 2] [--workers 2]
+    python benchmarks/data_scale.py [--sizes-mb 4 40 400] [--text-sizes-mb 4 40] [--ranks 2] [--workers 2] [--repeats 3]
 
 Corpora of JSON lines (the Python standard library's sources, repeated to the size) are tokenized with the tiny BPE
 tokenizer of ``examples/make_tiny_pretrained.py``. For each size:
@@ -18,7 +18,7 @@ tokenizer of ``examples/make_tiny_pretrained.py``. For each size:
   reference model trains at on this machine (one process, same batch), and what one H200 trains the 1B reference
   model at (docs/performance.md: 80,539 tokens/s compiled).
 
-Reported as ratios to the smallest corpus. Files go under ``--workdir`` and are kept for the next run (corpora and
+Each start is repeated ``--repeats`` times (median reported); ratios are to the smallest corpus. Files go under ``--workdir`` and are kept for the next run (corpora and
 shards are made once).
 """
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--loader-batches", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3, help="starts of each module; the median is reported")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/lightning-par-data-scale"))
     return parser
 
@@ -90,6 +92,17 @@ rate = tokens / (time.perf_counter() - start)
 print(json.dumps({"first_batch_s": first, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "loader_tokens_per_s": rate}))
 """
+
+
+def median_start(kind: str, source: str, tokenizer: str, ranks: int, seq_len: int, batches: int,
+                 repeats: int) -> dict:
+    """Over ``repeats`` starts of ``ranks`` ranks: the median of the slowest rank's time to the first batch, of the
+    largest peak RSS and of the slowest loader."""
+    starts = [start_ranks(kind, source, tokenizer, ranks, seq_len, batches) for _ in range(repeats)]
+    return {"first_batch_s": statistics.median(max(r["first_batch_s"] for r in ranks_) for ranks_ in starts),
+            "peak_rss_mb": statistics.median(max(r["peak_rss_mb"] for r in ranks_) for ranks_ in starts),
+            "loader_tokens_per_s": statistics.median(min(r["loader_tokens_per_s"] for r in ranks_)
+                                                     for ranks_ in starts)}
 
 
 def start_ranks(kind: str, source: str, tokenizer: str, ranks: int, seq_len: int, batches: int) -> list[dict]:
@@ -148,16 +161,12 @@ def main() -> None:
         prepare_s = None if prepared_before else time.perf_counter() - start
         row = {"size_mb": size, "tokens": prepared.tokens["train"], "prepare_s": prepare_s,
                "prepare_mb_per_s_per_worker": None if prepare_s is None else size / prepare_s / args.workers}
-        streamed = start_ranks("streamed", str(shards), str(tokenizer), args.ranks, 128, args.loader_batches)
-        row["streamed"] = {"first_batch_s": max(r["first_batch_s"] for r in streamed),
-                           "peak_rss_mb": max(r["peak_rss_mb"] for r in streamed),
-                           "loader_tokens_per_s": min(r["loader_tokens_per_s"] for r in streamed)}
-        long = start_ranks("streamed", str(shards), str(tokenizer), 1, 2048, args.loader_batches // 4)
-        row["streamed"]["loader_tokens_per_s_2048"] = long[0]["loader_tokens_per_s"]
+        row["streamed"] = median_start("streamed", str(shards), str(tokenizer), args.ranks, 128, args.loader_batches,
+                                       args.repeats)
+        long = median_start("streamed", str(shards), str(tokenizer), 1, 2048, args.loader_batches // 4, args.repeats)
+        row["streamed"]["loader_tokens_per_s_2048"] = long["loader_tokens_per_s"]
         if size in args.text_sizes_mb:
-            text = start_ranks("text", str(corpus), str(tokenizer), args.ranks, 128, 10)
-            row["text"] = {"first_batch_s": max(r["first_batch_s"] for r in text),
-                           "peak_rss_mb": max(r["peak_rss_mb"] for r in text)}
+            row["text"] = median_start("text", str(corpus), str(tokenizer), args.ranks, 128, 10, args.repeats)
         rows.append(row)
         print(json.dumps(row), flush=True)
     consumption = training_rate()

@@ -533,6 +533,12 @@ def test_a_killed_run_resumes_at_the_next_sample_bitwise_and_on_another_data_par
     assert (windows - consumed - rest).total() < 2 * BATCH  # nothing skipped but the last partial global batch
 
 
+def test_the_planner_reads_the_batch_and_sequence_length(corpora: dict[str, str]) -> None:
+    from lightning_par.strategies.hybrid3d import _loader_shape
+
+    assert _loader_shape(_streamed(corpora["bytes"], seq_len=64, batch_size=2), _llama()) == (2, 64)
+
+
 def _fit_until_refused(rank: int, world_size: int, data_dir: str) -> str:
     import torch.distributed as dist
 

@@ -17,6 +17,7 @@ import sys
 from typing import Any, Dict, List, Optional, Union
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_par.data.datamodule import check_window_arguments
@@ -99,6 +100,7 @@ class StreamingTokenDataModule(pl.LightningDataModule):
                    "--tokenizer", self._tokenizer_name(), "--val-fraction", str(self.val_fraction),
                    "--text-field", self.text_field]
         environment = {name: value for name, value in os.environ.items() if name not in _LITDATA_WORLD_VARIABLES}
+        rank_zero_info(f"Preparing {directory} from {inputs} once: later runs stream it (docs/data.md)")
         result = subprocess.run(command, env=environment, capture_output=True, text=True)
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or ["no message"])[-1]
