@@ -123,6 +123,29 @@ def test_prepare_with_a_hugging_face_tokenizer_encodes_as_it_does(corpora: dict[
     assert sorted(documents) == sorted(expected)
 
 
+def test_parquet_files_and_saved_datasets_give_the_documents_of_json_lines(corpora: dict[str, str],
+                                                                          tmp_path: Path) -> None:
+    """The same records as parquet (two row groups), as a ``save_to_disk`` dataset and as a directory holding the
+    JSON lines: the same documents in the shards."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [json.loads(line) for line in Path(corpora["proverbs_jsonl"]).read_text().splitlines()]
+    pq.write_table(pa.table({"text": [r["text"] for r in records]}), tmp_path / "records.parquet",
+                   row_group_size=len(records) // 2)
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "records.jsonl").write_text(Path(corpora["proverbs_jsonl"]).read_text())
+    eos = load_document_tokenizer(corpora["model"]).eos_token_id
+    expected = sorted(_split_documents(_shard_tokens(os.path.join(corpora["proverbs"], "train")), eos))
+    for name in ("records.parquet", "saved", "folder"):
+        prepare(str(tmp_path / name), str(tmp_path / f"out-{name}"), corpora["model"], num_workers=1, verbose=False)
+        tokens = _shard_tokens(str(tmp_path / f"out-{name}" / "train"))
+        assert sorted(_split_documents(tokens, eos)) == expected, name
+
+
 def test_prepare_resumes_a_stopped_run_and_refuses_to_overwrite(corpora: dict[str, str], tmp_path: Path) -> None:
     """A record that is not JSON stops a prepare in its third part with the file and byte; once it is mended, the
     prepare run again keeps the two parts it finished (their shards untouched) and ends with every document once,
