@@ -155,7 +155,7 @@ def main() -> None:
         corpus = args.workdir / f"corpus-{size}mb.jsonl"
         make_corpus(corpus, size)
         shards = args.workdir / f"shards-{size}mb"
-        prepared_before = (shards / "lightning_par.json").exists()
+        prepared_before = (shards / "prepared.json").exists()
         start = time.perf_counter()
         prepared = prepare(str(corpus), str(shards), str(tokenizer), num_workers=args.workers, verbose=False)
         prepare_s = None if prepared_before else time.perf_counter() - start

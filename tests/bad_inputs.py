@@ -509,7 +509,7 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("`lightning-par prepare --output .` into a directory of other files", "'.' is not empty and holds no "
              "prepare: give a new or empty output directory", _prepare("notes.jsonl", ".")),
     BadInput("`StreamingTokenDataModule(data_dir='corpus')`, never prepared", "'corpus' holds no prepared data (no "
-             "lightning_par.json): prepare it with `lightning-par prepare", _streamed("corpus")),
+             "prepared.json): prepare it with `lightning-par prepare", _streamed("corpus")),
     BadInput("`StreamingTokenDataModule(data_dir={'code': 0.7, 'prose': 0})`", "the weight of 'prose' is 0; weights "
              "must be positive numbers", _streamed({"code": 0.7, "prose": 0})),
     BadInput("a shard file cut short", "the shard 'shards/train/chunk-0-0.bin' holds 10 bytes where its index.json "

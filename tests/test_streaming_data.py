@@ -22,7 +22,11 @@ import torch
 from harness import run_distributed
 from parity import ParityRun, assert_parity, reference_run
 
-pytest.importorskip("litdata")
+try:
+    import litdata  # noqa: F401
+except ImportError:  # what the README's test command installs is never skipped silently
+    pytest.fail("litdata is not installed: the README's test command installs it (pip install --no-deps "
+                "litdata==0.2.76)", pytrace=False)
 
 from lightning_par.data.corpus import is_validation_document, list_stdlib_documents  # noqa: E402
 from lightning_par.data.prepare import ByteTokenizer, load_document_tokenizer, prepare, read_prepared  # noqa: E402
@@ -359,7 +363,7 @@ def test_bad_inputs_are_refused_with_the_file_or_value(corpora: dict[str, str], 
     shard.unlink()
     with pytest.raises(ValueError, match=f"the shard '{shard}' is missing"):
         _replica(copy)
-    with pytest.raises(ValueError, match=re.escape(f"'{tmp_path}' holds no prepared data (no lightning_par.json): "
+    with pytest.raises(ValueError, match=re.escape(f"'{tmp_path}' holds no prepared data (no prepared.json): "
                                                    "prepare it with `lightning-par prepare")):
         _replica(str(tmp_path))
     with pytest.raises(ValueError, match=r"was prepared with the tokenizer 'bytes', which gives other ids than the "

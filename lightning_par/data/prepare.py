@@ -14,9 +14,9 @@ What one ``prepare`` writes::
 
     OUTPUT/train/   index.json, chunk-*.bin   the training documents
     OUTPUT/val/     index.json, chunk-*.bin   the held-out documents (with val_fraction > 0)
-    OUTPUT/lightning_par.json                 the tokenizer's fingerprint, vocabulary and EOS, the token dtype, counts
+    OUTPUT/prepared.json                 the tokenizer's fingerprint, vocabulary and EOS, the token dtype, counts
 
-``lightning_par.json`` is written last: a directory without it was not prepared to the end, and is refused by the
+``prepared.json`` is written last: a directory without it was not prepared to the end, and is refused by the
 data module and resumed by the next ``prepare``. Each document is its tokens (with the tokenizer's special tokens, a
 beginning-of-sequence token for Llama's) followed by the end-of-sequence token, which is where packed documents are
 kept apart (``lightning_par.models.packing``). Tokens are stored as uint16 when the vocabulary has at most 65,536
@@ -50,10 +50,10 @@ import torch
 __all__ = ["BYTES", "METADATA", "SPLITS", "ByteTokenizer", "DocumentTokenizer", "PreparedData", "is_prepared",
            "load_document_tokenizer", "main", "prepare", "read_prepared", "work_items"]
 
-METADATA = "lightning_par.json"
+METADATA = "prepared.json"
 SPLITS = ("train", "val")
 BYTES = "bytes"  # the byte tokenizer's name (the reference model's vocabulary of 256)
-FORMAT = 1  # of lightning_par.json
+FORMAT = 1  # of prepared.json
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSON_SUFFIXES = (".json", ".jsonl")
 PARQUET_SUFFIXES = (".parquet",)
@@ -461,7 +461,7 @@ def _tokens_of(store: "_Store", split: str) -> int:
 
 # ----------------------------------------------------------------------------------------------- reading
 class PreparedData:
-    """What a finished ``prepare`` wrote in ``directory`` (``lightning_par.json``): the tokenizer, the token dtype,
+    """What a finished ``prepare`` wrote in ``directory`` (``prepared.json``): the tokenizer, the token dtype,
     the tokens of each split and the settings it was prepared with."""
 
     def __init__(self, directory: str, metadata: dict[str, Any]) -> None:
@@ -480,12 +480,12 @@ class PreparedData:
 
 
 def is_prepared(directory: str) -> bool:
-    """Whether a ``prepare`` of ``directory`` finished (its ``lightning_par.json`` is there)."""
+    """Whether a ``prepare`` of ``directory`` finished (its ``prepared.json`` is there)."""
     return _Store(directory).exists(METADATA)
 
 
 def read_prepared(directory: str) -> PreparedData:
-    """The prepared data in ``directory``, or a ``ValueError`` that says what is missing: no ``lightning_par.json``
+    """The prepared data in ``directory``, or a ``ValueError`` that says what is missing: no ``prepared.json``
     (never prepared, or a ``prepare`` that did not finish), or the format of another version."""
     store = _Store(directory)
     if not store.exists(METADATA):
