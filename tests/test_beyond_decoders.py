@@ -15,12 +15,13 @@ import traceback
 from typing import Any
 
 import pytest
+from installed import require
 import torch
 from harness import run_distributed
 from parity import ParityRun, RecordLoss, assert_parity, reference_run
 
-pytest.importorskip("transformers")
-pytest.importorskip("diffusers")
+require("transformers")
+require("diffusers")
 
 STEPS = 20
 PARITY_RTOL = 1e-5

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning
-import pytest
 import torch
 import zoo
 from harness import run_distributed
@@ -144,7 +143,6 @@ def test_zero3_checkpoint_reshards_into_tensor_parallel(tmp_path: Path) -> None:
     _assert_resharded(saved, loaded)
 
 
-@pytest.mark.skipif(not zoo.LITGPT_MODELS, reason="litgpt is not installed (the README's test command installs it)")
 def test_fused_qkv_regrouped_for_tensor_parallel_is_saved_and_loaded_in_the_models_order(tmp_path: Path) -> None:
     """litgpt's [q | k | v] of 2 query groups trains under tp2 with its rows regrouped (each rank: the q, k, v of its
     group). The checkpoint holds the model's own order: ZeRO-3, which does not regroup, loads the same weights and

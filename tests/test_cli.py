@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -166,10 +165,10 @@ def test_two_node_torchrun_rendezvous(tmp_path: Path) -> None:
     two machines; Lightning's TorchElasticEnvironment is used as it is."""
     from harness import free_port
 
-    torchrun = shutil.which("torchrun")
-    assert torchrun is not None, "torchrun comes with torch"
+    from installed import TORCHRUN
+
     command = [
-        torchrun, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        *TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         "--rdzv-id=lightning-par-test", "-m", "lightning_par.cli", "fit",
         "--config", str(REPO / "configs" / "data_parallel.yaml"), "--trainer.devices=1", "--trainer.num_nodes=2",
         "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from installed import require
 import torch
 from torch.utils.data import DistributedSampler
 
@@ -236,7 +237,7 @@ def test_datamodule_trains_under_lightning(tmp_path):
 
 
 def test_datamodule_from_jsonargparse():
-    jsonargparse = pytest.importorskip("jsonargparse")
+    jsonargparse = require("jsonargparse")
     parser = jsonargparse.ArgumentParser()
     parser.add_class_arguments(TokenDataModule, "data")
     cfg = parser.parse_string("data:\n  source: synthetic\n  seq_len: 8\n  num_samples: 12\n")

@@ -76,7 +76,10 @@ def test_documented_command(document: str, command: str, monkeypatch: pytest.Mon
     if words[0] == "torchft_lighthouse":  # torchft's own command (the test extra installs it): its flags exist
         import subprocess
 
-        usage = subprocess.run([shutil.which("torchft_lighthouse"), "--help"], capture_output=True, text=True).stdout
+        from installed import LIGHTHOUSE, require_lighthouse
+
+        require_lighthouse()
+        usage = subprocess.run([*LIGHTHOUSE, "--help"], capture_output=True, text=True).stdout
         assert all(flag in usage for flag in words if flag.startswith("--")), usage
         return
     if words[0] == "export":  # the variables lightning_par (or torchft) reads

@@ -8,7 +8,6 @@ Every run is real: a ``torchft_lighthouse`` process, and each replica group its 
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -19,14 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 from harness import free_port
+from installed import LIGHTHOUSE, TORCHRUN, require_lighthouse
 
 from lightning_par import ZeroStrategy
 from lightning_par.checkpoint import checkpoint_problem
-from lightning_par.parallel.fault_tolerance import torchft_available
 
-needs_torchft = pytest.mark.skipif(not torchft_available() or shutil.which("torchft_lighthouse") is None
-                                or shutil.which("torchrun") is None,
-                                reason="needs torchft (torchft-nightly), its torchft_lighthouse and torchrun")
+require_lighthouse()  # torchft-nightly and its lighthouse: the test extra installs them
 
 SCRIPT = Path(__file__).with_name("ft_run.py")
 ROOT = Path(__file__).parents[1]
@@ -60,8 +57,6 @@ def test_refused_before_any_process_group(arguments: dict, option: dict, message
 def test_environment_fills_lighthouse_and_group(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lighthouse:1")
     monkeypatch.setenv("REPLICA_GROUP_ID", "1")
-    if not torchft_available():
-        pytest.skip("needs torchft")
     resolved = ZeroStrategy(fault_tolerance={"replica_groups": 2})._fault_tolerance
     assert (resolved.lighthouse, resolved.replica_group_id, resolved.min_replicas) == ("http://lighthouse:1", 1, 1)
 
@@ -79,7 +74,7 @@ def _env(**extra: str) -> dict[str, str]:
 def lighthouse(min_replicas: int):
     """A torchft lighthouse on a free port; yields (process, address)."""
     port = free_port()
-    process = subprocess.Popen([shutil.which("torchft_lighthouse"), "--min_replicas", str(min_replicas), "--bind",
+    process = subprocess.Popen([*LIGHTHOUSE, "--min_replicas", str(min_replicas), "--bind",
                                 f"[::]:{port}", "--quorum_tick_ms", "50", "--join_timeout_ms", "1000",
                                 "--heartbeat_timeout_ms", "1000"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -92,7 +87,7 @@ def lighthouse(min_replicas: int):
 
 def torchrun(out: Path, ranks: int, *args: str, group: int = 0, restarts: int = 1, **env: str) -> subprocess.Popen:
     log = open(out / f"torchrun_{'ref' if '--reference' in args else group}.log", "w")
-    command = [shutil.which("torchrun"), "--nnodes", "1", "--nproc_per_node", str(ranks), "--rdzv-backend", "c10d",
+    command = [*TORCHRUN, "--nnodes", "1", "--nproc_per_node", str(ranks), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"rg{group}", "--max-restarts",
                str(restarts), str(SCRIPT), "--out", str(out), *args]
     return subprocess.Popen(command, env=_env(REPLICA_GROUP_ID=str(group), **env), stdout=log,
@@ -129,7 +124,6 @@ def logs(out: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted(out.glob("torchrun_*.log")))
 
 
-@needs_torchft
 def test_parity_with_hsdp(tmp_path: Path) -> None:
     """2 groups x 2 ranks through torchft, no failure, equal to plain HSDP (replicate_size=2) on 4 ranks: the same
     losses per step on every rank and the same final shards and optimizer states. Both groups' ModelCheckpoint
@@ -189,7 +183,6 @@ def _check_rejoined(out: Path, restarted_attempt: int) -> dict:
     return figures
 
 
-@needs_torchft
 def test_group_killed_then_killed_again_while_healing(tmp_path: Path) -> None:
     """Group 1's rank 0 dies at step 5; torchrun restarts group 1, whose rank 0 dies again after the healing quorum,
     before its first step (group 0 waits for it in that step's all-reduce, then goes on alone); the third attempt
@@ -206,7 +199,6 @@ def test_group_killed_then_killed_again_while_healing(tmp_path: Path) -> None:
     print(f"\nkilled, killed again while healing: {time.monotonic() - start:.1f} s, {figures}")
 
 
-@needs_torchft
 def test_spares_keep_the_global_batch(tmp_path: Path) -> None:
     """``spares: true`` with min_replicas 1 of 2 groups (one rank each), both in every quorum (the lighthouse waits
     for 2): every step averages one group's gradient (the other trains along as a spare, contributing nothing), and
@@ -224,7 +216,6 @@ def test_spares_keep_the_global_batch(tmp_path: Path) -> None:
             assert torch.equal(spare["optimizer"][key][name], value), (key, name)
 
 
-@needs_torchft
 def test_lighthouse_lost(tmp_path: Path) -> None:
     """Without the lighthouse no quorum forms: every group fails at its next step, with an error naming the lighthouse,
     instead of hanging (torchft has no fallback: the lighthouse is a single point of failure). The groups' manager

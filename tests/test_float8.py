@@ -13,12 +13,13 @@ from __future__ import annotations
 import functools
 
 import pytest
+from installed import require
 import torch
 from harness import run_distributed
 from parity import assert_parity, layout_run, reference_run
 from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
 
-pytest.importorskip("torchao.float8")
+require("torchao.float8")
 
 PARITY_RTOL = 1e-5
 
@@ -227,8 +228,8 @@ def test_every_zoo_architecture_runs_its_converted_layers_or_is_refused() -> Non
     """Every architecture of the zoo (tests/zoo.py): the layers reported converted are the ones its forward calls,
     and its loss stays within float8's error of high precision; GPT-2, whose projections are all Conv1D, is refused
     with the reason."""
-    zoo = pytest.importorskip("zoo")
-    pytest.importorskip("transformers")
+    zoo = require("zoo")
+    require("transformers")
     from lightning_par.parallel.float8 import apply_float8
     from lightning_par.parallel.model_map import ModelMap, resolve_model_map
 

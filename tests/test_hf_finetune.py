@@ -7,13 +7,14 @@ import functools
 from pathlib import Path
 
 import pytest
+from installed import require
 import torch
 from harness import run_distributed
 from hf_directories import make_model_directory, write_corpus
 from parity import assert_layout_matches
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("datasets")
+transformers = require("transformers")
+require("datasets")
 
 PARITY_RTOL = 1e-5
 STEPS = 20

@@ -7,12 +7,13 @@ import functools
 
 import lightning.pytorch as pl
 import pytest
+from installed import require
 import torch
 import torch.nn.functional as F
 from parity import assert_layout_matches
 from test_data_parallel import STEPS, make_datamodule
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 PARITY_RTOL = 1e-5
 

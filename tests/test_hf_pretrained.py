@@ -6,11 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from installed import require
 import torch
 from harness import run_distributed
 from hf_directories import FAMILIES, make_model_directory
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,13 @@ import json
 from pathlib import Path
 
 import pytest
+from installed import require
 import torch
 from hf_directories import make_model_directory, write_instructions
 from parity import assert_parity, layout_runs, reference_run
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("datasets")
+transformers = require("transformers")
+require("datasets")
 
 STEPS = 20
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import functools
 
 import pytest
+from installed import require
 import torch
 from hf_directories import VOCAB, make_model_directory, write_corpus
 from parity import assert_parity, layout_runs, reference_run
 
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
+require("transformers")
+require("peft")
 
 STEPS = 20
 LEARNING_RATE = 1e-3

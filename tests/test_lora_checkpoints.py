@@ -8,12 +8,13 @@ from pathlib import Path
 
 import lightning
 import pytest
+from installed import require
 import torch
 from harness import run_distributed
 from hf_directories import make_model_directory, write_corpus
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+transformers = require("transformers")
+peft = require("peft")
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}
 LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "pp2": dict(pipeline_parallel_size=2, microbatches=2),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from installed import require
 import torch
 from torch import nn
 
@@ -194,7 +195,7 @@ def test_an_explicit_model_map_cannot_split_multihead_attention() -> None:
 def test_hugging_face_plans_are_translated(config: dict, expected: dict) -> None:
     """The config's base_model_tp_plan gives the styles inside the blocks, its base_model_pp_plan the parts
     (GPT-NeoX's final norm is final_layer_norm), the causal-LM class its head."""
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     from lightning_par.parallel.model_map import huggingface_model_map
 
     model_config = transformers.AutoConfig.for_model(**config, vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -215,7 +216,7 @@ def test_the_shared_rotary_key_style_comes_from_the_plan_and_needs_the_rotary_wi
     """transformers' ``mla_kv_a_proj`` (multi-head latent attention's projection to the latent and the shared rotary
     key) becomes ``shared_rope_key``, whose width is the attention's ``qk_rope_head_dim``; a module without one is
     refused, naming the projection."""
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     from lightning_par.parallel.model_map import huggingface_model_map
     from lightning_par.parallel.tensor import tensor_parallel_styles
 
@@ -245,7 +246,7 @@ def test_the_shared_rotary_key_style_comes_from_the_plan_and_needs_the_rotary_wi
 def test_the_tensor_parallel_checks_copy_cuts_the_vocabulary(model_type: str) -> None:
     """The tensor-parallel check's copy keeps a few rows per rank of a large embedding and linear head (tied ones stay
     tied; the remainder modulo tp is kept), and the cut model runs; a head of another kind is left whole."""
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     from lightning_par.parallel.small_copy import Vocabulary, small_copy
 
     arguments = {"llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -320,7 +321,7 @@ def _structural_pairs(model: nn.Module, model_map: ModelMap, inputs: torch.Tenso
 def test_pairs_found_from_the_computation_are_those_the_name_rules_give(name: str) -> None:
     """With the names forgotten, the column/row-wise pairs read off one forward of the blocks are exactly the pairs
     the name rules give each family of the zoo (fused q/k/v, Conv1D, parallel residuals, post-norms)."""
-    pytest.importorskip("transformers")
+    require("transformers")
     import zoo
 
     model = zoo.make_model(name)
@@ -340,15 +341,14 @@ def test_pairs_are_found_from_the_computation_where_no_name_rule_knows_the_layer
 
     cases = {"flat_block": (zoo.make_model("flat_block"), {"q": "colwise", "k": "colwise", "v": "colwise",
                                                          "o": "rowwise", "fc_a": "colwise", "fc_b": "rowwise"})}
-    if zoo.LITGPT_MODELS:
-        cases["litgpt_llama"] = (zoo.make_model("litgpt_llama"),
-                                 {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc_1": "colwise",
-                                  "mlp.fc_2": "colwise", "mlp.proj": "rowwise"})
+    cases["litgpt_llama"] = (zoo.make_model("litgpt_llama"),
+                             {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc_1": "colwise",
+                              "mlp.fc_2": "colwise", "mlp.proj": "rowwise"})
     for name, (model, expected) in cases.items():
         model_map = derive_model_map(model)
         found = _structural_pairs(model, model_map, torch.randint(0, zoo.VOCAB, (1, 8)))
         assert found == {f"{model_map.blocks}.*.{layer}": style for layer, style in expected.items()}, name
-    pytest.importorskip("diffusers")
+    require("diffusers")
     from lightning_par.models import DiTDenoiser
 
     dit = DiTDenoiser(image_size=8, channels=4, classes=4, patch_size=2, heads=2, head_dim=8, depth=2)
@@ -367,7 +367,7 @@ def test_blocks_whose_parts_run_outside_them_are_found() -> None:
     cpu = torch.device("cpu")
     reference = Transformer(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16))
     assert blocks_used_outside(reference, derive_model_map(reference), torch.randint(0, 64, (1, 8)), cpu) == {}
-    pytest.importorskip("diffusers")
+    require("diffusers")
     from lightning_par.models import DiTDenoiser
 
     dit = DiTDenoiser(image_size=8, channels=4, classes=4, patch_size=2, heads=2, head_dim=8, depth=2)

@@ -9,12 +9,13 @@ import functools
 
 import lightning
 import pytest
+from installed import require
 import torch
 from harness import run_distributed
 from hf_directories import VOCAB, make_model_directory, write_corpus
 from parity import assert_parity, layout_runs, reference_run
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 SEQ_LEN = 32  # a multiple of 4: ring attention over cp=2 cuts it into 4 chunks
 # Document lengths of the windows (separator included), each window seq_len + 1 tokens: inputs and targets.

@@ -4,6 +4,7 @@ networks a pipeline cannot reproduce, refused with the reason (single process, n
 from __future__ import annotations
 
 import pytest
+from installed import require
 import torch
 import zoo
 from torch import nn
@@ -29,7 +30,7 @@ def test_roles_of_nanogpt() -> None:
 def test_block_arguments_of_a_hugging_face_model_are_computed_on_every_stage() -> None:
     """Gemma 2 scales the embedding before the first block and soft-caps the logits after the head; the rotary
     tables and masks every block receives come from the tokens' shape, not from the hidden states."""
-    pytest.importorskip("transformers")
+    require("transformers")
     module = zoo.make_model("gemma2")
     model_map = derive_model_map(module)
     trace = trace_network(module.model, model_map.block_names(module), torch.zeros(1, 8, dtype=torch.long), root=module)

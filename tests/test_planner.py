@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from installed import require
 
 from lightning_par.config import ParallelConfig
 from lightning_par.planner import (
@@ -457,7 +458,7 @@ def test_plan_command_costs_the_sizes_fixed_on_its_command_line(capsys: pytest.C
 def test_model_spec_of_a_hugging_face_config_counts_its_model(model_type: str, extra: dict, ffn_matrices: int,
                                                               head_dim: int) -> None:
     """A real transformers config: the spec's parameter count is the model's (built on the meta device)."""
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     import torch
 
     config = transformers.AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -473,7 +474,7 @@ def test_model_spec_of_a_hugging_face_config_counts_its_model(model_type: str, e
 
 def test_a_hugging_face_model_the_planner_cannot_describe_is_refused() -> None:
     """Qwen2-MoE's shared experts are not in ModelSpec: refused with both counts, not planned as something else."""
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
 
     config = transformers.AutoConfig.for_model("qwen2_moe", vocab_size=512, hidden_size=64, intermediate_size=128,
                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -483,7 +484,7 @@ def test_a_hugging_face_model_the_planner_cannot_describe_is_refused() -> None:
 
 
 def test_a_refused_hugging_face_model_keeps_its_reason_through_from_module() -> None:
-    pytest.importorskip("transformers")
+    require("transformers")
     from lightning_par.models import HFCausalLM
 
     module = HFCausalLM(config=dict(model_type="qwen2_moe", vocab_size=512, hidden_size=64, intermediate_size=128,

@@ -20,13 +20,10 @@ import numpy as np
 import pytest
 import torch
 from harness import run_distributed
-from parity import ParityRun, assert_parity, reference_run
+from installed import require
+from parity import assert_parity, reference_run
 
-try:
-    import litdata  # noqa: F401
-except ImportError:  # what the README's test command installs is never skipped silently
-    pytest.fail("litdata is not installed: the README's test command installs it (pip install --no-deps "
-                "litdata==0.2.76)", pytrace=False)
+require("litdata")
 
 from lightning_par.data.corpus import is_validation_document, list_stdlib_documents  # noqa: E402
 from lightning_par.data.prepare import ByteTokenizer, load_document_tokenizer, prepare, read_prepared  # noqa: E402

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+from installed import require
 import torch
 from parity import assert_fails_on_every_rank, assert_layout_matches
 from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
@@ -347,7 +348,7 @@ def test_dropout_draws_the_same_masks_on_every_tensor_parallel_rank() -> None:
     ranks' copies of a norm's weight diverge). The ranks start from different random states here."""
     from harness import run_distributed
 
-    pytest.importorskip("transformers")
+    require("transformers")
     first, second = run_distributed(_replicated_weights_after_dropout, 2)
     assert torch.equal(first, second)
 
@@ -389,7 +390,7 @@ def test_latent_attention_splits_its_heads_with_the_shared_rotary_key_summed() -
     projection: split by heads, that key's gradient holds each rank's heads only. With ``shared_rope_key`` (the
     translation of transformers' ``mla_kv_a_proj``) the split computes the whole model's outputs and every gradient;
     without it the check refuses it, naming the attention."""
-    pytest.importorskip("transformers")
+    require("transformers")
     from harness import run_distributed
 
     for verdicts in run_distributed(_latent_attention_checked, 2):

@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+from installed import require
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("datasets")
+require("transformers")
+require("datasets")
 
 from hf_directories import LINES, make_model_directory, write_corpus  # noqa: E402
 

@@ -13,12 +13,13 @@ import traceback
 from typing import Any
 
 import pytest
+from installed import require
 import torch
 import zoo
 from harness import run_distributed
 from parity import RecordLoss, assert_parity, reference_run
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 STEPS = 20
 PARITY_RTOL = 1e-5
