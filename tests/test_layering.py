@@ -26,6 +26,7 @@ PURE_MODULES = [
     "lightning_par.data.corpus",
     "lightning_par.data.resumable",
     "lightning_par.data.text",
+    "lightning_par.data.documents",
     "lightning_par.data.prepare",
     "lightning_par.data.shards",
 ]

@@ -26,7 +26,8 @@ from parity import assert_parity, reference_run
 require("litdata")
 
 from lightning_par.data.corpus import is_validation_document, list_stdlib_documents  # noqa: E402
-from lightning_par.data.prepare import ByteTokenizer, load_document_tokenizer, prepare, read_prepared  # noqa: E402
+from lightning_par.data.documents import ByteTokenizer, load_document_tokenizer  # noqa: E402
+from lightning_par.data.prepare import prepare, read_prepared  # noqa: E402
 
 SEQ_LEN = 32  # a multiple of 4: ring attention over cp=2 cuts it into 4 chunks
 BATCH = 4

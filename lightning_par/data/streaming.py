@@ -21,7 +21,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_par.data.datamodule import check_window_arguments
-from lightning_par.data.prepare import BYTES, PreparedData, is_prepared, load_document_tokenizer, read_prepared
+from lightning_par.data.documents import BYTES, load_document_tokenizer
+from lightning_par.data.prepare import PreparedData, is_prepared, read_prepared
 
 __all__ = ["StreamingTokenDataModule"]
 

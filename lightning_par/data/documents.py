@@ -1,0 +1,234 @@
+"""The documents a pretraining corpus is prepared from (``lightning_par.data.prepare``): the tokenizers that turn
+each into ids closed by an end-of-sequence token, and the inputs cut into pieces of work, each piece's documents with
+where they are (file and offset), which decides their split.
+
+Inputs: ``stdlib`` (the Python standard library's sources, the corpus ``TokenDataModule`` reads), text files (one
+document each: ``.txt``, ``.text``, ``.md``), JSON lines (a record's ``text_field`` per document: ``.json``,
+``.jsonl``), parquet files (a row's ``text_field``), a directory written by ``datasets``' ``save_to_disk`` (its
+``train`` split when it holds several), or a directory of such files. Pure Python plus the tokenizer's and the
+formats' libraries: no lightning import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BYTES", "ByteTokenizer", "DocumentTokenizer", "documents_of", "is_validation", "load_document_tokenizer",
+           "work_items"]
+
+BYTES = "bytes"  # the byte tokenizer's name (the reference model's vocabulary of 256)
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+JSON_SUFFIXES = (".json", ".jsonl")
+PARQUET_SUFFIXES = (".parquet",)
+_PIECE_ROWS = 20_000  # a datasets piece
+
+
+# ----------------------------------------------------------------------------------------------- tokenizers
+class DocumentTokenizer:
+    """What prepare asks of a tokenizer: each document's ids closed by the end-of-sequence token, the vocabulary
+    size, and a fingerprint that changes whenever the ids a text gets could change."""
+
+    name: str
+    vocab_size: int
+    eos_token_id: int
+    fingerprint: str
+
+    def encode(self, documents: Sequence[str | bytes]) -> list[list[int]]:
+        raise NotImplementedError
+
+
+class ByteTokenizer(DocumentTokenizer):
+    """UTF-8 bytes as tokens (vocabulary 256, the reference model's), each document closed by byte 0 (NUL), which no
+    text file holds; a document that does is refused, since its NUL would read as a document boundary."""
+
+    name = BYTES
+    vocab_size = 256
+    eos_token_id = 0
+    fingerprint = "bytes:utf-8:eos=0"
+
+    def encode(self, documents: Sequence[str | bytes]) -> list[list[int]]:
+        encoded = []
+        for document in documents:
+            data = document.encode("utf-8") if isinstance(document, str) else document
+            if b"\0" in data:
+                raise ValueError(f"a document holds byte 0, which the bytes tokenizer keeps for the end of a document: "
+                                 f"{data[:60]!r}...")
+            encoded.append([*data, 0])
+        return encoded
+
+
+class _HuggingFaceTokenizer(DocumentTokenizer):
+    """A tokenizer saved with ``save_pretrained`` (a model directory), as ``TextDataModule`` packs documents."""
+
+    def __init__(self, directory: str) -> None:
+        from lightning_par.data.text import load_tokenizer
+
+        self.tokenizer = load_tokenizer(directory)
+        self.name = str(directory)
+        self.vocab_size = len(self.tokenizer)
+        self.eos_token_id = int(self.tokenizer.eos_token_id)
+        self.fingerprint = _fingerprint(self.tokenizer)
+
+    def encode(self, documents: Sequence[str | bytes]) -> list[list[int]]:
+        texts = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d for d in documents]
+        eos = self.eos_token_id
+        return [ids if ids and ids[-1] == eos else [*ids, eos]
+                for ids in self.tokenizer(texts, add_special_tokens=True)["input_ids"]]
+
+
+def _fingerprint(tokenizer: Any) -> str:
+    """A hash of everything that decides the ids: a fast tokenizer's whole definition (normalizer, pre-tokenizer,
+    model with its merges, post-processor, added tokens), else the vocabulary and special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        text = backend.to_str()
+    else:
+        text = json.dumps([sorted(tokenizer.get_vocab().items()), tokenizer.all_special_ids, type(tokenizer).__name__])
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+def load_document_tokenizer(tokenizer: str) -> DocumentTokenizer:
+    """``"bytes"`` (:class:`ByteTokenizer`), or the directory of a tokenizer saved with ``save_pretrained``."""
+    return ByteTokenizer() if tokenizer == BYTES else _HuggingFaceTokenizer(tokenizer)
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+def work_items(inputs: Sequence[str], *, text_field: str = "text", piece_bytes: int = 16 << 20) -> list[list[Any]]:
+    """The pieces of work the inputs make, each ``[kind, path, start, stop]``: ``stdlib`` documents, a text file, a
+    byte range of a JSON-lines file, a parquet row group, a row range of a ``save_to_disk`` dataset. Plain lists, as
+    litdata keeps them in its checkpoint to resume an interrupted run. Raises ``ValueError`` naming a missing or
+    unreadable input."""
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [str(inputs)]
+    if not inputs:
+        raise ValueError("inputs is empty: give 'stdlib', files (.txt, .jsonl, .parquet), a directory of them or a "
+                         "directory written by datasets' save_to_disk")
+    items: list[list[Any]] = []
+    for entry in inputs:
+        items.extend(_items_of(str(entry), text_field, piece_bytes))
+    if not items:
+        raise ValueError(f"inputs {list(inputs)} hold no documents")
+    return items
+
+
+def _items_of(entry: str, text_field: str, piece_bytes: int) -> list[list[Any]]:
+    if entry == "stdlib":
+        from lightning_par.data.corpus import list_stdlib_documents
+
+        return [["stdlib", str(path), 0, 0] for _, path in list_stdlib_documents()]
+    path = Path(entry)
+    if not path.exists():
+        raise ValueError(f"input {entry!r} does not exist")
+    if path.is_dir():
+        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+            return _dataset_items(path, text_field)
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in
+                       TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES)
+        if not files:
+            raise ValueError(f"input directory {entry!r} holds no {', '.join(TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES)} "
+                             "file and was not written by datasets' save_to_disk")
+        return [item for file in files for item in _items_of(str(file), text_field, piece_bytes)]
+    if path.suffix in TEXT_SUFFIXES:
+        return [["text", str(path), 0, 0]]
+    if path.suffix in JSON_SUFFIXES:
+        size = path.stat().st_size
+        return [["jsonl", str(path), start, min(start + piece_bytes, size)] for start in range(0, size, piece_bytes)]
+    if path.suffix in PARQUET_SUFFIXES:
+        import pyarrow.parquet as pq
+
+        try:
+            parquet = pq.ParquetFile(path)
+        except Exception as error:  # noqa: BLE001 - pyarrow raises several kinds for a file that is not parquet
+            raise ValueError(f"input {entry!r} is not a parquet file: {error}") from error
+        if text_field not in parquet.schema_arrow.names:
+            raise ValueError(f"text_field={text_field!r} is not a column of {entry!r}: its columns are "
+                             f"{parquet.schema_arrow.names}")
+        return [["parquet", str(path), group, group + 1] for group in range(parquet.num_row_groups)]
+    raise ValueError(f"input {entry!r} is neither text ({', '.join(TEXT_SUFFIXES)}), JSON lines "
+                     f"({', '.join(JSON_SUFFIXES)}), parquet nor a directory")
+
+
+def _dataset_items(path: Path, text_field: str) -> list[list[Any]]:
+    dataset = _load_dataset(path)
+    if text_field not in dataset.column_names:
+        raise ValueError(f"text_field={text_field!r} is not a column of the dataset {str(path)!r}: its columns are "
+                         f"{dataset.column_names}")
+    return [["dataset", str(path), start, min(start + _PIECE_ROWS, len(dataset))]
+            for start in range(0, len(dataset), _PIECE_ROWS)]
+
+
+def _load_dataset(path: Path) -> Any:
+    import datasets
+
+    dataset = datasets.load_from_disk(str(path))
+    if isinstance(dataset, datasets.DatasetDict):
+        if "train" not in dataset:
+            raise ValueError(f"the dataset {str(path)!r} has the splits {sorted(dataset)}: prepare reads 'train'; "
+                             "save the split to prepare on its own (dataset[split].save_to_disk)")
+        dataset = dataset["train"]
+    return dataset
+
+
+def documents_of(item: Sequence[Any], text_field: str) -> Iterator[tuple[str, str | bytes]]:
+    """``(where, text)`` of every document of a work item; ``where`` (file and offset) decides its split."""
+    kind, path, start, stop = item
+    if kind == "stdlib":
+        from lightning_par.data.corpus import stdlib_dir
+
+        yield Path(path).relative_to(stdlib_dir()).as_posix(), Path(path).read_bytes()
+    elif kind == "text":
+        yield path, Path(path).read_bytes()
+    elif kind == "jsonl":
+        yield from _json_lines(path, start, stop, text_field)
+    elif kind == "parquet":
+        import pyarrow.parquet as pq
+
+        column = pq.ParquetFile(path).read_row_group(start, columns=[text_field]).column(0).to_pylist()
+        for row, text in enumerate(column):
+            yield f"{path}:{start}:{row}", _text(text, text_field, f"{path} row group {start} row {row}")
+    else:
+        rows = _load_dataset(Path(path)).select(range(start, stop))[text_field]
+        for row, text in enumerate(rows, start):
+            yield f"{path}:{row}", _text(text, text_field, f"{path} row {row}")
+
+
+def _json_lines(path: str, start: int, stop: int, text_field: str) -> Iterator[tuple[str, str]]:
+    """The records whose line begins in ``[start, stop)``: a line that straddles ``start`` is the piece before's."""
+    with open(path, "rb") as file:
+        position = start
+        if start:
+            file.seek(start - 1)
+            position = start - 1 + len(file.readline())  # to the first line beginning at or after start
+        while position < stop:
+            line = file.readline()
+            if not line:
+                break
+            where, position = position, position + len(line)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}: the line at byte {where} is not JSON: {error}") from error
+            if not isinstance(record, dict) or text_field not in record:
+                raise ValueError(f"{path}: the record at byte {where} has no field text_field={text_field!r}")
+            yield f"{path}:{where}", _text(record[text_field], text_field, f"{path} byte {where}")
+
+
+def _text(value: Any, text_field: str, where: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: {text_field}={value!r} ({type(value).__name__}) is not text")
+    return value
+
+
+def is_validation(where: str, val_fraction: float) -> bool:
+    from lightning_par.data.corpus import is_validation_document
+
+    return is_validation_document(where, val_fraction)
