@@ -23,6 +23,7 @@ from typing_extensions import override
 from lightning_par.data.datamodule import check_window_arguments
 from lightning_par.data.documents import BYTES, load_document_tokenizer
 from lightning_par.data.prepare import PreparedData, is_prepared, read_prepared
+from lightning_par.data.text import model_vocab_size, pretrained_directory
 
 __all__ = ["StreamingTokenDataModule"]
 
@@ -110,7 +111,7 @@ class StreamingTokenDataModule(pl.LightningDataModule):
     def _tokenizer_name(self) -> str:
         if self.tokenizer is not None:
             return self.tokenizer
-        pretrained = self._model_pretrained()
+        pretrained = pretrained_directory(self._module())
         if pretrained is None:
             raise ValueError(f"prepare_from needs tokenizer= (a directory with a saved tokenizer, or {BYTES!r}): the "
                              "model has no pretrained directory to take it from")
@@ -148,7 +149,7 @@ class StreamingTokenDataModule(pl.LightningDataModule):
                                  f"{data.tokenizer['name']!r}; prepare them with the model's")
 
     def _check_the_models_tokenizer(self, prepared: PreparedData) -> None:
-        name = self.tokenizer or self._model_pretrained()
+        name = self.tokenizer or pretrained_directory(self._module())
         if name is None:
             return
         fingerprint = load_document_tokenizer(name).fingerprint
@@ -158,22 +159,15 @@ class StreamingTokenDataModule(pl.LightningDataModule):
                              f"--tokenizer {name}")
 
     def _check_vocabulary(self, prepared: PreparedData) -> None:
-        module = self._module()
-        config = getattr(module, "model_config", None) or getattr(module, "config", None)
-        model_vocab = getattr(config, "vocab_size", None)
+        model_vocab = model_vocab_size(self._module())
         vocab = prepared.tokenizer["vocab_size"]
-        if isinstance(model_vocab, int) and vocab > model_vocab:
+        if model_vocab is not None and vocab > model_vocab:
             raise ValueError(f"{prepared.directory!r} was prepared with the tokenizer {prepared.tokenizer['name']!r} of "
                              f"{vocab} tokens, more than the model's vocab_size={model_vocab}: use the model's "
                              "tokenizer, or a model with a vocabulary of at least that size")
 
     def _module(self) -> Any:
         return getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
-
-    def _model_pretrained(self) -> Optional[str]:
-        module = self._module()
-        pretrained = getattr(module, "hparams", {}).get("pretrained") if module is not None else None
-        return None if pretrained is None else str(pretrained)
 
     # ------------------------------------------------------------------ loaders
     def data_parallel_world(self) -> tuple[int, int]:

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["TEXT_SUFFIXES", "JSON_SUFFIXES", "SAMPLE_BY", "TOKENIZER_MARKERS", "check_sources", "load_documents", "load_tokenizer", "tokenizer_of",
-           "pack_documents"]
+__all__ = ["TEXT_SUFFIXES", "JSON_SUFFIXES", "SAMPLE_BY", "TOKENIZER_MARKERS", "check_sources", "load_documents", "load_tokenizer",
+           "model_vocab_size", "pack_documents", "pretrained_directory", "tokenizer_of"]
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSON_SUFFIXES = (".json", ".jsonl")
@@ -124,10 +124,25 @@ def load_tokenizer(directory: str | os.PathLike) -> Any:
     return tokenizer
 
 
+def pretrained_directory(module: Any) -> str | None:
+    """The pretrained directory of ``module`` (the LightningModule being trained, or None): ``HFCausalLM``'s, where
+    the model's tokenizer is saved."""
+    pretrained = getattr(module, "hparams", {}).get("pretrained") if module is not None else None
+    return None if pretrained is None else str(pretrained)
+
+
+def model_vocab_size(module: Any) -> int | None:
+    """The rows of ``module``'s embedding, where its configuration says (``HFCausalLM``'s ``model_config``, the
+    reference model's ``config``), else None."""
+    config = getattr(module, "model_config", None) or getattr(module, "config", None)
+    vocab_size = getattr(config, "vocab_size", None)
+    return vocab_size if isinstance(vocab_size, int) else None
+
+
 def tokenizer_of(module: Any, datamodule: str) -> Any:
     """The tokenizer saved in the pretrained directory of ``module`` (the LightningModule being trained, or None), for
     a ``datamodule`` (its class name, for the message) given no ``tokenizer=``."""
-    pretrained = getattr(module, "hparams", {}).get("pretrained") if module is not None else None
+    pretrained = pretrained_directory(module)
     if pretrained is None:
         raise ValueError(f"{datamodule} needs tokenizer= (a directory with a saved tokenizer): "
                          f"{type(module).__name__ if module is not None else 'no model'} has no pretrained directory "

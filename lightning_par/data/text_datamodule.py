@@ -17,7 +17,8 @@ from typing_extensions import override
 
 from lightning_par.data.corpus import TokenWindowDataset
 from lightning_par.data.datamodule import WindowDataModule, check_window_arguments
-from lightning_par.data.text import SAMPLE_BY, check_sources, load_documents, load_tokenizer, pack_documents, tokenizer_of
+from lightning_par.data.text import (SAMPLE_BY, check_sources, load_documents, load_tokenizer, model_vocab_size,
+                                     pack_documents, tokenizer_of)
 
 __all__ = ["TextDataModule", "TokenizedFilesDataModule"]
 
@@ -47,10 +48,8 @@ class TokenizedFilesDataModule(WindowDataModule):
 
     def _check_vocabulary(self, largest_id: int) -> None:
         """Refuse token ids the model's embedding has no row for (each rank would fail alone, mid-step)."""
-        module = self._module()
-        config = getattr(module, "model_config", None) or getattr(module, "config", None)
-        model_vocab = getattr(config, "vocab_size", None)
-        if isinstance(model_vocab, int) and largest_id >= model_vocab:
+        model_vocab = model_vocab_size(self._module())
+        if model_vocab is not None and largest_id >= model_vocab:
             raise ValueError(f"the tokenizer {self.tokenizer.name_or_path!r} gives token id {largest_id}, but the "
                              f"model's vocab_size is {model_vocab}: use the tokenizer saved with the model")
 
