@@ -32,11 +32,12 @@ no lightning import.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ import torch
 from lightning_par.data.documents import (DocumentTokenizer, documents_of, is_validation, load_document_tokenizer,
                                           work_items)
 
-__all__ = ["METADATA", "SPLITS", "PreparedData", "is_prepared", "main", "prepare", "read_prepared"]
+__all__ = ["METADATA", "SPLITS", "PreparedData", "is_prepared", "main", "prepare", "read_prepared", "token_dtype"]
 
 METADATA = "prepared.json"
 SPLITS = ("train", "val")
@@ -57,7 +58,12 @@ _TEXT_PER_SHARD = 4
 # A part of the work is this many pieces per worker, appended whole: what a stopped prepare may do again.
 _ITEMS_PER_WORKER_PART = 16
 _ENCODE_BATCH = 1024  # documents per tokenizer call
-_UINT16_VOCAB = 1 << 16
+
+
+def token_dtype(vocab_size: int) -> str:
+    """How the shards keep a token: uint16 when the vocabulary has at most 65,536 entries, else int32 (litdata has
+    no uint32)."""
+    return "uint16" if vocab_size <= 1 << 16 else "int32"
 
 
 class _TokenizeItem:
@@ -66,7 +72,7 @@ class _TokenizeItem:
     input is written to ``errors`` (a folder) instead of raised: litdata leaves worker processes behind when its
     ``fn`` raises; the driver reads the folder once the workers are done."""
 
-    def __init__(self, tokenizer: str, split: str, val_fraction: float, text_field: str, errors: str) -> None:
+    def __init__(self, tokenizer: str, split: str, val_fraction: float, text_field: str, *, errors: str) -> None:
         self.tokenizer_name, self.split, self.val_fraction, self.text_field = tokenizer, split, val_fraction, text_field
         self.errors = errors
         self._tokenizer: DocumentTokenizer | None = None
@@ -90,8 +96,7 @@ class _TokenizeItem:
             return None  # litdata writes nothing for it
         ids = [token for start in range(0, len(documents), _ENCODE_BATCH)
                for document in self._tokenizer.encode(documents[start:start + _ENCODE_BATCH]) for token in document]
-        dtype = np.uint16 if self._tokenizer.vocab_size <= _UINT16_VOCAB else np.int32
-        return torch.from_numpy(np.asarray(ids, dtype=dtype))
+        return torch.from_numpy(np.asarray(ids, dtype=token_dtype(self._tokenizer.vocab_size)))
 
 
 # ----------------------------------------------------------------------------------------------- prepare
@@ -135,8 +140,9 @@ def prepare(inputs: Sequence[str] | str, output_dir: str, tokenizer: str, *, val
             if part < progress.parts[split]:
                 continue
             _keep_chunks(store, split, progress.chunks[split])  # drop what an interrupted part wrote
-            _tokenize_part(store, split, items[first:first + step], workers, chunk_bytes, verbose,
-                           _TokenizeItem(tokenizer, split, val_fraction, text_field, ""))
+            tokenize = functools.partial(_TokenizeItem, tokenizer, split, val_fraction, text_field)
+            _tokenize_part(store, split, items[first:first + step], workers, chunk_bytes, verbose, tokenize,
+                           kept=progress.chunks[split])
             progress.done(split, _chunks_of(store, split))
     counts = {split: _tokens_of(store, split) for split in splits}
     if counts["train"] == 0:
@@ -145,7 +151,7 @@ def prepare(inputs: Sequence[str] | str, output_dir: str, tokenizer: str, *, val
                 "tokenizer": {"name": document_tokenizer.name, "fingerprint": document_tokenizer.fingerprint,
                               "vocab_size": document_tokenizer.vocab_size,
                               "eos_token_id": document_tokenizer.eos_token_id},
-                "dtype": "uint16" if document_tokenizer.vocab_size <= _UINT16_VOCAB else "int32",
+                "dtype": token_dtype(document_tokenizer.vocab_size),
                 "tokens": counts}
     store.write_text(METADATA, json.dumps(metadata, indent=2))  # last: the mark of a finished prepare
     progress.remove()
@@ -153,21 +159,19 @@ def prepare(inputs: Sequence[str] | str, output_dir: str, tokenizer: str, *, val
 
 
 def _tokenize_part(store: "_Store", split: str, items: list[list[Any]], workers: int, chunk_bytes: str,
-                   verbose: bool, fn: _TokenizeItem) -> None:
-    """Append the tokens of ``items`` to ``split``'s shards; on a bad input, leave them as they were and raise
-    ``ValueError`` with what the input did wrong."""
+                   verbose: bool, tokenize: Callable[..., _TokenizeItem], *, kept: int) -> None:
+    """Append the tokens of ``items`` to ``split``'s shards, which hold ``kept`` shard files; on a bad input, leave
+    them as they were and raise ``ValueError`` with what the input did wrong."""
     from litdata import TokensLoader, optimize
 
-    chunks = _chunks_of(store, split)
     with tempfile.TemporaryDirectory() as errors:
-        fn.errors = errors
-        optimize(fn=fn, inputs=items, output_dir=store.url(split), chunk_bytes=chunk_bytes, item_loader=TokensLoader(),
+        optimize(fn=tokenize(errors=errors), inputs=items, output_dir=store.url(split), chunk_bytes=chunk_bytes, item_loader=TokensLoader(),
                  num_workers=min(workers, len(items)), mode="append" if store.exists(f"{split}/index.json") else None,
                  start_method="fork", weights=[_item_size(item) for item in items], keep_data_ordered=True,
                  verbose=verbose)
         found = sorted(Path(errors).glob("*.txt"))
         if found:
-            _keep_chunks(store, split, chunks)
+            _keep_chunks(store, split, kept)
             raise ValueError(found[0].read_text().splitlines()[0])
 
 
