@@ -80,6 +80,13 @@ class PublishedRun:
     # blocks' linear-layer time (forward + backward): torchtitan's selective "op" policy saves only every
     # second matmul output, so half the forward matmuls (1/6 of forward + backward) run again.
     extra_linear_recompute: float = 0.0
+    # The calibration constants (lightning_par/planner/cluster.py, time.py) whose value was read off this row's
+    # figure; a row that fits none is held out: nothing in the model was chosen to match it.
+    fits: tuple[str, ...] = ()
+
+    @property
+    def held_out(self) -> bool:
+        return not self.fits
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -137,7 +144,7 @@ def _torchtitan_405b(schedule: str, published: float, memory: float) -> Publishe
 
 
 def _megatron(model: ModelSpec, *, pp: int, dp: int, tp: int, batch: int, published: float, mbs: int = 1,
-              zero: int = 0, name: str) -> PublishedRun:
+              zero: int = 0, name: str, fits: tuple[str, ...]) -> PublishedRun:
     extra = dict(param_dtype="bf16", reduce_dtype="bf16") if zero == 3 else {}  # DeepSpeed ZeRO-3 in 16 bits
     # Megatron's scatter/gather (sec. 4.1) sends 1/t of a stage boundary per tensor-parallel rank over
     # InfiniBand, as sequence parallel does here; tensor-parallel bytes are the same either way.
@@ -146,7 +153,8 @@ def _megatron(model: ModelSpec, *, pp: int, dp: int, tp: int, batch: int, publis
     nodes = pp * dp * tp // 8
     return PublishedRun(name, MEGATRON, model, "a100-80gb", nodes, config, 2048, mbs, batch // (dp * mbs),
                         "TFLOP/s/GPU (eq. 3)", published, compiled=True,
-                        notes="Megatron's fused kernels stand for torch.compile; scatter/gather as sequence parallel")
+                        notes="Megatron's fused kernels stand for torch.compile; scatter/gather as sequence parallel",
+                        fits=fits)
 
 
 def _llama3_405b(gpus: int, seq_len: int, *, dp: int, cp: int, published: float) -> PublishedRun:
@@ -168,12 +176,14 @@ GPT_530B = gpt(20480, 105, 128)  # table 2's 529.6B
 PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun("Llama 3.1 8B, 8 GPUs, FSDP 8", f"{TORCHTITAN}, table 1", ModelSpec.preset("llama3-8b"),
                  "h100-96gb-500w", 1, ParallelConfig(dp_shard=8, activation_checkpointing="selective", **_fsdp()),
-                 8192, 2, 1, "tokens/s/GPU", 5762, 82.4, notes="eager", extra_linear_recompute=TORCHTITAN_OP_SAC),
+                 8192, 2, 1, "tokens/s/GPU", 5762, 82.4, notes="eager", extra_linear_recompute=TORCHTITAN_OP_SAC,
+                 fits=("H100_500W_MATMUL_EFFICIENCY", "ELEMENTWISE_PASSES_H", "ELEMENTWISE_PASSES_F")),
     PublishedRun("Llama 3.1 8B, 8 GPUs, FSDP 8, compile + Float8", f"{TORCHTITAN}, table 1",
                  ModelSpec.preset("llama3-8b"), "h100-96gb-500w", 1,
                  ParallelConfig(dp_shard=8, activation_checkpointing="selective", **_fsdp()), 8192, 2, 1,
                  "tokens/s/GPU", 8532, 76.8, compiled=True, float8=True, notes="torch.compile, Float8",
-                 extra_linear_recompute=TORCHTITAN_OP_SAC),
+                 extra_linear_recompute=TORCHTITAN_OP_SAC,
+                 fits=("COMPILED_ELEMENTWISE_FRACTION", "FLOAT8_MATMUL_EFFICIENCY")),
     PublishedRun("Llama 3.1 8B, 128 GPUs, FSDP 128", f"{TORCHTITAN}, table 3", ModelSpec.preset("llama3-8b"),
                  "h100-96gb-500w", 16, ParallelConfig(dp_shard=128, activation_checkpointing="selective", **_fsdp()),
                  8192, 2, 1, "tokens/s/GPU", 5605, 67.0, notes="eager", extra_linear_recompute=TORCHTITAN_OP_SAC),
@@ -182,18 +192,23 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
                  8192, 16, 1, "tokens/s/GPU", 829, 71.9, compiled=True, float8=True, notes="torch.compile, Float8"),
     _torchtitan_405b("1f1b", 100, 82.5),
     _torchtitan_405b("interleaved_1f1b", 128, 72.7),
-    _megatron(GPT_175B, tp=8, pp=12, dp=4, batch=1536, published=153, name="GPT 175B, 384 GPUs, TP 8 PP 12 DP 4"),
-    _megatron(GPT_175B, tp=8, pp=12, dp=16, batch=1536, published=141, name="GPT 175B, 1536 GPUs, TP 8 PP 12 DP 16"),
-    _megatron(GPT_530B, tp=8, pp=35, dp=8, batch=2240, published=159, name="GPT 530B, 2240 GPUs, TP 8 PP 35 DP 8"),
+    _megatron(GPT_175B, tp=8, pp=12, dp=4, batch=1536, published=153, name="GPT 175B, 384 GPUs, TP 8 PP 12 DP 4",
+              fits=("A100_MATMUL_EFFICIENCY",)),
+    _megatron(GPT_175B, tp=8, pp=12, dp=16, batch=1536, published=141, name="GPT 175B, 1536 GPUs, TP 8 PP 12 DP 16",
+              fits=("A100_MATMUL_EFFICIENCY",)),
+    _megatron(GPT_530B, tp=8, pp=35, dp=8, batch=2240, published=159, name="GPT 530B, 2240 GPUs, TP 8 PP 35 DP 8",
+              fits=("A100_MATMUL_EFFICIENCY",)),
     _megatron(GPT_175B, tp=1, pp=1, dp=384, batch=1536, mbs=4, zero=3, published=144,
-              name="GPT 175B, 384 GPUs, ZeRO-3 (DeepSpeed)"),
+              name="GPT 175B, 384 GPUs, ZeRO-3 (DeepSpeed)", fits=("COLLECTIVE_OVERLAP",)),
     _megatron(GPT_175B, tp=1, pp=1, dp=1536, batch=1536, zero=3, published=44,
-              name="GPT 175B, 1536 GPUs, ZeRO-3 (DeepSpeed)"),
+              name="GPT 175B, 1536 GPUs, ZeRO-3 (DeepSpeed)",
+              fits=("INFINIBAND_BUS_EFFICIENCY", "COLLECTIVE_OVERLAP")),
     PublishedRun("Mixtral 8x7B, 64 GPUs, EP 8 PP 4 (VP 8) DP 16", MCORE_MOE, ModelSpec.preset("mixtral-8x7b"),
                  "h100-80gb", 8, ParallelConfig(pp=4, dp_shard=16, ep=8, zero_stage=1, pp_schedule="interleaved_1f1b",
                                                 pp_microbatches=16, pp_virtual_stages=8),
                  4096, 1, 16, "model TFLOP/s/GPU", 438, compiled=True,
-                 notes="distributed optimizer (ZeRO-1); Transformer Engine's fused kernels stand for torch.compile"),
+                 notes="distributed optimizer (ZeRO-1); Transformer Engine's fused kernels stand for torch.compile",
+                 fits=("H100_MATMUL_EFFICIENCY",)),
     _llama3_405b(8192, 8192, dp=64, cp=1, published=430),
     _llama3_405b(16384, 8192, dp=128, cp=1, published=400),
     _llama3_405b(16384, 131072, dp=8, cp=16, published=380),
@@ -201,14 +216,35 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
 
 
 def published_table(runs: tuple[PublishedRun, ...] = PUBLISHED_RUNS) -> str:
-    """The markdown table of docs/planner.md: each run, its source, published and predicted figures."""
-    lines = ["| run | source | unit | published | predicted | ratio | memory GiB published / predicted |",
-             "|---|---|---|---:|---:|---:|---|"]
+    """The markdown table of docs/planner.md: each run, its source, published and predicted figures, and the
+    constants fitted to it (or "held out"), then the error of the fitted and of the held-out rows."""
+    lines = ["| run | source | unit | published | predicted | ratio | memory GiB published / predicted | fits |",
+             "|---|---|---|---:|---:|---:|---|---|"]
     for run in runs:
         memory = f"{run.memory_gib:.1f} / {run.predicted_memory_gib():.1f}" if run.memory_gib else "-"
+        fits = ", ".join(f"`{name}`" for name in run.fits) or "held out"
         lines.append(f"| {run.name} | {run.source} | {run.unit} | {run.published:,.0f} | {run.predicted():,.0f} | "
-                     f"{run.ratio():.2f} | {memory} |")
+                     f"{run.ratio():.2f} | {memory} | {fits} |")
+    lines.append("")
+    for label, held_out in (("fitted", False), ("held out", True)):
+        error = throughput_error([run for run in runs if run.held_out == held_out])
+        lines.append(f"- {label}: {error.rows} rows, mean |ratio - 1| {error.mean:.3f}, largest {error.largest:.3f}")
     return "\n".join(lines)
 
 
-__all__ = ["PublishedRun", "PUBLISHED_RUNS", "gpt", "megatron_flops", "published_table"]
+@dataclass(frozen=True)
+class ThroughputError:
+    """How far the predictions of some rows are from their published figures: ``|ratio - 1|``."""
+
+    rows: int
+    mean: float
+    largest: float
+
+
+def throughput_error(runs: list[PublishedRun]) -> ThroughputError:
+    errors = [abs(run.ratio() - 1) for run in runs]
+    return ThroughputError(len(errors), sum(errors) / max(len(errors), 1), max(errors, default=0.0))
+
+
+__all__ = ["PublishedRun", "PUBLISHED_RUNS", "ThroughputError", "gpt", "megatron_flops", "published_table",
+           "throughput_error"]
