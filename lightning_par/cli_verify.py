@@ -9,12 +9,14 @@ Two runs of ``--steps`` optimizer steps from the config's seed:
   ``num_nodes``), with :class:`~lightning_par.callbacks.StepRecord` as its only callback (no logger, checkpoint,
   validation or export: nothing the user wrote is touched);
 - the reference is Lightning's own single-device loop in this process, with the config's model, optimizer, schedule,
-  accumulation, clipping and precision, fed the global batches the layout run trained on (each step's batches of the
-  data-parallel replicas, joined).
+  accumulation, clipping and precision, fed the global batches it draws itself from the config's data module: the
+  data module read at world size 1, its order dealt to the layout run's data-parallel replicas as Lightning's
+  ``DistributedSampler`` deals it (:mod:`lightning_par.data.drawn`), each step's replica batches joined.
 
-Each step's loss, whole-model gradient norm and weights are compared. PASS when all stay within ``--tolerance``
-(relative; 1e-5 holds in fp32 on CPU), else the first step where the runs part, and the parameter that differs most
-there. A model too large for this machine is shrunk with fit options (``--model.init_args.n_layers=2``); the
+Each step's samples, loss, whole-model gradient norm and weights are compared. PASS when the layout run trained on
+the samples one process drew and all figures stay within ``--tolerance`` (relative; 1e-5 holds in fp32 on CPU),
+else the first step where the runs part, and why: the data (replicas that read the same samples, or other samples
+than one process draws), or the parameter that differs most. A model too large for this machine is shrunk with fit options (``--model.init_args.n_layers=2``); the
 report names every option given on top of the config. Exits 1 when the runs part.
 """
 
@@ -36,11 +38,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_map
 
 from lightning_par.cli_classes import quiet_lightning
+from lightning_par.data.drawn import OneProcessData, join_batches, samples_of
 
-__all__ = ["Comparison", "Run", "VerifyCommand", "compare", "main", "read_command"]
+__all__ = ["Comparison", "Run", "VerifyCommand", "compare", "format_comparison", "main", "read_command",
+           "read_layout_run", "record_callback", "reference_run"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
 @dataclass
 class Run:
     """What a run trained: one global batch per micro-batch, the loss of each, one gradient norm per optimizer step
-    and the whole model's weights before the first step and after each."""
+    and the whole model's weights before the first step and after each; ``replicas``: its data-parallel replicas,
+    ``same_samples``: the first micro-batch and two replicas that read the same samples in it, if any."""
 
     batches: list[Any]
     losses: list[float]
@@ -64,6 +68,8 @@ class Run:
     weights: list[dict[str, Tensor]]
     accumulate: int
     layout: str
+    replicas: int = 1
+    same_samples: tuple[int, int, int] | None = None
 
 
 @dataclass
@@ -89,10 +95,34 @@ def read_layout_run(folder: Path) -> Run:
     for record in records:
         first_of_replica.setdefault(record["replica"], record)
     replicas = [first_of_replica[index] for index in sorted(first_of_replica)]
-    batches = [_joined([replica["batches"][m] for replica in replicas]) for m in range(len(replicas[0]["batches"]))]
+    micro_batches = range(len(replicas[0]["batches"]))
+    batches = [join_batches([replica["batches"][m] for replica in replicas]) for m in micro_batches]
     losses = torch.tensor([record["losses"] for record in records], dtype=torch.float64).mean(0).tolist()
     rank0 = next(record for record in records if record["weights"] and record["weights"][0])
-    return Run(batches, losses, rank0["gradient_norms"], rank0["weights"], rank0["accumulate"], rank0["layout"])
+    same = next(((m, a, b) for m in micro_batches for a in range(len(replicas)) for b in range(a + 1, len(replicas))
+                 if samples_of(replicas[a]["batches"][m]) == samples_of(replicas[b]["batches"][m])), None)
+    return Run(batches, losses, rank0["gradient_norms"], rank0["weights"], rank0["accumulate"], rank0["layout"],
+               len(replicas), same)
+
+
+def _data_parted(layout: Run, reference: Run) -> tuple[int, str] | None:
+    """The first optimizer step whose global batches hold other samples in the two runs, and why."""
+    for m, (trained, drawn) in enumerate(zip(layout.batches, reference.batches)):
+        trained_samples, drawn_samples = samples_of(trained), samples_of(drawn)
+        if trained_samples == drawn_samples:
+            continue
+        step = m // reference.accumulate + 1
+        if layout.same_samples is not None and layout.same_samples[0] <= m:
+            _, a, b = layout.same_samples
+            return step, (f"data-parallel replicas {a} and {b} read the same samples (the data module does not split "
+                          "its data between the replicas: give each its share, as the DistributedSampler that "
+                          "Lightning puts in a map-style loader does, or read num_replicas and rank of "
+                          "trainer.strategy.distributed_sampler_kwargs)")
+        common = sum((trained_samples & drawn_samples).values())
+        return step, (f"the layout run trained on other samples than one process draws from the data module: "
+                      f"{common} of the {sum(drawn_samples.values())} samples of micro-batch {m} are the same "
+                      f"(lightning_par.data.drawn says how the reference draws them)")
+    return None
 
 
 def compare(layout: Run, reference: Run, tolerance: float) -> Comparison:
@@ -102,7 +132,7 @@ def compare(layout: Run, reference: Run, tolerance: float) -> Comparison:
         return Comparison([], tolerance, 1, f"the layout run took {len(layout.gradient_norms)} optimizer steps, "
                           f"one process {steps}")
     rows: list[dict[str, Any]] = []
-    parted_at, reason = None, ""
+    parted_at, reason = _data_parted(layout, reference) or (None, "")
     for step in range(steps + 1):
         worst, parameter = _weights_error(layout.weights[step], reference.weights[step])
         row: dict[str, Any] = {"step": step, "weights_error": worst, "parameter": parameter}
@@ -186,10 +216,10 @@ def main(argv: list[str]) -> None:
                                                   command.world_size, command.given)
     with tempfile.TemporaryDirectory(prefix="lightning-par-verify-") as folder:
         layout = _layout_run(cli_args, seed, world_size, options.steps, Path(folder) / "layout")
-        reference = _reference_run(cli_args, seed, options.steps, layout.batches, Path(folder) / "reference")
+        reference = reference_run(cli_args, seed, options.steps, layout.replicas, Path(folder) / "reference")
     comparison = compare(layout, reference, options.tolerance)
     header = (f"lightning-par verify: {layout.layout} on {world_size} CPU processes against one process, "
-              f"{options.steps} steps from seed {seed} on the same global batches"
+              f"{options.steps} steps from seed {seed}, on global batches it draws from the data module"
               + (f"; options on top of the config: {' '.join(given)}" if given else ""))
     print(format_comparison(comparison, header))
     if options.json is not None:
@@ -210,9 +240,11 @@ def _quiet_trainer(steps: int, folder: Path) -> list[str]:
                                                      "gradient_norm", "layout"))]
 
 
-def _record_callback(folder: Path) -> str:
-    return "--trainer.callbacks=" + json.dumps([{"class_path": "lightning_par.callbacks.StepRecord",
-                                                 "init_args": {"folder": str(folder)}}])
+def record_callback(folder: Path, *, append: bool = False) -> str:
+    """The fit option that makes a run record what it trained in ``folder`` (:class:`~lightning_par.callbacks.
+    StepRecord`): as its only callback, or (``append``) beside the config's."""
+    record = {"class_path": "lightning_par.callbacks.StepRecord", "init_args": {"folder": str(folder)}}
+    return f"--trainer.callbacks+={json.dumps(record)}" if append else f"--trainer.callbacks={json.dumps([record])}"
 
 
 def _seed_and_world_size(cli_args: list[str], world_size: int | None) -> tuple[int, int]:
@@ -268,7 +300,7 @@ def _available_memory() -> int | None:
 def _layout_run(cli_args: list[str], seed: int, world_size: int, steps: int, folder: Path) -> Run:
     command = [sys.executable, "-m", "lightning_par.cli", "fit", *cli_args, *_quiet_trainer(steps, folder),
                f"--trainer.devices={world_size}", f"--seed_everything={seed}", "--ckpt_path=null",
-               _record_callback(folder)]
+               record_callback(folder)]
     result = subprocess.run(command, capture_output=True, text=True,
                             env={**_environment_of_this_machine(), "PYTHONWARNINGS": "ignore"})
     if result.returncode != 0:
@@ -304,22 +336,22 @@ def _on_this_machine() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _reference_run(cli_args: list[str], seed: int, steps: int, batches: list[Any], folder: Path) -> Run:
-    """Lightning's single-device loop over ``batches`` (one per micro-batch) with the config's model and trainer."""
+def reference_run(cli_args: list[str], seed: int, steps: int, replicas: int, folder: Path) -> Run:
+    """Lightning's single-device loop with the config's model and trainer, over the global batches of ``replicas``
+    data-parallel replicas that this process draws from the config's data module."""
     from lightning_par.cli_classes import ParallelCLI, Parser
-    from lightning_par.data.replayed import ReplayedData
 
     with warnings.catch_warnings(), quiet_lightning(), _on_this_machine():
         warnings.filterwarnings("ignore")
         cli = ParallelCLI(args=[*cli_args, *_quiet_trainer(steps, folder), "--trainer.strategy=auto",
-                                "--trainer.devices=1", f"--seed_everything={seed}", _record_callback(folder)],
+                                "--trainer.devices=1", f"--seed_everything={seed}", record_callback(folder)],
                           run=False, parser_class=Parser)
-        data = ReplayedData(cli.datamodule, batches)
+        data = OneProcessData(cli.datamodule, replicas, seed)
         if callable(getattr(cli.model, "load_pretrained", None)):
             _load_pretrained(cli.model, data)
         cli.trainer.fit(cli.model, datamodule=data)
     record = torch.load(folder / "rank0.pt", weights_only=False)
-    return Run(batches, record["losses"], record["gradient_norms"], record["weights"], record["accumulate"],
+    return Run(record["batches"], record["losses"], record["gradient_norms"], record["weights"], record["accumulate"],
                record["layout"])
 
 
@@ -336,11 +368,6 @@ def _load_pretrained(module: Any, data: Any) -> None:
         module.load_pretrained()
     finally:
         data.trainer = module._trainer = None
-
-
-def _joined(batches: list[Any]) -> Any:
-    """One batch of the samples of ``batches`` (tensors joined along the first dimension, in order)."""
-    return tree_map(lambda *parts: torch.cat(parts) if isinstance(parts[0], Tensor) else parts[0], *batches)
 
 
 def _weights_error(actual: dict[str, Tensor], expected: dict[str, Tensor]) -> tuple[float, str]:

@@ -29,17 +29,23 @@ def _shortened(name: str) -> list[str]:
 
 
 def _devices(name: str) -> int:
+    return _config(name)["trainer"]["devices"]
+
+
+def _config(name: str) -> dict:
     import yaml
 
-    return yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())["trainer"]["devices"]
+    return yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
 
 
 def _run_configs(rank: int, world_size: int, names: list[str], root: str) -> dict[str, str | None]:
     """Each config in turn through the command's entry point (``lightning-par fit``), on these ranks, each in a
-    directory of its own: None for a run that ended well, else what it raised."""
+    directory of its own, recording what it trained for ``lightning-par verify``'s comparison in ``record/``: None for
+    a run that ended well, else what it raised."""
     import traceback
 
     from lightning_par.cli import main
+    from lightning_par.cli_verify import record_callback
 
     outcomes: dict[str, str | None] = {}
     for name in names:
@@ -47,7 +53,8 @@ def _run_configs(rank: int, world_size: int, names: list[str], root: str) -> dic
         directory.mkdir(parents=True, exist_ok=True)
         os.chdir(directory)
         try:
-            main(["fit", "--config", str(REPO / "configs" / f"{name}.yaml"), *_shortened(name)])
+            main(["fit", "--config", str(REPO / "configs" / f"{name}.yaml"), *_shortened(name),
+                  record_callback(directory / "record", append=True)])
             outcomes[name] = None
         except BaseException:  # noqa: BLE001 - SystemExit too: the command's way to fail
             outcomes[name] = traceback.format_exc()
@@ -89,6 +96,25 @@ def test_shipped_config_trains_and_logs_to_tensorboard(shipped_runs: tuple[Path,
     _assert_monitoring(name, events)
 
 
+@pytest.mark.parametrize("name", CONFIGS)
+def test_shipped_config_trains_what_one_process_trains(shipped_runs: tuple[Path, dict[str, str | None]], name: str,
+                                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lightning-par verify``'s comparison of the run above: one process draws the global batches from the config's
+    data module (at world size 1, dealt to the run's data-parallel replicas) and trains them with the config's model,
+    optimizer and schedule; the 6 steps' samples, losses, gradient norms and weights agree within 1e-5 (the
+    fine-tuning configs are verified in tests/test_verify.py)."""
+    from lightning_par.cli_verify import compare, format_comparison, read_layout_run, reference_run
+
+    root, outcomes = shipped_runs
+    assert outcomes[name] is None, outcomes[name][-8000:]
+    monkeypatch.chdir(root / name)  # where the run found its data (the streaming config's prepared shards)
+    layout = read_layout_run(root / name / "record")
+    cli_args = ["--config", str(REPO / "configs" / f"{name}.yaml"), *_shortened(name)]
+    reference = reference_run(cli_args, _config(name)["seed_everything"], len(layout.gradient_norms), layout.replicas, tmp_path)
+    comparison = compare(layout, reference, 1e-5)
+    assert len(layout.gradient_norms) == 6 and comparison.passed, format_comparison(comparison, name)
+
+
 def _assert_monitoring(name: str, events: EventAccumulator) -> None:
     """The monitor the command adds by default: every scalar there, every step, with plausible values."""
     def values(tag: str) -> list[float]:
@@ -115,10 +141,11 @@ def _assert_monitoring(name: str, events: EventAccumulator) -> None:
         assert "comm/tp_bytes" in scalars and min(values("comm/tp_bytes")) > 0
     if name == "pipeline_parallel":
         # Rank 0 (stage 0) sends each of 4 micro-batches' activations, (2, 128, 128) fp32, to stage 1; the rest
-        # is scalars over the pipeline group (the loss broadcast back, the gradient norm's sum of squares).
-        # Steps 1-3 (step 4's count includes the validation that ran before it).
+        # is scalars over the pipeline group (the loss broadcast back, the gradient norm's sum of squares). Every
+        # step: the validation after step 3, and the weights that verify's record reads between steps, are not the
+        # step's.
         activations = 4 * 2 * 128 * 128 * 4
-        assert all(activations <= sent <= activations + 64 for sent in values("comm/pp_bytes")[:3])
+        assert all(activations <= sent <= activations + 64 for sent in values("comm/pp_bytes"))
         # Measured on a shared machine: its value is load (tests/test_pipeline_parallel.py asserts the bubble
         # each schedule's order implies); here, that it is logged every step as a fraction.
         assert all(0.0 <= fraction <= 1.0 for fraction in values("pipeline/bubble_fraction_max"))

@@ -178,18 +178,21 @@ def test_datamodule_shards_exactly(source, num_replicas):
         dm = TokenDataModule(**kwargs)
         dm.trainer = _fake_trainer(num_replicas, rank)
         dm.setup("fit")
-        # What Lightning injects: shuffled DistributedSampler for training, in-order for evaluation.
-        for split, dataset, shuffle in (("train", dm.train_dataset, True), ("val", dm.val_dataset, False)):
-            sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=0)
-            seen[split].extend(sampler)
-            full[split] = len(dm._full[split])
-            assert len(dataset) % num_replicas == 0
-            assert dm.dropped_samples[split] == full[split] - len(dataset) < num_replicas
+        # The loaders' own samplers: shuffled for training, in order for evaluation.
+        for split, loader in (("train", dm.train_dataloader()), ("val", dm.val_dataloader())):
+            seen[split].extend(loader.sampler)
+            full[split] = len(loader.dataset)
+            assert dm.dropped_samples[split] == full[split] % num_replicas
     for split, indices in seen.items():
         kept = full[split] - full[split] % num_replicas
-        assert kept > 0
+        assert kept > 0 and len(indices) == kept
         assert len(indices) == len(set(indices)), f"{split}: a sample is read twice per epoch"
-        assert sorted(indices) == list(range(kept)), f"{split}: samples skipped beyond the remainder"
+    assert sorted(seen["val"]) == list(range(len(seen["val"]))), "val: samples skipped beyond the remainder"
+    # The replicas together read the first samples of the order one process reads, whatever their number.
+    alone = TokenDataModule(**kwargs)
+    alone.setup("fit")
+    order = list(alone.train_dataloader().sampler)
+    assert sorted(seen["train"]) == sorted(order[:len(seen["train"])])
     if source == "synthetic":
         assert full == {"train": 103, "val": 37}
 

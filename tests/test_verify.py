@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_directories import make_model_directory, write_instructions
+from hf_directories import make_model_directory, write_corpus, write_instructions
 
 from lightning_par.cli_verify import Run, compare, main
 
@@ -44,28 +44,42 @@ def faults_importable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(TESTS))
 
 
-@pytest.mark.parametrize("config", ["hybrid3d.yaml", "zero3.yaml"])
-def test_a_shipped_layout_trains_what_one_process_trains(tmp_path: Path, config: str,
-                                                         capsys: pytest.CaptureFixture) -> None:
-    """hybrid3d (pipeline x tensor+SP x data: weights gathered from stages and shards) and ZeRO-3 (FSDP2 units):
-    20 steps within 1e-5 of one process, loss, gradient norm and weights, from the same initial weights."""
-    result = _verify(tmp_path, config)
+def test_a_shipped_layout_trains_what_one_process_trains(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """hybrid3d (pipeline x tensor+SP x data: weights gathered from stages and shards): 20 steps within 1e-5 of one
+    process, samples, loss, gradient norm and weights, from the same initial weights. Every other shipped config is
+    held to one process the same way over the 6 steps that tests/test_cli.py trains it."""
+    result = _verify(tmp_path, "hybrid3d.yaml")
     out = capsys.readouterr().out
     assert result["passed"], out
     assert [row["step"] for row in result["rows"]] == list(range(21))
     assert "PASS: every step within 1e-05" in out
 
 
-def test_a_lora_fine_tuning_on_instruction_data_trains_what_one_process_trains(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    """configs/finetune_lora.yaml on the tiny pretrained model it looks for: the reference reads the pretrained
-    weights as the layout does, and trains on the layout's packed prompt/response batches (loss on the responses)."""
+@pytest.mark.parametrize("config, steps", [("finetune_lora.yaml", 20), ("finetune_hf.yaml", 4)])
+def test_a_fine_tuning_trains_what_one_process_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture, config: str, steps: int) -> None:
+    """The fine-tuning configs on the tiny pretrained model and data they look for: the reference reads the pretrained
+    weights as the layout does, and draws the batches (LoRA: packed prompt/response pairs, loss on the responses;
+    full fine-tuning: text windows) from the config's data module as the layout's replicas read them."""
     monkeypatch.chdir(tmp_path)
     make_model_directory(tmp_path / "tiny-pretrained" / "model")  # what examples/make_tiny_pretrained.py writes
     write_instructions(tmp_path / "tiny-pretrained", repeats=40)
-    result = _verify(tmp_path, "finetune_lora.yaml")
+    write_corpus(tmp_path / "tiny-pretrained", repeats=40)["jsonl"].rename(tmp_path / "tiny-pretrained" / "train.jsonl")
+    result = _verify(tmp_path, config, "--steps", str(steps))
     assert result["passed"], capsys.readouterr().out
     assert sorted(path.name for path in tmp_path.iterdir()) == ["tiny-pretrained", "verify.json"]  # nothing written
+
+
+def test_replicas_that_read_the_same_samples_fail_at_the_first_step(tmp_path: Path, faults_importable: None,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    """The negative control of the data: a data module that shards for one replica whatever the run, so that both
+    replicas of the DDP config train on every sample. The layout's own batches would make a matching reference;
+    the one process draws the replicas' shares from the data module instead, and the runs part at step 1 on the
+    data."""
+    result = _verify(tmp_path, "data_parallel.yaml", "--data=verify_faults.ReadsTheSameSamples", "--steps", "2")
+    out = capsys.readouterr().out
+    assert not result["passed"] and result["parted_at"] == 1, out
+    assert "FAIL at step 1: data-parallel replicas 0 and 1 read the same samples" in out
 
 
 def test_an_untied_head_fails_at_the_first_step_naming_the_embedding(tmp_path: Path, faults_importable: None,

@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_par.data import TokenDataModule
 from lightning_par.models import LlamaLM
 from lightning_par.strategies import Hybrid3DStrategy
 
@@ -28,3 +29,10 @@ class UntiesItsHead(LlamaLM):
         if self.trainer.world_size > 1:
             head = self.model.lm_head
             head.weight = nn.Parameter(head.weight.detach().clone())
+
+
+class ReadsTheSameSamples(TokenDataModule):
+    """A data module that shards for one replica whatever the run: every data-parallel replica reads every sample."""
+
+    def data_parallel_world(self) -> tuple[int, int]:
+        return 1, 0

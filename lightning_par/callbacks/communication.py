@@ -15,7 +15,7 @@ __all__ = ["CommunicationMonitor"]
 
 
 class CommunicationMonitor(Callback):
-    """Logs, after each training batch, what rank 0's collectives moved since the previous one, per mesh
+    """Logs, after each training batch, what rank 0's collectives moved while it trained, per mesh
     dimension (``dp``, ``tp``, ``pp``, ``cp``, ``ep``, ``other``): ``comm/<dim>_bytes``, ``comm/<dim>_calls``
     and, where the backend times collectives (NCCL with ``TORCH_NCCL_ENABLE_TIMING=1``), ``comm/<dim>_seconds``.
     Dimensions that moved nothing in the run so far are left out. See :mod:`lightning_par.parallel.comm`.
@@ -35,6 +35,11 @@ class CommunicationMonitor(Callback):
         sends = pipeline.sends if pipeline is not None else None
         self._counter = (CommunicationCounter(mesh, pipeline_sends=sends)
                          if mesh is not None and trainer.world_size > 1 else None)
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._counter is not None:
+            self._counter.read()  # what ran between the batches (validation, a checkpoint's save) is not the step's
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,

@@ -39,6 +39,7 @@ class StepRecord(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._keep_weights_after_a_step(trainer, pl_module)
         self.batches.append(tree_map(lambda x: x.detach().cpu().clone() if isinstance(x, torch.Tensor) else x, batch))
 
     @override
@@ -50,16 +51,21 @@ class StepRecord(Callback):
                            batch_idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss) * trainer.accumulate_grad_batches)
-        if trainer.global_step == len(self.weights):  # an optimizer step was taken: weights after it
-            self._keep_weights(trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._keep_weights_after_a_step(trainer, pl_module)
         sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
         self.folder.mkdir(parents=True, exist_ok=True)
         torch.save({"replica": sampler["rank"], "replicas": sampler["num_replicas"], "batches": self.batches,
                     "losses": self.losses, "gradient_norms": self.gradient_norms, "weights": self.weights,
                     "accumulate": trainer.accumulate_grad_batches, "layout": _layout(trainer)}, self.folder / f"rank{trainer.global_rank}.pt")
+
+    def _keep_weights_after_a_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Read before the next batch rather than at the end of this one, so that the collectives of reading them
+        # fall between two steps, where the CommunicationMonitor does not count them.
+        if trainer.global_step == len(self.weights):  # an optimizer step was taken since the last weights kept
+            self._keep_weights(trainer, pl_module)
 
     def _keep_weights(self, trainer: Trainer, pl_module: LightningModule) -> None:
         consolidate = getattr(trainer.strategy, "consolidated_state_dict", None)

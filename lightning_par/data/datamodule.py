@@ -4,22 +4,26 @@ which ``TextDataModule`` (local text files) shares.
 Batches are plain ``LongTensor`` of shape ``(B, seq_len + 1)``; the model takes ``[:, :-1]`` as
 inputs and ``[:, 1:]`` as targets.
 
-Sharding is left to Lightning, which wraps each loader in
-``DistributedSampler(num_replicas, rank)`` from ``trainer.strategy.distributed_sampler_kwargs``.
-lightning-par's strategies set ``num_replicas`` to the *data-parallel* size (ranks in one
-tensor/context/pipeline group must read the same samples), so this module never looks at the
-global rank. What it does do is make the split sizes a multiple of ``num_replicas``: otherwise
-``DistributedSampler`` pads the last round by repeating samples, which double-counts them in
-training and skews validation metrics.
+Each loader carries its own ``DistributedSampler`` over the data-parallel world that
+``trainer.strategy.distributed_sampler_kwargs`` names (Lightning keeps a loader's own
+``DistributedSampler``). lightning-par's strategies set ``num_replicas`` to the *data-parallel* size (ranks in
+one tensor/context/pipeline group must read the same samples), so this module never looks at the global rank.
+The sampler drops the epoch's last ``len % num_replicas`` samples of its order (``drop_last=True``) instead of
+repeating samples to even out the replicas, which would double-count them in training and skew validation
+metrics. Its order is a permutation of the whole split seeded by the run's seed and the epoch, the same at every
+data-parallel size: the replicas of a run together read the first samples of the order one process reads
+(``lightning-par verify`` draws its reference so).
 """
 
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
+import os
+
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
 from lightning_par.data.corpus import SyntheticTokenDataset, TokenWindowDataset, load_stdlib_tokens
@@ -46,10 +50,10 @@ class ShardedDataModule(pl.LightningDataModule):
         self.shuffle = shuffle
         # Full datasets, built once and reused across setup() calls (fit, then validate/test).
         self._full: Dict[str, Dataset] = {}
-        # Trimmed views handed to the loaders; rebuilt by every setup() for the current trainer.
+        # The splits handed to the loaders, set by setup().
         self.train_dataset: Optional[Dataset] = None
         self.val_dataset: Optional[Dataset] = None
-        # Trailing samples left out of each split by the last setup(), for logs and tests.
+        # Samples each epoch of a split leaves out at the last setup()'s data-parallel size, for logs and tests.
         self.dropped_samples: Dict[str, int] = {}
         self._reported: set = set()
 
@@ -66,39 +70,42 @@ class ShardedDataModule(pl.LightningDataModule):
             return 1, 0
         return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
-    def _trim(self, split: str, dataset: Dataset, num_replicas: int) -> Dataset:
-        """Cut ``dataset`` to a multiple of ``num_replicas`` so DistributedSampler never pads."""
-        n = len(dataset)
-        keep = n - n % num_replicas
-        self.dropped_samples[split] = n - keep
-        if keep == n:
-            return dataset
-        key = (split, n, num_replicas)
-        if key not in self._reported:
-            self._reported.add(key)
-            rank_zero_info(
-                f"{type(self).__name__}: dropped the last {n - keep} of {n} {split} samples so that "
-                f"{num_replicas} data-parallel ranks get {keep // num_replicas} each "
-                "(DistributedSampler would otherwise repeat samples to even them out)."
-            )
-        return Subset(dataset, range(keep))
-
     @override
     def setup(self, stage: Optional[str] = None) -> None:
-        """Build the split(s) that ``stage`` needs, trimmed for the current data-parallel size."""
+        """Build the split(s) that ``stage`` needs (once), and report the samples each epoch leaves out at the
+        current data-parallel size."""
         num_replicas, _ = self.data_parallel_world()
         if stage in (None, "fit"):
-            self.train_dataset = self._trim("train", self._build("train"), num_replicas)
+            self.train_dataset = self._build("train")
         if stage in (None, "fit", "validate", "test"):
-            self.val_dataset = self._trim("val", self._build("val"), num_replicas)
+            self.val_dataset = self._build("val")
+        for split, dataset in (("train", self.train_dataset), ("val", self.val_dataset)):
+            if dataset is not None:
+                self._report_left_out(split, len(dataset), num_replicas)
+
+    def _report_left_out(self, split: str, samples: int, num_replicas: int) -> None:
+        self.dropped_samples[split] = samples % num_replicas
+        key = (split, samples, num_replicas)
+        if self.dropped_samples[split] and key not in self._reported:
+            self._reported.add(key)
+            rank_zero_info(
+                f"{type(self).__name__}: each epoch leaves out {samples % num_replicas} of {samples} {split} samples "
+                f"so that {num_replicas} data-parallel ranks get {samples // num_replicas} each "
+                "(DistributedSampler would otherwise repeat samples to even them out)."
+            )
 
     # ------------------------------------------------------------------ loaders
     def _loader(self, dataset: Dataset, shuffle: bool, resumable: bool = False) -> DataLoader:
+        num_replicas, rank = self.data_parallel_world()
+        # Lightning's seed for the samplers it makes (seed_everything sets it; 0 without).
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                                     drop_last=True)
         # The training loader resumes mid-epoch where its checkpoint was taken (see data/resumable.py).
         return (ResumableDataLoader if resumable else DataLoader)(
             dataset,
             batch_size=self.batch_size,
-            shuffle=shuffle,
+            sampler=sampler,
             drop_last=False,
             num_workers=self.num_workers,
             pin_memory=False,

@@ -179,12 +179,12 @@ class StreamingTokenDataModule(pl.LightningDataModule):
             return 1, 0
         return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
-    def _loader(self, split: str, *, shuffle: bool) -> Any:
+    def _loader(self, split: str, *, shuffle: bool, world: Optional[tuple[int, int]] = None) -> Any:
         from lightning_par.data.shards import ReplicaLoader, token_dataset, token_mixture
 
         if not self.prepared:
             self.setup(None)
-        replicas, rank = self.data_parallel_world()
+        replicas, rank = world or self.data_parallel_world()
         sources = [(data, weight) for data, weight in zip(self.prepared, self.sources.values()) if split in data.splits]
         datasets = [token_dataset(data.split_url(split), seq_len=self.seq_len, num_replicas=replicas, rank=rank,
                                   shuffle=shuffle, seed=self.seed, cache_dir=self.cache_dir) for data, _ in sources]
@@ -196,6 +196,12 @@ class StreamingTokenDataModule(pl.LightningDataModule):
     @override
     def train_dataloader(self) -> Any:
         return self._loader("train", shuffle=self.shuffle)
+
+    def replica_dataloader(self, replica: int, replicas: int) -> Any:
+        """The training loader of data-parallel replica ``replica`` of ``replicas``, in any process: how this module
+        deals its shards to the replicas, which ``lightning-par verify``'s one-process reference reads
+        (lightning_par/data/drawn.py)."""
+        return self._loader("train", shuffle=self.shuffle, world=(replicas, replica))
 
     @override
     def val_dataloader(self) -> Any:
