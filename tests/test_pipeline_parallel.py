@@ -479,3 +479,58 @@ def test_a_block_list_whose_entries_share_one_module_is_refused_by_name() -> Non
                                          r"because entries share one module \(layers.0 = layers.1 = layers.2 = layers.3\)"):
         split_pipeline(model, mesh, model_map, schedule="1f1b", virtual_stages=1, balance_by="parameters",
                        device=torch.device("cpu"), sample_batch=(torch.zeros(1, 8), None))
+
+
+def test_a_stand_in_answers_for_the_tensors_it_does_not_hold_and_refuses_to_compute_with_them() -> None:
+    """A later stage's stand-in for the embedding: Llama 4's forward reads ``embed_tokens.weight.device`` on every
+    stage. The stand-in gives the weight's shape, dtype and the stage's device; computing with it raises, naming it."""
+    from lightning_par.parallel.pipeline.split import StandInModule
+    from lightning_par.parallel.pipeline.trace import StandIn
+
+    embedding = torch.nn.Embedding(64, 32)
+    stand_in = StandInModule(StandIn("zeros", width=32, dtype=torch.float32), stands_for=embedding,
+                             path="model.embed_tokens")
+    stand_in.device = torch.device("cpu")
+    weight = stand_in.weight
+    assert (weight.shape, weight.dtype, weight.device) == ((64, 32), torch.float32, torch.device("cpu"))
+    assert stand_in(torch.zeros(2, 5, dtype=torch.long)).shape == (2, 5, 32)
+    with pytest.raises(RuntimeError, match=r"model\.embed_tokens\.weight is not on this pipeline stage"):
+        torch.nn.functional.embedding(torch.zeros(2, dtype=torch.long), weight)
+    with pytest.raises(AttributeError):
+        stand_in.bias
+    assert not list(stand_in.parameters()) and not list(stand_in.buffers())
+
+
+LLAMA4_TEXT = dict(model_type="llama4_text", intermediate_size=32, intermediate_size_mlp=64, num_local_experts=4,
+                   num_experts_per_tok=1, interleave_moe_layer_step=2, num_key_value_heads=2, attention_chunk_size=8,
+                   no_rope_layers=[1, 0], tie_word_embeddings=False)
+
+
+def _llama4_text() -> torch.nn.Module:
+    import zoo
+
+    return zoo.HuggingFaceLM({**zoo._COMMON, **LLAMA4_TEXT})
+
+
+def test_llama4_text_trains_under_a_pipeline_like_one_process() -> None:
+    """Llama 4 (text): its forward reads ``embed_tokens.weight.device`` on every stage, where the second stage holds
+    a stand-in for the embedding; chunked attention, a NoPE layer and a routed MoE block with a shared expert.
+    20 SGD steps of pp2 1F1B within 1e-5 of one process."""
+    import zoo
+    from installed import require
+
+    require("transformers")
+    from lightning_par import PipelineParallelStrategy
+
+    make_data = functools.partial(_synthetic_data, zoo.VOCAB, zoo.SEQ_LEN)
+    assert_layout_matches(_llama4_text, make_data,
+                          functools.partial(PipelineParallelStrategy, pipeline_parallel_size=2,
+                                            pipeline_schedule="1f1b", microbatches=2),
+                          world_size=2, dp=1, steps=20, rtol=1e-5, label="llama4_text pp2")
+
+
+def _synthetic_data(vocab: int, seq_len: int):
+    from lightning_par.data import TokenDataModule
+
+    return TokenDataModule(source="synthetic", vocab_size=vocab, seq_len=seq_len, batch_size=4, num_samples=256,
+                           num_val_samples=8)

@@ -211,20 +211,63 @@ class SkippedBlock(nn.Module):
         return tuple(hidden if i == self.call.output_index else None for i in range(self.call.output_length))
 
 
+class AbsentTensor(Tensor):
+    """What a stand-in answers for a tensor of the module it stands for that the stage does not hold (Llama 4's
+    forward reads ``embed_tokens.weight.device`` on every stage): its shape, dtype and device, no storage. Any
+    computation with it raises, naming the tensor, so that a forward that uses a module's weights where the module
+    does not run fails instead of computing with made-up values."""
+
+    @staticmethod
+    def __new__(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, name: str) -> "AbsentTensor":
+        tensor = Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
+        tensor.stands_for = name
+        return tensor
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"AbsentTensor({self.stands_for}, shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        names = [leaf.stands_for for leaf in leaves if isinstance(leaf, AbsentTensor)]
+        raise RuntimeError(f"{', '.join(names)} is not on this pipeline stage, and the model's forward computes with "
+                           f"it ({func}) on a stage that does not run its module: give the model map a split that "
+                           "runs that module on the stages that use it, or pipeline_parallel_size=1")
+
+
 class StandInModule(nn.Module):
     """Stands in for a module outside the blocks that this stage does not run (see :class:`StandIn`).
 
     It keeps the parameters of that module that this stage holds anyway (a head tied to the embedding), under
-    the same names, without computing with them.
+    the same names, without computing with them. The module's other own tensors read as :class:`AbsentTensor`
+    (shape, dtype and the stage's ``device``, which :func:`build_stages` sets).
     """
 
     holds_only = True  # lightning_par.parallel.modules.retie: holds tied parameters, never computes with them
 
-    def __init__(self, spec: StandIn, parameters: dict[str, nn.Parameter] | None = None) -> None:
+    def __init__(self, spec: StandIn, parameters: dict[str, nn.Parameter] | None = None,
+                 stands_for: nn.Module | None = None, path: str = "") -> None:
         super().__init__()
         self.spec = spec
+        self.path = path  # the module's name in the model, for messages
+        self.device: torch.device | None = None
         for name, parameter in (parameters or {}).items():
             self.register_parameter(name, parameter)
+        own = [*stands_for.named_parameters(recurse=False), *stands_for.named_buffers(recurse=False)] \
+            if stands_for is not None else []
+        self.absent = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in own
+                       if name not in (parameters or {})}
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            absent = self.__dict__.get("absent", {})
+            if name not in absent:
+                raise
+            shape, dtype = absent[name]
+            return AbsentTensor(shape, dtype, self.__dict__.get("device") or torch.device("cpu"),
+                                f"{self.__dict__.get('path') or 'a module'}.{name}")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         x = args[0] if args else next(iter(kwargs.values()))
@@ -418,7 +461,7 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, trac
         sub = module.get_submodule(name)
         kept = {leaf: p for leaf, p in sub.named_parameters(recurse=False) if holders[id(p)] & set(mine)}
         spec = trace.outside[name] if name in trace.before_blocks else StandIn("unused")
-        _set(network, name[len(prefix):], StandInModule(spec, kept))
+        _set(network, name[len(prefix):], StandInModule(spec, kept, stands_for=sub, path=name))
 
     stage_parts = {}
     for s in mine:
@@ -467,13 +510,18 @@ def build_stages(module: nn.Module, layout: StageLayout, mesh: ParallelMesh, dev
             name: _skipped(layout.call, network.get_submodule(name),
                            layout.parts_after_blocks.get(name, ()) if last else ())
             for name in blocks_held - owned}
-        replacements.update({name: StandInModule(layout.stand_ins[name]) for name in outside_held - running})
+        replacements.update({name: StandInModule(layout.stand_ins[name], stands_for=network.get_submodule(name),
+                                                 path=prefix + name)
+                             for name in outside_held - running})
         # The stage runs the model's own forward (which may hand the network more than the inputs: a timestep,
         # labels), over a view of the model with this stage's parts.
         stage_module = StageModule(_replace(module, {prefix + n: m for n, m in replacements.items()}),
                                    is_first=index == 0,
                                    is_last=index == layout.n_stages - 1,
                                    sequence_mesh=sliced if index > 0 else None)
+        for part in stage_module.modules():
+            if isinstance(part, StandInModule):
+                part.device = device
         if shard_root is not None:
             shard_root(stage_module)
         ordered = sorted(owned, key=block_order.__getitem__)
@@ -641,6 +689,7 @@ __all__ = [
     "BALANCE_METHODS",
     "TORCH_SCHEDULES",
     "SkippedBlock",
+    "AbsentTensor",
     "StandInModule",
     "StageLayout",
     "StageModule",
