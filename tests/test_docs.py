@@ -38,15 +38,17 @@ NOT_RUNNABLE = (
 
 
 def documented_commands() -> list[tuple[str, str]]:
-    """(document name, command) for every command in a ```bash block."""
-    found = []
+    """(document name, command) for every command in a ```bash block, once: a command that several documents show
+    runs under the first of them."""
+    found: list[tuple[str, str]] = []
     for document in DOCUMENTS:
         for block in re.findall(r"```bash\n(.*?)```", document.read_text(), flags=re.S):
             for line in block.replace("\\\n", " ").splitlines():
                 line = line.split(" #")[0].strip()
                 if not line or line.startswith("#"):
                     continue
-                found += [(document.name, part.strip()) for part in line.split("&&")]
+                found += [(document.name, part.strip()) for part in line.split("&&")
+                          if part.strip() not in {command for _, command in found}]
     return found
 
 

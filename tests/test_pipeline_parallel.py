@@ -483,7 +483,8 @@ def test_a_block_list_whose_entries_share_one_module_is_refused_by_name() -> Non
 
 def test_a_stand_in_answers_for_the_tensors_it_does_not_hold_and_refuses_to_compute_with_them() -> None:
     """A later stage's stand-in for the embedding: Llama 4's forward reads ``embed_tokens.weight.device`` on every
-    stage. The stand-in gives the weight's shape, dtype and the stage's device; computing with it raises, naming it."""
+    stage. The stand-in gives the weight's shape, dtype and the stage's device; a model's initialisation may write
+    into it (dropped); computing with it raises, naming it."""
     from lightning_par.parallel.pipeline.split import StandInModule
     from lightning_par.parallel.pipeline.trace import StandIn
 
@@ -494,6 +495,7 @@ def test_a_stand_in_answers_for_the_tensors_it_does_not_hold_and_refuses_to_comp
     weight = stand_in.weight
     assert (weight.shape, weight.dtype, weight.device) == ((64, 32), torch.float32, torch.device("cpu"))
     assert stand_in(torch.zeros(2, 5, dtype=torch.long)).shape == (2, 5, 32)
+    torch.nn.init.normal_(weight)
     with pytest.raises(RuntimeError, match=r"model\.embed_tokens\.weight is not on this pipeline stage"):
         torch.nn.functional.embedding(torch.zeros(2, dtype=torch.long), weight)
     with pytest.raises(AttributeError):

@@ -1,7 +1,8 @@
-"""``lightning-par verify``: a shipped config's layout against one process over 20 steps of the same global batches,
-PASS within 1e-5; a layout that trains something else (an untied head, a dropped gradient average) FAILs at the
-step where the runs part, naming the parameter; a model too large for the machine is refused with the way to shrink
-it, before any process starts."""
+"""``lightning-par verify``: a shipped config's layout against one process over 20 steps of the global batches one
+process draws from the config's data module, PASS within 1e-5; a run that trains something else (replicas that read
+the same samples, an untied head, a dropped gradient average) FAILs at the step where the runs part, naming the data
+or the parameter; a model too large for the machine is refused with the way to shrink it, before any process
+starts."""
 
 from __future__ import annotations
 
@@ -45,10 +46,10 @@ def faults_importable(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_shipped_layout_trains_what_one_process_trains(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """hybrid3d (pipeline x tensor+SP x data: weights gathered from stages and shards): 20 steps within 1e-5 of one
-    process, samples, loss, gradient norm and weights, from the same initial weights. Every other shipped config is
-    held to one process the same way over the 6 steps that tests/test_cli.py trains it."""
-    result = _verify(tmp_path, "hybrid3d.yaml")
+    """The command on the DDP config: 20 steps within 1e-5 of one process, samples, loss, gradient norm and weights,
+    from the same initial weights. Every shipped config is held to one process the same way over the 6 steps that
+    tests/test_cli.py trains it (hybrid3d's weights gathered from its stages and shards)."""
+    result = _verify(tmp_path, "data_parallel.yaml")
     out = capsys.readouterr().out
     assert result["passed"], out
     assert [row["step"] for row in result["rows"]] == list(range(21))

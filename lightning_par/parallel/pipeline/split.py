@@ -213,9 +213,10 @@ class SkippedBlock(nn.Module):
 
 class AbsentTensor(Tensor):
     """What a stand-in answers for a tensor of the module it stands for that the stage does not hold (Llama 4's
-    forward reads ``embed_tokens.weight.device`` on every stage): its shape, dtype and device, no storage. Any
-    computation with it raises, naming the tensor, so that a forward that uses a module's weights where the module
-    does not run fails instead of computing with made-up values."""
+    forward reads ``embed_tokens.weight.device`` on every stage): its shape, dtype and device, no storage. Writes
+    into it (a model's initialisation of every module) are dropped; any computation that reads it raises, naming
+    the tensor, so that a forward that uses a module's weights where the module does not run fails instead of
+    computing with made-up values."""
 
     @staticmethod
     def __new__(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, name: str) -> "AbsentTensor":
@@ -228,6 +229,8 @@ class AbsentTensor(Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func._schema.is_mutable and isinstance(args[0], AbsentTensor):  # written in place: nothing to keep
+            return args[0]
         leaves = torch.utils._pytree.tree_leaves((args, kwargs))
         names = [leaf.stands_for for leaf in leaves if isinstance(leaf, AbsentTensor)]
         raise RuntimeError(f"{', '.join(names)} is not on this pipeline stage, and the model's forward computes with "
