@@ -3,8 +3,8 @@
 Every strategy proves itself with this helper (docs/architecture.md, "Testing"). Both runs start from the same seed
 and consume the same global batches:
 
-- the layout run is a real ``Trainer.fit`` on ``world_size`` gloo ranks. Lightning shards the training
-  set with ``DistributedSampler(num_replicas=dp, rank=dp_rank, shuffle, seed=0)``, so global micro-batch
+- the layout run is a real ``Trainer.fit`` on ``world_size`` gloo ranks. The training set is dealt by
+  ``DistributedSampler(num_replicas=dp, rank=dp_rank, shuffle, seed=0)``, so global micro-batch
   ``m`` is positions ``[m*B*dp, (m+1)*B*dp)`` of the sampler's order (``randperm(n, seed 0)`` when
   shuffling, else ``arange(n)``), split across the dp ranks;
 - the reference reads those same positions in one process with a plain loop over the model contract
@@ -68,8 +68,9 @@ def _reference_run(make_module: Callable[[], Any], make_datamodule: Callable[[],
     datamodule = make_datamodule()
     datamodule.setup("fit")
     dataset = datamodule.train_dataloader().dataset
-    # The datamodules trim each split to a multiple of the data-parallel size (no sample repeated to even it out).
-    order = global_order(len(dataset) - len(dataset) % dp, datamodule.shuffle)
+    # The same permutation of the whole split at every data-parallel size: the data-parallel samplers leave out its
+    # last samples (drop_last), which the steps of one epoch never reach.
+    order = global_order(len(dataset), datamodule.shuffle)
     micro = datamodule.batch_size * dp  # samples in one global micro-batch
     if (steps * accumulate) * micro > len(dataset):
         raise ValueError("the parity run would need more than one epoch of data; use more samples")
