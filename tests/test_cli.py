@@ -112,6 +112,7 @@ def test_shipped_config_trains_what_one_process_trains(shipped_runs: tuple[Path,
     cli_args = ["--config", str(REPO / "configs" / f"{name}.yaml"), *_shortened(name)]
     reference = reference_run(cli_args, _config(name)["seed_everything"], len(layout.gradient_norms), layout.replicas, tmp_path)
     comparison = compare(layout, reference, 1e-5)
+    print(f"{name}: {comparison.reason}")
     assert len(layout.gradient_norms) == 6 and comparison.passed, format_comparison(comparison, name)
 
 
