@@ -16,8 +16,9 @@ Two runs of ``--steps`` optimizer steps from the config's seed:
 Each step's samples, loss, whole-model gradient norm and weights are compared. PASS when the layout run trained on
 the samples one process drew and all figures stay within ``--tolerance`` (relative; 1e-5 holds in fp32 on CPU),
 else the first step where the runs part, and why: the data (replicas that read the same samples, or other samples
-than one process draws), or the parameter that differs most. A model too large for this machine is shrunk with fit options (``--model.init_args.n_layers=2``); the
-report names every option given on top of the config. Exits 1 when the runs part.
+than one process draws), or the parameter that differs most. A model too large for this machine is shrunk with fit
+options (``--model.init_args.n_layers=2``); the report names every option given on top of the config. Exits 1 when
+the runs part.
 """
 
 from __future__ import annotations

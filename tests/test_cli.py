@@ -110,7 +110,8 @@ def test_shipped_config_trains_what_one_process_trains(shipped_runs: tuple[Path,
     monkeypatch.chdir(root / name)  # where the run found its data (the streaming config's prepared shards)
     layout = read_layout_run(root / name / "record")
     cli_args = ["--config", str(REPO / "configs" / f"{name}.yaml"), *_shortened(name)]
-    reference = reference_run(cli_args, _config(name)["seed_everything"], len(layout.gradient_norms), layout.replicas, tmp_path)
+    steps, seed = len(layout.gradient_norms), _config(name)["seed_everything"]
+    reference = reference_run(cli_args, seed, steps, layout.replicas, tmp_path)
     comparison = compare(layout, reference, 1e-5)
     print(f"{name}: {comparison.reason}")
     assert len(layout.gradient_norms) == 6 and comparison.passed, format_comparison(comparison, name)
