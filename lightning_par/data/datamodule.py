@@ -17,9 +17,8 @@ data-parallel size: the replicas of a run together read the first samples of the
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
-
 import os
+from typing import Dict, Optional, Tuple
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
