@@ -234,6 +234,20 @@ def test_each_replica_reads_its_own_share_and_together_the_corpus(corpora: dict[
         assert total - union.total() == total % (replicas * BATCH), replicas
 
 
+def test_one_process_draws_what_the_replicas_read_epoch_after_epoch(corpora: dict[str, str]) -> None:
+    """``lightning-par verify``'s reference (lightning_par/data/drawn.py) over two shuffled epochs: each global batch is
+    the 2 replicas' batches joined, as each replica's own loader reads them in a run, the second epoch in its own
+    order."""
+    from lightning_par.data.drawn import OneProcessData
+
+    loaders = [_replica(corpora["bytes"], 2, rank).train_dataloader() for rank in range(2)]
+    expected = [torch.cat(batches) for _ in range(2) for batches in zip(*loaders)]
+    drawn = OneProcessData(_replica(corpora["bytes"]), replicas=2, seed=0).train_dataloader()
+    batches = [batch for _ in range(2) for batch in drawn]
+    assert len(batches) == len(expected) and all(torch.equal(a, b) for a, b in zip(batches, expected))
+    assert not torch.equal(batches[0], batches[len(batches) // 2])
+
+
 def _resumed(data_dir: str, replicas: int, state: dict | None, workers: int, batches: int | None = None,
              **kwargs) -> tuple[list[list[bytes]], dict]:
     """Each replica's loader, resumed from ``state`` (one per replica) when given, read for ``batches`` (or to its

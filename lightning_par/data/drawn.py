@@ -68,15 +68,19 @@ class _GlobalBatches(IterableDataset):
     def __init__(self, original: LightningDataModule, replicas: int, seed: int) -> None:
         self.original, self.replicas, self.seed = original, replicas, seed
         self.epoch = 0
+        self.deals_itself = callable(getattr(original, "replica_dataloader", None))
+        self.loaders: list[Any] = []  # made once, at the first epoch, and iterated again for each (as Lightning does)
 
     def __iter__(self) -> Iterator[Any]:
         epoch, self.epoch = self.epoch, self.epoch + 1
-        if callable(getattr(self.original, "replica_dataloader", None)):
-            loaders = [self.original.replica_dataloader(replica, self.replicas) for replica in range(self.replicas)]
-            for batches in zip(*loaders):
+        if self.deals_itself:
+            self.loaders = self.loaders or [self.original.replica_dataloader(replica, self.replicas)
+                                            for replica in range(self.replicas)]
+            for batches in zip(*self.loaders):
                 yield join_batches(list(batches))
             return
-        loader = self.original.train_dataloader()
+        self.loaders = self.loaders or [self.original.train_dataloader()]
+        (loader,) = self.loaders
         if isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
             batches = iter(loader)
             while len(group := [batch for _, batch in zip(range(self.replicas), batches)]) == self.replicas:
