@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_map
 from typing_extensions import override
 
 from lightning_par.callbacks.gradient_norm import whole_gradient_norm
+from lightning_par.data.datamodule import data_parallel_world
 
 __all__ = ["StepRecord"]
 
@@ -55,9 +56,9 @@ class StepRecord(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._keep_weights_after_a_step(trainer, pl_module)
-        sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        replicas, replica = data_parallel_world(trainer)
         self.folder.mkdir(parents=True, exist_ok=True)
-        torch.save({"replica": sampler["rank"], "replicas": sampler["num_replicas"], "batches": self.batches,
+        torch.save({"replica": replica, "replicas": replicas, "batches": self.batches,
                     "losses": self.losses, "gradient_norms": self.gradient_norms, "weights": self.weights,
                     "accumulate": trainer.accumulate_grad_batches, "layout": _layout(trainer)}, self.folder / f"rank{trainer.global_rank}.pt")
 

@@ -18,7 +18,7 @@ data-parallel size: the replicas of a run together read the first samples of the
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
@@ -28,7 +28,8 @@ from typing_extensions import override
 from lightning_par.data.corpus import SyntheticTokenDataset, TokenWindowDataset, load_stdlib_tokens
 from lightning_par.data.resumable import ResumableDataLoader
 
-__all__ = ["ShardedDataModule", "TokenDataModule", "WindowDataModule", "check_window_arguments"]
+__all__ = ["ShardedDataModule", "TokenDataModule", "WindowDataModule", "check_window_arguments",
+           "data_parallel_world"]
 
 _SOURCES = ("stdlib", "synthetic")
 # Byte tokens take every value in [0, 256).
@@ -36,6 +37,16 @@ _BYTE_VOCAB = 256
 # The synthetic validation split uses seed + 2**31: train seeds are < 2**31, so no configuration's
 # validation stream is any configuration's training stream.
 _VAL_SEED_OFFSET = 2**31
+
+
+def data_parallel_world(trainer: Any) -> Tuple[int, int]:
+    """``(num_replicas, rank)`` of this process's data-parallel replica: ``trainer``'s strategy's sampler arguments
+    (the data-parallel mesh under lightning_par's strategies, a replica group's share under fault tolerance);
+    ``(1, 0)`` without a trainer or a distributed strategy."""
+    kwargs = getattr(getattr(trainer, "strategy", None), "distributed_sampler_kwargs", None)
+    if not kwargs:
+        return 1, 0
+    return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
 
 class ShardedDataModule(pl.LightningDataModule):
@@ -62,12 +73,8 @@ class ShardedDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------------ sharding
     def data_parallel_world(self) -> Tuple[int, int]:
-        """``(num_replicas, rank)`` the trainer's DistributedSampler will use; ``(1, 0)`` alone."""
-        strategy = getattr(self.trainer, "strategy", None) if self.trainer is not None else None
-        kwargs = getattr(strategy, "distributed_sampler_kwargs", None)
-        if not kwargs:
-            return 1, 0
-        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+        """``(num_replicas, rank)`` the loaders' DistributedSampler uses; ``(1, 0)`` alone."""
+        return data_parallel_world(self.trainer)
 
     @override
     def setup(self, stage: Optional[str] = None) -> None:

@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_par.data.datamodule import check_window_arguments
+from lightning_par.data.datamodule import check_window_arguments, data_parallel_world
 from lightning_par.data.documents import BYTES, load_document_tokenizer
 from lightning_par.data.prepare import PreparedData, is_prepared, read_prepared
 from lightning_par.data.text import model_vocab_size, pretrained_directory
@@ -173,11 +173,7 @@ class StreamingTokenDataModule(pl.LightningDataModule):
     def data_parallel_world(self) -> tuple[int, int]:
         """``(num_replicas, rank)`` of this process's data-parallel replica: the strategy's sampler arguments (the
         data-parallel mesh under lightning_par's strategies, a replica group's share under fault tolerance)."""
-        strategy = getattr(self.trainer, "strategy", None) if self.trainer is not None else None
-        kwargs = getattr(strategy, "distributed_sampler_kwargs", None)
-        if not kwargs:
-            return 1, 0
-        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+        return data_parallel_world(self.trainer)
 
     def _loader(self, split: str, *, shuffle: bool, world: Optional[tuple[int, int]] = None) -> Any:
         from lightning_par.data.shards import ReplicaLoader, token_dataset, token_mixture
