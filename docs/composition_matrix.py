@@ -39,15 +39,17 @@ FEATURES: dict[str, dict[str, Any]] = {
 
 
 #: Layouts trained against one process (``tests/test_compositions.py::test_every_pair_trains_like_one_process``:
-#: loss and weights within 1e-5 over 8 optimizer steps, accumulation 2, clipping), on 4 ranks each, with the MoE
-#: model (4 experts, top 2, capacity 1.0; 4 blocks where a V schedule puts two
-#: stages on a rank). Together they hold every pair of features that composes but those of :data:`NOT_ON_CPU`.
-#: ``tp+SP+LP`` stands for ``tp``, ``tp+SP`` and ``tp+LP``; ZeRO-3 comes with sharded accumulation and CPU offload
-#: (a no-op on a CPU, where everything already lives in host memory). Experts split over the context-parallel ranks
-#: where there are any. Full recomputation in as many as pair it with every other feature.
+#: loss and weights within 1e-5 over 8 optimizer steps, accumulation 2, clipping), on 4 or 8 ranks each, with the
+#: MoE model (4 experts, top 2, capacity 1.0; 4 blocks where a V schedule puts two stages on a rank). Together they
+#: hold every pair of features that composes but those of :data:`NOT_ON_CPU`, each at 2 ranks or more in every
+#: dimension the pair works across (:func:`dimensions`). ``tp+SP+LP`` stands for ``tp``, ``tp+SP`` and ``tp+LP``;
+#: ZeRO-3 comes with sharded accumulation and CPU offload (a no-op on a CPU, where everything already lives in host
+#: memory). A ZeRO stage shards over ``dp_shard x cp``, so a layout without context parallel needs ``dp_shard=2`` to
+#: prove one. Experts split over the context-parallel ranks where there are any. Full recomputation in as many as
+#: pair it with every other feature.
 _TP = dict(tp=2, sequence_parallel=True, loss_parallel=True)
 _ZERO3 = dict(zero_stage=3, sharded_accumulation=True, cpu_offload=True)
-_HSDP = dict(dp_replicate=2, dp_shard=1, **_ZERO3)
+_HSDP = dict(dp_replicate=2, dp_shard=1, **_ZERO3)  # sharded over the context-parallel ranks, or dp_shard=2
 
 
 _RECOMPUTE = dict(activation_checkpointing="full")
@@ -67,38 +69,39 @@ def _layout(*parts: dict[str, Any], **fields: Any) -> dict[str, Any]:
 
 
 LAYOUTS: dict[str, dict[str, Any]] = {
-    # pipeline x context parallel: every schedule with every method, each with one ZeRO stage
+    # pipeline x context parallel: every schedule with every method, each with one ZeRO stage (over the cp ranks)
     "A1": _layout(_RECOMPUTE, pp=2, cp=2, pp_schedule="1f1b", cp_method="ulysses", zero_stage=1),
     "A2": _layout(pp=2, cp=2, pp_schedule="1f1b", cp_method="ring", zero_stage=2),
     "A3": _layout(_ZERO3, pp=2, cp=2, pp_schedule="zbv", cp_method="ulysses"),
     "A4": _layout(_RECOMPUTE, pp=2, cp=2, pp_schedule="zbv", cp_method="ring", zero_stage=1),
     "A5": _layout(pp=2, cp=2, pp_schedule="dualpipev", cp_method="ulysses", zero_stage=2),
     "A6": _layout(_RECOMPUTE, _ZERO3, pp=2, cp=2, pp_schedule="dualpipev", cp_method="ring"),
-    # pipeline x tensor parallel (+SP +LP): every schedule, with the ZeRO stages the first six leave out
+    # pipeline x tensor parallel (+SP +LP): every schedule; ZeRO-1 over dp_shard=2 (8 ranks) in B3, while B1's and
+    # B2's stages, over one rank, shard nothing (C1, C2, D1 and D4 prove those pairs)
     "B1": _layout(_TP, _ZERO3, pp=2, pp_schedule="1f1b"),
     "B2": _layout(_RECOMPUTE, _TP, pp=2, pp_schedule="zbv", zero_stage=2),
-    "B3": _layout(_TP, pp=2, pp_schedule="dualpipev", zero_stage=1),
+    "B3": _layout(_TP, pp=2, dp_shard=2, pp_schedule="dualpipev", zero_stage=1),
     # context x tensor parallel (+SP +LP), experts on each tp rank's piece of each chunk
     "C1": _layout(_TP, cp=2, cp_method="ulysses", zero_stage=2),
     "C2": _layout(_TP, _ZERO3, cp=2, cp_method="ring"),
-    # HSDP (two replicas, ZeRO-3 inside) with each of the others
-    "D1": _layout(_RECOMPUTE, _HSDP, _TP),
+    # HSDP (two replicas, ZeRO-3 inside each) with each of the others: sharded over the cp ranks, else over
+    # dp_shard=2 (8 ranks)
+    "D1": _layout(_RECOMPUTE, _HSDP, _TP, dp_shard=2),
     "D2": _layout(_HSDP, cp=2, cp_method="ulysses"),
     "D3": _layout(_HSDP, cp=2, cp_method="ring"),
-    "D4": _layout(_HSDP, pp=2, pp_schedule="1f1b"),
-    "D5": _layout(_HSDP, pp=2, pp_schedule="zbv"),
-    "D6": _layout(_HSDP, pp=2, pp_schedule="dualpipev"),
+    "D4": _layout(_HSDP, dp_shard=2, pp=2, pp_schedule="1f1b"),
+    "D5": _layout(_HSDP, dp_shard=2, pp=2, pp_schedule="zbv"),
     # compiled blocks with each of the others
     "E1": _layout(_RECOMPUTE, compile=True, pp=2, cp=2, pp_schedule="1f1b", cp_method="ulysses", zero_stage=1),
     "E2": _layout(_RECOMPUTE, _TP, compile=True, pp=2, pp_schedule="zbv", zero_stage=2),
     "E3": _layout(_RECOMPUTE, _HSDP, compile=True, cp=2, cp_method="ring"),
-    "E4": _layout(_RECOMPUTE, compile=True, pp=2, dp_shard=2, ep=2, pp_schedule="dualpipev"),
+    "E4": _layout(_RECOMPUTE, compile=True, pp=2, dp_shard=2, ep=2, pp_schedule="dualpipev", zero_stage=2),
     # float8 (emulated on a CPU) against one float8 process multiplying the same pieces of each batch: tensorwise
-    # with each of the others but context parallel; rowwise, whose scales are per token and per output channel and
-    # so do not depend on how context parallel cuts the sequence, with it
-    "F1": _layout(_RECOMPUTE, _TP, float8="tensorwise", pp=2, pp_schedule="1f1b", zero_stage=1),
+    # with each of the others but context parallel (HSDP with DualPipeV in F3); rowwise, whose scales are per token
+    # and per output channel and so do not depend on how context parallel cuts the sequence, with it
+    "F1": _layout(_RECOMPUTE, _TP, float8="tensorwise", pp=2, dp_shard=2, pp_schedule="1f1b", zero_stage=1),
     "F2": _layout(float8="tensorwise", pp=2, dp_shard=2, ep=2, pp_schedule="zbv", zero_stage=2),
-    "F3": _layout(_HSDP, float8="tensorwise", pp=2, pp_schedule="dualpipev"),
+    "F3": _layout(_HSDP, float8="tensorwise", dp_shard=2, pp=2, pp_schedule="dualpipev"),
     "F4": _layout(_RECOMPUTE, _TP, float8="rowwise", cp=2, cp_method="ulysses", compile=True),
     "F5": _layout(float8="rowwise", cp=2, dp_shard=2, cp_method="ring", zero_stage=3),
 }
@@ -122,18 +125,39 @@ def world_size(layout: dict[str, Any]) -> int:
     return sizes[0] * sizes[1] * sizes[2] * sizes[3] * sizes[4]
 
 
+#: The fields of :data:`FEATURES` that are sizes: a layout holds them at 2 ranks or more.
+SIZES = ("tp", "pp", "cp", "ep", "dp_replicate")
+#: The ranks ZeRO shards model states over: ``dp_shard x cp`` (``lightning_par.mesh``'s ``dp_shard_cp``, the mesh
+#: of ``lightning_par.parallel.zero``; context-parallel ranks hold the same parameters and shard them too).
+SHARD_RANKS = "dp_shard_cp"
+
+
+def dimensions(feature: str) -> tuple[str, ...]:
+    """The dimensions ``feature`` works across, each of which a layout must give 2 ranks or more to prove a pair
+    with it: its sizes, and for a feature that sets a ZeRO stage (HSDP, sharded accumulation and CPU offload too)
+    the ranks the stage shards over, since over one rank it shards nothing and the pair would go untested."""
+    fields = FEATURES[feature]
+    return tuple(key for key in SIZES if key in fields) + ((SHARD_RANKS,) if "zero_stage" in fields else ())
+
+
+def ranks(config: Any, dimension: str) -> int:
+    """How many ranks a resolved ``ParallelConfig`` gives ``dimension`` (one of :func:`dimensions`)."""
+    if dimension == SHARD_RANKS:
+        return config.dp_shard * config.cp
+    return getattr(config, dimension)
+
+
 def holds(layout: dict[str, Any], feature: str) -> bool:
-    """Whether ``layout`` turns ``feature`` on: every field of the feature at its value (sizes of 2 or more)."""
+    """Whether ``layout`` proves ``feature``: every field of the feature at its value, and every one of its
+    :func:`dimensions` at 2 ranks or more."""
     config = layout_config(layout)
     if feature == "ep" and not layout["model"].startswith("moe"):
         return False  # nothing to split
+    if any(ranks(config, dimension) < 2 for dimension in dimensions(feature)):
+        return False
     if feature == "float8":  # either recipe (context parallel is proven with rowwise)
         return config.float8 is not None
-    for key, value in FEATURES[feature].items():
-        actual = getattr(config, key)
-        if not (actual >= value if key in ("tp", "pp", "cp", "ep", "dp_replicate") else actual == value):
-            return False
-    return True
+    return all(getattr(config, key) == value for key, value in FEATURES[feature].items() if key not in SIZES)
 
 
 def proofs() -> dict[tuple[str, str], list[str]]:

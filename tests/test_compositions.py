@@ -8,12 +8,14 @@ import dataclasses
 import functools
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 from parity import assert_layout_matches, assert_parity, layout_runs, reference_run
 from test_data_parallel import MODEL, SGDLlamaLM, make_datamodule
 from test_hybrid3d import MODULES, PARITY_RTOL, make_strategy
+
+from lightning_par.data import TokenDataModule
 
 STEPS = 8
 # Capacity 1.0 drops assignments, so the per-sequence priority order matters, not only the statistics.
@@ -104,11 +106,23 @@ def test_every_pair_of_techniques_composes() -> None:
 
 PAIR_STEPS, PAIR_CLIP = 8, 0.05
 PAIR_MODELS = {"moe": MODULES["moe-capacity"], "moe-4-blocks": MOE_4_BLOCKS}
-PAIR_DATA = functools.partial(make_datamodule, batch_size=4)  # DualPipeV: 2 x pp micro-batches of each batch
+PAIR_BATCH = 4  # samples per rank and micro-batch: DualPipeV cuts each into 2 x pp micro-batches
+
+
+def _pair_data(dp: int) -> Callable[[], TokenDataModule]:
+    """The data of the pair layouts over ``dp`` data-parallel ranks: ``make_datamodule``'s 128 samples where they
+    last the 8 steps of 2 micro-batches (up to dp 2), more where 4 ranks read different samples (one epoch, as the
+    reference asks)."""
+    samples = max(128, PAIR_STEPS * 2 * PAIR_BATCH * dp)
+    return functools.partial(TokenDataModule, source="synthetic", vocab_size=64, seq_len=16, batch_size=PAIR_BATCH,
+                             num_samples=samples, num_val_samples=16)
+
+
 # float8 where tensor-parallel ranks each add a part of a matmul's reduction: the float32 sum comes out in another
 # order than one process's, and a last-bit difference now and then moves an operand across one of e4m3's rounding
-# boundaries (a step of 2^-3 of its scale), which the next steps carry on. Measured 1.6e-5 in the weights (F1, also
-# without sequence parallel); a lost or doubled gradient shows at 1e-2.
+# boundaries (a step of 2^-3 of its scale), which the next steps carry on. Measured 1.6e-5 in the weights (F1 when it
+# was tp2 x pp2 on 4 ranks, also without sequence parallel; 1.1e-7 with dp_shard=2 and the data of 2 ranks); a lost
+# or doubled gradient shows at 1e-2.
 FLOAT8_SPLIT_RTOL = 5e-5
 
 
@@ -132,37 +146,70 @@ def test_every_pair_is_held_by_a_layout_but_those_named() -> None:
         "docs/hybrid3d.md's composition table is out of date: python docs/composition_matrix.py prints it")
 
 
+def test_no_pair_is_held_through_a_dimension_of_one_rank() -> None:
+    """A layout proves a pair only where every dimension the two features work across has 2 ranks or more: a ZeRO
+    stage over one rank shards nothing, HSDP over one replica replicates nothing. Every pair that composes (less
+    those of NOT_ON_CPU) is held so, by a layout whose sizes are read here again."""
+    matrix = _composition_matrix()
+    assert matrix.dimensions("HSDP") == ("dp_replicate", "dp_shard_cp")
+    assert {matrix.dimensions(feature) for feature in ("ZeRO-1", "ZeRO-2", "ZeRO-3", "sharded accumulation",
+                                                       "CPU offload")} == {("dp_shard_cp",)}
+    assert matrix.dimensions("compile") == matrix.dimensions("float8") == ()
+    one_rank = {(pair, name) for pair, names in matrix.proofs().items() for name in names for feature in pair
+                for dimension in matrix.dimensions(feature)
+                if matrix.ranks(matrix.layout_config(matrix.LAYOUTS[name]), dimension) < 2}
+    assert not one_rank, sorted(one_rank)
+    composable = {pair for pair, reason in matrix.matrix().items() if reason is None}
+    held = {pair for pair, names in matrix.proofs().items() if names}
+    assert composable - held == {pair for pair in composable if set(pair) & matrix.NOT_ON_CPU.keys()}
+
+
 @functools.cache
 def _reference(model: str, dp: int, float8: str | None, pieces: int | None) -> Any:
     """The one-process run of the pair layouts' ``model`` over ``dp`` data-parallel ranks (many layouts share one),
     in float8 multiplying each rank's batch in ``pieces``."""
     make_module = PAIR_MODELS[model]
     if float8 is None:
-        return reference_run(make_module, PAIR_DATA, dp=dp, steps=PAIR_STEPS, accumulate=2,
+        return reference_run(make_module, _pair_data(dp), dp=dp, steps=PAIR_STEPS, accumulate=2,
                              gradient_clip_val=PAIR_CLIP)
     from test_float8 import Float8SGDLlamaLM
 
-    return reference_run(functools.partial(Float8SGDLlamaLM, float8, **make_module.keywords), PAIR_DATA, dp=dp,
-                         steps=PAIR_STEPS, accumulate=2, gradient_clip_val=PAIR_CLIP, pieces_like_ranks=True,
+    return reference_run(functools.partial(Float8SGDLlamaLM, float8, **make_module.keywords), _pair_data(dp),
+                         dp=dp, steps=PAIR_STEPS, accumulate=2, gradient_clip_val=PAIR_CLIP, pieces_like_ranks=True,
                          pipeline_microbatches=pieces)
 
 
-@pytest.mark.parametrize("group", sorted({name[0] for name in _composition_matrix().LAYOUTS}))
-def test_every_pair_trains_like_one_process(group: str) -> None:
-    """The layouts of docs/composition_matrix.py's LAYOUTS whose name starts with ``group``, against one process: 8
-    optimizer steps, accumulation 2, clipping; one launch, the layouts one after the other on the same ranks."""
+def _pair_groups() -> dict[str, list[str]]:
+    """docs/composition_matrix.py's LAYOUTS by the letter of their name and their world size (``"D-8ranks"``: the D
+    layouts on 8 ranks), each group to train on one launch of ranks."""
     matrix = _composition_matrix()
-    names = [name for name in matrix.LAYOUTS if name[0] == group]
-    runs = {name: (PAIR_MODELS[matrix.LAYOUTS[name]["model"]], PAIR_DATA, functools.partial(_mesh_strategy, name))
-            for name in names}
+    groups: dict[str, list[str]] = {}
+    for name, layout in matrix.LAYOUTS.items():
+        groups.setdefault(f"{name[0]}-{matrix.world_size(layout)}ranks", []).append(name)
+    return groups
+
+
+def _dp(config: Any) -> int:
+    return config.dp_replicate * config.dp_shard
+
+
+@pytest.mark.parametrize("group", sorted(_pair_groups()))
+def test_every_pair_trains_like_one_process(group: str) -> None:
+    """The layouts of one of :func:`_pair_groups` against one process: 8 optimizer steps, accumulation 2, clipping;
+    one launch, the layouts one after the other on the same ranks."""
+    matrix = _composition_matrix()
+    names = _pair_groups()[group]
+    configs = {name: matrix.layout_config(matrix.LAYOUTS[name]) for name in names}
+    runs = {name: (PAIR_MODELS[matrix.LAYOUTS[name]["model"]], _pair_data(_dp(configs[name])),
+                   functools.partial(_mesh_strategy, name)) for name in names}
     world_size = matrix.world_size(matrix.LAYOUTS[names[0]])
     actual = layout_runs(runs, world_size=world_size, steps=PAIR_STEPS, accumulate=2,
                          trainer_kwargs={"gradient_clip_val": PAIR_CLIP}, timeout=90 * len(names))
     for name in names:
-        config = matrix.layout_config(matrix.LAYOUTS[name])
+        config = configs[name]
         # one float8 process multiplies the same pieces of each batch as the ranks and micro-batches do
         pieces = config.pp_microbatches if config.pp > 1 else 1
-        expected = _reference(matrix.LAYOUTS[name]["model"], config.dp_replicate * config.dp_shard, config.float8,
+        expected = _reference(matrix.LAYOUTS[name]["model"], _dp(config), config.float8,
                               pieces if config.float8 is not None else None)
         rtol = FLOAT8_SPLIT_RTOL if config.float8 is not None and config.tp > 1 else PARITY_RTOL
         loss_error, weight_error = assert_parity(actual[name], expected, rtol=rtol)
