@@ -3,6 +3,7 @@ through ``check_composable`` (what the strategies and ``parallelize`` ask before
 
     python docs/composition_matrix.py            # the tables of docs/hybrid3d.md
     python docs/composition_matrix.py --refused  # only the pairs refused, with the reason
+    python docs/composition_matrix.py --holders  # every pair with all the layouts that hold it
 
 Two features that set the same knob to different values (two pipeline schedules, two ZeRO stages) are
 alternatives, not a pair, and are left out. ``tests/test_compositions.py`` holds the result to this table.
@@ -217,6 +218,21 @@ def markdown(results: dict[tuple[str, str], str | None], proven: dict[tuple[str,
     return "\n".join(lines)
 
 
+def holders(results: dict[tuple[str, str], str | None], proven: dict[tuple[str, str], list[str]]) -> str:
+    """One line per pair: every layout of :data:`LAYOUTS` that holds it, at 2 ranks or more in each dimension the
+    pair works across (the table names only the first), or why none does."""
+    lines = []
+    for pair, reason in results.items():
+        if reason:
+            held = f"refused: {reason}"
+        elif proven[pair]:
+            held = ", ".join(proven[pair])
+        else:
+            held = "CUDA" if set(pair) & NOT_ON_CPU.keys() else "open"
+        lines.append(f"{pair[0]} x {pair[1]}: {held}")
+    return "\n".join(lines)
+
+
 def layouts_markdown() -> str:
     """:data:`LAYOUTS` as a markdown table: name, ranks, model and the config's fields."""
     lines = ["| layout | ranks | model | ParallelConfig |", "|---|---|---|---|"]
@@ -229,6 +245,7 @@ def layouts_markdown() -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--refused", action="store_true", help="only the refused pairs, with the reason")
+    parser.add_argument("--holders", action="store_true", help="every pair with all the layouts that hold it")
     args = parser.parse_args(argv)
     results = matrix()
     refused = {pair: reason for pair, reason in results.items() if reason}
@@ -237,6 +254,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{first} x {second}: {reason}")
         return
     proven = proofs()
+    if args.holders:
+        print(holders(results, proven))
+        return
     print(markdown(results, proven))
     held = sum(1 for pair, layouts in proven.items() if layouts)
     print(f"\n{len(results) - len(refused)} of {len(results)} pairs compose, {len(refused)} are refused; "

@@ -164,6 +164,18 @@ def test_no_pair_is_held_through_a_dimension_of_one_rank() -> None:
     assert composable - held == {pair for pair in composable if set(pair) & matrix.NOT_ON_CPU.keys()}
 
 
+
+def test_holders_lists_every_layout_of_each_pair(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--holders``: one line per pair with all the layouts that hold it, where the table names only the first."""
+    matrix = _composition_matrix()
+    matrix.main(["--holders"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(matrix.matrix())
+    proofs = matrix.proofs()
+    assert f"tp x ZeRO-1: {', '.join(proofs[('tp', 'ZeRO-1')])}" in lines
+    assert "tp x async TP: CUDA" in lines
+
+
 @functools.cache
 def _reference(model: str, dp: int, float8: str | None, pieces: int | None) -> Any:
     """The one-process run of the pair layouts' ``model`` over ``dp`` data-parallel ranks (many layouts share one),
