@@ -58,6 +58,12 @@ def make_strategy(layout: str, model_map: dict | None = None):
     if layout == "pp2xtp2-sp":
         return lightning_par.Hybrid3DStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
                                               microbatches=2, model_map=model_map)
+    if layout == "ep2xtp2-sp":  # routers on each rank's piece of the sequence, experts split over the dp ranks
+        return lightning_par.Hybrid3DStrategy(expert_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
+                                              model_map=model_map)
+    if layout == "cp2xtp2-sp":
+        return lightning_par.Hybrid3DStrategy(context_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
+                                              model_map=model_map)
     raise ValueError(layout)
 
 
@@ -65,26 +71,34 @@ def make_strategy(layout: str, model_map: dict | None = None):
 # and loss parallel and pp2 x tp2 (+SP) compose the techniques.
 LAYOUTS = {"tp2": (2, 1), "pp2": (2, 1), "dp2xtp2": (4, 2), "tp2-sp": (2, 1), "pp2xtp2-sp": (4, 1),
            "pp2xdp2-zero3": (4, 2), "ep2-zero3": (2, 2), "dp2-zero3-float8": (2, 2),
-           "dp2-zero2": (2, 2)}
+           "dp2-zero2": (2, 2),
+           # only for the families of tests/zoo.py: TRAIT_CELLS
+           "ep2xtp2-sp": (4, 2), "cp2xtp2-sp": (4, 1)}
 
 # Cells refused before the first step, and a fragment of the reason they give; every other cell trains exactly.
 REFUSED: dict[tuple[str, str], str] = {
-    # Sequence parallel hands the modules it does not split (nn.MultiheadAttention, MoE routers, MLA's low-rank
-    # projections) sequence-split DTensors they cannot compute with.
+    # Sequence parallel hands the modules it does not split (nn.MultiheadAttention, MLA's low-rank projections)
+    # sequence-split DTensors they cannot compute with. (MoE layers route each rank's piece of the sequence.)
     **{(name, layout): "set sequence_parallel=False for this model"
-       for name in ("mha", "custom_names", "qwen2_moe", "deepseek_v3") for layout in ("tp2-sp", "pp2xtp2-sp")},
+       for name in ("mha", "custom_names", "deepseek_v3") for layout in ("tp2-sp", "pp2xtp2-sp")},
     ("gpt2", "dp2-zero3-float8"): "found no linear layer to convert",  # its projections are all Conv1D
     # Expert parallel on a dense model would split nothing and train as plain data parallel.
     **{(name, "ep2-zero3"): "expert parallel found no experts to split" for name in zoo.MODELS
        if name not in zoo.MOE_MODELS},
+    # Eager attention (a sliding-window mask of the whole sequence, attention sinks) sees one rank's chunk.
+    **{(name, "cp2xtp2-sp"): "mixes the sequence without F.scaled_dot_product_attention (attn_implementation='eager')"
+       for name in ("exaone4_eager", "gpt_oss")},
+    # Sampled routing (sparsemixer) draws from each rank's own stream where ranks route different tokens.
+    ("phimoe", "ep2-zero3"): "draws random numbers in training",
 }
 
 
 # Models whose attention output tensor parallel gathers (weights split, attention computed whole on each rank),
 # because their code cuts the heads by the input's whole width (nanoGPT: C // n_head), or their config's plan says
-# so (Phi-3's and OLMo 2's Hugging Face plans). Every other model's heads are split, fused q/k/v included (litgpt,
-# GPT-2: rows regrouped per rank, head counts per rank).
-GATHERED = ("nanogpt", "phi3", "olmo2")
+# so (Phi-3's and OLMo 2's Hugging Face plans), or because a parameter holds one value per head of the whole model
+# (GPT-OSS's attention sinks). Every other model's heads are split, fused q/k/v included (litgpt, GPT-2: rows
+# regrouped per rank, head counts per rank).
+GATHERED = ("nanogpt", "phi3", "olmo2", "gpt_oss")
 
 
 def float8_model(name: str) -> torch.nn.Module:
@@ -160,12 +174,25 @@ def _reference(name: str, dp: int, float8: bool) -> Any:
                          dp=dp, steps=STEPS, pieces_like_ranks=float8)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout not in ("ep2xtp2-sp", "cp2xtp2-sp")])
 def test_zoo_trains_like_one_process_or_is_refused(layout: str) -> None:
+    _assert_cells(layout, zoo.MODELS)
+
+
+@pytest.mark.parametrize("layout", list(zoo.TRAIT_CELLS))
+def test_families_with_their_own_traits_train_like_one_process_or_are_refused(layout: str) -> None:
+    """Families each checked in the layouts their traits meet (tests/zoo.py: TRAIT_CELLS): experts stacked in fused
+    3-D weights with biases, in a child, or called on every token expert by expert, under expert parallel; their
+    routers on each rank's piece of the sequence under sequence parallel; eager attention with a sliding window or
+    attention sinks refused under context parallel, SDPA trained; sampled routing refused where ranks route apart."""
+    _assert_cells(layout, zoo.TRAIT_CELLS[layout])
+
+
+def _assert_cells(layout: str, models: tuple[str, ...]) -> None:
     world_size, dp = LAYOUTS[layout]
-    per_rank = run_distributed(_train_every_model, world_size, layout, zoo.MODELS, timeout=1500)
+    per_rank = run_distributed(_train_every_model, world_size, layout, models, timeout=1500)
     failures, table = [], []
-    for name in zoo.MODELS:
+    for name in models:
         outcomes = [rank[name] for rank in per_rank]
         kind = outcomes[0][0]
         expected_refusal = REFUSED.get((name, layout))

@@ -296,6 +296,48 @@ ARCHITECTURES: dict[str, dict] = {
 }
 
 
+# Families checked in the layouts their traits meet (TRAIT_CELLS), not in every layout of the zoo.
+TRAIT_FAMILIES: dict[str, dict] = {
+    # experts in fused 3-D weights with [experts, out] biases, a router with a bias, per-head attention sinks (eager
+    # attention: transformers has no SDPA path for sinks), sliding-window and full layers
+    "gpt_oss": dict(model_type="gpt_oss", intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                    num_key_value_heads=2, head_dim=8, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False),
+    # experts called on every token once per expert, expert by expert, after a sigmoid router; a shared expert;
+    # chunked attention and a NoPE layer
+    "llama4_text": dict(model_type="llama4_text", intermediate_size=32, intermediate_size_mlp=64, num_local_experts=4,
+                        num_experts_per_tok=1, interleave_moe_layer_step=2, num_key_value_heads=2,
+                        attention_chunk_size=8, no_rope_layers=[1, 0], tie_word_embeddings=False),
+    # experts' weights in a child, [experts x ffn, hidden]; fused Wqkv with clipping
+    "dbrx": dict(model_type="dbrx", d_model=32, n_heads=4, n_layers=2, max_seq_len=SEQ_LEN, vocab_size=VOCAB,
+                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2), tie_word_embeddings=False,
+                 use_cache=False),
+    # sampled routing in training (sparsemixer: Gumbel draws)
+    "phimoe": dict(model_type="phimoe", intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                   num_key_value_heads=2, tie_word_embeddings=False),
+    # a softmax top-k router module of its own (Qwen3-MoE's transformers 5 layout), q/k norms
+    "qwen3_moe": dict(model_type="qwen3_moe", intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+                      num_experts_per_tok=2, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False),
+    # a dense first block, grouped sigmoid routing with a correction bias, shared experts
+    "glm4_moe": dict(model_type="glm4_moe", intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4,
+                     num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+                     num_key_value_heads=2, head_dim=8, tie_word_embeddings=False),
+    # sliding-window and full layers, q/k norms, no norm before attention (EXAONE 4); SDPA and eager
+    "exaone4": dict(model_type="exaone4", intermediate_size=64, num_key_value_heads=2, head_dim=8, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False),
+}
+TRAIT_FAMILIES["exaone4_eager"] = TRAIT_FAMILIES["exaone4"]
+EAGER = ("gemma2", "gpt_oss", "exaone4_eager")  # models built with eager attention
+
+# The layouts (tests/test_zoo.py: LAYOUTS) each family is held to.
+TRAIT_CELLS: dict[str, tuple[str, ...]] = {
+    "ep2-zero3": ("gpt_oss", "llama4_text", "dbrx", "phimoe"),
+    "ep2xtp2-sp": ("qwen3_moe", "glm4_moe", "llama4_text"),
+    "cp2xtp2-sp": ("exaone4", "exaone4_eager", "gpt_oss"),
+    "tp2": ("phimoe", "gpt_oss"),  # tensor parallel routes every token on every rank: the same draws
+}
+
 TORCH_MODELS = {"mha": "mha", "custom_names": "custom", "flat_block": "flat"}
 
 
@@ -306,10 +348,10 @@ def make_model(name: str) -> pl.LightningModule:
         return TorchLM(TORCH_MODELS[name])
     if name in LITGPT_CONFIGS:
         return LitGPTLM(**LITGPT_CONFIGS[name])
-    config = dict(ARCHITECTURES[name])
-    if config["model_type"] != "gpt2":
+    config = dict(ARCHITECTURES[name] if name in ARCHITECTURES else TRAIT_FAMILIES[name])
+    if config["model_type"] not in ("gpt2", "dbrx"):  # those two name their sizes their own way
         config = {**_COMMON, **config}
-    return HuggingFaceLM(config, attention="eager" if name == "gemma2" else "sdpa")
+    return HuggingFaceLM(config, attention="eager" if name in EAGER else "sdpa")
 
 
 # litgpt is a test dependency installed without its own pins (README), skipped where it is missing.

@@ -43,6 +43,7 @@ from lightning_par.parallel.pipeline.split import (StageLayout, build_stages, ch
                                                   check_weight_pass_with_zero3, split_pipeline)
 from lightning_par.parallel.model_map import ModelMap, model_map_or_its_old_name, network_prefix
 from lightning_par.parallel.model_map_check import check_model_map
+from lightning_par.parallel.layout_check import check_layout_forward, check_routing_draws, moe_layers
 from lightning_par.parallel.outside_calls import blocks_used_outside
 from lightning_par.parallel.recompute import apply_activation_checkpointing
 from lightning_par.parallel.context import apply_context_parallel, check_sequence_length, head_follows_last_block
@@ -149,6 +150,8 @@ def parallelize(
             if log is not None:
                 log(f"tensor-parallel split ({model_map.source}) checked on a sample: "
                     + ("; ".join(notes) or "as given"))
+        if model_map is not None and sample_batch is not None and dry_run is None:
+            _check_layout(model, mesh, config, model_map, sample_batch[0], gather_at_head)
         if config.float8 is not None and not config.float8_emulate:
             check_float8_device(device, config.float8, log=log)
         weight_pass = config.gathers_into_the_weight_pass
@@ -221,6 +224,23 @@ def parallelize(
                                   find_unused_parameters=config.ddp_find_unused_parameters,
                                   gradient_compression=config.gradient_compression, device_ids=device_ids)
     return Parallelized(wrapped, mesh, config, reduces_after_backward=False, pipeline=pipeline)
+
+
+def _check_layout(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, model_map: ModelMap,
+                  inputs: torch.Tensor, gather_at_head: bool) -> None:
+    """Before anything is split: the layout's techniques that change the model's computation, run on a small copy
+    (``layout_check``); the tensor-parallel split alone was checked with the model map."""
+    check_routing_draws(model, mesh, config, model_map, inputs)
+    routes_local_tokens = config.tp > 1 and config.sequence_parallel and moe_layers(model, model_map)
+    if not (config.cp > 1 or config.ep > 1 or routes_local_tokens):
+        return
+
+    def lay_out(model_copy: nn.Module) -> None:  # as steps 2-4 below
+        apply_tensor_parallel(model_copy, mesh, model_map, sequence_parallel=config.sequence_parallel)
+        apply_context_parallel(model_copy, mesh, model_map, method=config.cp_method, gather_at_head=gather_at_head)
+        apply_expert_parallel(model_copy, mesh, config.ep, model_map)
+
+    check_layout_forward(model, mesh, config, model_map, inputs, apply=lay_out)
 
 
 def _check_fsdp_roots(model: nn.Module, config: ParallelConfig) -> None:

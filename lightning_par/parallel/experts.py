@@ -3,8 +3,9 @@
 
 Two kinds of MoE layer are split: those that route their own tokens once they are given an expert group (an
 ``expert_group`` attribute, ``n_experts`` and stacked ``experts``: ``lightning_par.models.moe.MoEFeedForward``),
-and the modules a model map marks ``experts`` that hold their experts as stacked 3-D weights (Hugging Face's
-Mixtral, Qwen-MoE, OLMoE), whose forward is wrapped. The layer itself (router, capacity, auxiliary losses) is a
+and the modules a model map marks ``experts`` that hold their experts' weights stacked along the first dimension
+(:func:`stacked_experts`: Hugging Face's Mixtral, Qwen-MoE, OLMoE, GPT-OSS, DBRX, Llama 4), whose forward is
+wrapped (:class:`_RoutedExperts`). The layer itself (router, capacity, auxiliary losses) is a
 model's part and lives in ``lightning_par.models.moe``.
 """
 from __future__ import annotations
@@ -57,9 +58,10 @@ def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, model_
     """Split the experts of every MoE layer in ``module`` over ``ep`` ranks (in place).
 
     MoE layers are those that route their own tokens (:func:`routes_its_tokens`: this project's
-    ``MoEFeedForward``), and the modules ``model_map`` marks ``experts`` that hold their experts as stacked 3-D weights
-    and are called as ``experts(hidden_states, top_k_index, top_k_weights)`` (Hugging Face's Mixtral, Qwen-MoE,
-    OLMoE in transformers 5).
+    ``MoEFeedForward``), and the modules ``model_map`` marks ``experts`` whose weights are stacked by expert
+    (:func:`stacked_experts`), called either as ``experts(hidden_states, top_k_index, top_k_weights)`` (Hugging
+    Face's Mixtral, Qwen-MoE, OLMoE, GPT-OSS, DBRX in transformers 5) or as ``experts(tokens)`` on every token
+    repeated once per expert, expert by expert (Llama 4: its router has already weighed them).
 
     Expert parallel borrows its ranks from ``dp_shard x cp`` (docs/architecture.md, :meth:`ParallelMesh.experts`):
     consecutive groups of ``ep`` ranks hold one copy of all experts between them, and the groups replicate each
@@ -72,7 +74,7 @@ def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, model_
     ours, theirs = _expert_layers(module, model_map)
     if ep == 1 or not (ours or theirs):  # (a model with none is refused before any split: check_experts_found)
         return module
-    for n_experts in [layer.n_experts for layer in ours] + [_stacked_experts(m) for m in theirs]:
+    for n_experts in [layer.n_experts for layer in ours] + [stacked_experts(m) for m in theirs]:
         if n_experts % ep != 0:
             raise ValueError(f"ep={ep} does not divide the {n_experts} experts of an MoE layer; use an ep in "
                              f"{divisors(n_experts)}")
@@ -83,7 +85,7 @@ def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, model_
         layer.expert_group = meshes.ep.get_group()
         _split_weights(layer.experts, meshes.ep, gradient)
     for experts in theirs:
-        n_experts = _stacked_experts(experts)
+        n_experts = stacked_experts(experts)
         _split_weights(experts, meshes.ep, gradient)
         experts.forward = _RoutedExperts(experts, n_experts, meshes.ep.get_group())
     return module
@@ -95,7 +97,7 @@ def _expert_layers(module: nn.Module, model_map: ModelMap | None) -> tuple[list[
     split_by_ours = {id(layer.experts) for layer in ours}
     theirs = [m for name, m in module.named_modules()
               if model_map is not None and model_map.style_of(name) == "experts" and id(m) not in split_by_ours
-              and _stacked_experts(m) is not None]
+              and stacked_experts(m) is not None]
     return ours, theirs
 
 
@@ -108,9 +110,9 @@ def check_experts_found(module: nn.Module, model_map: ModelMap | None, ep: int) 
     marked = [name for name, _ in module.named_modules() if model_map is not None
               and model_map.style_of(name) == "experts"]
     named = [name for name, _ in module.named_modules() if name.rpartition(".")[2] in ("experts", "expert")]
-    found = (f"the model map marks {marked[:3]} as experts, but they do not hold their experts as stacked 3-D "
-             "weights [experts, ...]" if marked else
-             f"modules named {named[:3]} hold no stacked 3-D weights [experts, ...] and route no tokens themselves"
+    found = (f"the model map marks {marked[:3]} as experts, but their weights are not stacked by expert "
+             "([experts, ...], or [experts x rows, ...] with num_experts)" if marked else
+             f"modules named {named[:3]} hold no weights stacked by expert and route no tokens themselves"
              if named else "it has no module of either kind")
     where = type(module).__name__
     if model_map is not None and model_map.blocks:
@@ -125,10 +127,19 @@ def check_experts_found(module: nn.Module, model_map: ModelMap | None, ep: int) 
 
 
 def expert_modules(module: nn.Module) -> list[nn.Module]:
-    """The modules of ``module`` whose own weights expert parallel split (DTensors over the ``ep`` mesh)."""
-    return [m for m in module.modules()
-            if any(isinstance(w, DTensor) and w.device_mesh.mesh_dim_names == ("ep",)
-                   for w in m.parameters(recurse=False))]
+    """The outermost modules of ``module`` whose weights (their children's included) expert parallel split, all of them
+    DTensors over the ``ep`` mesh: the experts module whose forward runs them (DBRX's holds them in a child), which
+    ZeRO-3 makes a unit of its own so that they are gathered when that forward starts."""
+    def split(sub: nn.Module) -> bool:
+        weights = list(sub.parameters())
+        return bool(weights) and all(isinstance(w, DTensor) and w.device_mesh.mesh_dim_names == ("ep",)
+                                     for w in weights)
+
+    found: list[tuple[str, nn.Module]] = []
+    for name, sub in module.named_modules():  # parents before their children
+        if split(sub) and not any(name.startswith(outer + ".") for outer, _ in found):
+            found.append((name, sub))
+    return [sub for _, sub in found]
 
 
 def local_part(weight: Tensor) -> Tensor:
@@ -143,64 +154,113 @@ def routes_its_tokens(module: nn.Module) -> bool:
             and isinstance(getattr(module, "experts", None), nn.Module))
 
 
-def _stacked_experts(module: nn.Module) -> int | None:
-    """The number of experts of a module holding only 3-D weights stacked by expert, else None."""
-    weights = list(module.parameters(recurse=False))
-    if not weights or any(w.dim() != 3 for w in weights) or len({w.shape[0] for w in weights}) != 1:
+def holds_marked_experts(module: nn.Module, name: str, model_map: ModelMap | None) -> bool:
+    """Whether ``module`` (called ``name`` in the model) holds a child the model map marks ``experts``: a Hugging
+    Face MoE block (router, experts, shared experts)."""
+    return model_map is not None and any(model_map.style_of(f"{name}.{child}" if name else child) == "experts"
+                                         for child, _ in module.named_children())
+
+
+def stacked_experts(module: nn.Module) -> int | None:
+    """The number of experts of a module whose weights (its own and its children's) are all stacked by expert along
+    their first dimension, else None. Either the module says how many experts it holds (``num_experts``) and every
+    weight's first dimension is a multiple of it, expert by expert (DBRX's [experts x ffn, hidden] in a child), or
+    every weight has the same first dimension and one of them is 3-D ([experts, in, out], with [experts, out] biases
+    beside it: GPT-OSS)."""
+    weights = list(module.parameters())
+    if not weights or any(w.dim() == 0 for w in weights):
         return None
-    return weights[0].shape[0]
+    declared = getattr(module, "num_experts", None)
+    if isinstance(declared, int) and declared > 0:
+        return declared if all(w.shape[0] % declared == 0 for w in weights) else None
+    firsts = {w.shape[0] for w in weights}
+    return firsts.pop() if len(firsts) == 1 and any(w.dim() == 3 for w in weights) else None
+
+
+def _own_weights(experts: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(owner, name) of every weight of ``experts``, its children's included."""
+    return [(owner, name) for owner in experts.modules() for name, _ in owner.named_parameters(recurse=False)]
 
 
 def _split_weights(experts: nn.Module, ep_mesh: Any, gradient: Callable[[Tensor], Tensor] | None) -> None:
-    for name, weight in list(experts.named_parameters(recurse=False)):
+    for owner, name in _own_weights(experts):
+        weight = owner._parameters[name]
         # A frozen expert (a LoRA model's base) stays frozen: no gradient, so nothing to reduce either.
         split = nn.Parameter(distribute_tensor(weight.data, ep_mesh, [Shard(0)]), requires_grad=weight.requires_grad)
         if gradient is not None and split.requires_grad:
             split.register_hook(gradient)  # on each backward's contribution
-        setattr(experts, name, split)
+        setattr(owner, name, split)
 
 
 class _RoutedExperts:
     """The forward of a Hugging Face-style experts module under expert parallel.
 
-    Tokens go to the ranks of their experts (:func:`dispatch_and_combine`); there, the module's own
-    forward runs one local expert at a time on its local weights, so the expert's math stays the model's.
+    Tokens go to the ranks of their experts (:func:`dispatch_and_combine`); there, the module's own forward runs on
+    its local weights, so the expert's math stays the model's. Two calls are known: ``(hidden_states, top_k_index,
+    top_k_weights)``, where the module's forward then runs one local expert at a time (the routing weights are
+    applied here, after the way back), and ``(tokens)`` with every token once per expert, expert by expert, already
+    weighed by the router (Llama 4), where it runs once on the local experts' blocks.
     """
 
     def __init__(self, experts: nn.Module, n_experts: int, group: dist.ProcessGroup) -> None:
-        self.experts, self.original, self.group = experts, experts.forward, group
+        self.experts, self.original, self.group, self.n_experts = experts, experts.forward, group, n_experts
         self.per_rank = n_experts // dist.get_world_size(group)
 
     # Eager inside a compiled block, as MoEFeedForward._routed is (see the reason there): the sizes follow the
     # routing, and traced they would leave weak references to the expert DTensors that block moving the module.
     @torch.compiler.disable
-    def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        n, k = top_k_index.shape
-        token = torch.arange(n, device=hidden_states.device).repeat_interleave(k)
+    def __call__(self, hidden_states: Tensor, *routing: Tensor) -> Tensor:
+        if not routing:
+            return self._expert_major(hidden_states)
+        top_k_index, top_k_weights = routing
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])  # DBRX hands (batch, seq, hidden)
+        n = tokens.shape[0]
+        k = top_k_index.numel() // n
+        token = torch.arange(n, device=tokens.device).repeat_interleave(k)
         chosen = top_k_index.reshape(-1)
-        y = dispatch_and_combine(hidden_states[token], chosen, self._local_experts, self.per_rank, self.group)
+        y = dispatch_and_combine(tokens[token], chosen, self._one_expert_at_a_time, self.per_rank, self.group)
         weighted = y * top_k_weights.reshape(-1, 1).to(y.dtype)
-        return torch.zeros_like(hidden_states).index_add(0, token, weighted.to(hidden_states.dtype))
+        routed = torch.zeros_like(tokens).index_add(0, token, weighted.to(tokens.dtype))
+        return routed.reshape(hidden_states.shape)
 
-    def _local_experts(self, tokens: Tensor, counts: list[int]) -> Tensor:
-        names = [name for name, _ in self.experts.named_parameters(recurse=False)]
-        saved = {name: self.experts._parameters[name] for name in names}
+    def _expert_major(self, tokens: Tensor) -> Tensor:
+        if tokens.dim() != 2 or tokens.shape[0] % self.n_experts:
+            raise ValueError(f"expert parallel: {type(self.experts).__name__} was called with one tensor of shape "
+                             f"{tuple(tokens.shape)}, which it splits as every token once for each of its "
+                             f"{self.n_experts} experts, expert by expert ([experts x tokens, hidden]); this one does "
+                             "not divide so. Call it as experts(hidden_states, top_k_index, top_k_weights), or use "
+                             "expert_parallel_size=1 for this model")
+        experts = torch.arange(self.n_experts, device=tokens.device)
+        ids = experts.repeat_interleave(tokens.shape[0] // self.n_experts)
+        # Each local expert receives the same number of tokens (every rank's tokens, once each), so the blocks stay
+        # expert by expert and the module's own forward takes them at once.
+        return dispatch_and_combine(tokens, ids, lambda received, counts: self._on_local(self.original, received),
+                                    self.per_rank, self.group)
+
+    def _one_expert_at_a_time(self, tokens: Tensor, counts: list[int]) -> Tensor:
+        def run(part: Tensor, local: int) -> Tensor:
+            index = torch.full((part.shape[0], 1), local, dtype=torch.long, device=part.device)
+            ones = torch.ones(part.shape[0], 1, dtype=part.dtype, device=part.device)
+            return self.original(part, index, ones).reshape(part.shape)
+
+        outputs = [self._on_local(run, part, local) for local, part in enumerate(tokens.split(counts)) if part.shape[0]]
+        return torch.cat(outputs) if outputs else tokens
+
+    def _on_local(self, forward: Callable[..., Tensor], *args: Any) -> Tensor:
+        """``forward(*args)`` with the module's weights this rank's experts as plain tensors, and its
+        ``num_experts`` their number."""
+        weights = _own_weights(self.experts)
+        saved = [owner._parameters[name] for owner, name in weights]
         saved_count = getattr(self.experts, "num_experts", None)
         try:
-            for name in names:  # the module's own forward sees this rank's experts as plain tensors
-                self.experts._parameters[name] = local_part(saved[name])
+            for (owner, name), weight in zip(weights, saved):
+                owner._parameters[name] = local_part(weight)
             if saved_count is not None:
                 self.experts.num_experts = self.per_rank
-            outputs = []
-            for local, part in enumerate(tokens.split(counts)):
-                if not part.shape[0]:
-                    continue
-                index = torch.full((part.shape[0], 1), local, dtype=torch.long, device=part.device)
-                outputs.append(self.original(part, index, torch.ones(part.shape[0], 1, dtype=part.dtype,
-                                                                     device=part.device)))
-            return torch.cat(outputs) if outputs else tokens
+            return forward(*args)
         finally:
-            self.experts._parameters.update(saved)
+            for (owner, name), weight in zip(weights, saved):
+                owner._parameters[name] = weight
             if saved_count is not None:
                 self.experts.num_experts = saved_count
 
@@ -217,4 +277,5 @@ class _ExpertGradient:
         return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
 
 
-__all__ = ["apply_expert_parallel", "dispatch_and_combine", "expert_modules", "local_part", "routes_its_tokens"]
+__all__ = ["apply_expert_parallel", "dispatch_and_combine", "expert_modules", "holds_marked_experts", "local_part",
+           "routes_its_tokens", "stacked_experts"]

@@ -46,7 +46,7 @@ from lightning_par.parallel.adapters import base_layer as adapter_base
 from lightning_par.parallel.adapters import is_adapted, is_lora, unused_lora_weights
 from lightning_par.parallel.context import SequenceSplit
 from lightning_par.parallel.data import all_reduce_in_buckets
-from lightning_par.parallel.experts import local_part, routes_its_tokens
+from lightning_par.parallel.experts import holds_marked_experts, local_part, routes_its_tokens
 from lightning_par.parallel.local_heads import localize_head_counts
 from lightning_par.parallel.model_map import (SPLIT_STYLES, ModelMap, is_conv1d, is_projection, projection_features,
                                               why_no_blocks)
@@ -273,25 +273,44 @@ def _rope_features(module: nn.Module, name: str) -> int:
 
 
 class RoutedOnLocalTokens(ParallelStyle):
-    """Under sequence parallel, a mixture-of-experts layer that routes its own tokens takes this rank's piece of the
-    sequence (the local tensor of the sequence-split activations) and hands its output back as that piece: the
-    router and the experts compute on 1/tp of the tokens (Megatron-Core's MoE under sequence parallel). Its weights
-    stay whole on every tensor-parallel rank, each seeing other tokens: ``Parallelized.after_backward`` sums their
-    gradients over ``tp`` (:func:`sum_over_tensor_parallel`). Capacity and load statistics span the sequence through
-    the layer's ``sequence_split`` (``lightning_par.parallel.context.SequenceSplit``), set here."""
+    """Under sequence parallel, a mixture-of-experts layer takes this rank's piece of the sequence (the local tensor of
+    the sequence-split activations) and hands its output back as that piece: the router and the experts compute on
+    1/tp of the tokens (Megatron-Core's MoE under sequence parallel; routing is per token). Such a layer is one that
+    routes its own tokens (``MoEFeedForward``) or the module holding experts a model map marks (Hugging Face's MoE
+    blocks: router, experts, shared experts). Nothing in it is split by tensor parallel (a shared expert computes
+    this rank's tokens whole: the same work as split, without the gather and the reduce-scatter). Its weights stay
+    whole on every tensor-parallel rank, each seeing other tokens: ``Parallelized.after_backward`` sums their
+    gradients over ``tp`` (:func:`sum_over_tensor_parallel`). Capacity and load statistics span the sequence
+    through the layer's ``sequence_split``
+    (``lightning_par.parallel.context.SequenceSplit``), set here."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
         module.sequence_split = SequenceSplit(device_mesh.get_group(), "ulysses", cp=1, tp=tp)
+        shapes: list[torch.Size] = []  # of this rank's piece, for an output the layer returns flattened (Llama 4)
 
-        def local(m: nn.Module, args: tuple) -> tuple:
-            return tuple(x.to_local() if isinstance(x, DTensor) else x for x in args)
+        def local(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            args = tuple(x.to_local() if isinstance(x, DTensor) else x for x in args)
+            kwargs = {k: x.to_local() if isinstance(x, DTensor) else x for k, x in kwargs.items()}
+            first = next((x for x in (*args, *kwargs.values()) if isinstance(x, Tensor)), None)
+            shapes.append(first.shape if first is not None else None)
+            return args, kwargs
 
-        def split(m: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        def split(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            shape = shapes.pop()
+            if isinstance(output, tuple):  # (hidden states, router logits or scores): the logits stay local
+                return (as_piece(output[0], shape), *output[1:])
+            return as_piece(output, shape)
+
+        def as_piece(output: Tensor, shape: torch.Size | None) -> Tensor:
+            if isinstance(output, DTensor):
+                return output
+            if shape is not None and output.shape != shape and output.numel() == shape.numel():
+                output = output.reshape(shape)
             return DTensor.from_local(output, device_mesh, (Shard(1),), run_check=False)
 
-        module.register_forward_pre_hook(local)
-        module.register_forward_hook(split)
+        module.register_forward_pre_hook(local, with_kwargs=True)
+        module.register_forward_hook(split, with_kwargs=True)
         return module
 
 
@@ -343,10 +362,15 @@ def tensor_parallel_styles(module: nn.Module, model_map: ModelMap, *, sequence_p
     # tables built from the hidden states' length, as in Hugging Face models) sees the global shape.
     between = Shard(1) if sequence_parallel else Replicate()
     styles: dict[str, ParallelStyle] = {}
+    # Under sequence parallel a mixture-of-experts layer routes this rank's tokens (RoutedOnLocalTokens), whole.
+    local_layers = {name for name, sub in module.named_modules()
+                    if sequence_parallel and (routes_its_tokens(sub) or holds_marked_experts(sub, name, model_map))}
     regions: dict[str, list[tuple[str, str]]] = {}  # module holding split layers -> (layer, style)
     blocks = model_map.blocks + "."
     for name, sub in module.named_modules():
         style = model_map.style_of(name)
+        if any(name.startswith(layer + ".") for layer in local_layers):
+            continue
         if style == "vocab" and isinstance(sub, nn.Embedding):
             # Rows are the vocabulary: each rank embeds the tokens it holds; the partial sums are reduced.
             styles[name] = VocabParallel(input_layouts=Replicate(), output_layouts=between,
@@ -360,7 +384,7 @@ def tensor_parallel_styles(module: nn.Module, model_map: ModelMap, *, sequence_p
             regions.setdefault(name.rpartition(".")[0], []).append((name, style))
         elif style == "sequence" and sequence_parallel:
             styles[name] = SequenceParallel()
-        elif sequence_parallel and routes_its_tokens(sub):
+        elif name in local_layers:
             styles[name] = RoutedOnLocalTokens()
         elif style == "per_shard":
             styles[name] = PerShard()

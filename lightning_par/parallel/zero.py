@@ -94,7 +94,7 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap
             unit[0].set_custom_reduce_scatter(BackgroundReduceScatter(unit, background))
 
     for experts in expert_modules(module):  # inner units first: a block's unit takes what is left
-        ep = next(experts.parameters(recurse=False)).device_mesh.size()
+        ep = next(experts.parameters()).device_mesh.size()
         shard_mesh = mesh.experts(ep).shard
         shard([experts], shard_mesh, reshard_after_forward)
         # The all-to-all already summed each expert's gradient over the tokens of its ep group; what is left is

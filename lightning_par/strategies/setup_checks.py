@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_par.config import ParallelConfig
+from lightning_par.parallel.layout_check import moe_layers
 from lightning_par.parallel.compose import check_batch_fits
 from lightning_par.parallel.pipeline.split import check_microbatches
 from lightning_par.parallel.model_map import ModelMap
@@ -96,10 +97,12 @@ def layout_sample(module: LightningModule, config: ParallelConfig, batch: Any, *
 
 def sample_for_layout(module: LightningModule, config: ParallelConfig, model_map: ModelMap | None,
                       broadcast: Callable[[Any], Any]) -> tuple[Tensor, Tensor | None] | None:
-    """The first batch where the layout runs the model at set-up (checking a tensor-parallel split, cutting pipeline
-    stages, finding blocks that ZeRO-3 must not gather alone) or splits batches (context parallel), else None.
-    Raises when a tensor-parallel split needs one and the data gives none the model contract can read."""
-    if config.tp == 1 and config.pp == 1 and config.cp == 1 and config.zero_stage != 3:
+    """The first batch where the layout runs the model at set-up (checking a tensor-parallel split, the layout's
+    forward and a mixture-of-experts model's routing, cutting pipeline stages, finding blocks that ZeRO-3 must not
+    gather alone) or splits batches (context parallel), else None. Raises when a tensor-parallel split needs one and
+    the data gives none the model contract can read."""
+    if (config.tp == 1 and config.pp == 1 and config.cp == 1 and config.ep == 1 and config.zero_stage != 3
+            and not moe_layers(module, model_map)):
         return None
     sample = first_batch(module, config, broadcast)
     if config.tp > 1 and model_map is not None and sample is None:
