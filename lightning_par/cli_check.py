@@ -120,9 +120,18 @@ def format_report(reports: list[dict[str, Any]]) -> str:
             total = report["collectives"].get(name)
             cells.append(f"{total['calls']:>5} / {total['bytes'] / 2 ** 20:>8.1f}" if total else f"{'-':>16}")
         lines.append(f"{report['rank']:>6} " + " ".join(cells))
+    lines += _cyclic_notes(reports)
     lines.append("The tensor-parallel split is applied as the model map gives it, unchecked: lightning-par verify "
                  "proves the layout trains what one process trains.")
     return "\n".join(lines)
+
+
+def _cyclic_notes(reports: list[dict[str, Any]]) -> list[str]:
+    """A line for each rank whose step left tensors to Python's cyclic garbage collector: its peak counts them held
+    until the collection that freed them, where a run frees them whenever its collector happens to run."""
+    return [f"rank {report['rank']}: {report['cyclic_bytes'] / _GIB:.2f} GiB of the step's tensors were held by "
+            "reference cycles and freed only by Python's garbage collector; the peak counts them until the dry run "
+            "collected them" for report in reports if report.get("cyclic_bytes")]
 
 
 def held_model_states(report: dict[str, Any]) -> int:

@@ -107,7 +107,7 @@ def dry_run_rank(cli_args: list[str], *, world_size: int, rank: int, store: torc
     local = sum(_local_numel(p) for p in module.parameters())
     return {"rank": rank, "world_size": world_size, "layout": config.describe(), "zero_stage": config.zero_stage,
             "coordinates": coordinates, "stages": stages, "local_parameters": local, "memory": asdict(step.peak),
-            "states": asdict(step.states),
+            "states": asdict(step.states), "cyclic_bytes": step.cyclic,
             "collectives": {name: asdict(total) for name, total in step.collectives.items() if total.calls},
             "seconds": time.perf_counter() - started, "host_peak_bytes": _host_peak_bytes(), "pid": os.getpid()}
 
