@@ -155,7 +155,7 @@ def _host_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kilobytes
 
 
-def _main(argv: list[str]) -> None:
+def run_rank(argv: list[str]) -> None:
     """A rank process of ``lightning-par check`` (``lightning_par/cli_check.py``): RANK WORLD_SIZE STORE_PORT OUTPUT
     then the config's options."""
     import json
@@ -170,4 +170,4 @@ def _main(argv: list[str]) -> None:
 if __name__ == "__main__":
     import sys
 
-    _main(sys.argv[1:])
+    run_rank(sys.argv[1:])
