@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import multiprocessing
 import re
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -67,9 +67,9 @@ def run_dry_runs(cli_args: list[str], world_size: int, ranks: list[int], pp: int
             processes = {rank: _start(rank, world_size, store.port, Path(folder), cli_args) for rank in members}
             failures = []
             for rank, process in processes.items():
-                _, stderr = process.communicate()
-                if process.returncode != 0:
-                    failures.append((rank, stderr))
+                process.join()
+                if process.exitcode != 0:
+                    failures.append((rank, _errors_of(Path(folder) / f"{rank}.stderr")))
                 else:
                     reports.append(json.loads((Path(folder) / f"{rank}.json").read_text()))
             if failures:
@@ -83,11 +83,51 @@ def run_dry_runs(cli_args: list[str], world_size: int, ranks: list[int], pp: int
     return sorted(reports, key=lambda report: report["rank"])
 
 
-def _start(rank: int, world_size: int, port: int, folder: Path, cli_args: list[str]) -> subprocess.Popen:
-    command = [sys.executable, "-m", "lightning_par.strategies.dry_run", str(rank), str(world_size), str(port),
-               str(folder / f"{rank}.json"), *cli_args]
-    environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=environment)
+# What a rank process imports (about 6 s of CPU each): imported once, in the server the rank processes fork from.
+_PRELOADED = ["torch", "torch.distributed.tensor", "torch.distributed.pipelining", "lightning.pytorch",
+              "lightning_par.strategies", "lightning_par.strategies.dry_run", "lightning_par.cli_classes"]
+
+
+def _start(rank: int, world_size: int, port: int, folder: Path, cli_args: list[str]) -> Any:
+    """Rank ``rank``'s dry run, forked from the server. It measures what a fresh interpreter would: the only thing a
+    process's past changes in a step, when Python's cyclic collector runs, is fixed by the measured step itself
+    (``lightning_par.dry_run.tracked_step._FixedCollections``)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOADED)  # read when the server starts: at the first rank
+    argv = [str(rank), str(world_size), str(port), str(folder / f"{rank}.json"), *cli_args]
+    process = context.Process(target=_rank_process, args=(argv, str(folder / f"{rank}.stderr"), dict(os.environ),
+                                                          list(sys.path)), daemon=False)
+    process.start()
+    return process
+
+
+def _rank_process(argv: list[str], stderr: str, environment: dict[str, str], path: list[str]) -> None:
+    """A dry-run rank in a process forked from the server: this command's environment and import path (the server's
+    are those of when it started), its output dropped, its errors written to ``stderr`` for the report."""
+    import traceback
+    import warnings
+
+    from lightning_par.strategies.dry_run import run_rank
+
+    os.environ.clear()
+    os.environ.update(environment)
+    sys.path[:] = path
+    warnings.simplefilter("ignore")
+    with open(os.devnull, "w") as nothing, open(stderr, "w") as errors:
+        os.dup2(nothing.fileno(), 1)
+        os.dup2(errors.fileno(), 2)
+        try:
+            run_rank(argv)
+        except BaseException:  # noqa: BLE001 - reported by the command, from the last line of ``stderr``
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+
+
+def _errors_of(stderr: Path) -> str:
+    """What a failed rank wrote to ``stderr``; nothing where it died before opening it (the server could not
+    start it)."""
+    return stderr.read_text() if stderr.exists() else ""
 
 
 def format_report(reports: list[dict[str, Any]]) -> str:
@@ -120,9 +160,18 @@ def format_report(reports: list[dict[str, Any]]) -> str:
             total = report["collectives"].get(name)
             cells.append(f"{total['calls']:>5} / {total['bytes'] / 2 ** 20:>8.1f}" if total else f"{'-':>16}")
         lines.append(f"{report['rank']:>6} " + " ".join(cells))
+    lines += _cyclic_notes(reports)
     lines.append("The tensor-parallel split is applied as the model map gives it, unchecked: lightning-par verify "
                  "proves the layout trains what one process trains.")
     return "\n".join(lines)
+
+
+def _cyclic_notes(reports: list[dict[str, Any]]) -> list[str]:
+    """A line for each rank whose step left tensors to Python's cyclic garbage collector: its peak counts them held
+    until the collection that freed them, where a run frees them whenever its collector happens to run."""
+    return [f"rank {report['rank']}: {report['cyclic_bytes'] / _GIB:.2f} GiB of the step's tensors were held by "
+            "reference cycles and freed only by Python's garbage collector; the peak counts them until the dry run "
+            "collected them" for report in reports if report.get("cyclic_bytes")]
 
 
 def held_model_states(report: dict[str, Any]) -> int:

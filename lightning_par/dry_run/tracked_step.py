@@ -12,6 +12,7 @@ Pure PyTorch: no lightning import.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -31,6 +32,9 @@ from lightning_par.parallel.parallelized import Parallelized
 
 __all__ = ["StepMemory", "StepReport", "measure_training_step"]
 
+# Operations between two collections of the youngest generation in a measured step (_FixedCollections): each looks
+# only at what they made, and the Python garbage of a long step (a 126-block stage) does not pile up meanwhile.
+_COLLECT_EVERY = 1000
 # MemTracker's kinds -> StepMemory's fields
 _KINDS = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Optstate": "optimizer_states",
           "Activation": "activations", "Temp": "temporaries", "Other": "other", "Total": "peak"}
@@ -58,12 +62,14 @@ class StepMemory:
 class _StepPeakTracker(MemTracker):
     """torch's ``MemTracker`` for a step that runs a module's forward again before its backward (a pipeline's
     micro-batches): its statistics per module start afresh at each forward, and only the step's peak is kept (torch's
-    tracker also updates every module's peak at every op: quadratic in the blocks, minutes for 126 of them)."""
+    tracker also updates every module's peak at every op: quadratic in the blocks, minutes for 126 of them). Python's
+    cyclic garbage collector runs, while the step is measured, where :class:`_FixedCollections` runs it."""
 
     def __init__(self, *, track_modules: bool = True) -> None:
         super().__init__()
         if not track_modules:
             self._mod_tracker = _NoModules()
+        self.collections = _FixedCollections(self._held)
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         if not self._mod_tracker.is_bw:
@@ -75,6 +81,57 @@ class _StepPeakTracker(MemTracker):
             if self._peak_mem.get(device, 0) < snapshot["Total"]:
                 self._peak_mem[device] = snapshot["Total"]
                 self._peak_mem_snap[device] = dict(snapshot)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = super().__torch_dispatch__(func, types, args, kwargs)
+        self.collections.operation_done()
+        return result
+
+    def _held(self) -> int:
+        return sum(snapshot["Total"] for snapshot in self._curr_mem_snap.values())
+
+
+class _FixedCollections:
+    """Python's cyclic garbage collector during a measured step, run at points of the program only, so that the
+    step's peak is the program's and not the interpreter's history's; ``freed`` counts the bytes of tensors it freed
+    (``held``: the bytes the tracker counts held now).
+
+    The tracker sees a fake tensor freed when Python frees it: at once when its last reference goes, or, for a
+    tensor that a reference cycle holds, when the collector next runs. Left alone, the collector runs when counts of
+    allocations that the whole process's past has set reach their thresholds: a rank forked from a server that
+    imported torch collects at other moments than a fresh interpreter, and holds a cycle's tensors for another
+    while. Here the step starts after a full collection, with the collector paused; every ``every`` operations the
+    tracker sees, the youngest generation is collected (what was made since the last such point: the cycles that
+    operations leave, cheaply), and at the step's end everything. Each collection then happens after the same
+    operation and finds the same objects in any process. A tensor it frees was held in a cycle, counted held until
+    then: ``freed`` says how much of the peak may be such."""
+
+    def __init__(self, held: Callable[[], int], every: int = _COLLECT_EVERY) -> None:
+        self._held, self.every = held, every
+        self.freed, self._operations, self._paused, self._was_enabled = 0, 0, False, False
+
+    def __enter__(self) -> _FixedCollections:
+        self._was_enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        self._paused, self._operations = True, 0
+        return self
+
+    def operation_done(self) -> None:
+        self._operations += 1
+        if self._paused and self._operations % self.every == 0:
+            self._collect(0)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._collect(2)
+        self._paused = False
+        if self._was_enabled:
+            gc.enable()
+
+    def _collect(self, generation: int) -> None:
+        before = self._held()
+        gc.collect(generation)
+        self.freed += before - self._held()
 
 
 class _NoModules:
@@ -110,6 +167,7 @@ class StepReport:
     peak: StepMemory  # at the step's peak
     states: StepMemory  # parameters, gradients and optimizer states after backward, before gradients are averaged
     collectives: dict[str, CommTotals]  # per mesh dimension
+    cyclic: int = 0  # bytes of tensors only Python's cyclic collector freed: ``peak`` counts them until it did
 
 
 def measure_training_step(handle: Parallelized, optimizer: Optimizer, mode: FakeTensorMode, *,
@@ -136,11 +194,11 @@ def measure_training_step(handle: Parallelized, optimizer: Optimizer, mode: Fake
         tracker.track_external(handle.module, *_optimizers(optimizer))
         recorder.reset()
         states: list[StepMemory] = []
-        with tracker, recorder, _shape_inference_untracked():
+        with tracker, recorder, _shape_inference_untracked(), tracker.collections:
             _step(handle, optimizer, split_batch, loss_fn, batch, autocast,
                   gradients_made=lambda: states.append(_held_states(handle.module, optimizer)))
     return StepReport(peak=_memory(tracker.get_tracker_snapshot("peak")), states=states[0],
-                      collectives=recorder.totals)
+                      collectives=recorder.totals, cyclic=tracker.collections.freed)
 
 
 @contextmanager

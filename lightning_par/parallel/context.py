@@ -396,21 +396,7 @@ class ContextParallelBlock:
         if self.first:
             check_sequence_length(seq_len, self.cp, self.method)
         positions = local_positions(seq_len, self.rank, self.cp, self.method).to(hidden.device)
-        batch = hidden.shape[0]
-
-        def cut(x: Any) -> Any:
-            if isinstance(x, (tuple, list)):
-                return type(x)(cut(item) for item in x)
-            if not isinstance(x, Tensor) or x.dim() == 0:
-                return x
-            if x is hidden:
-                return _take(x, 1, positions) if self.first else x
-            if x.dim() >= 2 and x.shape[0] in (1, batch) and x.shape[1] == seq_len:
-                return _take(x, 1, positions)  # (B or 1, T, ...): position ids, rotary tables
-            if x.shape[0] == seq_len:  # (T, ...): rotary tables shared by the batch
-                return _take(x, 0, positions)
-            return x
-
+        cut = _SequenceCut(hidden, positions, seq_len, first=self.first)
         args, kwargs = cut(args), {name: cut(value) for name, value in kwargs.items()}
         with _RouteAttention(self.group, self.method):
             output = self.forward(*args, **kwargs)
@@ -419,6 +405,35 @@ class ContextParallelBlock:
         if isinstance(output, tuple):  # blocks that return (hidden, extras...)
             return (gather_sequence(output[0], self.group, self.method), *output[1:])
         return gather_sequence(output, self.group, self.method)
+
+
+@dataclass(frozen=True, eq=False)
+class _SequenceCut:
+    """A block's inputs cut to this rank's tokens: the hidden states (the first block's; later blocks receive them
+    cut), and tensors beside them that run along the sequence (position ids, rotary tables), in tuples and lists too.
+
+    An object rather than a nested function that calls itself: such a function holds itself through its closure,
+    a reference cycle that keeps every tensor it closes over (the first block's input is the whole sequence) alive
+    until Python's cyclic collector runs, not until the block's forward returns. A dry run's memory tracker, like
+    the device's allocator, sees a tensor freed only when Python frees it."""
+
+    hidden: Tensor
+    positions: Tensor
+    seq_len: int
+    first: bool
+
+    def __call__(self, x: Any) -> Any:
+        if isinstance(x, (tuple, list)):
+            return type(x)(self(item) for item in x)
+        if not isinstance(x, Tensor) or x.dim() == 0:
+            return x
+        if x is self.hidden:
+            return _take(x, 1, self.positions) if self.first else x
+        if x.dim() >= 2 and x.shape[0] in (1, self.hidden.shape[0]) and x.shape[1] == self.seq_len:
+            return _take(x, 1, self.positions)  # (B or 1, T, ...): position ids, rotary tables
+        if x.shape[0] == self.seq_len:  # (T, ...): rotary tables shared by the batch
+            return _take(x, 0, self.positions)
+        return x
 
 
 class GatherAtHead:

@@ -107,7 +107,7 @@ def dry_run_rank(cli_args: list[str], *, world_size: int, rank: int, store: torc
     local = sum(_local_numel(p) for p in module.parameters())
     return {"rank": rank, "world_size": world_size, "layout": config.describe(), "zero_stage": config.zero_stage,
             "coordinates": coordinates, "stages": stages, "local_parameters": local, "memory": asdict(step.peak),
-            "states": asdict(step.states),
+            "states": asdict(step.states), "cyclic_bytes": step.cyclic,
             "collectives": {name: asdict(total) for name, total in step.collectives.items() if total.calls},
             "seconds": time.perf_counter() - started, "host_peak_bytes": _host_peak_bytes(), "pid": os.getpid()}
 
@@ -155,7 +155,7 @@ def _host_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kilobytes
 
 
-def _main(argv: list[str]) -> None:
+def run_rank(argv: list[str]) -> None:
     """A rank process of ``lightning-par check`` (``lightning_par/cli_check.py``): RANK WORLD_SIZE STORE_PORT OUTPUT
     then the config's options."""
     import json
@@ -170,4 +170,4 @@ def _main(argv: list[str]) -> None:
 if __name__ == "__main__":
     import sys
 
-    _main(sys.argv[1:])
+    run_rank(sys.argv[1:])
