@@ -238,13 +238,16 @@ class _RoutedExperts:
                                     self.per_rank, self.group)
 
     def _one_expert_at_a_time(self, tokens: Tensor, counts: list[int]) -> Tensor:
-        def run(part: Tensor, local: int) -> Tensor:
-            index = torch.full((part.shape[0], 1), local, dtype=torch.long, device=part.device)
-            ones = torch.ones(part.shape[0], 1, dtype=part.dtype, device=part.device)
-            return self.original(part, index, ones).reshape(part.shape)
+        def run_each() -> Tensor:
+            outputs = []
+            for local, part in enumerate(tokens.split(counts)):
+                if part.shape[0]:
+                    index = torch.full((part.shape[0], 1), local, dtype=torch.long, device=part.device)
+                    ones = torch.ones(part.shape[0], 1, dtype=part.dtype, device=part.device)
+                    outputs.append(self.original(part, index, ones).reshape(part.shape))
+            return torch.cat(outputs) if outputs else tokens
 
-        outputs = [self._on_local(run, part, local) for local, part in enumerate(tokens.split(counts)) if part.shape[0]]
-        return torch.cat(outputs) if outputs else tokens
+        return self._on_local(run_each)
 
     def _on_local(self, forward: Callable[..., Tensor], *args: Any) -> Tensor:
         """``forward(*args)`` with the module's weights this rank's experts as plain tensors, and its
