@@ -37,13 +37,13 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.async_tp import enable_async_tensor_parallel
 from lightning_par.parallel.compile import apply_compile
 from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas
-from lightning_par.parallel.experts import apply_expert_parallel, check_experts_found
+from lightning_par.parallel.experts import apply_expert_parallel, check_experts_found, moe_layers
 from lightning_par.parallel.float8 import apply_float8, check_float8_device, precompute_scales_before_forward
 from lightning_par.parallel.pipeline.split import (StageLayout, build_stages, check_microbatches,
                                                   check_weight_pass_with_zero3, split_pipeline)
 from lightning_par.parallel.model_map import ModelMap, model_map_or_its_old_name, network_prefix
 from lightning_par.parallel.model_map_check import check_model_map
-from lightning_par.parallel.layout_check import check_layout_forward, check_routing_draws, moe_layers
+from lightning_par.parallel.layout_check import check_layout_forward, check_routing_draws
 from lightning_par.parallel.outside_calls import blocks_used_outside
 from lightning_par.parallel.recompute import apply_activation_checkpointing
 from lightning_par.parallel.context import apply_context_parallel, check_sequence_length, head_follows_last_block

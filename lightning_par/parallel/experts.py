@@ -161,6 +161,13 @@ def holds_marked_experts(module: nn.Module, name: str, model_map: ModelMap | Non
                                          for child, _ in module.named_children())
 
 
+def moe_layers(model: nn.Module, model_map: ModelMap | None) -> list[str]:
+    """The mixture-of-experts layers of ``model``: those that route their own tokens, and the modules holding experts
+    the model map marks (a Hugging Face MoE block)."""
+    return [name for name, sub in model.named_modules()
+            if routes_its_tokens(sub) or holds_marked_experts(sub, name, model_map)]
+
+
 def stacked_experts(module: nn.Module) -> int | None:
     """The number of experts of a module whose weights (its own and its children's) are all stacked by expert along
     their first dimension, else None. Either the module says how many experts it holds (``num_experts``) and every
@@ -281,4 +288,4 @@ class _ExpertGradient:
 
 
 __all__ = ["apply_expert_parallel", "dispatch_and_combine", "expert_modules", "holds_marked_experts", "local_part",
-           "routes_its_tokens", "stacked_experts"]
+           "moe_layers", "routes_its_tokens", "stacked_experts"]

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
-from lightning_par.parallel.experts import holds_marked_experts, routes_its_tokens
+from lightning_par.parallel.experts import moe_layers
 from lightning_par.parallel.model_map import ModelMap
 from lightning_par.parallel.model_map_check import copy_settings
 from lightning_par.parallel.modules import first_tensor
@@ -172,13 +172,6 @@ def _attention_hint(model: nn.Module, model_map: ModelMap, attending: dict[str, 
 
 
 # ------------------------------------------------------------------------------------------------ routing draws
-def moe_layers(model: nn.Module, model_map: ModelMap | None) -> list[str]:
-    """The mixture-of-experts layers of ``model``: those that route their own tokens, and the modules holding experts
-    the model map marks (a Hugging Face MoE block)."""
-    return [name for name, sub in model.named_modules()
-            if routes_its_tokens(sub) or holds_marked_experts(sub, name, model_map)]
-
-
 def check_routing_draws(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, model_map: ModelMap,
                         inputs: Tensor) -> None:
     """Raise ``ValueError`` when an MoE layer of ``model`` draws random numbers in training and the layout routes other
@@ -186,7 +179,7 @@ def check_routing_draws(model: nn.Module, mesh: ParallelMesh, config: ParallelCo
     pipeline micro-batches). Local and alike on every rank: a training-mode forward of a small copy, watching the
     random generator's state around each MoE layer."""
     splits_tokens = (mesh.size("dp_cp") > 1 or (config.tp > 1 and config.sequence_parallel) or config.pp > 1)
-    if not splits_tokens:
+    if not splits_tokens or not moe_layers(model, model_map):  # no small copy to build for a dense model
         return
     device = torch.device(mesh.device_type)
     model_copy, sample = _small_copy_and_sample(model, model_map, inputs, mesh.size("tp"), device)
@@ -224,4 +217,4 @@ def check_routing_draws(model: nn.Module, mesh: ParallelMesh, config: ParallelCo
             "0), or train it on one process (docs/expert_parallel.md)")
 
 
-__all__ = ["check_layout_forward", "check_routing_draws", "moe_layers"]
+__all__ = ["check_layout_forward", "check_routing_draws"]

@@ -46,7 +46,7 @@ from lightning_par.parallel.adapters import base_layer as adapter_base
 from lightning_par.parallel.adapters import is_adapted, is_lora, unused_lora_weights
 from lightning_par.parallel.context import SequenceSplit
 from lightning_par.parallel.data import all_reduce_in_buckets
-from lightning_par.parallel.experts import holds_marked_experts, local_part, routes_its_tokens
+from lightning_par.parallel.experts import local_part, moe_layers
 from lightning_par.parallel.local_heads import localize_head_counts
 from lightning_par.parallel.model_map import (SPLIT_STYLES, ModelMap, is_conv1d, is_projection, projection_features,
                                               why_no_blocks)
@@ -363,8 +363,7 @@ def tensor_parallel_styles(module: nn.Module, model_map: ModelMap, *, sequence_p
     between = Shard(1) if sequence_parallel else Replicate()
     styles: dict[str, ParallelStyle] = {}
     # Under sequence parallel a mixture-of-experts layer routes this rank's tokens (RoutedOnLocalTokens), whole.
-    local_layers = {name for name, sub in module.named_modules()
-                    if sequence_parallel and (routes_its_tokens(sub) or holds_marked_experts(sub, name, model_map))}
+    local_layers = set(moe_layers(module, model_map)) if sequence_parallel else set()
     regions: dict[str, list[tuple[str, str]]] = {}  # module holding split layers -> (layer, style)
     blocks = model_map.blocks + "."
     for name, sub in module.named_modules():

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_par.config import ParallelConfig
-from lightning_par.parallel.layout_check import moe_layers
+from lightning_par.parallel.experts import moe_layers
 from lightning_par.parallel.compose import check_batch_fits
 from lightning_par.parallel.pipeline.split import check_microbatches
 from lightning_par.parallel.model_map import ModelMap
