@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lightning_par.cli_check import held_model_states
+from lightning_par.cli.check import held_model_states
 
 HERE = Path(__file__).resolve().parent
 RUNS = {

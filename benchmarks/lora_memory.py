@@ -39,7 +39,7 @@ def main() -> None:
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lightning_par.lora import lora_settings, with_lora
+    from lightning_par.checkpoint.adapters import lora_settings, with_lora
 
     arguments = dict(LLAMA_3_2_1B)
     config = AutoConfig.for_model(arguments.pop("model_type"), **arguments)

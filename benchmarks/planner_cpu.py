@@ -54,10 +54,10 @@ def worker(args: argparse.Namespace) -> None:
             strategy = trainer.strategy
             if args.strategy == "auto_parallel":
                 candidate = strategy.planned_layouts[0]
-                config, mbs, microbatches = candidate.config, candidate.micro_batch_size, candidate.microbatches
+                config, mbs, microbatches = candidate.config, candidate.microbatch_size, candidate.microbatches
             else:
                 config, mbs, microbatches = strategy.parallel_config, args.batch_size, 1
-            rates = measure_rates(spec, seq_len=args.seq_len, micro_batch_size=mbs, precision="32-true",
+            rates = measure_rates(spec, seq_len=args.seq_len, microbatch_size=mbs, precision="32-true",
                                   local_world_size=args.devices)
             clusters = {"data sheet": ClusterSpec.from_preset("cpu", devices_per_node=args.devices),
                         "measured": measured_cluster(rates, devices_per_node=args.devices, collective_overlap=0.0)}
@@ -65,7 +65,7 @@ def worker(args: argparse.Namespace) -> None:
                 clusters["planned"] = strategy.planned_cluster
             predicted = {}
             for name, cluster in clusters.items():
-                step = estimate_step_time(spec, config, cluster, seq_len=args.seq_len, micro_batch_size=mbs,
+                step = estimate_step_time(spec, config, cluster, seq_len=args.seq_len, microbatch_size=mbs,
                                           microbatches=microbatches, precision="32-true")
                 predicted[name] = {"tokens_per_second": step.tokens_per_second, "mfu": step.mfu(cluster, "32-true"),
                                    "step": step.total, "work": step.work, "exposed": step.exposed}

@@ -63,7 +63,7 @@ def _layout(*parts: dict[str, Any], **fields: Any) -> dict[str, Any]:
     if layout.get("cp", 1) > 1:
         layout["ep"] = 2
     if layout.get("pp", 1) > 1:  # DualPipeV runs 2 x pp micro-batches at least
-        layout["pp_microbatches"] = 4 if layout["pp_schedule"] == "dualpipev" else 2
+        layout["microbatches"] = 4 if layout["pp_schedule"] == "dualpipev" else 2
     if layout.get("pp_schedule") in ("zbv", "dualpipev"):
         layout["model"] += "-4-blocks"
     return layout
@@ -114,7 +114,7 @@ NOT_ON_CPU = {"async TP": "needs CUDA's symmetric memory (tests/test_async_tp.py
 
 def layout_config(layout: dict[str, Any]) -> Any:
     """The ``ParallelConfig`` of a :data:`LAYOUTS` entry (its sizes resolved)."""
-    from lightning_par.config import ParallelConfig
+    from lightning_par.layout.config import ParallelConfig
 
     fields = {key: value for key, value in layout.items() if key != "model"}
     config = ParallelConfig(**fields)
@@ -128,7 +128,7 @@ def world_size(layout: dict[str, Any]) -> int:
 
 #: The fields of :data:`FEATURES` that are sizes: a layout holds them at 2 ranks or more.
 SIZES = ("tp", "pp", "cp", "ep", "dp_replicate")
-#: The ranks ZeRO shards model states over: ``dp_shard x cp`` (``lightning_par.mesh``'s ``dp_shard_cp``, the mesh
+#: The ranks ZeRO shards model states over: ``dp_shard x cp`` (``lightning_par.parallel.mesh``'s ``dp_shard_cp``, the mesh
 #: of ``lightning_par.parallel.zero``; context-parallel ranks hold the same parameters and shard them too).
 SHARD_RANKS = "dp_shard_cp"
 
@@ -181,7 +181,7 @@ def pairs() -> list[tuple[str, str, dict[str, Any]]]:
 
 def refusal(fields: dict[str, Any]) -> str | None:
     """``check_composable``'s reason for refusing ``fields``, or None where they compose."""
-    from lightning_par.config import ParallelConfig
+    from lightning_par.layout.config import ParallelConfig
 
     try:
         ParallelConfig(**fields).check_composable()

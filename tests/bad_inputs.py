@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from lightning_par import checkpoint as ckpt
+from lightning_par.checkpoint import format as ckpt
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def _at_set_up(name: str, *, batch_size: int, seq_len: int, **kwargs: Any) -> Ca
 
 def _cli_strategy(name: str) -> Callable[[], Any]:
     def make() -> Any:
-        from lightning_par.cli import check_strategy_name
+        from lightning_par.cli.main import check_strategy_name
 
         check_strategy_name(name)
 
@@ -165,7 +165,7 @@ def _model_map(spec: dict, **changes: Any) -> Callable[[], Any]:
     def make() -> Any:
         from lightning_par.parallel.model_map import ModelMap
 
-        ModelMap.from_dict(spec).check(_module(**changes))
+        ModelMap.from_dict(spec).validate(_module(**changes))
 
     return make
 
@@ -197,7 +197,7 @@ def _hf_model(name: str, prepare: Callable[[Path], Any] | None = None) -> Callab
 
 
 def _load_into_other_shape() -> None:
-    from lightning_par.huggingface import load_huggingface_weights
+    from lightning_par.checkpoint.huggingface import load_huggingface_weights
     from lightning_par.models import HFCausalLM
 
     module = HFCausalLM(config={**HF_MODEL, "hidden_size": 48})
@@ -209,7 +209,7 @@ def _load_hf_model(prepare: Callable[[Path], Any]) -> Callable[[], Any]:
     """Read the tiny model directory, as ``prepare(path)`` changed a copy of it, into the model."""
 
     def make() -> Any:
-        from lightning_par.huggingface import load_huggingface_weights
+        from lightning_par.checkpoint.huggingface import load_huggingface_weights
         from lightning_par.models import HFCausalLM
 
         shutil.copytree("hf-model", "changed")
@@ -470,7 +470,7 @@ BAD_INPUTS: list[BadInput] = [
              _checkpoint("good.ckpt", n_layers=3)),
     BadInput("a checkpoint of a newer lightning-par", "checkpoint 'newer.ckpt' was written by a newer lightning-par "
              "(checkpoint format 99; this version reads format 1 and older): upgrade lightning-par",
-             _checkpoint("newer.ckpt", _rewritten(_set(ckpt.check.FORMAT_KEY, 99)))),
+             _checkpoint("newer.ckpt", _rewritten(_set(ckpt.validation.FORMAT_KEY, 99)))),
     BadInput("a weights-only checkpoint (`ModelCheckpoint(save_weights_only=True)`)",
              "checkpoint 'weights.ckpt' holds the model but no optimizer state",
              _checkpoint("weights.ckpt", _rewritten(lambda checkpoint: checkpoint.pop("optimizer_states") and None))),

@@ -14,7 +14,7 @@ from harness import run_distributed
 from parity import ParityRun, _layout_ranks, assert_parity, reference_run
 from test_zoo import make_datamodule
 
-from lightning_par.bad_steps import BadStepGuard, BadSteps, BadStepsError
+from lightning_par.health.bad_steps import BadStepGuard, BadSteps, BadStepsError
 from lightning_par.callbacks import GradientNormMonitor
 
 STEPS = 20

@@ -14,7 +14,7 @@ import torch
 from harness import run_distributed
 from parity import RecordLoss
 
-from lightning_par.checkpoint import STAGING_DIR, export_consolidated, is_sharded_checkpoint
+from lightning_par.checkpoint.format import STAGING_DIR, export_consolidated, is_sharded_checkpoint
 from lightning_par.data import TokenDataModule
 from lightning_par.models import LlamaLM
 
@@ -220,7 +220,7 @@ def test_export_consolidated_loads_in_plain_pytorch(tmp_path: Path, strategy: st
 
     trained = run_distributed(_fit, 2, str(tmp_path / "run"), (strategy, sharded), 0, None)[0]["state"]
     exported = tmp_path / "model.pt"
-    command = [sys.executable, "-m", "lightning_par.export", str(tmp_path / "run" / "last.ckpt"), str(exported)]
+    command = [sys.executable, "-m", "lightning_par.cli.export", str(tmp_path / "run" / "last.ckpt"), str(exported)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "tensors" in result.stdout
@@ -410,7 +410,7 @@ def test_a_sharded_checkpoint_carrying_pickled_code_is_refused(saved: Path, tmp_
     lightning-par reads both so that only DCP's own classes (and weights_only=True's) are constructed. A payload in
     either is refused by fit under the layout that saved it, by a resharding load (tensor parallel) and by
     lightning-par-export, with the class named, and never runs."""
-    from lightning_par.export import main as export
+    from lightning_par.cli.export import main as export
 
     _, sharded = _copy(saved, tmp_path)
     marker = tmp_path / "payload-ran"

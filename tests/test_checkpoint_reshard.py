@@ -52,7 +52,7 @@ def _optimizer_state(strategy: Any, module: Any, optimizer: Any) -> dict[str, An
     elsewhere). With stages every rank holds only its own parameters' states, so each rank returns its
     stage (DTensors made whole) and the test merges the ranks.
     """
-    from lightning_par.checkpoint import optimizer_state_dict
+    from lightning_par.checkpoint.format import optimizer_state_dict
 
     if strategy.mesh.size("pp") == 1:
         full = optimizer_state_dict(module, optimizer, full=True)
@@ -169,7 +169,7 @@ def test_tied_head_stays_one_tensor_through_save_resume_reshard_and_export(tmp_p
     file in which both names share one tensor and that loads strictly into the tied model."""
     import torch.distributed.checkpoint as dcp
 
-    from lightning_par.checkpoint import export_consolidated
+    from lightning_par.checkpoint.format import export_consolidated
 
     saved = run_distributed(_fit, 2, str(tmp_path / "a"), "tensor_parallel", 0, None, 2, True)
     single = sum(p.numel() for p in make_module(tie_embeddings=True).parameters())

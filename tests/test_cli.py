@@ -44,8 +44,8 @@ def _run_configs(rank: int, world_size: int, names: list[str], root: str) -> dic
     a run that ended well, else what it raised."""
     import traceback
 
-    from lightning_par.cli import main
-    from lightning_par.cli_verify import record_callback
+    from lightning_par.cli.main import main
+    from lightning_par.cli.verify import record_callback
 
     outcomes: dict[str, str | None] = {}
     for name in names:
@@ -103,7 +103,7 @@ def test_shipped_config_trains_what_one_process_trains(shipped_runs: tuple[Path,
     data module (at world size 1, dealt to the run's data-parallel replicas) and trains them with the config's model,
     optimizer and schedule; the 6 steps' samples, losses, gradient norms and weights agree within 1e-5 (the
     fine-tuning configs are verified in tests/test_verify.py)."""
-    from lightning_par.cli_verify import compare, format_comparison, read_layout_run, reference_run
+    from lightning_par.cli.verify import compare, format_comparison, read_layout_run, reference_run
 
     root, outcomes = shipped_runs
     assert outcomes[name] is None, outcomes[name][-8000:]
@@ -181,7 +181,7 @@ def test_console_script_is_installed() -> None:
 def test_a_misspelled_strategy_gets_the_closest_names() -> None:
     """Checked when the command has read the config, before anything is built (Lightning's own message lists only
     its own names)."""
-    from lightning_par.cli import ParallelCLI
+    from lightning_par.cli.main import ParallelCLI
 
     with pytest.raises(ValueError, match=r"trainer.strategy='hybird3d' is not a strategy name: did you mean "
                                          r"'hybrid3d'\? lightning-par's strategies are auto_parallel, context_parallel, data_parallel"):
@@ -228,7 +228,7 @@ def test_print_config_shows_every_strategy_argument(name: str) -> None:
 
     import yaml
 
-    from lightning_par.cli import ParallelCLI
+    from lightning_par.cli.main import ParallelCLI
 
     with contextlib.redirect_stdout(io.StringIO()) as printed, pytest.raises(SystemExit):
         ParallelCLI(args=["fit", "--config", str(REPO / "configs" / f"{name}.yaml"), "--print_config"])
@@ -251,7 +251,7 @@ def test_fit_help_shows_every_argument_of_every_strategy() -> None:
     import inspect
     import io
 
-    from lightning_par.cli import ParallelCLI
+    from lightning_par.cli.main import ParallelCLI
     from lightning_par.strategies import STRATEGIES, MeshStrategy
 
     for strategy in STRATEGIES:
@@ -269,7 +269,7 @@ def test_fit_help_shows_every_argument_of_every_strategy() -> None:
 
 
 def test_a_knob_value_outside_its_alias_is_refused_by_the_parser(capsys) -> None:
-    from lightning_par.cli import ParallelCLI, main
+    from lightning_par.cli.main import ParallelCLI, main
 
     arguments = ["fit", "--config", str(REPO / "configs" / "hybrid3d.yaml"), "--print_config",
                  "--trainer.strategy.init_args.activation_checkpointing=sometimes"]

@@ -64,7 +64,7 @@ def _bad_checkpoints(directory: Path) -> None:
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_a_bad_input_is_said_in_its_first_line(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture) -> None:
-    from lightning_par.cli import main
+    from lightning_par.cli.main import main
 
     config, arguments, expected = BAD_INPUTS[case]
     _bad_checkpoints(tmp_path)

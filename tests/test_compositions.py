@@ -221,7 +221,7 @@ def test_every_pair_trains_like_one_process(group: str) -> None:
     for name in names:
         config = configs[name]
         # one float8 process multiplies the same pieces of each batch as the ranks and micro-batches do
-        pieces = config.pp_microbatches if config.pp > 1 else 1
+        pieces = config.microbatches if config.pp > 1 else 1
         expected = _reference(matrix.LAYOUTS[name]["model"], _dp(config), config.float8,
                               pieces if config.float8 is not None else None)
         rtol = FLOAT8_SPLIT_RTOL if config.float8 is not None and config.tp > 1 else PARITY_RTOL

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from harness import run_distributed
 
-from lightning_par.config import ParallelConfig
-from lightning_par.mesh import MESH_DIM_NAMES
+from lightning_par.layout.config import ParallelConfig
+from lightning_par.parallel.mesh import build_mesh, MESH_DIM_NAMES
 
 
 @pytest.mark.parametrize(
@@ -70,7 +70,7 @@ def _mesh_coordinates(rank: int, world_size: int, sizes: dict) -> dict:
 
     dist.init_process_group("gloo")
     try:
-        mesh = ParallelConfig(**sizes).build_mesh("cpu")
+        mesh = build_mesh(ParallelConfig(**sizes), "cpu")
         return {
             "dims": mesh.root.mesh_dim_names,
             "coords": mesh.coordinates(),

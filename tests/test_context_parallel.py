@@ -171,29 +171,21 @@ def test_blocks_run_on_a_slice_of_the_sequence(method: str) -> None:
         assert seen == {"q_proj": {8}, "final_norm": {8}, "loss": {16}}
 
 
-def test_context_parallel_resolves_and_its_former_name_warns() -> None:
-    """``context_parallel`` is the strategy's name; ``sequence_parallel`` (its former name, easily taken for
-    Megatron's tensor-parallel option) still resolves for one release, with a warning that says what it is."""
-    import warnings
-
+def test_context_parallel_resolves_and_the_name_sequence_parallel_is_tensor_parallels_option_only() -> None:
+    """``context_parallel`` is the strategy's name; ``sequence_parallel`` names no strategy (it is Megatron's
+    tensor-parallel option, ``sequence_parallel=True``), and the refusal says which names there are."""
     import lightning
     from lightning.pytorch.strategies import StrategyRegistry
 
-    import lightning_par  # noqa: F401 - registers the names
+    import lightning_par
+    from lightning_par.cli.lightning_cli import check_strategy_name
 
     assert StrategyRegistry["context_parallel"]["strategy"] is lightning_par.ContextParallelStrategy
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy="context_parallel", logger=False)
+    trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy="context_parallel", logger=False)
     assert type(trainer.strategy) is lightning_par.ContextParallelStrategy
-    assert not [w for w in caught if issubclass(w.category, FutureWarning)]
-    with pytest.warns(FutureWarning, match="'sequence_parallel' .* is now 'context_parallel' .* Megatron's sequence "
-                                           "parallelism is tensor_parallel's sequence_parallel=True"):
-        old = lightning.Trainer(accelerator="cpu", devices=2, strategy="sequence_parallel", logger=False).strategy
-    assert isinstance(old, lightning_par.ContextParallelStrategy)
-    with pytest.warns(FutureWarning):
-        renamed = lightning_par.SequenceParallelStrategy(context_parallel_size=2, method="ring", zero_stage=3)
-    assert (renamed.parallel_config.cp_method, renamed.parallel_config.zero_stage) == ("ring", 3)
+    assert "sequence_parallel" not in StrategyRegistry and not hasattr(lightning_par, "SequenceParallelStrategy")
+    with pytest.raises(ValueError, match="'sequence_parallel' is not a strategy name.* context_parallel"):
+        check_strategy_name("sequence_parallel")
 
 
 class CenteredTransformer:

@@ -85,7 +85,7 @@ def test_documented_command(document: str, command: str, monkeypatch: pytest.Mon
         assert all(flag in usage for flag in words if flag.startswith("--")), usage
         return
     if words[0] == "export":  # the variables lightning_par (or torchft) reads
-        from lightning_par.parallel.fault_tolerance import GROUP_VARIABLE, LIGHTHOUSE_VARIABLE
+        from lightning_par.health.fault_tolerance import GROUP_VARIABLE, LIGHTHOUSE_VARIABLE
 
         assert {word.split("=")[0] for word in words[1:]} <= {GROUP_VARIABLE, LIGHTHOUSE_VARIABLE}, command
         return
@@ -99,8 +99,8 @@ def test_documented_command(document: str, command: str, monkeypatch: pytest.Mon
         return
     assert words[0] == "lightning-par", f"no check for this kind of command yet: {command}"
     if words[1] in ("check", "verify"):  # read and checked as each command does before its processes start
-        from lightning_par.cli_check import read_command as read_check
-        from lightning_par.cli_verify import read_command as read_verify
+        from lightning_par.cli.check import read_command as read_check
+        from lightning_par.cli.verify import read_command as read_verify
 
         (read_check if words[1] == "check" else read_verify)(words[2:])
         return
@@ -110,7 +110,7 @@ def test_documented_command(document: str, command: str, monkeypatch: pytest.Mon
         _parser().parse_args(words[2:])
         return
     if words[1] == "plan":
-        from lightning_par.planner.cli import main as plan
+        from lightning_par.cli.plan import main as plan
 
         plan(words[2:])
         assert "Planning" in capsys.readouterr().out
@@ -177,7 +177,7 @@ def _tensor_names(checkpoint: Path) -> list[str]:
 
 
 def _check_fit_command(args: list[str]) -> None:
-    from lightning_par.cli import ParallelCLI
+    from lightning_par.cli.main import ParallelCLI
 
     with contextlib.redirect_stdout(io.StringIO()) as printed, pytest.raises(SystemExit) as exit_:
         ParallelCLI(args=[*args, "--print_config"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_par.cli_check import chosen_ranks, held_model_states, main
+from lightning_par.cli.check import chosen_ranks, held_model_states, main
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2 ** 20
@@ -234,12 +234,12 @@ def test_a_schedule_that_splits_backward_is_dry_run_too(tmp_path: Path) -> None:
 def test_a_planned_layout_is_written_onto_the_config_as_it_was_planned() -> None:
     """``plan --check`` gives the config's strategy each layout through hybrid3d's arguments: read back as
     ``lightning-par fit`` reads them, they are the planner's layout."""
-    from lightning_par.cli_plan_check import layout_arguments
-    from lightning_par.config import ParallelConfig
-    from lightning_par.strategies.dry_run import layout_of, read_config
+    from lightning_par.cli.plan_check import layout_arguments
+    from lightning_par.layout.config import ParallelConfig
+    from lightning_par.cli.dry_run_rank import layout_of, read_config
 
     planned = ParallelConfig(pp=2, dp_replicate=2, dp_shard=2, tp=2, zero_stage=3, sequence_parallel=True,
-                             loss_parallel=True, pp_schedule="interleaved_1f1b", pp_microbatches=8,
+                             loss_parallel=True, pp_schedule="interleaved_1f1b", microbatches=8,
                              activation_checkpointing="selective", param_dtype="bf16").validate(16)
     cli = read_config(["--config", str(REPO / "configs" / "zero3.yaml"), *layout_arguments(planned)])
     assert layout_of(cli, 16) == planned
@@ -248,7 +248,7 @@ def test_a_planned_layout_is_written_onto_the_config_as_it_was_planned() -> None
 def test_plan_check_puts_the_dry_run_beside_the_planner(capsys: pytest.CaptureFixture) -> None:
     """``lightning-par plan --config ... --check 1``: the first layout's pipeline ranks, each with its model states
     and peak from the dry run beside the planner's; a command without the config's model is refused first."""
-    from lightning_par.planner.cli import main as plan
+    from lightning_par.cli.plan import main as plan
 
     plan(["--config", str(REPO / "configs" / "hybrid3d.yaml"), "--top", "1", "--check", "1"])
     out = capsys.readouterr().out

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from lightning_par.parallel.mesh import build_mesh
 from lightning_par.models.moe import MoEFeedForward
 
 
@@ -189,11 +190,11 @@ def _all_to_all_bytes(rank: int, world_size: int) -> dict:
     """One forward and backward of an expert-parallel MoE layer with evenly spread routing."""
     import torch.distributed as dist
 
-    from lightning_par.config import ParallelConfig
+    from lightning_par.layout.config import ParallelConfig
     from lightning_par.parallel.experts import apply_expert_parallel
 
     dist.init_process_group("gloo")
-    mesh = ParallelConfig(ep=world_size).build_mesh("cpu")
+    mesh = build_mesh(ParallelConfig(ep=world_size), "cpu")
     E, C, tokens = 4, 8, 16
     torch.manual_seed(0)
     layer = MoEFeedForward(dim=C, hidden_size=16, n_experts=E, top_k=2)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from harness import run_distributed
 
-from lightning_par.checkpoint import consolidated_weights
+from lightning_par.checkpoint.format import consolidated_weights
 
 STEPS = 20
 GLOBAL_BATCH = 4

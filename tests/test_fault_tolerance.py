@@ -21,7 +21,7 @@ from harness import free_port
 from installed import LIGHTHOUSE, TORCHRUN, require_lighthouse
 
 from lightning_par import ZeroStrategy
-from lightning_par.checkpoint import checkpoint_problem
+from lightning_par.checkpoint.format import checkpoint_problem
 
 require_lighthouse()  # torchft-nightly and its lighthouse: the test extra installs them
 

@@ -1,7 +1,7 @@
 """Faults injected into a running job: every rank exits within a bounded time, the message names the rank and the
 cause, no rank outlives the command that launched it, and no visible checkpoint is incomplete.
 
-The bounds (``lightning_par/fault.py``): once a rank has reported a failure, the others leave within three
+The bounds (``lightning_par/health/fault_monitor.py``): once a rank has reported a failure, the others leave within three
 heartbeat intervals (1.5 s each under the 15 s timeout used here, 2 s at most); a rank waiting on a peer that
 neither answers nor fails leaves when the process group's timeout expires. Each test bounds the exit by the wait
 of its launch (``WAIT``, ten times what it takes here, so that only a hang fails it on a loaded machine) and prints
@@ -25,9 +25,9 @@ import torch.distributed as dist
 from harness import free_port
 from rank_processes import SCRIPT, WORLD_SIZE, launch, launch_command
 
-from lightning_par import fault
-from lightning_par.checkpoint import STAGING_DIR, export_consolidated, read_metadata
-from lightning_par.fault import FaultMonitor, is_communication_error
+from lightning_par.health import fault_monitor as fault
+from lightning_par.checkpoint.format import STAGING_DIR, export_consolidated, read_metadata
+from lightning_par.health.fault_monitor import FaultMonitor, is_communication_error
 
 TIMEOUT = "15"  # seconds a collective may wait: the process group's timeout (a rank starting up takes up to 10 s here)
 WAIT = 150.0  # seconds within which every rank of a launch must have exited, start-up and training included

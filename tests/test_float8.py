@@ -152,7 +152,7 @@ def _gathered_bytes(rank: int, world_size: int, float8: str | None) -> tuple[int
 
     os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
     dist.init_process_group("gloo")
-    from lightning_par.config import ParallelConfig
+    from lightning_par.layout.config import ParallelConfig
     from lightning_par.parallel.comm import CommunicationCounter
     from lightning_par.parallel.compose import parallelize
     from lightning_par.parallel.float8 import float8_candidates
@@ -163,7 +163,8 @@ def _gathered_bytes(rank: int, world_size: int, float8: str | None) -> tuple[int
     model_map = derive_model_map(model)
     converted = float8_candidates(model, model_map).converted
     config = ParallelConfig(dp_shard=2, zero_stage=3, float8=float8, float8_emulate=float8 is not None).validate(2)
-    mesh = config.build_mesh("cpu")
+    from lightning_par.parallel.mesh import build_mesh
+    mesh = build_mesh(config, "cpu")
     handle = parallelize(model, mesh, config, model_map)
     counter = CommunicationCounter(mesh)
     handle.module(torch.randint(0, MODEL["vocab_size"], (2, 16)))

@@ -95,7 +95,7 @@ def test_export_round_trips_through_from_pretrained(pretrained: dict[str, Path],
     source = pretrained["llama-tied"]
     trained = run_distributed(_fine_tune, 2, str(source), layout, str(tmp_path / "ckpt"))[0]
     exported = tmp_path / "exported"
-    command = [sys.executable, "-m", "lightning_par.export", str(tmp_path / "ckpt" / "last.ckpt"), str(exported),
+    command = [sys.executable, "-m", "lightning_par.cli.export", str(tmp_path / "ckpt" / "last.ckpt"), str(exported),
                "--format", "hf"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

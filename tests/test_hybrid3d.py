@@ -110,7 +110,7 @@ def test_every_knob_reaches_the_layout() -> None:
     config = make_strategy(**knobs).parallel_config
     assert (config.sequence_parallel, config.loss_parallel, config.cp_method, config.pp_schedule) == (True, True,
                                                                                                    "ring", "zbv")
-    assert (config.pp_microbatches, config.pp_virtual_stages, config.pp_balance) == (8, 3, "profile")
+    assert (config.microbatches, config.pp_virtual_stages, config.pp_balance) == (8, 3, "profile")
     assert (config.activation_checkpointing, config.activation_checkpointing_every) == ("selective", 2)
     assert (config.reshard_after_forward, config.param_dtype, config.reduce_dtype, config.cpu_offload) == (
         False, "bf16", "fp32", True)

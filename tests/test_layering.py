@@ -1,35 +1,24 @@
-"""Layering (docs/architecture.md): the pure layers never import lightning; importing lightning_par registers names."""
+"""Layering (docs/architecture.md): the pure layers never import Lightning, ``layout/`` imports nothing of the package,
+nothing below ``cli/`` imports it, no import circles, a short top level; importing lightning_par registers names."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-# Modules that must stay usable without lightning: configuration, mesh, stage arithmetic, techniques,
-# checkpoints, fault detection, dry runs, the planner (and its command), and the pure parts of the model and data packages.
-PURE_MODULES = [
-    "lightning_par",
-    "lightning_par.config",
-    "lightning_par.mesh",
-    "lightning_par.stages",
-    "lightning_par.parallel",
-    "lightning_par.parallel.comm",
-    "lightning_par.dry_run",
-    "lightning_par.checkpoint",
-    "lightning_par.checkpoint_validation",
-    "lightning_par.safe_dcp",
-    "lightning_par.huggingface",
-    "lightning_par.fault",
-    "lightning_par.planner",
-    "lightning_par.planner.cli",
-    "lightning_par.models.llama",
-    "lightning_par.data.corpus",
-    "lightning_par.data.resumable",
-    "lightning_par.data.text",
-    "lightning_par.data.documents",
-    "lightning_par.data.prepare",
-    "lightning_par.data.shards",
-]
+# The layers below the strategies: usable where Lightning is not installed.
+PURE_PACKAGES = ("lightning_par.layout", "lightning_par.parallel", "lightning_par.planner", "lightning_par.checkpoint",
+                 "lightning_par.health", "lightning_par.dry_run")
+# And the pure parts of the model and data packages.
+PURE_MODULES = ["lightning_par.models.llama", "lightning_par.data.corpus", "lightning_par.data.resumable",
+                "lightning_par.data.text", "lightning_par.data.documents", "lightning_par.data.prepare",
+                "lightning_par.data.shards"]
+# Commands that run without Lightning too (their Lightning parts are imported where an option needs them).
+PURE_COMMANDS = ["lightning_par.cli.plan"]
+LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
+# The layers that may import Lightning (docs/architecture.md).
+LIGHTNING_LAYERS = ("lightning_par.strategies", "lightning_par.callbacks", "lightning_par.cli")
+MAX_TOP_LEVEL_MODULES = 6
 
 
 def _run(code: str) -> str:
@@ -38,11 +27,55 @@ def _run(code: str) -> str:
     return result.stdout.strip()
 
 
-def test_pure_layers_do_not_import_lightning() -> None:
-    imports = "; ".join(f"import {name}" for name in PURE_MODULES)
-    loaded = _run(f"import sys; {imports}; print(sorted(m for m in sys.modules if m.split('.')[0] in "
-                  "('lightning', 'pytorch_lightning', 'lightning_fabric')))")
-    assert loaded == "[]", f"lightning modules imported by the pure layers: {loaded}"
+def _in(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == package or module.startswith(package + ".") for package in packages)
+
+
+def test_pure_layers_import_no_lightning_and_run_where_it_is_not_installed() -> None:
+    """Statically: no module of the pure layers imports Lightning or a module of the Lightning layers, directly or
+    through the package's modules it imports. At run time (the planner's command as well): with Lightning made unimportable, importing them works and
+    the planner plans (the package's own ``__init__`` registers the strategy names only where Lightning is)."""
+    graph, outside = _package_imports(with_outside=True)
+    pure = [module for module in graph if _in(module, PURE_PACKAGES) or module in PURE_MODULES]
+    for module in pure:
+        reached, frontier = {module}, [module]
+        while frontier:
+            for target in graph[frontier.pop()] - reached:
+                reached.add(target)
+                frontier.append(target)
+        lightning_layers = sorted(m for m in reached if _in(m, LIGHTNING_LAYERS) and m not in PURE_MODULES)
+        lightnings = sorted({name for m in reached for name in outside[m] if name.split(".")[0] in LIGHTNING})
+        assert not lightning_layers and not lightnings, (module, lightning_layers, lightnings)
+    modules = [m for m in graph if _in(m, PURE_PACKAGES)] + PURE_MODULES + PURE_COMMANDS
+    code = ("import sys\n"
+            "for name in " + repr(LIGHTNING) + ": sys.modules[name] = None  # as if not installed\n"
+            + "".join(f"import {name}\n" for name in sorted(modules))
+            + "import lightning_par.planner as planner\n"
+            "from lightning_par.planner.runtime import plan_for_run\n"
+            "plan_for_run(planner.ModelSpec.preset('llama3-8b'), planner.ClusterSpec.from_preset('h100-80gb', "
+            "devices_per_node=8), batch_size_per_rank=1, seq_len=4096)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('lightning_par.strategies')))")
+    assert _run(code) == "[]"
+
+
+def test_layout_imports_nothing_of_the_package_and_nothing_below_cli_imports_it() -> None:
+    graph = _package_imports()
+    layout = {module: sorted(imported) for module, imported in graph.items()
+              if _in(module, ("lightning_par.layout",)) and imported - {m for m in graph if _in(m, ("lightning_par.layout",))}}
+    assert not layout, f"layout/ imports other modules of the package: {layout}"
+    below_cli = {module: sorted(m for m in imported if _in(m, ("lightning_par.cli",)))
+                 for module, imported in graph.items() if not _in(module, ("lightning_par.cli",))}
+    assert not {module: cli for module, cli in below_cli.items() if cli}, below_cli
+
+
+def test_the_package_has_a_short_top_level() -> None:
+    from pathlib import Path
+
+    import lightning_par
+
+    root = Path(lightning_par.__file__).parent
+    modules = sorted(path.name for path in root.glob("*.py") if path.name != "__init__.py")
+    assert len(modules) <= MAX_TOP_LEVEL_MODULES, modules
 
 
 def test_strategy_names_resolve_whatever_the_import_order() -> None:
@@ -55,8 +88,9 @@ def test_strategy_names_resolve_whatever_the_import_order() -> None:
 
 def test_the_planner_needs_nothing_of_the_techniques() -> None:
     """The planner reasons on sizes: it takes the layout rules from ParallelConfig and imports nothing of
-    lightning_par.parallel (planning a search, composability included, loads no technique)."""
-    code = ("import sys; import lightning_par.planner as planner; from lightning_par.planner.cli import main; "
+    lightning_par.parallel (planning a search, composability included, loads no technique). Lightning is kept out, as
+    the package's ``__init__`` would load the strategies, and with them every technique."""
+    code = ("import sys; sys.modules['lightning'] = None; import lightning_par.planner as planner; from lightning_par.cli.plan import main; "
             "from lightning_par.planner.runtime import plan_for_run; "
             "plan_for_run(planner.ModelSpec.preset('llama3-8b'), planner.ClusterSpec.from_preset('h100-80gb', "
             "devices_per_node=8), batch_size_per_rank=1, seq_len=4096); "
@@ -64,9 +98,9 @@ def test_the_planner_needs_nothing_of_the_techniques() -> None:
     assert _run(code) == "[]"
 
 
-def _package_imports() -> dict[str, set[str]]:
+def _package_imports(with_outside: bool = False) -> dict[str, set[str]] | tuple[dict[str, set[str]], dict[str, set[str]]]:
     """Each module of lightning_par and the modules of lightning_par it imports, anywhere in its file (a function's
-    deferred import as well: a circle through one is still a circle)."""
+    deferred import as well: a circle through one is still a circle); ``with_outside``: also what else it imports."""
     import ast
     from pathlib import Path
 
@@ -78,6 +112,7 @@ def _package_imports() -> dict[str, set[str]]:
         parts = path.relative_to(root.parent).with_suffix("").parts
         names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     graph: dict[str, set[str]] = {}
+    outside: dict[str, set[str]] = {}
     for module, path in names.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         imported: set[str] = set()
@@ -92,7 +127,8 @@ def _package_imports() -> dict[str, set[str]]:
                 for alias in node.names:  # `from package import module` names the module
                     imported.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in names else base)
         graph[module] = {name for name in imported if name in names and name != module}
-    return graph
+        outside[module] = {name for name in imported if not name.startswith("lightning_par")}
+    return (graph, outside) if with_outside else graph
 
 
 def test_the_package_imports_form_no_circle() -> None:
@@ -121,41 +157,3 @@ def test_the_package_imports_form_no_circle() -> None:
     circles = [circle for module in sorted(graph) if module not in gathering
                if (circle := circle_from(module)) is not None]
     assert not circles, "import circles: " + "; ".join(" -> ".join(circle) for circle in circles)
-
-
-def test_moved_modules_import_by_their_old_names_with_a_warning() -> None:
-    out = _run("import warnings; warnings.simplefilter('always'); "
-               "import lightning_par.parallel\n"
-               "with warnings.catch_warnings(record=True) as caught:\n"
-               "    warnings.simplefilter('always')\n"
-               "    from lightning_par.parallel.ties import clean_name, StageTies\n"
-               "    from lightning_par.parallel.sequence import apply_context_parallel\n"
-               "    from lightning_par.parallel.zero import materialize_meta_parameters\n"
-               "    from lightning_par.parallel.plan import ModelPlan\n"
-               "    from lightning_par import ModelPlan as TopModelPlan\n"
-               "print(len({str(w.message) for w in caught if issubclass(w.category, FutureWarning)}), "
-               "clean_name.__module__, StageTies.__module__, ModelPlan.__name__, TopModelPlan is ModelPlan)")
-    assert out.split()[-5:] == ["6", "lightning_par.parallel.modules", "lightning_par.parallel.pipeline.ties",
-                                "ModelMap", "True"], out
-
-
-def test_parallelize_takes_the_old_keyword_plan_with_a_warning() -> None:
-    out = _run("import warnings, torch, torch.distributed as dist\n"
-               "from lightning_par.config import ParallelConfig\n"
-               "from lightning_par.models.llama import LlamaConfig, Transformer\n"
-               "from lightning_par.parallel import derive_model_map, parallelize\n"
-               "dist.init_process_group('gloo', rank=0, world_size=1, store=dist.HashStore())\n"
-               "config = ParallelConfig(zero_stage=3).validate(1)\n"
-               "model = Transformer(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16))\n"
-               "model_map = derive_model_map(model)\n"
-               "with warnings.catch_warnings(record=True) as caught:\n"
-               "    warnings.simplefilter('always')\n"
-               "    handle = parallelize(model, config.build_mesh('cpu'), config, plan=model_map)\n"
-               "try:\n"
-               "    parallelize(model, config.build_mesh('cpu'), config, model_map, plan=model_map)\n"
-               "except ValueError as error:\n"
-               "    print(error)\n"
-               "print(any('parallelize(plan=...) is now parallelize(model_map=...)' in str(w.message) for w in caught), "
-               "type(next(handle.module.layers.children())).__name__)")
-    assert out.splitlines()[-2] == "give the model map once: as model_map (plan is its old name), not both", out
-    assert out.splitlines()[-1].startswith("True FSDP"), out  # the blocks became ZeRO-3 units: the map was used

@@ -82,7 +82,7 @@ def _fit(world_size: int, workspace: dict[str, str], layout: str, directory: str
 
 
 def _every_case(rank: int, world_size: int, workspace: dict[str, str]) -> dict:
-    from lightning_par.checkpoint_validation import CheckpointError
+    from lightning_par.checkpoint.validation import CheckpointError
 
     root = Path(workspace["root"])
     runs = {layout: _fit(world_size, workspace, layout, str(root / layout), steps=6) for layout in LAYOUTS}
@@ -152,7 +152,7 @@ def test_adapters_export_for_peft_and_merged(cases: dict, workspace: dict[str, s
                                              layout: str) -> None:
     """lightning-par-export --format peft gives what PeftModel.from_pretrained reads, and --format hf --merge what
     AutoModelForCausalLM.from_pretrained reads; both compute the trained model's logits."""
-    from lightning_par.export import main as export
+    from lightning_par.cli.export import main as export
 
     checkpoint = str(Path(workspace["root"]) / layout / "epoch=0-step=6.ckpt")
     expected = _logits(_trained_model(workspace, cases["runs"][layout]["weights"]))
@@ -176,8 +176,8 @@ def test_a_checkpoint_holds_the_adapters_and_the_base_reference(cases: dict, wor
     the base is named by path and fingerprint."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from lightning_par.checkpoint import FROZEN_BASE_KEY, read_metadata
-    from lightning_par.huggingface import directory_fingerprint
+    from lightning_par.checkpoint.format import FROZEN_BASE_KEY, read_metadata
+    from lightning_par.checkpoint.huggingface import directory_fingerprint
 
     checkpoint = Path(workspace["root"]) / "tp2" / "epoch=0-step=6.ckpt"
     metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata

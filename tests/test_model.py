@@ -26,14 +26,15 @@ def tokens(B: int = 2, T: int = 16, vocab: int = 64, seed: int = 0) -> torch.Ten
 
 
 def test_llama_module_does_not_import_lightning():
-    # A fresh interpreter: the package must not pull in lightning for the pure model.
+    # A fresh interpreter where Lightning cannot be imported: the pure model builds and runs without it.
     root = Path(__file__).resolve().parents[1]
     code = (
-        "import sys; import lightning_par.models.llama; from lightning_par.models import LlamaConfig, Transformer; "
-        "assert 'lightning' not in sys.modules, sorted(m for m in sys.modules if 'lightning' in m)"
+        "import sys; sys.modules['lightning'] = None; import torch; "
+        "from lightning_par.models import LlamaConfig, Transformer; "
+        "print(Transformer(LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4))(torch.zeros(1, 4).long()).shape)"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0 and result.stdout.split() == ['torch.Size([1,', '4,', '64])'], result.stderr
 
 
 def test_config_defaults_resolve():

@@ -65,7 +65,7 @@ def test_model_map_of_reference_model() -> None:
     assert model_map.style_of("model.layers.1.mlp.down_proj") == "rowwise"
     assert model_map.style_of("model.layers.1.attention_norm") == "sequence"
     assert model_map.style_of("model.embed_tokens") == "vocab"
-    model_map.check(model)
+    model_map.validate(model)
 
 
 def test_model_map_of_hugging_face_llama_naming() -> None:
@@ -88,7 +88,7 @@ def test_declarative_model_map_from_yaml_dict() -> None:
     spec = {"blocks": "model.layers", "embedding": "model.embed_tokens", "head": "lm_head",
             "styles": {"model.layers.*.self_attn.q_proj": "colwise"}, "split_points": ["model.layers.2"]}
     model_map = ModelMap.from_dict(spec)
-    model_map.check(HFLlamaLike())
+    model_map.validate(HFLlamaLike())
     assert model_map.split_points == ("model.layers.2",)
 
 
@@ -114,7 +114,7 @@ def test_bad_declarative_model_maps(spec: dict, message: str) -> None:
 )
 def test_model_map_checked_against_the_model(spec: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        ModelMap.from_dict(spec).check(HFLlamaLike())
+        ModelMap.from_dict(spec).validate(HFLlamaLike())
 
 
 class Conv1D(nn.Module):
@@ -265,18 +265,6 @@ def test_the_tensor_parallel_checks_copy_cuts_the_vocabulary(model_type: str) ->
     assert Vocabulary.to_cut(model, model_map.blocks, None, rows=8) is None  # not an embedding
     model.lm_head = transformers.pytorch_utils.Conv1D(1001, 32)
     assert Vocabulary.to_cut(model, model_map.embedding, model_map.head, rows=33) is None
-
-
-def test_the_old_strategy_argument_plan_still_gives_the_model_map() -> None:
-    """``plan:`` in YAML (the strategy argument's old name) works for one release, with a FutureWarning."""
-    from lightning_par.strategies import DataParallelStrategy
-
-    spec = {"blocks": "model.layers", "embedding": "model.embed_tokens", "head": "lm_head"}
-    with pytest.warns(FutureWarning, match=r"DataParallelStrategy\(plan=...\) is now DataParallelStrategy\(model_map=...\)"):
-        strategy = DataParallelStrategy(plan=spec)
-    assert strategy._model_map == ModelMap.from_dict(spec)
-    with pytest.raises(ValueError, match="give the model map once"):
-        DataParallelStrategy(plan=spec, model_map=spec)
 
 
 def test_no_model_map_names_the_block_lists_it_examined_and_why_each_was_rejected() -> None:

@@ -17,7 +17,7 @@ def _count(rank: int, world_size: int) -> dict:
 
     os.environ["TORCH_FR_BUFFER_SIZE"] = "64"
     dist.init_process_group("gloo")
-    from lightning_par.mesh import build_device_mesh
+    from lightning_par.parallel.mesh import build_device_mesh
     from lightning_par.parallel.comm import CommunicationCounter
 
     mesh = build_device_mesh("cpu", {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2})

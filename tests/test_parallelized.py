@@ -60,8 +60,8 @@ HAND_LAYOUTS = {
     "dp4 (DDP)": dict(dp_shard=4),
     "dp4 zero2": dict(dp_shard=4, zero_stage=2),
     "dp2 x tp2": dict(dp_shard=2, tp=2),
-    "dp2 x pp2, tied": dict(dp_shard=2, pp=2, pp_schedule="gpipe", pp_microbatches=2),
-    "dp2 x pp2 zero3, tied": dict(dp_shard=2, pp=2, zero_stage=3, pp_microbatches=2),  # FSDP2 roots per stage
+    "dp2 x pp2, tied": dict(dp_shard=2, pp=2, pp_schedule="gpipe", microbatches=2),
+    "dp2 x pp2 zero3, tied": dict(dp_shard=2, pp=2, zero_stage=3, microbatches=2),  # FSDP2 roots per stage
 }
 
 
@@ -76,7 +76,7 @@ def _train_by_hand(rank: int, world_size: int) -> dict:
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor
 
-    from lightning_par.config import ParallelConfig
+    from lightning_par.layout.config import ParallelConfig
     from lightning_par.models.llama import LlamaConfig, Transformer
     from lightning_par.parallel import derive_model_map, parallelize
     from lightning_par.parallel.modules import clean_name
@@ -92,7 +92,8 @@ def _train_by_hand(rank: int, world_size: int) -> dict:
     results = {}
     for name, sizes in HAND_LAYOUTS.items():
         config = ParallelConfig(**sizes).validate(world_size)
-        mesh = config.build_mesh("cpu")
+        from lightning_par.parallel.mesh import build_mesh
+        mesh = build_mesh(config, "cpu")
         torch.manual_seed(0)
         model = Transformer(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16,
                                         tie_embeddings=config.pp > 1))
@@ -153,13 +154,14 @@ def _after_backward_messages(rank: int, world_size: int, cap_mb: float) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from lightning_par.config import ParallelConfig
+    from lightning_par.layout.config import ParallelConfig
     from lightning_par.models.llama import LlamaConfig, Transformer
     from lightning_par.parallel import derive_model_map, parallelize
 
     dist.init_process_group("gloo")
     config = ParallelConfig(dp_shard=2, tp=2, ddp_bucket_cap_mb=cap_mb).validate(world_size)
-    mesh = config.build_mesh("cpu")
+    from lightning_par.parallel.mesh import build_mesh
+    mesh = build_mesh(config, "cpu")
     torch.manual_seed(0)
     model = Transformer(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16))
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))  # one batch: tp ranks agree

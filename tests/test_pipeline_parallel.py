@@ -10,6 +10,7 @@ import torch
 from parity import assert_fails_on_every_rank, assert_layout_matches, assert_parity
 from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
 
+from lightning_par.parallel.mesh import build_mesh
 from lightning_par.parallel.pipeline.split import balance, sizes_from_split_points, stage_indices
 
 PARITY_RTOL = 1e-5
@@ -211,7 +212,7 @@ def _schedule_step(rank: int, world_size: int, schedules: tuple[str, ...], micro
     meter's busy seconds and idle fraction, and the number of blocks this rank holds."""
     import torch.distributed as dist
 
-    from lightning_par.config import ParallelConfig
+    from lightning_par.layout.config import ParallelConfig
     from lightning_par.parallel.pipeline.bubble import BubbleMeter
     from lightning_par.parallel.compose import parallelize
     from lightning_par.parallel.pipeline.split import build_schedule
@@ -220,8 +221,8 @@ def _schedule_step(rank: int, world_size: int, schedules: tuple[str, ...], micro
     dist.init_process_group("gloo")
     results = {}
     for schedule in schedules:
-        config = ParallelConfig(pp=world_size, dp_shard=1, pp_schedule=schedule, pp_microbatches=microbatches)
-        mesh = config.build_mesh("cpu")
+        config = ParallelConfig(pp=world_size, dp_shard=1, pp_schedule=schedule, microbatches=microbatches)
+        mesh = build_mesh(config, "cpu")
         module = SleepModule()
         tokens = torch.randint(0, 16, (microbatches, 5))
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -286,14 +287,14 @@ def _peak_saved_activation_bytes(rank: int, world_size: int, schedule: str, micr
     """Most bytes of saved activations alive at once on this rank during one training step."""
     import torch.distributed as dist
 
-    from lightning_par.config import ParallelConfig
+    from lightning_par.layout.config import ParallelConfig
     from lightning_par.parallel.compose import parallelize
     from lightning_par.parallel.pipeline.split import build_schedule
     from lightning_par.parallel.model_map import derive_model_map
 
     dist.init_process_group("gloo")
-    config = ParallelConfig(pp=world_size, dp_shard=1, pp_schedule=schedule, pp_microbatches=microbatches)
-    mesh = config.build_mesh("cpu")
+    config = ParallelConfig(pp=world_size, dp_shard=1, pp_schedule=schedule, microbatches=microbatches)
+    mesh = build_mesh(config, "cpu")
     torch.manual_seed(0)
     module = make_module()
     inputs, targets = module.split_batch(torch.randint(0, 64, (microbatches, 17)))

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from installed import require
 
-from lightning_par.config import ParallelConfig
+from lightning_par.parallel.mesh import build_mesh
+from lightning_par.layout.config import ParallelConfig
 from lightning_par.planner import (
     ClusterSpec,
     ModelSpec,
@@ -77,7 +78,7 @@ def _measure_layouts(rank: int, world_size: int, layouts: dict[str, dict]) -> di
         config = ParallelConfig(**kwargs).validate(world_size)
         torch.manual_seed(0)
         model = Transformer(LlamaConfig(**MODEL))
-        mesh = config.build_mesh("cpu")
+        mesh = build_mesh(config, "cpu")
         handle = parallelize(model, mesh, config, derive_model_map(model))
         module, inner = handle.module, handle.inner
         optimizer = handle.shard_optimizer(torch.optim.AdamW(inner.parameters(), lr=1e-3))
@@ -121,7 +122,7 @@ def _predict(name: str, world_size: int) -> dict[str, float]:
 
     config = ParallelConfig(**{**LAYOUTS, **LAYOUTS_4}[name]).validate(world_size)
     memory = estimate_memory(ModelSpec.from_llama_config(LlamaConfig(**MODEL)), config, seq_len=SEQ_LEN,
-                             micro_batch_size=GLOBAL_BATCH // config.dp, precision="32-true")
+                             microbatch_size=GLOBAL_BATCH // config.dp, precision="32-true")
     return {"parameters": memory.parameters, "gradients": memory.gradients,
             "optimizer_states": memory.optimizer_states, "activations": memory.activations + memory.logits,
             "total": memory.resident}
@@ -193,7 +194,7 @@ def test_activation_derivation_holds_in_every_precision(precision: str, checkpoi
     measured = sum(storages.values()) + cache
     memory = estimate_memory(ModelSpec.from_llama_config(config), ParallelConfig(dp_shard=1,
                              activation_checkpointing=checkpointing), seq_len=SEQ_LEN,
-                             micro_batch_size=GLOBAL_BATCH, precision=precision)
+                             microbatch_size=GLOBAL_BATCH, precision=precision)
     predicted = memory.activations + memory.logits + memory.autocast_copies
     print(f"{precision} {checkpointing}: measured {measured} B, predicted {predicted:.0f} B")
     # The only bytes not modelled: the rotary tables autocast casts to bf16 (2 KiB per call).
@@ -344,8 +345,8 @@ def test_pipeline_bubble_follows_the_schedules() -> None:
     model = ModelSpec.preset("llama3-8b")
     bubbles = {}
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zbv"):
-        config = ParallelConfig(pp=4, dp_shard=2, pp_schedule=schedule, pp_microbatches=8, pp_virtual_stages=2)
-        t = estimate_step_time(model, config, cluster, seq_len=2048, micro_batch_size=1, microbatches=8)
+        config = ParallelConfig(pp=4, dp_shard=2, pp_schedule=schedule, microbatches=8, pp_virtual_stages=2)
+        t = estimate_step_time(model, config, cluster, seq_len=2048, microbatch_size=1, microbatches=8)
         bubbles[schedule] = t.bubble / (t.compute + t.recompute)
     assert bubbles["gpipe"] == pytest.approx(3 / 8) and bubbles["1f1b"] == pytest.approx(3 / 8)
     assert bubbles["interleaved_1f1b"] == pytest.approx(3 / 16)
@@ -363,7 +364,7 @@ def test_tensor_parallel_bytes_are_megatrons_and_slow_down_across_nodes() -> Non
     for sp in (False, True):
         config = ParallelConfig(tp=tp, dp_shard=2, zero_stage=3, sequence_parallel=sp)
         for name, cluster in (("inside", inside), ("across", across)):
-            times[sp, name] = estimate_step_time(model, config, cluster, seq_len=s, micro_batch_size=b, microbatches=1)
+            times[sp, name] = estimate_step_time(model, config, cluster, seq_len=s, microbatch_size=b, microbatches=1)
     ring = 2 * (tp - 1) / tp  # an all-reduce sends 2(d-1)/d of its tensor
     per_block = 4 * ring * b * s * h * 2  # bf16 activations
     # plus the embedding's all-reduce (fp32 residual stream), the head's input and its gathered logits
@@ -380,7 +381,7 @@ def test_tensor_parallel_bytes_are_megatrons_and_slow_down_across_nodes() -> Non
 # ------------------------------------------------------------------------------ calibration
 def test_calibration_moves_predictions_towards_the_measurement() -> None:
     model = ModelSpec.preset("llama3-8b")
-    kwargs = dict(seq_len=4096, micro_batch_size=2, microbatches=4)
+    kwargs = dict(seq_len=4096, microbatch_size=2, microbatches=4)
     # Compute-bound (8 GPUs of one node, ZeRO-1): the efficiency explains the difference.
     cluster, config = ClusterSpec.from_preset("h100-80gb", nodes=1), ParallelConfig(dp_shard=8, zero_stage=1)
     predicted = estimate_step_time(model, config, cluster, **kwargs)
@@ -410,7 +411,7 @@ def test_calibration_moves_predictions_towards_the_measurement() -> None:
 
 # ------------------------------------------------------------------------------ CLI
 def test_plan_command_prints_a_ranked_table(capsys: pytest.CaptureFixture) -> None:
-    from lightning_par.planner.cli import main
+    from lightning_par.cli.plan import main
 
     main(["--config", str(REPO / "configs" / "data_parallel.yaml"), "--model", "llama3-70b", "--nodes", "8",
           "--devices-per-node", "8", "--device", "h100-80gb", "--seq-len", "4096", "--global-batch-size", "512",
@@ -423,7 +424,7 @@ def test_plan_command_prints_a_ranked_table(capsys: pytest.CaptureFixture) -> No
 
 
 def test_plan_command_keeps_the_yaml_sizes_and_lightning_par_dispatches_it(capsys: pytest.CaptureFixture) -> None:
-    from lightning_par.cli import main
+    from lightning_par.cli.main import main
 
     main(["plan", "--config", str(REPO / "configs" / "tensor_parallel.yaml")])  # tensor_parallel_size: 2, 2 CPUs
     out = capsys.readouterr().out
@@ -435,7 +436,7 @@ def test_plan_command_keeps_the_yaml_sizes_and_lightning_par_dispatches_it(capsy
 def test_plan_command_costs_the_sizes_fixed_on_its_command_line(capsys: pytest.CaptureFixture) -> None:
     """``--tp 8 --pp 4 --zero-stage 1`` keep those sizes (over the YAML's tensor_parallel_size: 2); the rest is
     searched; a size that cannot make the world size is refused with it named."""
-    from lightning_par.planner.cli import main
+    from lightning_par.cli.plan import main
 
     main(["--config", str(REPO / "configs" / "tensor_parallel.yaml"), "--model", "llama3-70b", "--nodes", "8",
           "--devices-per-node", "8", "--device", "h100-80gb", "--seq-len", "4096", "--global-batch-size", "64",
@@ -495,7 +496,7 @@ def test_a_refused_hugging_face_model_keeps_its_reason_through_from_module() -> 
 
 def test_zero3_layouts_are_costed_with_the_units_a_strategy_chooses() -> None:
     """The planner costs ZeRO-3 with the gather controls a strategy left at its defaults chooses on that cluster
-    (lightning_par.zero_units.choose_units): Llama 3.2 1B's blocks (120 MiB of bf16 each) are units of one on
+    (lightning_par.layout.zero_units.choose_units): Llama 3.2 1B's blocks (120 MiB of bf16 each) are units of one on
     H100s, the last kept gathered and one prefetched; the reference model's small blocks on a CPU are one unit,
     kept gathered whole."""
     from lightning_par.models.llama import LlamaConfig

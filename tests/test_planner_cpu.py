@@ -17,7 +17,7 @@ import math
 import pytest
 from harness import run_distributed
 
-from lightning_par.config import ParallelConfig
+from lightning_par.layout.config import ParallelConfig
 from lightning_par.planner import ClusterSpec, ModelSpec
 from lightning_par.planner.measure import (
     MIN_ELEMENTWISE_SHARE,
@@ -51,12 +51,12 @@ class FakeClock:
 
 
 def _step(cluster: ClusterSpec, config: ParallelConfig) -> object:
-    return estimate_step_time(SPEC, config, cluster, seq_len=SEQ, micro_batch_size=MBS, microbatches=1,
+    return estimate_step_time(SPEC, config, cluster, seq_len=SEQ, microbatch_size=MBS, microbatches=1,
                               precision="32-true")
 
 
 def test_the_time_model_predicts_the_probed_block_exactly() -> None:
-    shape = ProbeShape.of(SPEC, seq_len=SEQ, micro_batch_size=MBS)
+    shape = ProbeShape.of(SPEC, seq_len=SEQ, microbatch_size=MBS)
     assert (shape.tokens, shape.hidden, shape.heads, shape.kv_heads, shape.ffn_hidden) == (1024, 128, 4, 2, 352)
     rates = rates_from_timings(shape, TIMINGS, memory_bytes=8 * 1024**3)
     cluster = measured_cluster(rates, devices_per_node=2, collective_overlap=0.0)
@@ -95,7 +95,7 @@ def test_data_sheet_presets_are_unchanged_by_the_new_terms() -> None:
 
 
 def test_zero_divides_the_optimizer_step_by_the_ranks_holding_its_states() -> None:
-    cluster = measured_cluster(rates_from_timings(ProbeShape.of(SPEC, seq_len=SEQ, micro_batch_size=MBS), TIMINGS),
+    cluster = measured_cluster(rates_from_timings(ProbeShape.of(SPEC, seq_len=SEQ, microbatch_size=MBS), TIMINGS),
                                devices_per_node=2)
     whole, sharded = (_step(cluster, ParallelConfig(dp_shard=2, zero_stage=stage)).optimizer for stage in (0, 1))
     assert sharded == pytest.approx(whole / 2)
@@ -103,7 +103,7 @@ def test_zero_divides_the_optimizer_step_by_the_ranks_holding_its_states() -> No
 
 def test_the_elementwise_share_never_goes_negative() -> None:
     """Separately timed probes of a loaded machine may exceed the block they are part of."""
-    shape = ProbeShape.of(SPEC, seq_len=SEQ, micro_batch_size=MBS)
+    shape = ProbeShape.of(SPEC, seq_len=SEQ, microbatch_size=MBS)
     rates = rates_from_timings(shape, dataclasses.replace(TIMINGS, linear=0.02, attention=0.01))
     assert rates.memory_bandwidth == pytest.approx(shape.elementwise_bytes / (MIN_ELEMENTWISE_SHARE * 0.028))
     with pytest.raises(ValueError, match="probe timing block=0"):
@@ -111,7 +111,7 @@ def test_the_elementwise_share_never_goes_negative() -> None:
 
 
 def test_probe_limits_keep_start_up_short_for_a_large_model() -> None:
-    shape = ProbeShape.of(ModelSpec.preset("llama3-70b"), seq_len=8192, micro_batch_size=4, precision="bf16-mixed")
+    shape = ProbeShape.of(ModelSpec.preset("llama3-70b"), seq_len=8192, microbatch_size=4, precision="bf16-mixed")
     assert shape.tokens == 8192 and shape.sequences == 1
     assert shape.head_dim == 128 and shape.heads % shape.kv_heads == 0 and shape.heads == 8 * shape.kv_heads
     assert shape.block_params <= 1.05 * 32 * 1024**2
@@ -120,8 +120,8 @@ def test_probe_limits_keep_start_up_short_for_a_large_model() -> None:
 def test_a_fake_clock_makes_the_measurement_exact() -> None:
     """The probes run for real (tiny model), the clock is fake: every probe lasts MS."""
     spec = ModelSpec(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=64)
-    rates = measure_rates(spec, seq_len=16, micro_batch_size=2, clock=FakeClock(MS), repeats=2)
-    shape = ProbeShape.of(spec, seq_len=16, micro_batch_size=2)
+    rates = measure_rates(spec, seq_len=16, microbatch_size=2, clock=FakeClock(MS), repeats=2)
+    shape = ProbeShape.of(spec, seq_len=16, microbatch_size=2)
     expected = rates_from_timings(shape, ProbeTimings(peak=MS, linear=MS, attention=MS, block=MS,
                                                       optimizer=MS), memory_bytes=rates.memory_bytes)
     assert rates == expected and rates.link_bandwidth is None
@@ -137,7 +137,7 @@ def _measure_on_ranks(rank: int, world_size: int) -> dict:
     dist.init_process_group("gloo")
     try:
         # Rank 1 is twice as slow as rank 0 at everything: both must plan with rank 1's figures.
-        rates = measure_rates(SPEC, seq_len=16, micro_batch_size=2, clock=FakeClock(MS * (1 + rank)), repeats=2,
+        rates = measure_rates(SPEC, seq_len=16, microbatch_size=2, clock=FakeClock(MS * (1 + rank)), repeats=2,
                               local_world_size=world_size)
         cluster = measured_cluster(rates, devices_per_node=world_size, collective_overlap=0.0)
         plan = plan_for_run(SPEC, cluster, batch_size_per_rank=2, seq_len=16)
@@ -149,7 +149,7 @@ def _measure_on_ranks(rank: int, world_size: int) -> dict:
 def test_every_rank_plans_with_the_slowest_ranks_figures() -> None:
     first, second = run_distributed(_measure_on_ranks, 2)
     assert first == second  # the same bits: the same layout, the same ranking, the same predictions
-    shape = ProbeShape.of(SPEC, seq_len=16, micro_batch_size=2)
+    shape = ProbeShape.of(SPEC, seq_len=16, microbatch_size=2)
     slow = ProbeTimings(peak=2 * MS, linear=2 * MS, attention=2 * MS, block=2 * MS, optimizer=2 * MS, link=2 * MS,
                         link_bytes=4 * SPEC.total_params, world_size=2)
     assert first["rates"] == rates_from_timings(shape, slow, memory_bytes=first["rates"].memory_bytes)
@@ -173,7 +173,7 @@ def _calibrated_fit(rank: int, world_size: int) -> dict:
     chosen = strategy.planned_layouts[0]
     return {"cluster": strategy.planned_cluster, "plan": [(c.config, c.time.total) for c in strategy.planned_layouts],
             "chosen": chosen.config, "predicted": chosen.time.total, "spec": ModelSpec.from_module(module),
-            "micro": (chosen.micro_batch_size, chosen.microbatches), "ran": strategy.parallel_config,
+            "micro": (chosen.microbatch_size, chosen.microbatches), "ran": strategy.parallel_config,
             "loss": float(trainer.callback_metrics["train_loss"])}
 
 
@@ -184,7 +184,7 @@ def test_auto_parallel_calibrate_plans_identically_on_every_rank_from_the_measur
     assert cluster.name == "cpu (measured)" and cluster.collective_overlap == 0.0
     # The figures are those of the slower rank's timings (2 ms for every probe and for the all-reduce).
     spec = first["spec"]
-    shape = ProbeShape.of(spec, seq_len=16, micro_batch_size=2)
+    shape = ProbeShape.of(spec, seq_len=16, microbatch_size=2)
     link_bytes = min(25 * 1024**2, 4 * spec.total_params)
     rates = rates_from_timings(shape, ProbeTimings(peak=2 * MS, linear=2 * MS, attention=2 * MS, block=2 * MS,
                                                    optimizer=2 * MS, link=2 * MS, link_bytes=link_bytes, world_size=2),
@@ -196,7 +196,7 @@ def test_auto_parallel_calibrate_plans_identically_on_every_rank_from_the_measur
     assert (first["ran"].dp, first["ran"].tp, first["ran"].pp, first["ran"].zero_stage) == (
         first["chosen"].dp, first["chosen"].tp, first["chosen"].pp, first["chosen"].zero_stage)
     mbs, microbatches = first["micro"]
-    again = estimate_step_time(spec, first["chosen"], expected, seq_len=16, micro_batch_size=mbs,
+    again = estimate_step_time(spec, first["chosen"], expected, seq_len=16, microbatch_size=mbs,
                                microbatches=microbatches, precision="32-true")
     assert math.isclose(first["predicted"], again.total, rel_tol=1e-12)
     assert 0.0 < first["loss"] < 10.0

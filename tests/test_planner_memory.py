@@ -19,7 +19,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from lightning_par.config import ParallelConfig
+from lightning_par.parallel.mesh import build_mesh
+from lightning_par.layout.config import ParallelConfig
 from lightning_par.planner import ModelSpec
 from lightning_par.planner.memory import MemoryBreakdown, estimate_memory, rank_memory
 
@@ -34,7 +35,7 @@ TERMS = ("parameters", "gradients", "optimizer_states")
 @dataclasses.dataclass(frozen=True)
 class Case:
     """A layout of ``world_size`` ranks: ParallelConfig arguments, the model's extra arguments, and the batches
-    accumulated per optimizer step (pipeline layouts cut each batch into ``pp_microbatches`` instead)."""
+    accumulated per optimizer step (pipeline layouts cut each batch into ``microbatches`` instead)."""
 
     world_size: int
     config: dict
@@ -44,17 +45,17 @@ class Case:
 
 CASES = {
     # Megatron's distributed optimizer: each stage's AdamW states over the stage's data-parallel ranks.
-    "pp2 x dp2 zero1": Case(4, dict(pp=2, dp_shard=2, zero_stage=1, pp_microbatches=2)),
+    "pp2 x dp2 zero1": Case(4, dict(pp=2, dp_shard=2, zero_stage=1, microbatches=2)),
     # torchtitan's PP x FSDP: every stage an FSDP2 root over its embedding or norm and head; tied: the last stage
     # holds (a shard of) its own copy of the embedding for the head.
-    "pp2 x dp2 zero3": Case(4, dict(pp=2, dp_shard=2, zero_stage=3, pp_microbatches=2)),
-    "pp2 x dp2 zero3 tied": Case(4, dict(pp=2, dp_shard=2, zero_stage=3, pp_microbatches=2),
+    "pp2 x dp2 zero3": Case(4, dict(pp=2, dp_shard=2, zero_stage=3, microbatches=2)),
+    "pp2 x dp2 zero3 tied": Case(4, dict(pp=2, dp_shard=2, zero_stage=3, microbatches=2),
                                  dict(tie_embeddings=True)),
     # torchtitan's EP x FSDP: at dp2 x ep2 nothing shards the experts, at dp4 x ep2 two ranks hold each half.
     "ep2 x dp2 zero3": Case(2, dict(dp_shard=2, ep=2, zero_stage=3), MOE),
     "ep2 x dp4 zero3": Case(4, dict(dp_shard=4, ep=2, zero_stage=3), MOE),
     # Experts inside pipeline stages (gradients averaged after the schedule).
-    "pp2 x ep2 x dp2": Case(4, dict(pp=2, dp_shard=2, ep=2, pp_microbatches=2), MOE),
+    "pp2 x ep2 x dp2": Case(4, dict(pp=2, dp_shard=2, ep=2, microbatches=2), MOE),
     # ZeRO-1/2 with experts: their states (and stage 2's gradients) over the 2 ranks holding each half, the rest
     # over all 4.
     "ep2 x dp4 zero1": Case(4, dict(dp_shard=4, ep=2, zero_stage=1), MOE),
@@ -148,11 +149,11 @@ def _measure(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str
         config = ParallelConfig(**case.config).validate(world_size)
         torch.manual_seed(0)
         module = LlamaLM(**MODEL, **case.model)
-        mesh = config.build_mesh("cpu")
+        mesh = build_mesh(config, "cpu")
         generator = torch.Generator().manual_seed(mesh.local_rank("dp"))  # ranks of one pipeline read alike
         batches = [torch.randint(0, MODEL["vocab_size"], (BATCH // case.accumulate, SEQ_LEN + 1), generator=generator)
                    for _ in range(STEPS * case.accumulate)]
-        sample = module.split_batch(batches[0][: BATCH // config.pp_microbatches])
+        sample = module.split_batch(batches[0][: BATCH // config.microbatches])
         model_map = resolve_model_map(None, module)
         handle = parallelize(module, mesh, config, model_map, sample_batch=sample, loss_fn=module.loss_fn,
                              accumulate=case.accumulate)
@@ -202,8 +203,8 @@ def _predict(name: str) -> tuple[MemoryBreakdown, tuple[MemoryBreakdown, ...]]:
     case = CASES[name]
     config = ParallelConfig(**case.config).validate(case.world_size)
     spec = ModelSpec.from_llama_config(LlamaConfig(**MODEL, **case.model))
-    microbatches = config.pp_microbatches if config.pp > 1 else case.accumulate
-    knobs = dict(seq_len=SEQ_LEN, micro_batch_size=BATCH // microbatches, precision="32-true",
+    microbatches = config.microbatches if config.pp > 1 else case.accumulate
+    knobs = dict(seq_len=SEQ_LEN, microbatch_size=BATCH // microbatches, precision="32-true",
                  microbatches=microbatches)
     return estimate_memory(spec, config, **knobs), rank_memory(spec, config, **knobs)
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from rank_processes import SCRIPT, WORLD_SIZE, launch, outcome
 
-from lightning_par.checkpoint import STAGING_DIR, is_sharded_checkpoint
+from lightning_par.checkpoint.format import STAGING_DIR, is_sharded_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from harness import run_distributed
 from lightning_par.callbacks import StragglerMonitor
 from lightning_par.data import TokenDataModule
 from lightning_par.models import LlamaLM
-from lightning_par.stragglers import arrivals_in_steps, own_step_times
+from lightning_par.health.stragglers import arrivals_in_steps, own_step_times
 
 WINDOW = 4
 

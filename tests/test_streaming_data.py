@@ -601,7 +601,7 @@ def test_a_truncated_shard_is_refused_on_every_rank_before_training(corpora: dic
 
 def test_the_prepare_command(corpora: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """``lightning-par prepare`` writes what ``prepare`` writes and says so in a line; a bad input is one line too."""
-    from lightning_par.cli import main
+    from lightning_par.cli.main import main
 
     main(["prepare", "--input", corpora["proverbs_jsonl"], "--output", str(tmp_path / "out"), "--tokenizer",
           corpora["model"], "--workers", "1", "--chunk-bytes", "2KB"])

@@ -132,13 +132,14 @@ def _one_block_step(rank: int, world_size: int, sequence_parallel: bool) -> dict
     from torch.distributed.tensor import DTensor, Shard
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lightning_par.config import ParallelConfig
+    from lightning_par.layout.config import ParallelConfig
     from lightning_par.models.llama import LlamaConfig, Transformer
     from lightning_par.parallel.model_map import derive_model_map
     from lightning_par.parallel.tensor import apply_tensor_parallel
 
     dist.init_process_group("gloo")
-    mesh = ParallelConfig(tp=world_size, dp_shard=1).build_mesh("cpu")
+    from lightning_par.parallel.mesh import build_mesh
+    mesh = build_mesh(ParallelConfig(tp=world_size, dp_shard=1), "cpu")
     B, T, C = BLOCK_BATCH
 
     def block_step(model, x: torch.Tensor) -> tuple[list, int]:
@@ -361,13 +362,14 @@ def _latent_attention_checked(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
     import zoo
 
-    from lightning_par.config import ParallelConfig
+    from lightning_par.layout.config import ParallelConfig
     from lightning_par.parallel.model_map import resolve_model_map
     from lightning_par.parallel.model_map_check import check_model_map
     from lightning_par.parallel.tensor import apply_tensor_parallel
 
     dist.init_process_group("gloo")
-    mesh = ParallelConfig(tp=world_size).build_mesh("cpu")
+    from lightning_par.parallel.mesh import build_mesh
+    mesh = build_mesh(ParallelConfig(tp=world_size), "cpu")
     model = zoo.make_model("deepseek_v3")
     found = resolve_model_map(None, model)
     attention = f"{found.blocks}.*.self_attn"
@@ -413,7 +415,7 @@ def test_a_vocabulary_split_embedding_computes_the_gradient_of_its_own_rows(embe
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lightning_par.config import ParallelConfig
+    from lightning_par.layout.config import ParallelConfig
     from lightning_par.dry_run.fake_world import fake_world
     from lightning_par.models import LlamaConfig, Transformer
     from lightning_par.parallel.model_map import derive_model_map
@@ -431,7 +433,8 @@ def test_a_vocabulary_split_embedding_computes_the_gradient_of_its_own_rows(embe
             return out
 
     with fake_world(0, 2):
-        mesh = ParallelConfig(tp=2).build_mesh("cpu")
+        from lightning_par.parallel.mesh import build_mesh
+        mesh = build_mesh(ParallelConfig(tp=2), "cpu")
         with FakeTensorMode(allow_non_fake_inputs=True):
             model = Transformer(LlamaConfig(vocab_size=1024, dim=32, n_layers=1, n_heads=4, max_seq_len=16))
             model.embed_tokens = embedding(1024, 32)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hf_directories import make_model_directory, write_corpus, write_instructions
 
-from lightning_par.cli_verify import Run, compare, main
+from lightning_par.cli.verify import Run, compare, main
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent

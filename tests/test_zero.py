@@ -309,7 +309,7 @@ def _gathers_per_step(rank: int, world_size: int, knobs: dict) -> dict:
 
     os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
     dist.init_process_group("gloo")
-    from lightning_par.config import ParallelConfig
+    from lightning_par.layout.config import ParallelConfig
     from lightning_par.models import LlamaLM
     from lightning_par.parallel.comm import flight_recorder_trace
     from lightning_par.parallel.compose import parallelize
@@ -318,7 +318,8 @@ def _gathers_per_step(rank: int, world_size: int, knobs: dict) -> dict:
     torch.manual_seed(0)
     model = LlamaLM(vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=16)
     config = ParallelConfig(dp_shard=2, zero_stage=3, **knobs).validate(2)
-    handle = parallelize(model, config.build_mesh("cpu"), config, derive_model_map(model))
+    from lightning_par.parallel.mesh import build_mesh
+    handle = parallelize(model, build_mesh(config, "cpu"), config, derive_model_map(model))
     before = len(flight_recorder_trace()["entries"])
     tokens = torch.randint(0, 64, (2, 17))
     model.loss_fn(handle.module(tokens[:, :-1]), tokens[:, 1:]).backward()
@@ -352,7 +353,7 @@ def test_zero3_units_are_chosen_from_the_blocks_and_the_memory() -> None:
     """Units move about 25 MiB per collective (DDP's bucket), at least two of them where a gather overlaps compute on
     a stream of its own; one is prefetched; the last unit is kept gathered, and on CPUs more, as far as a tenth of
     the memory allows; a user's blocks_per_unit stays."""
-    from lightning_par.zero_units import choose_units
+    from lightning_par.layout.zero_units import choose_units
 
     mib = 2**20
     small = choose_units([3 * mib] * 8)  # 9 blocks would make 27 MiB, but then one unit: half the blocks
@@ -403,7 +404,7 @@ def test_zero3_runs_the_units_it_chose_by_default() -> None:
     memory makes every rank choose as it would."""
     from harness import run_distributed
 
-    from lightning_par.zero_units import choose_units
+    from lightning_par.layout.zero_units import choose_units
 
     for result in run_distributed(_zero3_defaults, 2, None):
         assert result["chosen"] == {"blocks_per_unit": 6, "keep_gathered_blocks": 6, "prefetch_blocks": 6}, result
@@ -420,7 +421,7 @@ def _background_reduce_scatters(rank: int, world_size: int) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-    from lightning_par.config import ParallelConfig
+    from lightning_par.layout.config import ParallelConfig
     from lightning_par.models import LlamaLM
     from lightning_par.parallel.background_reduce import BackgroundReduceScatter
     from lightning_par.parallel.compose import parallelize
@@ -439,7 +440,8 @@ def _background_reduce_scatters(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = LlamaLM(vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=16)
     config = ParallelConfig(dp_shard=world_size, zero_stage=3).validate(world_size)
-    handle = parallelize(model, config.build_mesh("cpu"), config, derive_model_map(model))
+    from lightning_par.parallel.mesh import build_mesh
+    handle = parallelize(model, build_mesh(config, "cpu"), config, derive_model_map(model))
     torch.manual_seed(rank)
     tokens = torch.randint(0, 64, (2, 17))
 

@@ -252,7 +252,7 @@ def predicted_memory(a: dict, parallel_config, precision: str = "bf16-mixed") ->
     )
 
     spec = ModelSpec.from_llama_config(llama_config(a))
-    memory = estimate_memory(spec, parallel_config, seq_len=a["seq_len"], micro_batch_size=a["batch_size"],
+    memory = estimate_memory(spec, parallel_config, seq_len=a["seq_len"], microbatch_size=a["batch_size"],
                              precision=precision)
     out = {"layout": parallel_config.describe(), "zero_stage": parallel_config.zero_stage,
            "param_dtype": parallel_config.param_dtype, "bytes": memory.as_dict()}
@@ -260,7 +260,7 @@ def predicted_memory(a: dict, parallel_config, precision: str = "bf16-mixed") ->
         preset = a["device_preset"] if a["cuda"] else "cpu"
         cluster = ClusterSpec.from_preset(preset, nodes=1, devices_per_node=1)
         step = estimate_step_time(spec, parallel_config, cluster, seq_len=a["seq_len"],
-                                  micro_batch_size=a["batch_size"], microbatches=1, precision=precision)
+                                  microbatch_size=a["batch_size"], microbatches=1, precision=precision)
         out["step_time_s"] = step.total
         out["tokens_per_s"] = a["batch_size"] * a["seq_len"] / step.total
         out["step_time_preset"] = f"{preset} (compute_efficiency {cluster.compute_efficiency})"
@@ -270,7 +270,7 @@ def predicted_memory(a: dict, parallel_config, precision: str = "bf16-mixed") ->
 
 
 def default_parallel_config(**kwargs):
-    from lightning_par.config import ParallelConfig
+    from lightning_par.layout.config import ParallelConfig
 
     return ParallelConfig(**{"dp_shard": 1, **kwargs}).validate(1)
 
@@ -551,7 +551,7 @@ def run_bubble(a: dict, phase: Phase) -> dict:
 def _bubble_pipeline(a: dict, device) -> dict:
     import torch
 
-    from lightning_par.config import ParallelConfig
+    from lightning_par.layout.config import ParallelConfig
     from lightning_par.models import LlamaLM
     from lightning_par.parallel.pipeline.bubble import simulated_bubble
     from lightning_par.parallel.pipeline.split import build_stages, split_pipeline
@@ -559,8 +559,9 @@ def _bubble_pipeline(a: dict, device) -> dict:
     from lightning_par.parallel.model_map import derive_model_map
 
     config = ParallelConfig(pp=1, dp_shard=1, pp_schedule="interleaved_1f1b", pp_virtual_stages=2,
-                            pp_microbatches=a["microbatches"]).validate(1)
-    mesh = config.build_mesh(device.type)
+                            microbatches=a["microbatches"]).validate(1)
+    from lightning_par.parallel.mesh import build_mesh
+    mesh = build_mesh(config, device.type)
     torch.manual_seed(0)
     with torch.device(device):
         module = LlamaLM(**model_kwargs(a))

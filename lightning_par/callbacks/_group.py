@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.pipeline.runner import PipelineRunner
 
 _GROUP: dist.ProcessGroup | None = None

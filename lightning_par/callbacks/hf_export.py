@@ -10,7 +10,7 @@ from typing import Literal
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_par.checkpoint import on_rank_zero
+from lightning_par.checkpoint.format import on_rank_zero
 
 __all__ = ["HuggingFaceExport"]
 
@@ -52,7 +52,7 @@ class HuggingFaceExport(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        from lightning_par.huggingface import save_huggingface
+        from lightning_par.checkpoint.huggingface import save_huggingface
 
         strategy = trainer.strategy
         if hasattr(strategy, "consolidated_state_dict"):
@@ -67,7 +67,7 @@ class HuggingFaceExport(Callback):
                 save_huggingface(weights, pl_module.model_config, self.dirpath, tokenizer_from=tokenizer,
                                  max_shard_size=self.max_shard_size)
                 return
-            from lightning_par.lora import lora_model, merged_weights, save_adapter
+            from lightning_par.checkpoint.adapters import lora_model, merged_weights, save_adapter
 
             model = lora_model(pl_module.model_config, lora, weights)
             if self.format == "peft":

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_par.callbacks._group import monitoring_group, strategy_mesh
-from lightning_par.mesh import MESH_DIM_NAMES
+from lightning_par.parallel.mesh import MESH_DIM_NAMES
 
 __all__ = ["LayoutSummary", "layout_table"]
 

@@ -10,7 +10,7 @@ from typing_extensions import override
 
 from lightning_par.callbacks._group import strategy_mesh
 
-from lightning_par.mesh import MESH_DIM_NAMES
+from lightning_par.parallel.mesh import MESH_DIM_NAMES
 
 __all__ = ["ParallelProgressBar", "layout_name"]
 

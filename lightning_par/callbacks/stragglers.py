@@ -1,4 +1,4 @@
-"""Names the rank the others wait for, every N steps (``lightning_par/stragglers.py`` measures it)."""
+"""Names the rank the others wait for, every N steps (``lightning_par/health/stragglers.py`` measures it)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_par.parallel.comm import flight_recorder_trace
-from lightning_par.stragglers import StepTimes, arrivals_in_steps, own_step_times
+from lightning_par.health.stragglers import StepTimes, arrivals_in_steps, own_step_times
 
 __all__ = ["StragglerMonitor"]
 

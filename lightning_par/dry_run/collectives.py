@@ -21,7 +21,7 @@ from torch.distributed._tools.fake_collectives import collective_ops, sync_ops
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.comm import DIMENSIONS, CommTotals, dimension_of_group, world_dimension
 
 __all__ = ["CollectiveRecorder"]

@@ -23,8 +23,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_par.data.text import TOKENIZER_MARKERS, load_tokenizer
-from lightning_par.huggingface import config_from_arguments, load_huggingface_weights
-from lightning_par.lora import FROZEN_BASE_KEY, LORA_DEFAULTS, lora_settings, with_lora
+from lightning_par.checkpoint.huggingface import config_from_arguments, load_huggingface_weights
+from lightning_par.checkpoint.adapters import FROZEN_BASE_KEY, LORA_DEFAULTS, lora_settings, with_lora
 from lightning_par.models.lightning_module import ContractModule
 from lightning_par.models.packing import DocumentPositions, check_document_masking, cross_document_targets
 from lightning_par.parallel.adapters import initialize_lora
@@ -176,7 +176,7 @@ class HFCausalLM(ContractModule):
     @property
     def frozen_base(self) -> str | None:
         """The directory this module's frozen parameters are read from when only LoRA adapters train: its checkpoints
-        then hold the adapters and a reference to it, not the base (``lightning_par.lora.FROZEN_BASE_KEY``)."""
+        then hold the adapters and a reference to it, not the base (``lightning_par.checkpoint.adapters.FROZEN_BASE_KEY``)."""
         return self.hparams.pretrained if self.lora is not None else None
 
     @override

@@ -1,11 +1,9 @@
 """Pure PyTorch parallel techniques over (module, mesh). This package never imports lightning."""
 
-from lightning_par.parallel import _moved
-
 from lightning_par.parallel.compose import parallelize
 from lightning_par.parallel.parallelized import Parallelized
 from lightning_par.parallel.pipeline.runner import PipelineRunner
-from lightning_par.parallel.data import apply_data_parallel
+from lightning_par.parallel.ddp import apply_data_parallel
 from lightning_par.parallel.experts import apply_expert_parallel
 from lightning_par.parallel.pipeline.split import split_pipeline
 from lightning_par.parallel.pipeline.trace import trace_network
@@ -15,13 +13,6 @@ from lightning_par.parallel.clip import clip_grad_norm_
 from lightning_par.parallel.context import apply_context_parallel
 from lightning_par.parallel.tensor import apply_tensor_parallel, vocab_parallel_loss
 from lightning_par.parallel.zero import fully_shard_model, shard_optimizer
-
-_moved.install()
-
-
-def __getattr__(name: str) -> object:
-    return _moved.renamed_attribute(__name__, name)  # old names, for one release
-
 
 __all__ = [
     "parallelize",

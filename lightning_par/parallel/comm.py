@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from lightning_par.mesh import FLATTENED_DIMS, MESH_DIM_NAMES, ParallelMesh
+from lightning_par.parallel.mesh import FLATTENED_DIMS, MESH_DIM_NAMES, ParallelMesh
 
 __all__ = ["CommunicationCounter", "CommTotals", "DIMENSIONS", "PipelineSends", "dimension_of_group",
            "flight_recorder_trace", "message_bytes", "world_dimension"]

@@ -31,17 +31,17 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lightning_par.config import DTYPES, ParallelConfig
-from lightning_par.stages import stages_per_rank
-from lightning_par.mesh import ParallelMesh
+from lightning_par.layout.config import DTYPES, ParallelConfig
+from lightning_par.layout.schedules import stages_per_rank
+from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.async_tp import enable_async_tensor_parallel
 from lightning_par.parallel.compile import apply_compile
-from lightning_par.parallel.data import apply_data_parallel, broadcast_replicas
+from lightning_par.parallel.ddp import apply_data_parallel, broadcast_replicas
 from lightning_par.parallel.experts import apply_expert_parallel, check_experts_found, moe_layers
 from lightning_par.parallel.float8 import apply_float8, check_float8_device, precompute_scales_before_forward
 from lightning_par.parallel.pipeline.split import (StageLayout, build_stages, check_microbatches,
                                                   check_weight_pass_with_zero3, split_pipeline)
-from lightning_par.parallel.model_map import ModelMap, model_map_or_its_old_name, network_prefix
+from lightning_par.parallel.model_map import ModelMap, network_prefix
 from lightning_par.parallel.model_map_check import check_model_map
 from lightning_par.parallel.layout_check import check_layout_forward, check_routing_draws
 from lightning_par.parallel.outside_calls import blocks_used_outside
@@ -63,7 +63,7 @@ def check_batch_fits(config: ParallelConfig, *, batch_size: int | None, seq_len:
     (and, with sequence parallel, the tensor-parallel) ranks. Checked at set-up on the first batch, so that a
     mismatch fails before the first step; ``None`` skips a check."""
     if config.pp > 1:
-        check_microbatches(config.pp_microbatches, config.pp_schedule, config.pp, batch_size)
+        check_microbatches(config.microbatches, config.pp_schedule, config.pp, batch_size)
     if seq_len is None:
         return
     if config.cp > 1:
@@ -88,7 +88,6 @@ def parallelize(
     log: Callable[[str], None] | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     accumulate: int = 1,
-    plan: ModelMap | None = None,
     loss_tokens: Callable[[torch.Tensor], torch.Tensor] | None = None,
     dry_run: Callable[[nn.Module, torch.device], bool] | None = None,
 ) -> Parallelized:
@@ -104,13 +103,11 @@ def parallelize(
     by profile times the blocks on; without it the model map is applied unchecked. ``log`` receives what was split
     and what the check changed. Under pipeline parallel, the handle's runner computes ``loss_fn(logits, targets)``
     (the model's mean loss) for batches of which ``accumulate`` make one optimizer step, weighing micro-batches by
-    their ``loss_tokens(targets)`` where the model counts them. ``plan`` is the old name of ``model_map`` (warns;
-    goes in the next release). ``dry_run`` (``lightning_par.dry_run.FakeAllocation``) makes this a dry run: what
+    their ``loss_tokens(targets)`` where the model counts them. ``dry_run`` (``lightning_par.dry_run.FakeAllocation``) makes this a dry run: what
     was built on the meta device is allocated by ``dry_run(model, device)`` (as fake tensors), the set-up's runs of a
     small copy (pipeline trace, parts used outside blocks) run on the meta device, and the tensor-parallel split is
     applied unchecked (on the fake backend its collectives move nothing to compare).
     """
-    model_map = model_map_or_its_old_name(model_map, plan, "parallelize")
     device = device if device is not None else torch.device(mesh.device_type)
     config.check_composable()
     if config.pp > 1:

@@ -48,8 +48,8 @@ from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 
-from lightning_par.config import CP_METHODS, ContextParallelMethod
-from lightning_par.mesh import ParallelMesh
+from lightning_par.layout.config import CP_METHODS, ContextParallelMethod
+from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.model_map import ModelMap, why_no_blocks
 from lightning_par.parallel.modules import first_tensor
 from lightning_par.parallel.small_copy import small_copy

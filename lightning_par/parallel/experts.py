@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from lightning_par.config import divisors
-from lightning_par.mesh import ParallelMesh
+from lightning_par.layout.config import divisors
+from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.model_map import ModelMap
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_par.config import FLOAT8_RECIPES
+from lightning_par.layout.config import FLOAT8_RECIPES
 from lightning_par.parallel.model_map import ModelMap, is_conv1d
 
 # Linear layers that route tokens to experts: a changed rounding would change the routing, not just a product.

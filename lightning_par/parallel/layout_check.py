@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from lightning_par.config import ParallelConfig
-from lightning_par.mesh import ParallelMesh
+from lightning_par.layout.config import ParallelConfig
+from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.experts import moe_layers
 from lightning_par.parallel.model_map import ModelMap
 from lightning_par.parallel.model_map_check import copy_settings

@@ -193,7 +193,7 @@ class ModelMap:
                 entries.setdefault(id(block), []).append(f"{self.blocks}.{name}")
         return [names for names in entries.values() if len(names) > 1]
 
-    def check(self, model: nn.Module) -> None:
+    def validate(self, model: nn.Module) -> None:
         """Raise ``ValueError`` if a named module does not exist in ``model``."""
         names = dict(model.named_modules())
         for role in ("blocks", "embedding", "final_norm", "head"):
@@ -382,29 +382,15 @@ def why_no_blocks(model: nn.Module) -> str:
     return "candidate block lists examined: " + "; ".join(reasons[:4])
 
 
-def model_map_or_its_old_name(model_map: Any, plan: Any, where: str) -> Any:
-    """``model_map``, or ``plan`` (its old name, for one release: warns) when only that is given; both is an
-    error. ``where`` names the call in the warning."""
-    if plan is None:
-        return model_map
-    import warnings
-
-    warnings.warn(f"{where}(plan=...) is now {where}(model_map=...) (YAML: `model_map: {{blocks: ...}}`); `plan` "
-                  "goes in the next release", FutureWarning, stacklevel=3)
-    if model_map is not None:
-        raise ValueError("give the model map once: as model_map (plan is its old name), not both")
-    return plan
-
-
 def resolve_model_map(given: ModelMap | None, model: nn.Module) -> ModelMap | None:
     """The model map to lay ``model`` out by: ``given`` (checked against the model), else the one a Hugging Face model's
     config states, else one derived from the model's shape (None if it has no standard shape)."""
     if given is not None:
-        given.check(model)
+        given.validate(model)
         return given
     return huggingface_model_map(model) or derive_model_map(model)
 
 
 __all__ = ["HF_STYLES", "MAP_SOURCES", "ModelMap", "PROJECTION_NAMES", "SPLIT_STYLES", "STYLES", "derive_model_map",
-           "huggingface_model_map", "is_conv1d", "is_projection", "model_map_or_its_old_name", "network_prefix",
+           "huggingface_model_map", "is_conv1d", "is_projection", "network_prefix",
            "projection_features", "resolve_model_map", "why_no_blocks"]

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.modules import first_tensor
 from lightning_par.parallel.model_map import SPLIT_STYLES, ModelMap, is_projection
 from lightning_par.parallel.local_heads import head_counts

@@ -19,9 +19,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_par.config import ParallelConfig
-from lightning_par.mesh import ParallelMesh
-from lightning_par.parallel import data, zero
+from lightning_par.layout.config import ParallelConfig
+from lightning_par.parallel.mesh import ParallelMesh
+from lightning_par.parallel import ddp, zero
 from lightning_par.parallel.clip import clip_grad_norm_, gradient_norm
 from lightning_par.parallel.foreach import foreach_over_dtensors
 from lightning_par.parallel.pipeline.runner import PipelineRunner
@@ -63,13 +63,13 @@ class Parallelized:
         equal first."""
         average = mesh.size("dp") > 1 and not any(isinstance(m, FSDPModule) for m in module.modules())
         if average:
-            data.broadcast_replicas(module, mesh)
+            ddp.broadcast_replicas(module, mesh)
         return cls(module, mesh, config, reduces_after_backward=average)
 
     @property
     def inner(self) -> nn.Module:
         """The module without its data-parallel wrapper."""
-        return data.unwrap(self.module)
+        return ddp.unwrap(self.module)
 
     @property
     def stages(self) -> list:
@@ -91,7 +91,7 @@ class Parallelized:
         inner = self.inner
         skip: AbstractContextManager = (
             zero.no_gradient_sync(inner, sharded=self.config.sharded_accumulation) if zero.is_zero_module(inner)
-            else data.no_gradient_sync(self.module))
+            else ddp.no_gradient_sync(self.module))
         self._sync_blocked = True
         try:
             with skip:
@@ -111,14 +111,14 @@ class Parallelized:
         if self.ties is not None:  # (summing the copies first or averaging over data-parallel ranks first is alike)
             self.ties.sum_gradients()
         if self._owners is not None:
-            data.reduce_gradients_to_owners(self.inner, self.mesh, self._owners,
+            ddp.reduce_gradients_to_owners(self.inner, self.mesh, self._owners,
                                             bucket_cap_mb=self.config.ddp_bucket_cap_mb)
             for param in self._unowned:  # experts: reduced by expert parallel, kept by the ranks that step them
                 param.grad = None
             if every_batch:
                 self._keep_reduced(last=not self._sync_blocked)
         elif self.reduces_after_backward:
-            data.reduce_gradients(self.inner, self.mesh, bucket_cap_mb=self.config.ddp_bucket_cap_mb)
+            ddp.reduce_gradients(self.inner, self.mesh, bucket_cap_mb=self.config.ddp_bucket_cap_mb)
         if self.config.sequence_parallel and self.mesh.size("tp") > 1:  # layers that routed this rank's tokens
             sum_over_tensor_parallel(self.inner, self.mesh, bucket_cap_mb=self.config.ddp_bucket_cap_mb)
 
@@ -175,8 +175,8 @@ class Parallelized:
 
     def token_share(self, count: Tensor) -> Tensor:
         """The factor that makes a batch's mean loss over its ``count`` loss-taking tokens this rank's part of the
-        global batch's token mean (``parallel.data.token_share``). Collective over the data-parallel ranks."""
-        return data.token_share(count, self.mesh)
+        global batch's token mean (``parallel.ddp.token_share``). Collective over the data-parallel ranks."""
+        return ddp.token_share(count, self.mesh)
 
 
 def parallelized_by_its_author(module: nn.Module) -> bool:

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from lightning_par.config import RECOMPUTE_MODES
+from lightning_par.layout.config import RECOMPUTE_MODES
 from lightning_par.parallel.model_map import ModelMap
 
 # Ops whose outputs selective recomputation keeps: the expensive ones. Everything else is recomputed.

@@ -40,12 +40,12 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.overrides import TorchFunctionMode
 
-from lightning_par.config import divisors
-from lightning_par.mesh import ParallelMesh
+from lightning_par.layout.config import divisors
+from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.adapters import base_layer as adapter_base
 from lightning_par.parallel.adapters import is_adapted, is_lora, unused_lora_weights
 from lightning_par.parallel.context import SequenceSplit
-from lightning_par.parallel.data import all_reduce_in_buckets
+from lightning_par.parallel.ddp import all_reduce_in_buckets
 from lightning_par.parallel.experts import local_part, moe_layers
 from lightning_par.parallel.local_heads import localize_head_counts
 from lightning_par.parallel.model_map import (SPLIT_STYLES, ModelMap, is_conv1d, is_projection, projection_features,

@@ -38,11 +38,11 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.background_reduce import SUPPORTED, BackgroundReduceScatter
 from lightning_par.parallel.experts import expert_modules, local_part
 from lightning_par.parallel.model_map import ModelMap
-from lightning_par.parallel.data import GRADIENT_GROUP, PARTITION_GROUP, is_expert
+from lightning_par.parallel.ddp import GRADIENT_GROUP, PARTITION_GROUP, is_expert
 from lightning_par.parallel.record import layout_record
 from lightning_par.parallel.zero_experts import ZeroWithExperts
 
@@ -368,14 +368,6 @@ def _gradient_reducer(module: nn.Module) -> GradientReducer | None:
     record = layout_record(module)
     return record.gradient_reducer if record is not None else None
 
-
-
-def __getattr__(name: str) -> object:
-    if name == "materialize_meta_parameters":  # moved to the module helpers; the old name for one release
-        from lightning_par.parallel._moved import moved_name
-
-        return moved_name(__name__, ("lightning_par.parallel.modules",), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

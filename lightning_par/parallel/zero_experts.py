@@ -4,7 +4,7 @@ the ranks that hold the same experts, the other states over ``dp_shard x cp``.
 ZeRO partitions a parameter's states over the data-parallel ranks that hold the same parameter and see different
 tokens (Rajbhandari et al. 2020). For a dense weight those are ``dp_shard x cp``; an expert split over ``ep`` of
 those ranks is held only by the ``dp_shard x cp / ep`` ranks of its replica that hold the same experts
-(:meth:`~lightning_par.mesh.ParallelMesh.experts`'s ``partition``; Megatron-Core's distributed optimizer keeps a
+(:meth:`~lightning_par.parallel.mesh.ParallelMesh.experts`'s ``partition``; Megatron-Core's distributed optimizer keeps a
 separate "expert data-parallel" group the same way). So one ``ZeroRedundancyOptimizer`` per kind of parameter,
 each over its own group, stepped together as one optimizer whose parameter groups are the user's.
 
@@ -91,7 +91,7 @@ class ZeroWithExperts(Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError("the states of ZeroWithExperts are saved by name: use "
-                                  "lightning_par.checkpoint.optimizer_state_dict(module, optimizer)")
+                                  "lightning_par.checkpoint.format.optimizer_state_dict(module, optimizer)")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         raise NotImplementedError("the states of ZeroWithExperts are loaded by name: load a checkpoint through the "

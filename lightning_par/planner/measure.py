@@ -80,7 +80,7 @@ class ProbeShape:
     precision: str = "32-true"
 
     @classmethod
-    def of(cls, model: ModelSpec, *, seq_len: int, micro_batch_size: int, precision: str = "32-true") -> ProbeShape:
+    def of(cls, model: ModelSpec, *, seq_len: int, microbatch_size: int, precision: str = "32-true") -> ProbeShape:
         """One micro-batch through one dense block of ``model``, within the probe limits."""
         heads, kv_heads, head_dim, hidden = model.heads, model.kv_heads, model.head_dim, model.hidden
         # An all-MoE model has no dense feed-forward: probe one expert's width (the rates are what matters).
@@ -93,7 +93,7 @@ class ProbeShape:
             heads = kv_heads * (model.heads // model.kv_heads)
             hidden = max(heads * head_dim if model.attention_head_dim is None else int(hidden / k), 1)
             ffn = max(1, int(ffn / k))
-        sequences = max(1, min(micro_batch_size, MAX_PROBE_TOKENS // seq_len))
+        sequences = max(1, min(microbatch_size, MAX_PROBE_TOKENS // seq_len))
         seq = min(seq_len, MAX_PROBE_TOKENS)
         return cls(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, ffn_hidden=ffn,
                    ffn_matrices=model.ffn_matrices, seq_len=seq, sequences=sequences, precision=precision)
@@ -229,7 +229,7 @@ def measured_cluster(rates: MachineRates, *, nodes: int = 1, devices_per_node: i
 
 
 # ----------------------------------------------------------------------------------------------------- probes
-def measure_rates(model: ModelSpec, *, seq_len: int, micro_batch_size: int, precision: str = "32-true",
+def measure_rates(model: ModelSpec, *, seq_len: int, microbatch_size: int, precision: str = "32-true",
                   device: Any = "cpu", clock: Clock = time.perf_counter, repeats: int = PROBE_REPEATS,
                   local_world_size: int = 1) -> MachineRates:
     """Measure this rank and agree with the others: the slowest rank's figure for each rate, on every rank.
@@ -244,7 +244,7 @@ def measure_rates(model: ModelSpec, *, seq_len: int, micro_batch_size: int, prec
 
     device = torch.device(device)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    shape = ProbeShape.of(model, seq_len=seq_len, micro_batch_size=micro_batch_size, precision=precision)
+    shape = ProbeShape.of(model, seq_len=seq_len, microbatch_size=microbatch_size, precision=precision)
     if distributed:
         dist.barrier()  # probe together: the load of training is every rank at work
     timings = probe(shape, device=device, clock=clock, repeats=repeats)

@@ -74,8 +74,8 @@ import functools
 import heapq
 from dataclasses import asdict, dataclass
 
-from lightning_par import stages as placement
-from lightning_par.config import ParallelConfig
+from lightning_par.layout import schedules
+from lightning_par.layout.config import ParallelConfig
 from lightning_par.planner.model import ModelSpec
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -193,7 +193,7 @@ class RankStages:
 
 def stages_per_rank(config: ParallelConfig) -> int:
     """Pipeline stages per rank of ``config`` (1 without pipeline parallel)."""
-    return 1 if config.pp == 1 else placement.stages_per_rank(config.pp_schedule, config.pp_virtual_stages)
+    return 1 if config.pp == 1 else schedules.stages_per_rank(config.pp_schedule, config.pp_virtual_stages)
 
 
 @functools.lru_cache(maxsize=256)
@@ -202,7 +202,7 @@ def _balanced_sizes(costs: tuple[int, ...], n_stages: int, first: int, last: int
     for the same split many times)."""
     if n_stages > len(costs):
         raise ValueError(f"{n_stages} pipeline stages need at least {n_stages} blocks, the model has {len(costs)}")
-    return tuple(placement.balance(costs, n_stages, first=first, last=last))
+    return tuple(schedules.balance(costs, n_stages, first=first, last=last))
 
 
 def rank_stages(model: ModelSpec, config: ParallelConfig) -> tuple[RankStages, ...]:
@@ -223,7 +223,7 @@ def _rank_stages(model: ModelSpec, pp: int, schedule: str, per_rank: int) -> tup
     starts = [sum(sizes[:s]) for s in range(n_stages)]
     result = []
     for rank in range(pp):
-        stages = sorted(placement.stage_indices(rank, pp, schedule, per_rank))
+        stages = sorted(schedules.stage_indices(rank, pp, schedule, per_rank))
         blocks = tuple(tuple(range(starts[s], starts[s] + sizes[s])) for s in stages)
         n_moe = sum(model.moe_layer(b) for stage in blocks for b in stage)
         result.append(RankStages(rank, blocks, 0 in stages, n_stages - 1 in stages, n_moe))
@@ -348,9 +348,9 @@ def local_params(model: ModelSpec, config: ParallelConfig, stages: RankStages) -
     return total, matmul, experts
 
 
-def estimate_memory(model: ModelSpec, config: ParallelConfig, *, seq_len: int, micro_batch_size: int,
+def estimate_memory(model: ModelSpec, config: ParallelConfig, *, seq_len: int, microbatch_size: int,
                     precision: str = "bf16-mixed", microbatches: int = 1, optimizer: str = "adamw") -> MemoryBreakdown:
-    """Per-rank memory of ``config`` (fully sized) for micro-batches of ``micro_batch_size`` sequences of
+    """Per-rank memory of ``config`` (fully sized) for micro-batches of ``microbatch_size`` sequences of
     ``seq_len`` tokens, ``microbatches`` of them per optimizer step on each data-parallel rank (pipeline
     micro-batches, or gradient accumulation steps). Returns the heaviest pipeline rank's breakdown."""
     # max(rank_memory(...), key=total), without building every rank's breakdown: a rank's total only grows with the
@@ -359,7 +359,7 @@ def estimate_memory(model: ModelSpec, config: ParallelConfig, *, seq_len: int, m
     # and max keeps the first of equals.
     heaviest: MemoryBreakdown | None = None
     most: dict[tuple[int, int, bool, bool, int], float] = {}  # the most held in flight so far, by kind of rank
-    for stages, one, held in _ranks(model, config, seq_len=seq_len, micro_batch_size=micro_batch_size,
+    for stages, one, held in _ranks(model, config, seq_len=seq_len, microbatch_size=microbatch_size,
                                     precision=precision, microbatches=microbatches, optimizer=optimizer):
         if stages.kind in most and held <= most[stages.kind]:
             continue
@@ -371,17 +371,17 @@ def estimate_memory(model: ModelSpec, config: ParallelConfig, *, seq_len: int, m
     return heaviest
 
 
-def rank_memory(model: ModelSpec, config: ParallelConfig, *, seq_len: int, micro_batch_size: int,
+def rank_memory(model: ModelSpec, config: ParallelConfig, *, seq_len: int, microbatch_size: int,
                 precision: str = "bf16-mixed", microbatches: int = 1,
                 optimizer: str = "adamw") -> tuple[MemoryBreakdown, ...]:
     """The breakdown of every pipeline rank, in rank order (one without pipeline parallel): what
     :func:`estimate_memory` takes the heaviest of, and what a measurement of each stage is compared with."""
     return tuple(_on_rank(one, held, stages.rank) for stages, one, held in _ranks(
-        model, config, seq_len=seq_len, micro_batch_size=micro_batch_size, precision=precision,
+        model, config, seq_len=seq_len, microbatch_size=microbatch_size, precision=precision,
         microbatches=microbatches, optimizer=optimizer))
 
 
-def _ranks(model: ModelSpec, config: ParallelConfig, *, seq_len: int, micro_batch_size: int, precision: str,
+def _ranks(model: ModelSpec, config: ParallelConfig, *, seq_len: int, microbatch_size: int, precision: str,
            microbatches: int, optimizer: str) -> list[tuple[RankStages, MemoryBreakdown, float]]:
     """Every pipeline rank in rank order: (its stages, the breakdown of its kind of rank with ONE micro-batch's
     activations, the micro-batches it holds in flight). Most ranks hold the same blocks (a middle rank's stages are
@@ -402,7 +402,7 @@ def _ranks(model: ModelSpec, config: ParallelConfig, *, seq_len: int, micro_batc
     for stages in rank_stages(model, config):
         one = kinds.get(stages.kind)
         if one is None:
-            one = kinds[stages.kind] = _rank_memory(model, config, stages, seq_len=seq_len, mbs=micro_batch_size,
+            one = kinds[stages.kind] = _rank_memory(model, config, stages, seq_len=seq_len, mbs=microbatch_size,
                                                     precision=precision, microbatches=microbatches, kept=kept,
                                                     rebuilt=rebuilt)
         ranks.append((stages, one, in_flight(config, stages.rank, microbatches)))

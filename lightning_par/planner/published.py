@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_par.config import ParallelConfig
+from lightning_par.layout.config import ParallelConfig
 from lightning_par.planner.cluster import ClusterSpec, GiB
 from lightning_par.planner.model import ModelSpec
 from lightning_par.planner.search import Candidate, TrainingSpec, evaluate
@@ -67,7 +67,7 @@ class PublishedRun:
     nodes: int
     config: ParallelConfig
     seq_len: int
-    micro_batch_size: int
+    microbatch_size: int
     microbatches: int
     unit: str
     published: float
@@ -94,13 +94,13 @@ class PublishedRun:
 
     @property
     def global_batch(self) -> int:
-        return self.config.dp * self.micro_batch_size * self.microbatches
+        return self.config.dp * self.microbatch_size * self.microbatches
 
     def candidate(self) -> Candidate:
         """The run's own layout, costed (never the planner's favourite)."""
         training = TrainingSpec(global_batch_size=self.global_batch, seq_len=self.seq_len,
-                                micro_batch_size=self.micro_batch_size, compiled=self.compiled, float8=self.float8)
-        return evaluate(self.model, self.cluster, training, self.config, self.microbatches, self.micro_batch_size)
+                                microbatch_size=self.microbatch_size, compiled=self.compiled, float8=self.float8)
+        return evaluate(self.model, self.cluster, training, self.config, self.microbatches, self.microbatch_size)
 
     def throughput(self, step_seconds: float) -> float:
         """A step time in the run's published unit."""
@@ -136,7 +136,7 @@ def _fsdp(**sizes: Any) -> dict[str, Any]:
 
 def _torchtitan_405b(schedule: str, published: float, memory: float) -> PublishedRun:
     # 512 GPUs: FSDP 8 x TP 8 x PP 8; local batch 32 in 8 micro-batches (one per stage) of 4 sequences.
-    config = ParallelConfig(pp=8, dp_shard=8, pp_schedule=schedule, pp_microbatches=8, pp_virtual_stages=2,
+    config = ParallelConfig(pp=8, dp_shard=8, pp_schedule=schedule, microbatches=8, pp_virtual_stages=2,
                             reshard_after_forward=False, activation_checkpointing="full", **_fsdp(tp=8))
     return PublishedRun(f"Llama 3.1 405B, 512 GPUs, FSDP 8 TP 8 PP 8, {schedule}", f"{TORCHTITAN}, table 5",
                         ModelSpec.preset("llama3-405b"), "h100-96gb-500w", 64, config, 8192, 4, 8, "tokens/s/GPU",
@@ -148,7 +148,7 @@ def _megatron(model: ModelSpec, *, pp: int, dp: int, tp: int, batch: int, publis
     extra = dict(param_dtype="bf16", reduce_dtype="bf16") if zero == 3 else {}  # DeepSpeed ZeRO-3 in 16 bits
     # Megatron's scatter/gather (sec. 4.1) sends 1/t of a stage boundary per tensor-parallel rank over
     # InfiniBand, as sequence parallel does here; tensor-parallel bytes are the same either way.
-    config = ParallelConfig(pp=pp, dp_shard=dp, tp=tp, zero_stage=zero, pp_microbatches=max(batch // (dp * mbs), 1),
+    config = ParallelConfig(pp=pp, dp_shard=dp, tp=tp, zero_stage=zero, microbatches=max(batch // (dp * mbs), 1),
                             activation_checkpointing="full", sequence_parallel=tp > 1, **extra)
     nodes = pp * dp * tp // 8
     return PublishedRun(name, MEGATRON, model, "a100-80gb", nodes, config, 2048, mbs, batch // (dp * mbs),
@@ -161,7 +161,7 @@ def _llama3_405b(gpus: int, seq_len: int, *, dp: int, cp: int, published: float)
     # TP 8 x CP x PP 16 x DP, 16M tokens per batch in micro-batches of one sequence.
     microbatches = 2**24 // seq_len // dp
     config = ParallelConfig(pp=16, dp_shard=dp, cp=cp, cp_method="ring", pp_schedule="interleaved_1f1b",
-                            pp_microbatches=microbatches, pp_virtual_stages=2, reshard_after_forward=False,
+                            microbatches=microbatches, pp_virtual_stages=2, reshard_after_forward=False,
                             **_fsdp(tp=8))
     layout = f"TP 8{f' CP {cp}' if cp > 1 else ''} PP 16 DP {dp}"
     return PublishedRun(f"Llama 3 405B, {gpus:,} GPUs, {layout}, {seq_len // 1024}K", LLAMA3,
@@ -205,7 +205,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
               fits=("INFINIBAND_BUS_EFFICIENCY", "COLLECTIVE_OVERLAP")),
     PublishedRun("Mixtral 8x7B, 64 GPUs, EP 8 PP 4 (VP 8) DP 16", MCORE_MOE, ModelSpec.preset("mixtral-8x7b"),
                  "h100-80gb", 8, ParallelConfig(pp=4, dp_shard=16, ep=8, zero_stage=1, pp_schedule="interleaved_1f1b",
-                                                pp_microbatches=16, pp_virtual_stages=8),
+                                                microbatches=16, pp_virtual_stages=8),
                  4096, 1, 16, "model TFLOP/s/GPU", 438, compiled=True,
                  notes="distributed optimizer (ZeRO-1); Transformer Engine's fused kernels stand for torch.compile",
                  fits=("H100_MATMUL_EFFICIENCY",)),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_par.config import ParallelConfig
+from lightning_par.layout.config import ParallelConfig
 from lightning_par.planner.cluster import GiB
 from lightning_par.planner.search import Candidate
 from lightning_par.planner.time import spans
@@ -76,7 +76,7 @@ def format_table(candidates: Sequence[Candidate], top: int = 10) -> str:
         comm = sum(t.exposed.values())
         lines.append(
             f"{rank:>2}  {layout_name(c):<22} {_zero(c.config):>4} {c.config.activation_checkpointing:<9} "
-            f"{schedule_name(c):<11} {c.micro_batch_size:>3} {m.total / scale:>7.1f} {m.model_states / scale:>8.1f} {act / scale:>6.1f} "
+            f"{schedule_name(c):<11} {c.microbatch_size:>3} {m.total / scale:>7.1f} {m.model_states / scale:>8.1f} {act / scale:>6.1f} "
             f"{other / scale:>7.1f}  {t.total / tscale:>7.2f} {(t.compute + t.recompute) / tscale:>9.2f} "
             f"{t.bubble / tscale:>8.2f} {comm / tscale:>7.2f}  "
             f"{t.tokens_per_second:>9.0f} {c.mfu:>5.1%}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning_par.config import ParallelConfig, divisors
+from lightning_par.layout.config import ParallelConfig, divisors
 from lightning_par.planner.cluster import ClusterSpec
 from lightning_par.planner.model import ModelSpec
 from lightning_par.planner.search import Candidate, TrainingSpec, normalize_fixed, plan_layouts
@@ -38,7 +38,7 @@ def plan_for_run(model: ModelSpec, cluster: ClusterSpec, *, batch_size_per_rank:
     errors: list[str] = []
     for dp in divisors(cluster.world_size) if "dp" not in fixed else [fixed["dp"]]:
         training = TrainingSpec(global_batch_size=per_step * dp, seq_len=seq_len, precision=precision,
-                                micro_batch_size=micro_batch_sizes, **(training_options or {}))
+                                microbatch_size=micro_batch_sizes, **(training_options or {}))
         try:
             candidates = plan_layouts(model, cluster, training, fixed={**fixed, "dp": dp}, composable=composable)
         except ValueError as error:
@@ -55,9 +55,9 @@ def plan_for_run(model: ModelSpec, cluster: ClusterSpec, *, batch_size_per_rank:
 def _loader_can_feed(candidate: Candidate, batch_size: int) -> bool:
     """Whether the run executes the candidate as costed: Lightning steps on whole loader batches."""
     if candidate.config.pp == 1:
-        return candidate.micro_batch_size == batch_size
-    # The pipeline cuts each loader batch into pp_microbatches; accumulation repeats that.
-    return candidate.config.pp_microbatches * candidate.micro_batch_size == batch_size
+        return candidate.microbatch_size == batch_size
+    # The pipeline cuts each loader batch into microbatches; accumulation repeats that.
+    return candidate.config.microbatches * candidate.microbatch_size == batch_size
 
 
 __all__ = ["plan_for_run"]

@@ -1,6 +1,6 @@
 """The search: every layout the world size allows, sized, costed, filtered and ranked.
 
-A layout is a fully sized :class:`~lightning_par.config.ParallelConfig`: ``pp x dp_replicate x dp_shard x
+A layout is a fully sized :class:`~lightning_par.layout.config.ParallelConfig`: ``pp x dp_replicate x dp_shard x
 cp x tp`` multiplying to the world size, ``ep`` borrowed from ``dp_shard x cp``, a ZeRO stage, an
 activation-checkpointing mode and, with a pipeline, a schedule. Sizes the user fixed are kept; only the
 others are searched. A layout is kept when the model can be split that way (``tp`` divides the heads, the
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_par.config import (
+from lightning_par.layout.config import (
     CP_METHODS,
     PP_SCHEDULES,
     RECOMPUTE_MODES,
@@ -39,7 +39,7 @@ from lightning_par.planner.memory import (OPTIMIZERS, PRECISIONS, MemoryBreakdow
                                           rank_stages)
 from lightning_par.planner.model import ModelSpec, parameter_count
 from lightning_par.planner.time import StepTime, estimate_step_time
-from lightning_par.zero_units import choose_units
+from lightning_par.layout.zero_units import choose_units
 
 # The values config.py allows, in the order the search tries them (cheapest first).
 CHECKPOINTING = tuple(sorted(RECOMPUTE_MODES, key=("none", "selective", "full").index))
@@ -56,14 +56,14 @@ _FIXABLE = ("tp", "pp", "cp", "ep", "dp", "dp_replicate", "dp_shard", "zero_stag
 @dataclass(frozen=True)
 class TrainingSpec:
     """What is trained: ``global_batch_size`` sequences of ``seq_len`` tokens per optimizer step, in
-    micro-batches of ``micro_batch_size`` sequences per data-parallel rank (a sequence of sizes lets the
+    micro-batches of ``microbatch_size`` sequences per data-parallel rank (a sequence of sizes lets the
     planner choose). ``activation_checkpointing`` and ``pp_schedules`` are the modes it may use. ``compiled``
     (the blocks under ``torch.compile``) and ``float8`` (their linear layers in torchao's Float8) change the
     step time only (:func:`~lightning_par.planner.time.estimate_step_time`)."""
 
     global_batch_size: int
     seq_len: int
-    micro_batch_size: int | tuple[int, ...] = 1
+    microbatch_size: int | tuple[int, ...] = 1
     precision: str = "bf16-mixed"
     optimizer: str = "adamw"
     activation_checkpointing: tuple[str, ...] = CHECKPOINTING
@@ -80,7 +80,7 @@ class TrainingSpec:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainingSpec.{name} must be a positive integer, got {value!r}")
         if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.micro_batch_sizes):
-            raise ValueError(f"TrainingSpec.micro_batch_size must be positive integers, got {self.micro_batch_size!r}")
+            raise ValueError(f"TrainingSpec.microbatch_size must be positive integers, got {self.microbatch_size!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"TrainingSpec.optimizer={self.optimizer!r} is not one of {OPTIMIZERS}")
         if self.precision not in PRECISIONS:
@@ -95,7 +95,7 @@ class TrainingSpec:
 
     @property
     def micro_batch_sizes(self) -> tuple[int, ...]:
-        sizes = self.micro_batch_size
+        sizes = self.microbatch_size
         return (sizes,) if isinstance(sizes, int) else tuple(sizes)
 
     @property
@@ -108,12 +108,12 @@ class Candidate:
     """One sized layout with its predicted memory and step time.
 
     ``microbatches`` is the number of micro-batches each data-parallel rank runs per optimizer step: the
-    pipeline's micro-batches (``config.pp_microbatches``) with ``pp > 1``, gradient-accumulation steps
+    pipeline's micro-batches (``config.microbatches``) with ``pp > 1``, gradient-accumulation steps
     otherwise (:attr:`accumulate_grad_batches`)."""
 
     config: ParallelConfig
     microbatches: int
-    micro_batch_size: int
+    microbatch_size: int
     memory: MemoryBreakdown
     time: StepTime
     fits: bool
@@ -132,13 +132,13 @@ class Candidate:
     @property
     def batch_size_per_rank(self) -> int:
         """Sequences a data-parallel rank loads per optimizer step."""
-        return self.microbatches * self.micro_batch_size
+        return self.microbatches * self.microbatch_size
 
     @property
     def loader_batch_size(self) -> int:
         """Sequences per batch of the data loader: the whole pipeline batch with ``pp > 1`` (the schedule cuts it
         into micro-batches), one micro-batch otherwise (Lightning accumulates :attr:`accumulate_grad_batches`)."""
-        return self.batch_size_per_rank if self.config.pp > 1 else self.micro_batch_size
+        return self.batch_size_per_rank if self.config.pp > 1 else self.microbatch_size
 
     @property
     def tokens_per_second(self) -> float:
@@ -281,12 +281,12 @@ def _pipeline_options(pp: int, m: int, model: ModelSpec, training: TrainingSpec,
         if schedule == "interleaved_1f1b":
             for v in _options("pp_virtual_stages", fixed, training.pp_virtual_stages):
                 if pp * v <= model.layers:
-                    options.append({"pp_schedule": schedule, "pp_microbatches": m, "pp_virtual_stages": v})
+                    options.append({"pp_schedule": schedule, "microbatches": m, "pp_virtual_stages": v})
         elif schedule == "dualpipev":
             if m >= 2 * pp and 2 * pp <= model.layers:  # one micro-batch per stage at least
-                options.append({"pp_schedule": schedule, "pp_microbatches": m})
+                options.append({"pp_schedule": schedule, "microbatches": m})
         elif pp * (2 if schedule == "zbv" else 1) <= model.layers:
-            options.append({"pp_schedule": schedule, "pp_microbatches": m})
+            options.append({"pp_schedule": schedule, "microbatches": m})
     return options
 
 
@@ -306,27 +306,27 @@ def _precision_knobs(zero: int, precision: str) -> dict[str, Any]:
 
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: ParallelConfig,
-             microbatches: int, micro_batch_size: int, memory: MemoryBreakdown | None = None) -> Candidate:
+             microbatches: int, microbatch_size: int, memory: MemoryBreakdown | None = None) -> Candidate:
     """Cost one sized layout (``memory``: its :func:`layout_memory`, where already estimated)."""
-    memory = memory or layout_memory(model, training, config, microbatches, micro_batch_size)
-    time = estimate_step_time(model, config, cluster, seq_len=training.seq_len, micro_batch_size=micro_batch_size,
+    memory = memory or layout_memory(model, training, config, microbatches, microbatch_size)
+    time = estimate_step_time(model, config, cluster, seq_len=training.seq_len, microbatch_size=microbatch_size,
                               microbatches=microbatches, precision=training.precision, compiled=training.compiled,
                               float8=training.float8)
-    return Candidate(config=config, microbatches=microbatches, micro_batch_size=micro_batch_size, memory=memory,
+    return Candidate(config=config, microbatches=microbatches, microbatch_size=microbatch_size, memory=memory,
                      time=time, fits=memory.total <= cluster.usable_memory_bytes, cluster=cluster,
                      mfu=time.mfu(cluster, training.precision))
 
 
 def layout_memory(model: ModelSpec, training: TrainingSpec, config: ParallelConfig, microbatches: int,
-                  micro_batch_size: int) -> MemoryBreakdown:
+                  microbatch_size: int) -> MemoryBreakdown:
     """The peak memory of the most loaded rank of one sized layout."""
-    return estimate_memory(model, config, seq_len=training.seq_len, micro_batch_size=micro_batch_size,
+    return estimate_memory(model, config, seq_len=training.seq_len, microbatch_size=microbatch_size,
                            precision=training.precision, microbatches=microbatches, optimizer=training.optimizer)
 
 
 def chosen_units(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig) -> ParallelConfig:
     """``config`` with ZeRO-3's gather controls as a strategy left at its defaults chooses them for ``model`` on
-    ``cluster`` (``lightning_par.zero_units.choose_units``), so that what is costed is what runs."""
+    ``cluster`` (``lightning_par.layout.zero_units.choose_units``), so that what is costed is what runs."""
     if config.zero_stage != 3:
         return config
     stages = rank_stages(model, config)[0]
@@ -383,8 +383,8 @@ def _nothing_possible(model: ModelSpec, cluster: ClusterSpec, training: Training
                 f"lightning_par (fixed: {fixed or {}}); see ParallelConfig.check_composable")
     return (f"no layout splits {model.name} (heads={model.heads}, kv_heads={model.kv_heads}, layers={model.layers}) "
             f"over {world} devices for a global batch of {training.global_batch_size} sequences of {training.seq_len} "
-            f"tokens in micro-batches of {training.micro_batch_size} (fixed: {fixed or {}}): the data-parallel size "
-            "must divide global_batch_size / micro_batch_size, tp the heads, pp the layers, cp the sequence")
+            f"tokens in micro-batches of {training.microbatch_size} (fixed: {fixed or {}}): the data-parallel size "
+            "must divide global_batch_size / microbatch_size, tp the heads, pp the layers, cp the sequence")
 
 
 def _nothing_fits(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,

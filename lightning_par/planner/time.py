@@ -42,7 +42,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_par.config import ParallelConfig
+from lightning_par.layout.config import ParallelConfig
 from lightning_par.planner.cluster import ClusterSpec
 from lightning_par.planner.memory import (
     RankStages,
@@ -172,15 +172,15 @@ def _block_seconds(model: ModelSpec, cluster: ClusterSpec, moe: bool, *, tp: int
 
 
 def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: ClusterSpec, *, seq_len: int,
-                       micro_batch_size: int, microbatches: int, precision: str = "bf16-mixed",
+                       microbatch_size: int, microbatches: int, precision: str = "bf16-mixed",
                        compiled: bool = False, float8: bool = False) -> StepTime:
     """Seconds per optimizer step of ``config`` on ``cluster``: ``microbatches`` micro-batches of
-    ``micro_batch_size`` sequences per data-parallel rank (global batch = that x dp). ``compiled``: the
+    ``microbatch_size`` sequences per data-parallel rank (global batch = that x dp). ``compiled``: the
     blocks run under ``torch.compile``; ``float8``: their linear layers in Float8 (torchao), the head in bf16."""
     config.mesh_shape()
     tp, cp, pp, ep = config.tp, config.cp, config.pp, config.ep
     dp = config.dp
-    m, mbs = microbatches, micro_batch_size
+    m, mbs = microbatches, microbatch_size
     rate = cluster.flops(precision) * cluster.compute_efficiency
     a, r = matmul_activation_bytes(precision), residual_bytes(precision)
     span = spans(config)
@@ -284,7 +284,7 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     pbytes = param_bytes(precision)
     gbytes = pbytes / (2 if config.gradient_compression != "none" and pbytes == 4 else 1)
     shard, rep = int(config.dp_shard), int(config.dp_replicate)
-    partition = shard * cp  # the ranks ZeRO-1/2 partition over (lightning_par.parallel.data.PARTITION_GROUP)
+    partition = shard * cp  # the ranks ZeRO-1/2 partition over (lightning_par.parallel.ddp.PARTITION_GROUP)
     stage = config.zero_stage
     units = n_blocks + 1
     reductions = m if config.sharded_accumulation else 1  # ZeRO-2/3 gradient reductions per optimizer step
@@ -308,11 +308,11 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     broadcast = _gather(dense * pbytes, partition) + _gather(experts * pbytes, expert_partition)
     if stage in (0, 1):
         # DDP overlaps its bucketed all-reduce with backward; pipeline stages and tensor-parallel DTensors are
-        # reduced in one flat all-reduce after the last backward instead (lightning_par.parallel.data.
+        # reduced in one flat all-reduce after the last backward instead (lightning_par.parallel.ddp.
         # reduce_gradients, as Megatron-LM does under pipeline parallelism): nothing left to hide it behind.
         after_backward = config.reduces_gradients_after_backward
         if stage == 1 and after_backward:
-            # ZeRO-1 there reduces each gradient to its owner only (parallel.data.reduce_gradients_to_owners):
+            # ZeRO-1 there reduces each gradient to its owner only (parallel.ddp.reduce_gradients_to_owners):
             # half an all-reduce, then averaged across dp_replicate.
             add(_gather(dense * gbytes, partition), span["dp_shard_cp"], None)
             add(_all_reduce(dense * gbytes / partition, rep), span["dp_replicate"], None)

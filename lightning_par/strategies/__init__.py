@@ -1,7 +1,7 @@
 """Lightning strategies: thin shells over lightning_par.parallel."""
 
 from lightning_par.strategies.base import MeshStrategy
-from lightning_par.strategies.context_parallel import ContextParallelStrategy, SequenceParallelStrategy
+from lightning_par.strategies.context_parallel import ContextParallelStrategy
 from lightning_par.strategies.data_parallel import DataParallelStrategy
 from lightning_par.strategies.expert_parallel import ExpertParallelStrategy
 from lightning_par.strategies.hybrid3d import AutoParallelStrategy, Hybrid3DStrategy
@@ -11,15 +11,13 @@ from lightning_par.strategies.zero import ZeroStrategy
 
 STRATEGIES = (DataParallelStrategy, ZeroStrategy, TensorParallelStrategy, ContextParallelStrategy,
               PipelineParallelStrategy, ExpertParallelStrategy, Hybrid3DStrategy, AutoParallelStrategy)
-# Former names, still registered (they warn when used) but no longer listed or suggested.
-DEPRECATED_STRATEGIES = (SequenceParallelStrategy,)
 
 
 def register_strategies() -> None:
     """Add every lightning_par strategy name to Lightning's ``StrategyRegistry`` (idempotent)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    for strategy in (*STRATEGIES, *DEPRECATED_STRATEGIES):
+    for strategy in STRATEGIES:
         strategy.register_strategies(StrategyRegistry)
 
 
@@ -34,5 +32,5 @@ auto_resume.install()
 from lightning_par.strategies import fabric  # noqa: E402
 
 __all__ = ["MeshStrategy", "DataParallelStrategy", "ZeroStrategy", "TensorParallelStrategy", "ContextParallelStrategy",
-           "SequenceParallelStrategy", "PipelineParallelStrategy", "ExpertParallelStrategy", "Hybrid3DStrategy",
-           "AutoParallelStrategy", "fabric", "register_strategies", "STRATEGIES", "DEPRECATED_STRATEGIES"]
+           "PipelineParallelStrategy", "ExpertParallelStrategy", "Hybrid3DStrategy",
+           "AutoParallelStrategy", "fabric", "register_strategies", "STRATEGIES"]

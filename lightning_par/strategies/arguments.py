@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from lightning_par.config import STRATEGY_ARGUMENTS
+from lightning_par.layout.config import STRATEGY_ARGUMENTS
 
 __all__ = ["argument_names", "rename_arguments"]
 

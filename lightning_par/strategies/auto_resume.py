@@ -4,7 +4,7 @@ One setting for the first start and for every restart, which is what a launcher 
 (``torchrun --max-restarts``, a SLURM requeue, a Kubernetes restart policy) needs: the same command line each time.
 Lightning's ``"last"`` looks only at ``last*.ckpt``; ``"auto"`` takes any checkpoint the run's ``ModelCheckpoint``
 callbacks write (``epoch=E-step=S.ckpt``, ``last.ckpt``) and Lightning's HPC checkpoints (``hpc_ckpt_N.ckpt``), and
-passes over one that cannot be loaded (``lightning_par.checkpoint.checkpoint_problem``): a save that was cut off
+passes over one that cannot be loaded (``lightning_par.checkpoint.format.checkpoint_problem``): a save that was cut off
 leaves only its staging directory, which is not looked at, and a file truncated by other means is skipped with a
 warning. Newest is the latest written. With a logger that numbers its versions, the run's checkpoint directory
 moves to a new ``version_N`` at each start, so the earlier versions' ``checkpoints`` directories are looked in
@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_par.checkpoint import checkpoint_problem
+from lightning_par.checkpoint.format import checkpoint_problem
 
 AUTO = "auto"
 

@@ -1,6 +1,6 @@
 """MeshStrategy: the Lightning shell every lightning_par strategy shares.
 
-One :class:`~lightning_par.config.ParallelConfig`, one named device mesh, one call into
+One :class:`~lightning_par.layout.config.ParallelConfig`, one named device mesh, one call into
 :func:`lightning_par.parallel.compose.parallelize`, whose handle (``Parallelized``) the strategy asks at every step:
 the module to run, the pipeline runner, gradient sync, the optimizer's sharding, the gradient norm's groups, the
 loss context. Subclasses translate their constructor arguments into a ``ParallelConfig`` (``Hybrid3DStrategy`` also
@@ -27,11 +27,12 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_par.bad_steps import BadSteps
-from lightning_par.config import Float8Recipe, ParallelConfig, Recompute
+from lightning_par.parallel.mesh import build_mesh
+from lightning_par.health.bad_steps import BadSteps
+from lightning_par.layout.config import Float8Recipe, ParallelConfig, Recompute
 from lightning_par.parallel.compose import parallelize
 from lightning_par.parallel.parallelized import Parallelized, parallelized_by_its_author
-from lightning_par.parallel.model_map import ModelMap, model_map_or_its_old_name, resolve_model_map
+from lightning_par.parallel.model_map import ModelMap, resolve_model_map
 from lightning_par.strategies.arguments import rename_arguments
 from lightning_par.strategies.full_batches import drop_partial_last_batch
 from lightning_par.strategies.setup_checks import check_module, sample_for_layout
@@ -59,7 +60,6 @@ class MeshStrategy(StepsThroughTheHandle):
         model_map: where the model keeps its blocks (a :class:`ModelMap` or its dict form from YAML); derived
             from the model when omitted. A LightningModule that defines ``parallelize(mesh, config)``
             parallelizes itself instead (it returns the module to train, or None if it changed itself).
-        plan: the old name of ``model_map`` (warns; goes in the next release).
         save_distributed_checkpoint: write sharded DCP directories (reshardable across layouts) instead
             of one full file gathered on rank 0. With Lightning's ``AsyncCheckpointIO`` plugin
             (``Trainer(plugins=[AsyncCheckpointIO()])``) they are written in the background while training
@@ -70,11 +70,11 @@ class MeshStrategy(StepsThroughTheHandle):
             after set-up in Lightning 2.6, so the opt-in is here).
         process_group_backend: ``"nccl"`` / ``"gloo"``; by default from the device type.
         timeout: how long a collective may wait before the process group raises; also the bound within which
-            every rank exits after one rank dies or hangs (see ``lightning_par/fault.py``).
+            every rank exits after one rank dies or hangs (see ``lightning_par/health/fault_monitor.py``).
         bad_steps: which steps are skipped before the optimizer applies them, alike on every rank, and how many in
-            a row stop the run (:class:`~lightning_par.bad_steps.BadSteps` or its fields as a dict; by default a
+            a row stop the run (:class:`~lightning_par.health.bad_steps.BadSteps` or its fields as a dict; by default a
             step with a non-finite loss or gradient is skipped, and 3 in a row stop the run). See
-            ``lightning_par/bad_steps.py``.
+            ``lightning_par/health/bad_steps.py``.
     """
 
     strategy_name = "mesh"
@@ -95,7 +95,7 @@ class MeshStrategy(StepsThroughTheHandle):
                  activation_checkpointing: Recompute | None = None, activation_checkpointing_every: int | None = None,
                  compile: bool | None = None, float8: Float8Recipe | None = None,
                  float8_emulate: bool | None = None, async_tp: bool | None = None,
-                 model_map: ModelMap | dict[str, Any] | None = None, plan: ModelMap | dict[str, Any] | None = None,
+                 model_map: ModelMap | dict[str, Any] | None = None,
                  save_distributed_checkpoint: bool = True, checkpoint_weights_only: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  bad_steps: BadSteps | dict[str, Any] | None = None, **lightning_arguments: Any) -> None:
@@ -109,13 +109,12 @@ class MeshStrategy(StepsThroughTheHandle):
         self.parallel_config = dataclasses.replace(config, **{k: v for k, v in given.items() if v is not None})
         # Refuse what cannot work before any process group exists, so every rank fails alike.
         with self.in_argument_names():
-            self.parallel_config.check()
+            self.parallel_config.validate()
             self.parallel_config.check_composable()
             if self.parallel_config.pp > 1 and not save_distributed_checkpoint:
                 raise ValueError(f"pp={self.parallel_config.pp}: each rank saves its own stages, so checkpoints are "
                                  "sharded; save_distributed_checkpoint=False is not supported - export a single file "
                                  "with lightning-par-export instead")
-        model_map = model_map_or_its_old_name(model_map, plan, type(self).__name__)
         self._model_map = ModelMap.from_dict(model_map) if isinstance(model_map, dict) else model_map
         self._parallelized: Parallelized | None = None
 
@@ -157,7 +156,7 @@ class MeshStrategy(StepsThroughTheHandle):
         self.parallel_config = self._choose_layout(self.parallel_config).validate(self.world_size)
         self._check_checkpoint_format()
         self._start_process_group()
-        self._mesh = self.parallel_config.build_mesh(self.root_device.type)
+        self._mesh = build_mesh(self.parallel_config, self.root_device.type)
         rank_zero_info(f"{type(self).__name__}: {self.world_size} processes as {self.parallel_config.describe()}, "
                        f"zero_stage={self.parallel_config.zero_stage}")
         if self._mesh.size("tp") > 1:

@@ -1,4 +1,4 @@
-"""ShardedCheckpoints: Lightning's checkpoint hooks for every lightning_par strategy (``lightning_par/checkpoint.py``
+"""ShardedCheckpoints: Lightning's checkpoint hooks for every lightning_par strategy (``lightning_par/checkpoint/format.py``
 does the work in plain PyTorch).
 
 - A checkpoint is a sharded ``torch.distributed.checkpoint`` directory (reshardable across layouts) or, with
@@ -31,9 +31,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_par import checkpoint as ckpt
-from lightning_par.checkpoint_validation import CheckpointError
-from lightning_par.lora import base_reference, check_base
+from lightning_par.checkpoint import format as ckpt
+from lightning_par.checkpoint.validation import CheckpointError
+from lightning_par.checkpoint.adapters import base_reference, check_base
 from lightning_par.parallel.modules import tied_aliases
 from lightning_par.strategies.processes import MeshProcesses
 from lightning_par.strategies.resilience import (

@@ -1,16 +1,12 @@
-"""ContextParallelStrategy (``context_parallel``): each sequence split over ranks.
-
-``sequence_parallel`` / ``SequenceParallelStrategy`` is its former name, kept one release with a warning: Megatron's
-sequence parallelism (Korthikanti et al. 2022) is a tensor-parallel option (``sequence_parallel=True`` of
-``tensor_parallel`` and ``hybrid3d``), which the old name was easily taken for.
-"""
+"""ContextParallelStrategy (``context_parallel``): each sequence split over ranks. Megatron's sequence parallelism
+(Korthikanti et al. 2022) is a tensor-parallel option instead (``sequence_parallel=True`` of ``tensor_parallel`` and
+``hybrid3d``)."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Literal
 
-from lightning_par.config import ContextParallelMethod, ParallelConfig, Size
+from lightning_par.layout.config import ContextParallelMethod, ParallelConfig, Size
 from lightning_par.strategies.arguments import argument_names
 from lightning_par.strategies.base import MeshStrategy
 
@@ -42,20 +38,3 @@ class ContextParallelStrategy(MeshStrategy):
                                 dp_shard=data_parallel_size, zero_stage=zero_stage)
         super().__init__(config, **kwargs)
 
-
-class SequenceParallelStrategy(ContextParallelStrategy):
-    """Deprecated: the former name of :class:`ContextParallelStrategy` (``method`` is its
-    ``context_parallel_method``). Warns when constructed."""
-
-    strategy_name = "sequence_parallel"
-    argument_names = {**ContextParallelStrategy.argument_names, "cp_method": "method"}
-    strategy_description = "deprecated name of context_parallel"
-
-    def __init__(self, context_parallel_size: int = 2, method: ContextParallelMethod = "ulysses",
-                 **kwargs: Any) -> None:
-        warnings.warn("strategy 'sequence_parallel' (SequenceParallelStrategy) is now 'context_parallel' "
-                      "(ContextParallelStrategy, with context_parallel_method= for method=): it splits each sequence "
-                      "over ranks, which is context parallelism. Megatron's sequence parallelism is "
-                      "tensor_parallel's sequence_parallel=True. The old name goes in the next release.",
-                      FutureWarning, stacklevel=2)
-        super().__init__(context_parallel_size, context_parallel_method=method, **kwargs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_par.config import GradientCompression, ParallelConfig, Size
+from lightning_par.layout.config import GradientCompression, ParallelConfig, Size
 from lightning_par.strategies.arguments import argument_names
 from lightning_par.strategies.base import MeshStrategy
 

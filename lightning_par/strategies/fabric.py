@@ -5,7 +5,7 @@ on who drives the loop: read and check the arguments, start the processes (with 
 lay the model out (``MeshStrategy.lay_out``: the same ``parallelize`` call, the same ``Parallelized`` handle). What
 Fabric's loop asks goes to that handle: ``fabric.backward`` (in the loss context, then ``after_backward``),
 ``fabric.no_backward_sync`` (``no_sync``), ``fabric.clip_gradients`` (the norm of the whole gradient),
-``fabric.save``/``fabric.load`` (``lightning_par/checkpoint.py``: the Trainer's format, so either loads the other's).
+``fabric.save``/``fabric.load`` (``lightning_par/checkpoint/format.py``: the Trainer's format, so either loads the other's).
 Under pipeline parallel a step is one call, :meth:`MeshFabricStrategy.pipeline_step`, which runs the schedule.
 """
 
@@ -27,9 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_par import checkpoint as ckpt
+from lightning_par.checkpoint import format as ckpt
 from lightning_par import strategies as trainer_strategies
-from lightning_par.config import ParallelConfig
+from lightning_par.layout.config import ParallelConfig
 from lightning_par.parallel.model_map import ModelMap
 from lightning_par.parallel.modules import clean_name, tied_aliases
 from lightning_par.parallel.parallelized import Parallelized
@@ -79,7 +79,7 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
 
     @property
     def mesh(self) -> Any:
-        """The named device mesh (``lightning_par.mesh.ParallelMesh``), from ``fabric.launch()`` on."""
+        """The named device mesh (``lightning_par.parallel.mesh.ParallelMesh``), from ``fabric.launch()`` on."""
         return self.layout.mesh
 
     @property
@@ -190,7 +190,7 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
             return None
         example = self.layout.broadcast(example.detach().cpu()).to(self.root_device)
         if config.pp > 1:
-            example = example[: max(1, example.shape[0] // config.pp_microbatches)]
+            example = example[: max(1, example.shape[0] // config.microbatches)]
         return example, None
 
     def _refuse_forward_outside_schedule(self, module: nn.Module, args: Any) -> None:
@@ -302,7 +302,7 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
     def save_checkpoint(self, path: _PATH, state: dict[str, nn.Module | Optimizer | Any],
                         storage_options: Any | None = None,
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
-        """Write ``state`` as the Trainer's strategies do (``lightning_par/checkpoint.py``): sharded and
+        """Write ``state`` as the Trainer's strategies do (``lightning_par/checkpoint/format.py``): sharded and
         reshardable (or one full file with ``save_distributed_checkpoint=False``), written atomically. The model
         set up goes where the Trainer keeps the LightningModule's weights, the optimizers where it keeps its
         optimizers'; every other entry is kept as it is (its ``state_dict()`` where it has one)."""

@@ -1,6 +1,6 @@
 """FaultTolerantReplicas: the Lightning side of fault-tolerant HSDP across replica groups (torchft), mixed into
 :class:`~lightning_par.strategies.zero.ZeroStrategy` (``fault_tolerance={...}``). The torchft side is
-``lightning_par/parallel/fault_tolerance.py``.
+``lightning_par/health/fault_tolerance.py``.
 
 A step under Lightning: the quorum starts at the batch's start (``on_train_batch_start``; torchft's
 ``Optimizer.zero_grad`` would start it, but Lightning zeroes gradients after ``training_step``), backward
@@ -29,9 +29,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_par.config import ParallelConfig
-from lightning_par.parallel.data import global_tokens
-from lightning_par.parallel import fault_tolerance as ft
+from lightning_par.layout.config import ParallelConfig
+from lightning_par.parallel.ddp import global_tokens
+from lightning_par.health import fault_tolerance as ft
 
 __all__ = ["FaultTolerantReplicas", "check_fault_tolerance", "trainer_state"]
 
@@ -226,7 +226,7 @@ class FaultTolerantReplicas:
 
     def _token_share(self, batch: Any) -> Any:
         """For a model that means its loss over the tokens ``loss_tokens`` counts: this rank's share of the tokens of
-        every group taking part, not of its own group only (``parallel/data.py``'s ``token_share`` is over the group's
+        every group taking part, not of its own group only (``parallel/ddp.py``'s ``token_share`` is over the group's
         ranks; across groups the gradients are averaged, so the groups' token totals are too). One all-reduce of a
         number over torchft's groups per step."""
         count_tokens = getattr(self.lightning_module, "loss_tokens", None)  # type: ignore[attr-defined]

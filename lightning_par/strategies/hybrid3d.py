@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_par.config import (
+from lightning_par.layout.config import (
     ContextParallelMethod,
     Dtype,
     GradientCompression,
@@ -125,7 +125,7 @@ class Hybrid3DStrategy(MeshStrategy):
         config = ParallelConfig(
             dp_replicate=replicate_size, dp_shard=shard_size(data_parallel_size, replicate_size), **chosen,
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, cp_method=context_parallel_method,
-            pp_schedule=pipeline_schedule, pp_microbatches=microbatches, pp_virtual_stages=virtual_stages,
+            pp_schedule=pipeline_schedule, microbatches=microbatches, pp_virtual_stages=virtual_stages,
             pp_balance=pipeline_balance, reshard_after_forward=reshard_after_forward,
             **self._unit_controls(keep_gathered_blocks=keep_gathered_blocks, prefetch_blocks=prefetch_blocks,
                                   blocks_per_unit=blocks_per_unit), param_dtype=param_dtype,
@@ -186,7 +186,7 @@ class Hybrid3DStrategy(MeshStrategy):
                        f"{chosen.sequence_parallel}\n{format_table(candidates, top=5)}\n{explain(candidates)}")
         planned = {name: getattr(chosen, name) for name in self._planned}
         if "pp" in self._planned and chosen.pp > 1:
-            planned["pp_microbatches"] = chosen.pp_microbatches
+            planned["microbatches"] = chosen.microbatches
         return dataclasses.replace(config, dp_replicate=chosen.dp_replicate, dp_shard=chosen.dp_shard, **planned)
 
     def _measured_cluster(self, preset: Any, spec: Any, *, batch_size: int, seq_len: int, precision: str) -> Any:
@@ -199,7 +199,7 @@ class Hybrid3DStrategy(MeshStrategy):
 
         if self.world_size > 1:
             self._start_process_group()
-        rates = measure_rates(spec, seq_len=seq_len, micro_batch_size=batch_size, precision=precision,
+        rates = measure_rates(spec, seq_len=seq_len, microbatch_size=batch_size, precision=precision,
                               device=self.root_device, local_world_size=self.num_processes)
         # CPU ranks use every core (processes.py gives each its share): gloo's reductions take their time from the
         # compute they would overlap, so nothing is hidden (measured: docs/planner.md).

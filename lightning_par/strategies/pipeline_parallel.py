@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_par.config import ParallelConfig, PipelineBalance, PipelineSchedule
+from lightning_par.layout.config import ParallelConfig, PipelineBalance, PipelineSchedule
 from lightning_par.strategies.arguments import argument_names
 from lightning_par.strategies.base import MeshStrategy
 
@@ -45,6 +45,6 @@ class PipelineParallelStrategy(MeshStrategy):
                  microbatches: int = 4, virtual_stages: int = 2, pipeline_balance: PipelineBalance = "parameters",
                  **kwargs: Any) -> None:
         config = ParallelConfig(pp=pipeline_parallel_size, dp_shard=1, pp_schedule=pipeline_schedule,
-                                pp_microbatches=microbatches, pp_virtual_stages=virtual_stages,
+                                microbatches=microbatches, pp_virtual_stages=virtual_stages,
                                 pp_balance=pipeline_balance)
         super().__init__(config, **kwargs)

@@ -6,7 +6,7 @@ MeshStrategy`:
 
 - gives each process on a CPU machine its share of the cores, and starts the default process group (in a key space
   of its own under torchrun's restarts);
-- runs the :class:`~lightning_par.fault.FaultMonitor`, so that when one rank dies or hangs every other names it and
+- runs the :class:`~lightning_par.health.fault_monitor.FaultMonitor`, so that when one rank dies or hangs every other names it and
   leaves within the timeout, and the process that launched the others kills what is left once the run failed;
 - destroys the process group at exit while the interpreter is whole;
 - runs the collectives Lightning asks of a strategy (barrier, broadcast, reduce over the data-parallel ranks).
@@ -44,8 +44,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_par.fault import FLIGHT_RECORDER_ENTRIES, FaultMonitor, heartbeat_interval, stop_processes
-from lightning_par.mesh import ParallelMesh
+from lightning_par.health.fault_monitor import FLIGHT_RECORDER_ENTRIES, FaultMonitor, heartbeat_interval, stop_processes
+from lightning_par.parallel.mesh import ParallelMesh
 
 # Metrics logged with sync_dist are averaged over the ranks that saw different data. Ranks in the same
 # tensor/pipeline group hold the same value, so including them would only cost bandwidth.
@@ -286,7 +286,7 @@ def _destroy_process_group_at_exit() -> None:
 
 def launched_ranks_grace(timeout: timedelta) -> float:
     """Seconds the ranks of a failed run are given to leave by themselves before they are killed: each rank's
-    monitor makes it leave within 3 heartbeats of a reported failure (``lightning_par.fault``); 5 leave a margin."""
+    monitor makes it leave within 3 heartbeats of a reported failure (``lightning_par.health.fault_monitor``); 5 leave a margin."""
     return 5 * heartbeat_interval(timeout.total_seconds())
 
 

@@ -13,7 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_par.config import ParallelConfig
+from lightning_par.layout.config import ParallelConfig
 from lightning_par.parallel.experts import moe_layers
 from lightning_par.parallel.compose import check_batch_fits
 from lightning_par.parallel.pipeline.split import check_microbatches
@@ -31,7 +31,7 @@ def check_module(module: LightningModule, config: ParallelConfig, trainer: Train
             raise TypeError(f"pipeline parallel needs {type(module).__name__} to define {' and '.join(missing)}; the "
                             "schedule runs split_batch(batch) -> (inputs, targets), forward(inputs) -> logits and "
                             "loss_fn(logits, targets) itself (see docs/pipeline_parallel.md)")
-        check_microbatches(config.pp_microbatches, config.pp_schedule, config.pp)
+        check_microbatches(config.microbatches, config.pp_schedule, config.pp)
     if fitting and not any(p.requires_grad for p in module.parameters()):
         raise ValueError(f"{type(module).__name__} has no trainable parameters (it has none, or every one has "
                          "requires_grad=False): there is nothing to train. Unfreeze some, or add them in "
@@ -90,7 +90,7 @@ def layout_sample(module: LightningModule, config: ParallelConfig, batch: Any, *
     check_batch_fits(config, batch_size=batch_size if batch_size is not None else inputs.shape[0],
                      seq_len=inputs.shape[1] if inputs.dim() == 2 else None)
     if callable(split) and config.pp > 1:
-        size = max(1, inputs.shape[0] // config.pp_microbatches)
+        size = max(1, inputs.shape[0] // config.microbatches)
         inputs, targets = inputs[:size], targets[:size]
     return inputs, targets
 

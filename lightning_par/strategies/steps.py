@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_par.bad_steps import BadStepGuard, BadSteps
+from lightning_par.health.bad_steps import BadStepGuard, BadSteps
 from lightning_par.parallel.parallelized import Parallelized
 from lightning_par.strategies.checkpointing import ShardedCheckpoints
 
@@ -62,7 +62,7 @@ class StepsThroughTheHandle(ShardedCheckpoints):
         return super().optimizer_step(optimizer, judged, model, **kwargs)
 
     def _judge_step(self, loss: Tensor | None, stepped: set[int]) -> None:
-        """Before the optimizer moves (``lightning_par/bad_steps.py``): a bad step's gradients (of the parameters the
+        """Before the optimizer moves (``lightning_par/health/bad_steps.py``): a bad step's gradients (of the parameters the
         optimizer steps, ids in ``stepped``) are dropped, so it moves nothing and none of its states change, and the
         step-interval LR schedulers are held back for this step, so the run goes on as if the batch had not been
         there (the step still counts toward ``max_steps``)."""

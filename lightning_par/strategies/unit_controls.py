@@ -1,5 +1,5 @@
 """ZeRO-3's gather controls left ``"auto"`` in a strategy's arguments (their default), resolved at set-up from the
-model's blocks and the least memory of any rank (``lightning_par.zero_units.choose_units``; docs/zero.md)."""
+model's blocks and the least memory of any rank (``lightning_par.layout.zero_units.choose_units``; docs/zero.md)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_par.config import DTYPES, ZERO3_UNIT_DEFAULTS, ParallelConfig
+from lightning_par.layout.config import DTYPES, ZERO3_UNIT_DEFAULTS, ParallelConfig
 from lightning_par.parallel.model_map import ModelMap
-from lightning_par.zero_units import choose_units
+from lightning_par.layout.zero_units import choose_units
 
 
 def split_auto(given: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:

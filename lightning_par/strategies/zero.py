@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from typing_extensions import override
 
-from lightning_par.config import Dtype, ParallelConfig, Size, shard_size
+from lightning_par.layout.config import Dtype, ParallelConfig, Size, shard_size
 from lightning_par.strategies.arguments import argument_names
 from lightning_par.strategies.base import MeshStrategy
 from lightning_par.strategies.fault_tolerant import FaultTolerantReplicas, check_fault_tolerance
@@ -31,7 +31,7 @@ class ZeroStrategy(FaultTolerantReplicas, MeshStrategy):
         blocks_per_unit: stage 3 only. Gather and reduce every K consecutive blocks together, as one FSDP2 unit:
             K times fewer collectives and hooks, for K blocks gathered at once (see ``lightning_par.parallel.zero``).
             ``"auto"`` (the default, for any of these three): chosen from the size of the model's blocks and the
-            least memory of any rank at set-up, and logged (``lightning_par.zero_units.choose_units``).
+            least memory of any rank at set-up, and logged (``lightning_par.layout.zero_units.choose_units``).
         param_dtype: stage 3 only. Compute in ``bf16``/``fp16`` from fp32 shards (mixed precision);
             for stages 1-2 use ``Trainer(precision="bf16-mixed")``.
         reduce_dtype: stage 3 only. Dtype of the gradient reduce-scatter (default: ``param_dtype``;
@@ -40,7 +40,7 @@ class ZeroStrategy(FaultTolerantReplicas, MeshStrategy):
         sharded_accumulation: stages 2 and 3, under ``accumulate_grad_batches``: reduce gradients on every
             micro-batch so that each rank keeps only its part between them (gradient memory ``1/N``, the
             reduction traffic once per micro-batch), instead of accumulating whole gradients and reducing once.
-        fault_tolerance: fault-tolerant HSDP with torchft (``lightning_par.parallel.fault_tolerance``): this launch
+        fault_tolerance: fault-tolerant HSDP with torchft (``lightning_par.health.fault_tolerance``): this launch
             is one replica group of ``{"replica_groups": R, "min_replicas": K, "spares": False, "lighthouse":
             "http://host:port", "replica_group_id": G}`` (``lighthouse`` and ``replica_group_id`` default to
             ``$TORCHFT_LIGHTHOUSE`` and ``$REPLICA_GROUP_ID``; ``spares``: keep the global batch at K groups, see

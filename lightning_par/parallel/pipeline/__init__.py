@@ -1,7 +1,7 @@
 """Pipeline parallel, one file per part:
 
 - ``split.py``: where the stages are and how each is built from the model map (the schedules are
-  ``torch.distributed.pipelining``'s; stage arithmetic and the schedule table in ``lightning_par.stages``);
+  ``torch.distributed.pipelining``'s; stage arithmetic and the schedule table in ``lightning_par.layout.schedules``);
 - ``trace.py``: what the network does outside its blocks, from one traced forward;
 - ``runner.py``: a training or evaluation step through the stages;
 - ``weight_grad.py``: the weight-gradient half of backward, deferred (zero-bubble schedules);
@@ -11,8 +11,3 @@
 
 from lightning_par.parallel.pipeline.split import *  # noqa: F401,F403  (the names of ``split``, as before)
 from lightning_par.parallel.pipeline.split import __all__  # noqa: F401
-from lightning_par.parallel.pipeline import split as _split
-
-
-def __getattr__(name: str) -> object:
-    return getattr(_split, name)  # split's renamed names, with their warnings

@@ -29,16 +29,16 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_par.config import ParallelConfig
-from lightning_par.mesh import ParallelMesh
+from lightning_par.layout.config import ParallelConfig
+from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.pipeline.bubble import BubbleMeter
 from lightning_par.parallel.comm import PipelineSends
-from lightning_par.parallel.data import global_tokens
+from lightning_par.parallel.ddp import global_tokens
 from lightning_par.parallel.pipeline.split import (build_schedule, check_microbatches, forward_through_stages,
                                                   last_stage_rank)
 from lightning_par.parallel.pipeline.weight_grad import DeferredWeightGradients
 from lightning_par.parallel.tensor import vocab_parallel_loss
-from lightning_par.stages import V_SCHEDULES
+from lightning_par.layout.schedules import V_SCHEDULES
 
 __all__ = ["PipelineRunner"]
 
@@ -49,7 +49,7 @@ class PipelineRunner:
     ``loss_fn(logits, targets)`` is the model's mean loss; ``accumulate`` the batches accumulated per optimizer
     step (a hand-written loop may change both between steps). ``loss_tokens(targets)``, when the model says how many
     positions of ``targets`` take a loss (its loss being their mean), weighs each micro-batch's mean by its share of
-    the batch's tokens over every data-parallel rank (``parallel.data.token_share``), so that the loss is the mean over
+    the batch's tokens over every data-parallel rank (``parallel.ddp.token_share``), so that the loss is the mean over
     the whole batch's tokens, as one process's.
     """
 
@@ -61,11 +61,11 @@ class PipelineRunner:
                  loss_fn: Callable[[Tensor, Tensor], Tensor], *, accumulate: int = 1,
                  device: torch.device | None = None,
                  loss_tokens: Callable[[Tensor], Tensor] | None = None) -> None:
-        check_microbatches(config.pp_microbatches, config.pp_schedule, config.pp)
+        check_microbatches(config.microbatches, config.pp_schedule, config.pp)
         self.stages, self.mesh, self.config, self.loss_fn, self.accumulate = stages, mesh, config, loss_fn, accumulate
         self.loss_tokens = loss_tokens
         self._batch_tokens: Tensor | None = None  # loss-taking tokens of the batch in the step, over the dp ranks
-        micro = config.pp_microbatches
+        micro = config.microbatches
 
         def scaled_loss(logits: Tensor, targets: Tensor) -> Tensor:
             # Summed over micro-batches and accumulated batches, the gradients are those of the mean loss: each
@@ -102,7 +102,7 @@ class PipelineRunner:
         for p in parameters:
             p.grad = None
         for layer in self._own_losses or ():
-            layer.loss_scale_in_backward = 1 / (self.config.pp_microbatches * self.accumulate)
+            layer.loss_scale_in_backward = 1 / (self.config.microbatches * self.accumulate)
         if self.loss_tokens is not None:  # each micro-batch's share of the whole batch's tokens
             self._batch_tokens = (global_tokens(self.loss_tokens(targets), self.mesh) / self.mesh.size("dp")).float()
         losses: list[Tensor] = []
@@ -158,7 +158,7 @@ class PipelineRunner:
         its last sample to the next multiple and the output cut back: samples do not interact in a forward, so the
         output of the batch's own samples is what it would have been."""
         config = self.config
-        samples, short = inputs.shape[0], -inputs.shape[0] % config.pp_microbatches
+        samples, short = inputs.shape[0], -inputs.shape[0] % config.microbatches
         if short:
             inputs = torch.cat([inputs, inputs[-1:].expand(short, *inputs.shape[1:])])
         if config.pp_schedule in V_SCHEDULES:
@@ -180,7 +180,7 @@ class PipelineRunner:
         total = torch.zeros((), dtype=like.dtype, device=like.device)
         for layer in self._own_losses:
             if layer.losses_in_backward:
-                recorded = layer.losses_in_backward[-self.config.pp_microbatches:]
+                recorded = layer.losses_in_backward[-self.config.microbatches:]
                 total = total + torch.stack(recorded).mean().to(total.dtype)
             layer.losses_in_backward.clear()
         dist.all_reduce(total, group=self.mesh.group("pp"))
@@ -215,7 +215,7 @@ class PipelineRunner:
         """What this rank passes to the schedule: the inputs on the first stage's rank, nothing elsewhere.
         Every stage also gets them as ``tokens`` (a keyword, split into micro-batches like the inputs)."""
         config = self.config
-        check_microbatches(config.pp_microbatches, config.pp_schedule, config.pp, inputs.shape[0])
+        check_microbatches(config.microbatches, config.pp_schedule, config.pp, inputs.shape[0])
         return (inputs,) if self.holds_first else ()
 
     def _ready(self, kind: str, inputs: Tensor) -> Any:
@@ -229,7 +229,7 @@ class PipelineRunner:
         whenever the stages were last prepared by the other kind of schedule or for another shape. Every rank of a
         pipeline reads the same batch, so they all rebuild together.
         """
-        shape = (-(-inputs.shape[0] // self.config.pp_microbatches), *inputs.shape[1:])
+        shape = (-(-inputs.shape[0] // self.config.microbatches), *inputs.shape[1:])
         if self._schedule_shape.get(kind) != shape or self._stages_prepared_for != (kind, shape):
             self._schedules[kind] = self._make_schedule[kind]()
             self._schedule_shape[kind] = shape

@@ -47,7 +47,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.pipeline.trace import (
     Call,
     NetworkTrace,
@@ -59,7 +59,7 @@ from lightning_par.parallel.pipeline.trace import (
 from lightning_par.parallel.model_map import ModelMap, network_prefix, why_no_blocks
 from lightning_par.parallel.small_copy import small_copy
 from lightning_par.parallel.modules import clean_name
-from lightning_par.stages import V_SCHEDULES, Schedule, balance, stage_indices, stages_per_rank
+from lightning_par.layout.schedules import V_SCHEDULES, Schedule, balance, stage_indices, stages_per_rank
 
 TORCH_SCHEDULES: dict[str, type] = {  # each schedule of config.PP_SCHEDULES: torch's class
     "gpipe": ScheduleGPipe,
@@ -680,12 +680,6 @@ def build_schedule(stages: list[PipelineStage], schedule: Schedule, n_microbatch
         return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
-
-
-def __getattr__(name: str) -> object:
-    from lightning_par.parallel._moved import renamed_attribute  # old names, for one release
-
-    return renamed_attribute(__name__, name)
 
 
 __all__ = [

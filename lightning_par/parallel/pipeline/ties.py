@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.mesh import ParallelMesh
 
 
 def _local(tensor: Tensor) -> Tensor:

@@ -22,8 +22,9 @@ import torch
 from lightning.pytorch.core.optimizer import _configure_optimizers
 from torch import Tensor
 
-from lightning_par.cli_classes import ParallelCLI, Parser
-from lightning_par.config import ParallelConfig
+from lightning_par.parallel.mesh import build_mesh
+from lightning_par.cli.lightning_cli import ParallelCLI, Parser
+from lightning_par.layout.config import ParallelConfig
 from lightning_par.dry_run import FakeAllocation, fake_world, measure_training_step, pipeline_metadata_through
 from lightning_par.strategies.base import MeshStrategy
 from lightning_par.strategies.setup_checks import layout_sample
@@ -90,7 +91,7 @@ def dry_run_rank(cli_args: list[str], *, world_size: int, rank: int, store: torc
         module.to(convert)
     metadata = pipeline_metadata_through(store) if config.pp > 1 and store is not None else nullcontext()
     with fake_world(rank, world_size), metadata:
-        strategy.parallel_config, strategy._mesh = config, config.build_mesh("cpu")
+        strategy.parallel_config, strategy._mesh = config, build_mesh(config, "cpu")
         allocation = FakeAllocation()
         sample = layout_sample(module, config, batch, batch_size=batch.shape[0])
         handle = strategy.lay_out(module, module, training=True, accumulate=trainer.accumulate_grad_batches,
@@ -119,9 +120,9 @@ def planned_memory(cli: DryRunCLI, config: ParallelConfig) -> list[dict[str, flo
     from lightning_par.strategies.model_spec import module_spec
 
     inputs, _ = cli.model.split_batch(_first_batch(cli))
-    microbatches = config.pp_microbatches if config.pp > 1 else 1
+    microbatches = config.microbatches if config.pp > 1 else 1
     breakdowns = rank_memory(module_spec(cli.model, cli.trainer.strategy._model_map), config,
-                             seq_len=inputs.shape[1], micro_batch_size=max(1, inputs.shape[0] // microbatches),
+                             seq_len=inputs.shape[1], microbatch_size=max(1, inputs.shape[0] // microbatches),
                              precision=LIGHTNING_PRECISIONS.get(cli.trainer.precision, "32-true"),
                              microbatches=microbatches)
     return [breakdown.as_dict() for breakdown in breakdowns]
@@ -156,7 +157,7 @@ def _host_peak_bytes() -> int:
 
 
 def run_rank(argv: list[str]) -> None:
-    """A rank process of ``lightning-par check`` (``lightning_par/cli_check.py``): RANK WORLD_SIZE STORE_PORT OUTPUT
+    """A rank process of ``lightning-par check`` (``lightning_par/cli/check.py``): RANK WORLD_SIZE STORE_PORT OUTPUT
     then the config's options."""
     import json
     from pathlib import Path

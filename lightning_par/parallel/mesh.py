@@ -22,15 +22,8 @@ from typing import NamedTuple
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-FLATTENED_DIMS = {
-    "dp": ("dp_replicate", "dp_shard"),
-    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-    "dp_shard_cp": ("dp_shard", "cp"),
-    "cp_tp": ("cp", "tp"),
-    "data_parallel": ("dp_replicate", "dp_shard"),
-    "tensor_parallel": ("tp",),
-}
+from lightning_par.layout.config import ParallelConfig
+from lightning_par.layout.dimensions import FLATTENED_DIMS, MESH_DIM_NAMES
 
 
 class ExpertMeshes(NamedTuple):
@@ -106,6 +99,20 @@ class ParallelMesh:
     def __repr__(self) -> str:
         sizes = ", ".join(f"{k}={v}" for k, v in self.sizes().items())
         return f"ParallelMesh({sizes}, device_type={self.device_type!r})"
+
+
+def build_mesh(config: ParallelConfig, device_type: str = "cpu") -> ParallelMesh:
+    """The one named device mesh of ``config``'s layout over the initialized default process group.
+
+    Validates against the process group's world size first (every rank computes the same answer, so a bad layout
+    raises everywhere before any collective is issued).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("build_mesh() needs an initialized torch.distributed process group")
+    config = config.validate(dist.get_world_size())
+    return build_device_mesh(device_type, dict(zip(MESH_DIM_NAMES, config.mesh_shape())))
 
 
 def build_device_mesh(device_type: str, sizes: dict[str, int]) -> ParallelMesh:

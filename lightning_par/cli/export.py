@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from lightning_par.checkpoint import export_consolidated
+from lightning_par.checkpoint.format import export_consolidated
 
 
 def main(argv: list[str] | None = None) -> None:
     """``lightning-par-export CHECKPOINT OUTPUT [--format pt|hf|peft] [--merge]``: see
-    :func:`lightning_par.checkpoint.export_consolidated`, :func:`lightning_par.huggingface.export_huggingface` and
-    :func:`lightning_par.lora.export_lora`."""
+    :func:`lightning_par.checkpoint.format.export_consolidated`, :func:`lightning_par.checkpoint.huggingface.export_huggingface` and
+    :func:`lightning_par.checkpoint.adapters.export_lora`."""
     parser = argparse.ArgumentParser(prog="lightning-par-export",
                                      description=export_consolidated.__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="a sharded checkpoint directory or a full checkpoint file")
@@ -35,14 +35,14 @@ def main(argv: list[str] | None = None) -> None:
                      f"{args.format}")
     trusted = False if args.trust_pickled_code else None
     if args.format == "peft" or args.merge:
-        from lightning_par.lora import export_lora
+        from lightning_par.checkpoint.adapters import export_lora
 
         export_lora(args.checkpoint, args.output, merge=args.merge, weights_only=trusted, base=args.base)
         what = "the merged model as a Hugging Face model directory" if args.merge else "a peft adapter directory"
         print(f"wrote {what} to {args.output}")
         return
     if args.format == "hf":
-        from lightning_par.huggingface import export_huggingface
+        from lightning_par.checkpoint.huggingface import export_huggingface
 
         export_huggingface(args.checkpoint, args.output, weights_only=trusted)
         print(f"wrote a Hugging Face model directory to {args.output}")

@@ -1,7 +1,7 @@
 """``lightning-par plan --config RUN.yaml --check [K]``: the planner's first K layouts dry-run, side by side.
 
 Each layout the planner chose is written onto the config's strategy (hybrid3d, which takes every size and knob) and
-checked as ``lightning-par check`` checks a config (``lightning_par/cli_check.py``): rank 0's pipeline at the
+checked as ``lightning-par check`` checks a config (``lightning_par/cli/check.py``): rank 0's pipeline at the
 target world size, on the fake backend, with fake tensors. The report puts each pipeline rank's model states and
 peak from the dry run beside the planner's, so a layout whose memory the planner got wrong shows before the cluster
 is booked.
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_par.config import STRATEGY_ARGUMENTS, ParallelConfig
+from lightning_par.layout.config import STRATEGY_ARGUMENTS, ParallelConfig
 from lightning_par.planner.report import layout_name
 from lightning_par.planner.search import Candidate
 
@@ -41,7 +41,7 @@ def check_candidates(config_path: Path, candidates: Sequence[Candidate], world_s
     """Dry-run each of ``candidates`` (rank 0's pipeline) with the model and data of ``config_path``; a table of each
     pipeline rank's model states and peak, dry run beside planner (GiB, or MiB where every peak is under 1 GiB). A
     layout the dry run refuses gets its reason on its row, and the others are still checked."""
-    from lightning_par.cli_check import read_command, run_dry_runs
+    from lightning_par.cli.check import read_command, run_dry_runs
 
     checked: list[tuple[int, str, list[tuple[dict[str, Any], dict[str, float]]] | str]] = []
     for number, candidate in enumerate(candidates, 1):
@@ -71,7 +71,7 @@ def check_candidates(config_path: Path, candidates: Sequence[Candidate], world_s
 
 
 def _row(report: dict[str, Any], planned: dict[str, float], scale: float) -> str:
-    from lightning_par.cli_check import held_model_states
+    from lightning_par.cli.check import held_model_states
 
     states = held_model_states(report)
     peak = report["memory"]["peak"]

@@ -40,8 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
-from lightning_par import checkpoint_validation as check
-from lightning_par import safe_dcp
+from lightning_par.checkpoint import validation
+from lightning_par.checkpoint import safe_dcp
 from lightning_par.parallel.modules import clean_name, tied_aliases
 from lightning_par.parallel.regroup import (optimizer_to_stored_order, optimizer_to_training_order, to_stored_order,
                                             to_training_order)
@@ -52,7 +52,7 @@ MODEL_KEY = "state_dict"  # Lightning's own key for the model weights
 # load and on export.
 TIED_KEY = "lightning_par_tied_parameters"
 # In a checkpoint of a module whose frozen parameters come from a model directory (HFCausalLM with LoRA): that
-# directory, as lightning_par.lora.base_reference gives it. The checkpoint holds the trainable parameters only.
+# directory, as lightning_par.checkpoint.adapters.base_reference gives it. The checkpoint holds the trainable parameters only.
 FROZEN_BASE_KEY = "lightning_par_frozen_base"
 # In a checkpoint written under Lightning Fabric: which entries of the state saved held the model and the optimizers
 # (the checkpoint keeps them under MODEL_KEY and OPTIMIZERS_KEY, as the Trainer's).
@@ -166,7 +166,7 @@ def _load_optimizer_state(module: nn.Module, optimizer: Optimizer, state: dict[s
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     path = Path(path)
-    return path.is_dir() and (path / check.DCP_INDEX).is_file()
+    return path.is_dir() and (path / validation.DCP_INDEX).is_file()
 
 
 def save_checkpoint(
@@ -191,7 +191,7 @@ def save_checkpoint(
     if asynchronous and not sharded:
         raise ValueError("asynchronous checkpoints are written by torch.distributed.checkpoint: "
                          "they need the sharded format (save_distributed_checkpoint=True)")
-    checkpoint = {**checkpoint, check.FORMAT_KEY: check.FORMAT}
+    checkpoint = {**checkpoint, validation.FORMAT_KEY: validation.FORMAT}
     final = Path(path)
     staging = staging_path(final)
     rank = _rank()
@@ -229,7 +229,7 @@ class CheckpointSaveError(RuntimeError):
 
 
 def _save_failed(final: Path, error: BaseException) -> str:
-    cause = str(error) if isinstance(error, RankZeroFailed) else check.one_line(error)
+    cause = str(error) if isinstance(error, RankZeroFailed) else validation.one_line(error)
     return (f"saving checkpoint {str(final)!r} failed: {cause}. Nothing was put in its place: the checkpoints saved "
             f"before it are intact (its partial files are in {str(final.parent / STAGING_DIR)!r}, removed by the "
             "next save)")
@@ -247,7 +247,7 @@ def on_rank_zero(action: Callable[[], None]) -> None:
         try:
             action()
         except Exception as error:  # noqa: BLE001 - every rank raises it below
-            failure = f"rank 0: {check.one_line(error)}"
+            failure = f"rank 0: {validation.one_line(error)}"
     if dist.is_available() and dist.is_initialized():
         box = [failure]
         dist.broadcast_object_list(box, src=0)
@@ -288,7 +288,7 @@ def load_checkpoint(
     Works with both formats, whatever layout ``module`` has now: DCP reshards tensors saved under
     another layout, and a full checkpoint is re-sharded by ``set_model_state_dict``. The non-tensor entries
     are unpickled with ``weights_only=True``, and a sharded checkpoint's DCP index with an unpickler that constructs
-    only DCP's own classes (:mod:`lightning_par.safe_dcp`), unless ``weights_only=False`` says the file is trusted
+    only DCP's own classes (:mod:`lightning_par.checkpoint.safe_dcp`), unless ``weights_only=False`` says the file is trusted
     (:func:`read_metadata`).
     """
     path = Path(path)
@@ -297,11 +297,11 @@ def load_checkpoint(
     local = model_state_dict(module, full=False, aliases=False)
     trainable = trainable_names(module)
     # Every rank checks what it can before any tensor is read, and all raise the first problem found.
-    expected = check.expected_shapes(local)
+    expected = validation.expected_shapes(local)
     problem, checkpoint, metadata = _check_before_loading(path, expected, len(optimizers), strict, weights_only,
                                                           trainable=trainable)
-    check.agree(problem)
-    checkpoint.pop(check.FORMAT_KEY, None)
+    validation.agree(problem)
+    checkpoint.pop(validation.FORMAT_KEY, None)
     if FROZEN_BASE_KEY in checkpoint:  # the trainable parameters only: the rest is left as it is, to be read elsewhere
         local = {name: value for name, value in local.items() if name in trainable}
         expected, strict = {name: shape for name, shape in expected.items() if name in trainable}, False
@@ -320,7 +320,7 @@ def load_checkpoint(
                 _load_optimizer_state(module, optimizer, state, full=True)
     except (Exception, CheckpointException) as error:
         _refuse_pickled_code(error, path)
-        raise check.CheckpointError(f"loading checkpoint {str(path)!r} failed: {check.one_line(error)}") from error
+        raise validation.CheckpointError(f"loading checkpoint {str(path)!r} failed: {validation.one_line(error)}") from error
     checkpoint.pop(OPTIMIZERS_KEY, None)
     return checkpoint
 
@@ -330,7 +330,7 @@ def _refuse_pickled_code(error: BaseException, path: str | os.PathLike) -> None:
     (DCP raises it on every rank)."""
     found = safe_dcp.refused_class(error)
     if found:
-        raise check.CheckpointError(check.pickled_code_problem(Path(path), found)) from None
+        raise validation.CheckpointError(validation.pickled_code_problem(Path(path), found)) from None
 
 
 def checkpoint_problem(path: str | os.PathLike, *, weights_only: bool | None = None) -> str | None:
@@ -350,13 +350,13 @@ def _check_before_loading(path: Path, expected: dict[str, tuple[int, ...]], opti
         return f"checkpoint {str(path)!r} does not exist", {}, None
     try:
         if path.is_dir():
-            problem, metadata = check.sharded_problem(path, meta_file=META_FILE, weights_only=weights_only)
+            problem, metadata = validation.sharded_problem(path, meta_file=META_FILE, weights_only=weights_only)
             if problem:
                 return problem, {}, None
             checkpoint = read_metadata(path / META_FILE, weights_only)
-            saved, saved_optimizers = check.saved_shapes(metadata), check.saved_optimizers(metadata)
+            saved, saved_optimizers = validation.saved_shapes(metadata), validation.saved_optimizers(metadata)
         else:
-            problem, metadata = check.file_problem(path), None
+            problem, metadata = validation.file_problem(path), None
             if problem:
                 return problem, {}, None
             checkpoint = read_metadata(path, weights_only)
@@ -367,12 +367,12 @@ def _check_before_loading(path: Path, expected: dict[str, tuple[int, ...]], opti
                         "fit"), {}, None
             saved = {name: tuple(t.shape) if isinstance(t, Tensor) else None for name, t in checkpoint[MODEL_KEY].items()}
             saved_optimizers = len(checkpoint.get(OPTIMIZERS_KEY, []))
-    except check.CheckpointError as error:
+    except validation.CheckpointError as error:
         return str(error), {}, None
     if FROZEN_BASE_KEY in checkpoint and trainable is not None:
         expected = {name: shape for name, shape in expected.items() if name in trainable}
-    problem = (check.format_problem(path, checkpoint) or check.model_problem(path, saved, expected, strict=strict)
-               or check.optimizer_problem(path, saved_optimizers, optimizers))
+    problem = (validation.format_problem(path, checkpoint) or validation.model_problem(path, saved, expected, strict=strict)
+               or validation.optimizer_problem(path, saved_optimizers, optimizers))
     return problem, checkpoint, metadata
 
 
@@ -406,7 +406,7 @@ def consolidated_weights(checkpoint: str | os.PathLike, *,
     checkpoint = Path(checkpoint)
     problem, saved, metadata = _check_before_loading(checkpoint, {}, 0, False, weights_only)
     if problem:  # raised here only: this runs in one process, maybe one rank of a larger run
-        raise check.CheckpointError(problem)
+        raise validation.CheckpointError(problem)
     if metadata is not None:
         try:
             weights = _read_sharded_weights(checkpoint, metadata, weights_only)
@@ -471,12 +471,12 @@ def read_metadata(path: str | os.PathLike, weights_only: bool | None = None) -> 
             return torch.load(path, map_location="cpu", weights_only=False)
         return safe_dcp.load_object(path)
     except safe_dcp.PickledCodeError as error:
-        raise check.CheckpointError(check.pickled_code_problem(Path(path), error.found)) from None
+        raise validation.CheckpointError(validation.pickled_code_problem(Path(path), error.found)) from None
     except pickle.UnpicklingError as error:
-        raise check.CheckpointError(f"checkpoint {str(path)!r} is corrupt: {check.one_line(error)}; load an "
+        raise validation.CheckpointError(f"checkpoint {str(path)!r} is corrupt: {validation.one_line(error)}; load an "
                                     "earlier checkpoint") from None
     except (RuntimeError, EOFError, OSError) as error:  # torch's zip reader: a member cut short or damaged
-        raise check.CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupt: {check.one_line(error)}; "
+        raise validation.CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupt: {validation.one_line(error)}; "
                                     "load an earlier checkpoint") from None
 
 

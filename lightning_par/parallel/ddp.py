@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_par.mesh import ParallelMesh
+from lightning_par.parallel.mesh import ParallelMesh
 
 # The group that averages gradients: every rank that trains on different tokens. Context-parallel
 # ranks hold different chunks of the same sequences, so their gradients are summed in too.

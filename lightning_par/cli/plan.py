@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_par.config import CP_METHODS, PP_SCHEDULES, RECOMPUTE_MODES
+from lightning_par.layout.config import CP_METHODS, PP_SCHEDULES, RECOMPUTE_MODES
 from lightning_par.planner.cluster import DEVICE_PRESETS, ClusterSpec
 from lightning_par.planner.memory import LIGHTNING_PRECISIONS
 from lightning_par.planner.model import MODEL_PRESETS, ModelSpec, parameter_count
@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
                         "YAML's model")
     parser.add_argument("--global-batch-size", type=int, help="sequences per optimizer step (default: "
                         "data.batch_size x devices x accumulate_grad_batches)")
-    parser.add_argument("--micro-batch-size", type=int, nargs="+",
+    parser.add_argument("--microbatch-size", type=int, nargs="+",
                         help="sequences per micro-batch per data-parallel rank (several values: let the planner "
                              "choose; default 1). Without it and --global-batch-size, a YAML's data.batch_size is "
                              "the batch of every data-parallel rank, as the auto_parallel strategy plans it")
@@ -184,12 +184,12 @@ def main(argv: list[str] | None = None) -> None:
     per_rank = _int(data.get("batch_size"), 0)
     # The loader's batch per data-parallel rank, as Lightning (and the auto_parallel strategy) runs it: the global
     # batch then grows with the data-parallel size.
-    loader_batch = per_rank and options.global_batch_size is None and options.micro_batch_size is None
+    loader_batch = per_rank and options.global_batch_size is None and options.microbatch_size is None
     if options.check and not (options.config is not None and config.get("model") and not options.model
                               and loader_batch):
         raise SystemExit("lightning-par plan: --check dry-runs the config's own model on its loader's batch: give "
                          "--config with a model and a data section, without --model, --global-batch-size or "
-                         "--micro-batch-size")
+                         "--microbatch-size")
     batch_text = (f"{per_rank} sequences per data-parallel rank" if loader_batch
                   else f"{global_batch} sequences per step")
     print(f"Planning {model.name} ({parameter_count(model.total_params)} parameters) on {cluster.nodes} x "
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
                                       composable=composable, training_options=speed)
         else:
             training = TrainingSpec(global_batch_size=global_batch, seq_len=seq_len,
-                                    micro_batch_size=tuple(options.micro_batch_size or [1]), precision=precision,
+                                    microbatch_size=tuple(options.microbatch_size or [1]), precision=precision,
                                     **speed)
             candidates = plan_layouts(model, cluster, training, fixed=fixed, composable=composable)
     except ValueError as error:
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(candidates, top=options.top))
     print(explain(candidates))
     if options.check:
-        from lightning_par.cli_plan_check import check_candidates  # runs the strategies: Lightning's layer
+        from lightning_par.cli.plan_check import check_candidates  # runs the strategies: Lightning's layer
 
         print(check_candidates(options.config, [c for c in candidates if c.fits][:options.check], cluster.world_size))
     if device == "cpu":

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_par.cli_classes import quiet_lightning
+from lightning_par.cli.lightning_cli import quiet_lightning
 from lightning_par.data.drawn import OneProcessData, join_batches, samples_of
 
 __all__ = ["Comparison", "Run", "VerifyCommand", "compare", "format_comparison", "main", "read_command",
@@ -96,11 +96,11 @@ def read_layout_run(folder: Path) -> Run:
     for record in records:
         first_of_replica.setdefault(record["replica"], record)
     replicas = [first_of_replica[index] for index in sorted(first_of_replica)]
-    micro_batches = range(len(replicas[0]["batches"]))
-    batches = [join_batches([replica["batches"][m] for replica in replicas]) for m in micro_batches]
+    microbatches = range(len(replicas[0]["batches"]))
+    batches = [join_batches([replica["batches"][m] for replica in replicas]) for m in microbatches]
     losses = torch.tensor([record["losses"] for record in records], dtype=torch.float64).mean(0).tolist()
     rank0 = next(record for record in records if record["weights"] and record["weights"][0])
-    same = next(((m, a, b) for m in micro_batches for a in range(len(replicas)) for b in range(a + 1, len(replicas))
+    same = next(((m, a, b) for m in microbatches for a in range(len(replicas)) for b in range(a + 1, len(replicas))
                  if samples_of(replicas[a]["batches"][m]) == samples_of(replicas[b]["batches"][m])), None)
     return Run(batches, losses, rank0["gradient_norms"], rank0["weights"], rank0["accumulate"], rank0["layout"],
                len(replicas), same)
@@ -250,7 +250,7 @@ def record_callback(folder: Path, *, append: bool = False) -> str:
 
 def _seed_and_world_size(cli_args: list[str], world_size: int | None) -> tuple[int, int]:
     """The config's seed (0 when it draws one) and the layout run's processes."""
-    from lightning_par.cli_classes import ParallelCLI, Parser
+    from lightning_par.cli.lightning_cli import ParallelCLI, Parser
 
     class _Parsed(ParallelCLI):
         def instantiate_classes(self) -> None:  # only the values are read
@@ -275,7 +275,7 @@ def _check_it_fits(cli_args: list[str], world_size: int) -> None:
     """Refuse a model whose weights, gradients and Adam states (16 bytes a parameter) would not fit this machine's
     memory once in each of the ``world_size`` layout processes and once in the reference, naming the way to shrink
     it."""
-    from lightning_par.strategies.dry_run import read_config
+    from lightning_par.cli.dry_run_rank import read_config
 
     model = read_config(cli_args, model_contract=False).model  # on the meta device
     parameters = sum(p.numel() for p in model.parameters())
@@ -340,7 +340,7 @@ def _on_this_machine() -> Iterator[None]:
 def reference_run(cli_args: list[str], seed: int, steps: int, replicas: int, folder: Path) -> Run:
     """Lightning's single-device loop with the config's model and trainer, over the global batches of ``replicas``
     data-parallel replicas that this process draws from the config's data module."""
-    from lightning_par.cli_classes import ParallelCLI, Parser
+    from lightning_par.cli.lightning_cli import ParallelCLI, Parser
 
     with warnings.catch_warnings(), quiet_lightning(), _on_this_machine():
         warnings.filterwarnings("ignore")

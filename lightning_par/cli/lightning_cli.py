@@ -1,5 +1,5 @@
 """The classes of the ``lightning-par`` command: LightningCLI with every lightning_par strategy name registered, and
-its parser, which raises what it refuses (``lightning_par/cli.py`` says it in one line)."""
+its parser, which raises what it refuses (``lightning_par/cli/main.py`` says it in one line)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_par  # noqa: F401 - importing registers the strategy names with Lightning
-from lightning_par import checkpoint, safe_dcp
+from lightning_par.checkpoint import format as checkpoint
+from lightning_par.checkpoint import safe_dcp
 from lightning_par.callbacks import ParallelMonitor, ParallelProgressBar
-from lightning_par.checkpoint_validation import CheckpointError
-from lightning_par.cli_errors import CommandLineError
+from lightning_par.checkpoint.validation import CheckpointError
+from lightning_par.cli.errors import CommandLineError
 
 _LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "auto")  # "auto": lightning_par/strategies/auto_resume.py
 
@@ -97,13 +98,13 @@ def check_strategy_name(name: str) -> None:
     registered names (Lightning's own message lists only its own)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_par.strategies import DEPRECATED_STRATEGIES, STRATEGIES
+    from lightning_par.strategies import STRATEGIES
 
     if name in StrategyRegistry or name == "auto":
         return
     ours = sorted({key for key, entry in StrategyRegistry.items() if entry["strategy"] in STRATEGIES})
     lightnings = [key for key, entry in StrategyRegistry.items()
-                  if entry["strategy"] not in (*STRATEGIES, *DEPRECATED_STRATEGIES)]
+                  if entry["strategy"] not in STRATEGIES]
     close = difflib.get_close_matches(name, ours, n=3, cutoff=0.6) + difflib.get_close_matches(
         name, lightnings, n=1, cutoff=0.6)
     hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""

@@ -16,9 +16,9 @@ import sys
 import traceback
 from typing import Any
 
-from lightning_par.checkpoint_validation import CheckpointError
-from lightning_par.cli_classes import ParallelCLI, Parser, check_strategy_name
-from lightning_par.cli_errors import CommandLineError
+from lightning_par.checkpoint.validation import CheckpointError
+from lightning_par.cli.lightning_cli import ParallelCLI, Parser, check_strategy_name
+from lightning_par.cli.errors import CommandLineError
 from lightning_par.strategies.processes import ONE_TRACEBACK_VARIABLE
 
 VERBOSE_FLAG, VERBOSE_VARIABLE = "--verbose", "LIGHTNING_PAR_VERBOSE"
@@ -26,7 +26,7 @@ VERBOSE_FLAG, VERBOSE_VARIABLE = "--verbose", "LIGHTNING_PAR_VERBOSE"
 
 def main(args: Any = None) -> None:
     """Console-script entry point; ``lightning-par plan ...`` runs the layout planner instead of LightningCLI and
-    ``lightning-par check ...`` a dry run of a config at its target world size (``lightning_par/cli_check.py``).
+    ``lightning-par check ...`` a dry run of a config at its target world size (``lightning_par/cli/check.py``).
 
     A mistake is said in one line on stderr, led by the key and value at fault, and the command exits with 2 (a
     command line or config the parser refused) or 1; the traceback comes with ``--verbose`` or
@@ -37,12 +37,12 @@ def main(args: Any = None) -> None:
     if VERBOSE_FLAG in argv:
         argv.remove(VERBOSE_FLAG)
     if argv[:1] == ["plan"]:
-        from lightning_par.planner.cli import main as plan
+        from lightning_par.cli.plan import main as plan
 
         plan(argv[1:])
         return
     if argv[:1] == ["check"]:
-        from lightning_par.cli_check import main as check
+        from lightning_par.cli.check import main as check
 
         _one_line_errors(check, argv[1:], verbose)
         return
@@ -52,7 +52,7 @@ def main(args: Any = None) -> None:
         _one_line_errors(prepare, argv[1:], verbose)
         return
     if argv[:1] == ["verify"]:
-        from lightning_par.cli_verify import main as verify
+        from lightning_par.cli.verify import main as verify
 
         _one_line_errors(verify, argv[1:], verbose)
         return
@@ -106,7 +106,7 @@ def _report(error: BaseException, verbose: bool) -> None:
 
 
 def _one_line(error: BaseException) -> str:
-    from lightning_par.cli_errors import explain
+    from lightning_par.cli.errors import explain
 
     message = explain(str(error))  # a class's refusal of its arguments comes wrapped in jsonargparse's union text
     return message if isinstance(error, (ValueError, CheckpointError)) else f"{type(error).__name__}: {message}"

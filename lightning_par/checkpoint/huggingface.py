@@ -24,8 +24,8 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from lightning_par import checkpoint_validation as check
-from lightning_par.checkpoint import FROZEN_BASE_KEY, consolidated_weights, move_into_place, staging_path, with_aliases
+from lightning_par.checkpoint import validation
+from lightning_par.checkpoint.format import FROZEN_BASE_KEY, consolidated_weights, move_into_place, staging_path, with_aliases
 from lightning_par.parallel.adapters import adapter_parameter_names, checkpoint_name, is_peft_model
 from lightning_par.parallel.modules import clean_name, materialize_meta_parameters, tied_aliases
 from lightning_par.parallel.regroup import to_stored_order, to_training_order
@@ -62,15 +62,15 @@ def load_huggingface_weights(module: nn.Module, directory: str | os.PathLike, *,
     peft_model = is_peft_model(module)
     base = {checkpoint_name(name, peft_model=peft_model): value for name, value in state.items()
             if name not in adapters}
-    expected = check.expected_shapes(base)
+    expected = validation.expected_shapes(base)
     try:
         metadata = HuggingFaceStorageReader(str(directory)).read_metadata()
-        saved = check.saved_shapes(metadata, prefix="")
-        problem = (check.model_problem(directory, saved, expected, strict=True, what="model directory")
-                   or check.dtype_problem(directory, metadata, base, prefix="", what="model directory"))
+        saved = validation.saved_shapes(metadata, prefix="")
+        problem = (validation.model_problem(directory, saved, expected, strict=True, what="model directory")
+                   or validation.dtype_problem(directory, metadata, base, prefix="", what="model directory"))
     except Exception as error:  # noqa: BLE001 - a directory the reader cannot index is the problem to report
-        problem = f"model directory {str(directory)!r} cannot be read: {check.one_line(error)}"
-    check.agree(problem)
+        problem = f"model directory {str(directory)!r} cannot be read: {validation.one_line(error)}"
+    validation.agree(problem)
     dcp.load(base, storage_reader=HuggingFaceStorageReader(str(directory)))  # into the tensors of ``state``
     set_model_state_dict(module, with_aliases(to_training_order(module, state), aliases))
 
@@ -120,7 +120,7 @@ def export_huggingface(checkpoint: str | os.PathLike, output: str | os.PathLike,
     :func:`save_huggingface`). One process; returns ``output``."""
     weights, saved = consolidated_weights(checkpoint, weights_only=weights_only)
     if FROZEN_BASE_KEY in saved:
-        raise check.CheckpointError(f"checkpoint {str(checkpoint)!r} holds a LoRA run's adapters, not a whole model: "
+        raise validation.CheckpointError(f"checkpoint {str(checkpoint)!r} holds a LoRA run's adapters, not a whole model: "
                                     "export the adapters with --format peft, or the merged model with --format hf "
                                     "--merge")
     hyper_parameters = saved.get("hyper_parameters", {})
@@ -145,10 +145,10 @@ def save_huggingface(weights: dict[str, torch.Tensor], config: Any, output: str 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    problem = check.model_problem(Path(source or output), {n: tuple(t.shape) for n, t in weights.items()}, expected,
+    problem = validation.model_problem(Path(source or output), {n: tuple(t.shape) for n, t in weights.items()}, expected,
                                   strict=True)
     if problem:
-        raise check.CheckpointError(problem)
+        raise validation.CheckpointError(problem)
     model.load_state_dict({name: weights[name] for name in expected}, assign=True)
     model.tie_weights()
     staging = staging_path(output)

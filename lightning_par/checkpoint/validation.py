@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_par import safe_dcp
+from lightning_par.checkpoint import safe_dcp
 
 __all__ = ["CheckpointError", "FORMAT", "FORMAT_KEY", "agree", "file_problem", "sharded_problem", "model_problem",
            "pickled_code_problem", "one_line"]
@@ -59,7 +59,7 @@ def file_problem(path: Path) -> str | None:
 def sharded_problem(path: Path, *, meta_file: str,
                     weights_only: bool | None = None) -> tuple[str | None, Metadata | None]:
     """Why the directory ``path`` is not a complete sharded checkpoint (None if it is), and its DCP index (read by
-    :mod:`lightning_par.safe_dcp` unless ``weights_only=False`` trusts the directory)."""
+    :mod:`lightning_par.checkpoint.safe_dcp` unless ``weights_only=False`` trusts the directory)."""
     if not (path / DCP_INDEX).is_file():
         found = sorted(p.name for p in path.iterdir())[:5]
         return (f"{str(path)!r} is a directory but not a sharded checkpoint: it has no .metadata (the index "

@@ -2,7 +2,7 @@
 
 One frozen dataclass describes a layout. ``validate(world_size)`` checks it against the number of
 processes and returns a copy with every ``"auto"`` resolved; ``build_mesh()`` turns it into one named
-:class:`~lightning_par.mesh.ParallelMesh`. Nothing here talks to other ranks before the sizes are known
+:class:`~lightning_par.parallel.mesh.ParallelMesh`. Nothing here talks to other ranks before the sizes are known
 to fit, so a bad layout fails with the same ``ValueError`` on every rank instead of hanging a collective.
 
 This module never imports lightning (docs/architecture.md).
@@ -15,12 +15,12 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional, Union, get_args
 
-from lightning_par.mesh import MESH_DIM_NAMES, ParallelMesh, build_device_mesh
-from lightning_par.stages import V_SCHEDULES, Schedule
+from lightning_par.layout.dimensions import MESH_DIM_NAMES
+from lightning_par.layout.schedules import V_SCHEDULES, Schedule
 
 Size = Union[int, Literal["auto"]]
 # ZeRO-3's gather controls when nothing is scheduled: one block a unit, resharded after forward, FSDP2's own
-# lookahead. A strategy given "auto" for them chooses from the model (lightning_par.zero_units.choose_units).
+# lookahead. A strategy given "auto" for them chooses from the model (lightning_par.layout.zero_units.choose_units).
 ZERO3_UNIT_DEFAULTS = {"keep_gathered_blocks": 0, "prefetch_blocks": 0, "blocks_per_unit": 1}
 # Each knob's values, declared once: the strategies' signatures (which LightningCLI reads) use these aliases, and
 # the checks below their values.
@@ -46,7 +46,7 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 STRATEGY_ARGUMENTS = {
     "dp": "data_parallel_size", "tp": "tensor_parallel_size", "pp": "pipeline_parallel_size",
     "cp": "context_parallel_size", "ep": "expert_parallel_size", "dp_replicate": "replicate_size",
-    "cp_method": "context_parallel_method", "pp_schedule": "pipeline_schedule", "pp_microbatches": "microbatches",
+    "cp_method": "context_parallel_method", "pp_schedule": "pipeline_schedule",
     "pp_virtual_stages": "virtual_stages", "pp_balance": "pipeline_balance", "ddp_bucket_cap_mb": "bucket_cap_mb",
     "ddp_static_graph": "static_graph", "ddp_find_unused_parameters": "find_unused_parameters",
 }
@@ -65,7 +65,7 @@ class ParallelConfig:
     (as in torchtitan and Megatron-Core), so adding experts does not multiply the world size.
 
     ``sequence_parallel`` keeps the activations between tensor-parallel regions split along the sequence.
-    ``pp_schedule``, ``pp_microbatches``, ``pp_virtual_stages`` (stages per rank, interleaved 1F1B) and
+    ``pp_schedule``, ``microbatches``, ``pp_virtual_stages`` (stages per rank, interleaved 1F1B) and
     ``pp_balance`` configure pipeline parallel (``lightning_par.parallel.pipeline``).
     ``loss_parallel`` keeps the head's logits split over the vocabulary under tensor parallel and computes
     the cross-entropy on the shards. ``cp_method`` is how context parallel attends across the sequence slices
@@ -99,7 +99,7 @@ class ParallelConfig:
     loss_parallel: bool = False
     cp_method: ContextParallelMethod = "ulysses"
     pp_schedule: PipelineSchedule = "1f1b"
-    pp_microbatches: int = 4
+    microbatches: int = 4
     pp_virtual_stages: int = 2
     pp_balance: PipelineBalance = "parameters"
     zero_stage: int = 0
@@ -140,11 +140,8 @@ class ParallelConfig:
         return " x ".join(f"{name}={getattr(self, name)!r}" for name in MESH_DIM_NAMES) + f", ep={self.ep!r}"
 
     # ------------------------------------------------------------------------------ validation
-    def check(self) -> None:
-        """Check what can be checked without the world size: size types and every knob.
-
-        Strategies call this in their constructor, so a typo fails before any process starts.
-        """
+    def _validate_values(self) -> None:
+        """What can be checked without the world size: size types and every knob."""
         for name in (*MESH_DIM_NAMES, "ep"):
             _check_size(name, getattr(self, name), allow_auto=name in AUTO_SIZES)
         self._check_knobs()
@@ -201,14 +198,19 @@ class ParallelConfig:
         weight gradients (the planner counts one block's copies)."""
         return self.pp > 1 and self.activation_checkpointing == "full" and self.activation_checkpointing_every == 1
 
-    def validate(self, world_size: int) -> ParallelConfig:
-        """Check the layout against ``world_size`` processes and return it with ``"auto"`` resolved.
+    def validate(self, world_size: int | None = None) -> ParallelConfig:
+        """Check the layout against ``world_size`` processes and return it with ``"auto"`` resolved; without a world
+        size, check what can be checked without one (size types and every knob: the strategies do so in their
+        constructor, so a typo fails before any process starts) and return it as it is.
 
         Raises ``ValueError`` naming the offending sizes and what would fit.
         """
+        if world_size is None:
+            self._validate_values()
+            return self
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-        self.check()
+        self._validate_values()
 
         fixed = {name: getattr(self, name) for name in MESH_DIM_NAMES if getattr(self, name) != "auto"}
         product = math.prod(fixed.values())
@@ -262,7 +264,7 @@ class ParallelConfig:
             raise ValueError(f"pp_schedule={self.pp_schedule!r} is not one of {PP_SCHEDULES}")
         if self.pp_balance not in PP_BALANCE:
             raise ValueError(f"pp_balance={self.pp_balance!r} is not one of {PP_BALANCE}")
-        for name, least in (("pp_microbatches", 1), ("pp_virtual_stages", 2), ("keep_gathered_blocks", 0),
+        for name, least in (("microbatches", 1), ("pp_virtual_stages", 2), ("keep_gathered_blocks", 0),
                             ("prefetch_blocks", 0), ("blocks_per_unit", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -309,25 +311,11 @@ class ParallelConfig:
                 "already records which parameters are unused in the first iteration; keep one of them"
             )
 
-    # ------------------------------------------------------------------------------------ mesh
-    def build_mesh(self, device_type: str = "cpu") -> ParallelMesh:
-        """The one named device mesh of this layout over the initialized default process group.
-
-        Validates against the process group's world size first (every rank computes the same answer,
-        so a bad layout raises everywhere before any collective is issued).
-        """
-        import torch.distributed as dist
-
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("build_mesh() needs an initialized torch.distributed process group")
-        config = self.validate(dist.get_world_size())
-        return build_device_mesh(device_type, dict(zip(MESH_DIM_NAMES, config.mesh_shape())))
-
 
 def shard_size(data_parallel_size: Size, replicate_size: int) -> Size:
     """``dp_shard`` when ``data_parallel_size`` ranks form ``replicate_size`` replicated groups (HSDP).
 
-    ``"auto"`` stays ``"auto"``; values that are not positive integers are passed on for :meth:`ParallelConfig.check`
+    ``"auto"`` stays ``"auto"``; values that are not positive integers are passed on for :meth:`ParallelConfig.validate`
     to name.
     """
     if not (_positive(data_parallel_size) and _positive(replicate_size)):

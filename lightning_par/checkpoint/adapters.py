@@ -5,7 +5,7 @@ a peft adapter directory (``adapter_config.json`` + ``adapter_model.safetensors`
 adapted weight, a plain directory ``AutoModelForCausalLM.from_pretrained`` reads).
 
 A LoRA run's checkpoints hold the adapters (and their optimizer states) and a reference to the base model directory,
-by path and by :func:`lightning_par.huggingface.directory_fingerprint`; :func:`export_lora` rebuilds the model from
+by path and by :func:`lightning_par.checkpoint.huggingface.directory_fingerprint`; :func:`export_lora` rebuilds the model from
 the two in one process, as ``lightning-par-export`` runs. peft and transformers are imported only when called (the
 ``hf`` extra). No lightning import.
 """
@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_par import checkpoint_validation as check
-from lightning_par.checkpoint import FROZEN_BASE_KEY, consolidated_weights, move_into_place, staging_path
-from lightning_par.huggingface import directory_fingerprint, model_config, save_huggingface
+from lightning_par.checkpoint import validation
+from lightning_par.checkpoint.format import FROZEN_BASE_KEY, consolidated_weights, move_into_place, staging_path
+from lightning_par.checkpoint.huggingface import directory_fingerprint, model_config, save_huggingface
 from lightning_par.parallel.adapters import adapted_layers, base_layer, checkpoint_name, unused_lora_weights
 from lightning_par.parallel.modules import tied_aliases
 
@@ -127,7 +127,7 @@ def lora_model(config: Any, settings: Mapping[str, Any], weights: Mapping[str, t
                 weights[name] = saved[checkpoint_name(name, peft_model=True)].to(dtype)
     missing = [name for name in wanted if name not in weights]
     if missing:
-        raise check.CheckpointError(f"the LoRA model of {type(model.get_base_model()).__name__} lacks {len(missing)} "
+        raise validation.CheckpointError(f"the LoRA model of {type(model.get_base_model()).__name__} lacks {len(missing)} "
                                     f"tensors, e.g. {missing[:3]}")
     model.load_state_dict({name: weights[name] for name in wanted}, assign=True, strict=False)
     model.get_base_model().tie_weights()
@@ -170,11 +170,11 @@ def export_lora(checkpoint: str | os.PathLike, output: str | os.PathLike, *, mer
     settings = lora_settings(hyper_parameters.get("lora"))
     reference = saved.get(FROZEN_BASE_KEY)
     if settings is None or reference is None:
-        raise check.CheckpointError(f"checkpoint {str(checkpoint)!r} is not a LoRA run's (it has no lora settings or "
+        raise validation.CheckpointError(f"checkpoint {str(checkpoint)!r} is not a LoRA run's (it has no lora settings or "
                                     "no base model reference): export it with --format pt or --format hf")
     problem = check_base(reference, base, source=str(checkpoint))
     if problem:
-        raise check.CheckpointError(problem)
+        raise validation.CheckpointError(problem)
     directory = Path(reference["directory"] if base is None else base)
     config = model_config({**hyper_parameters, "pretrained": str(directory)})
     model = lora_model(config, settings, adapters, base=directory)

@@ -4,7 +4,7 @@
 
 Each chosen rank is one process on torch's fake backend that builds the model on the meta device, lays it out with
 the config's own strategy (stages, tensor-parallel splits, FSDP2 units, experts) and takes a training step on fake
-tensors (``lightning_par.strategies.dry_run``). The report gives, per rank, what it holds at the step's peak
+tensors (``lightning_par.cli.dry_run_rank``). The report gives, per rank, what it holds at the step's peak
 (parameters, gradients, optimizer states, activations) and what each mesh dimension moved (collectives and bytes).
 Under pipeline parallel a rank's whole pipeline runs, one process per stage, since a stage learns its input's shape
 from the stage before it. Without ``--ranks``: rank 0 and, under pipeline parallel, the other stages of its pipeline
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lightning_par.config import ParallelConfig
+from lightning_par.layout.config import ParallelConfig
 
 __all__ = ["CheckCommand", "chosen_ranks", "format_report", "held_model_states", "main", "read_command",
            "run_dry_runs"]
@@ -85,7 +85,7 @@ def run_dry_runs(cli_args: list[str], world_size: int, ranks: list[int], pp: int
 
 # What a rank process imports (about 6 s of CPU each): imported once, in the server the rank processes fork from.
 _PRELOADED = ["torch", "torch.distributed.tensor", "torch.distributed.pipelining", "lightning.pytorch",
-              "lightning_par.strategies", "lightning_par.strategies.dry_run", "lightning_par.cli_classes"]
+              "lightning_par.strategies", "lightning_par.cli.dry_run_rank", "lightning_par.cli.lightning_cli"]
 
 
 def _start(rank: int, world_size: int, port: int, folder: Path, cli_args: list[str]) -> Any:
@@ -107,7 +107,7 @@ def _rank_process(argv: list[str], stderr: str, environment: dict[str, str], pat
     import traceback
     import warnings
 
-    from lightning_par.strategies.dry_run import run_rank
+    from lightning_par.cli.dry_run_rank import run_rank
 
     os.environ.clear()
     os.environ.update(environment)
@@ -203,8 +203,8 @@ class CheckCommand:
 def read_command(argv: list[str]) -> CheckCommand:
     """``argv`` (after ``check``) read, its config built on the meta device and its layout checked at the world size;
     every refusal is made here, before any rank's process starts."""
-    from lightning_par.cli_classes import quiet_lightning
-    from lightning_par.strategies.dry_run import layout_of, planned_memory, read_config
+    from lightning_par.cli.lightning_cli import quiet_lightning
+    from lightning_par.cli.dry_run_rank import layout_of, planned_memory, read_config
 
     options, cli_args = _parser().parse_known_args(argv)
     if options.world_size < 1:
