@@ -517,3 +517,25 @@ def test_auto_parallel_replans_on_resume_with_fewer_ranks(tmp_path: Path) -> Non
     assert resumed["step"] == uninterrupted["step"] == 4
     for name, tensor in uninterrupted["state"].items():
         torch.testing.assert_close(resumed["state"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_is_lightnings_error_again_once_uninstalled() -> None:
+    """``ckpt_path="auto"`` reaches Lightning through a wrapper of its connector's parse; ``uninstall`` restores
+    Lightning's own, under which "auto" is a file name like any other value."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_par.strategies import auto_resume
+
+    def parse(trainer: Trainer) -> object:
+        connector = trainer._checkpoint_connector
+        return connector._parse_ckpt_path(TrainerFn.FITTING, "auto", model_provided=True, model_connected=True)
+
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    assert parse(trainer) is None  # no checkpoint of this run: a fresh start
+    auto_resume.uninstall()
+    try:
+        assert parse(trainer) == "auto"
+    finally:
+        auto_resume.install()
+    assert parse(trainer) is None

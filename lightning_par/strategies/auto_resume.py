@@ -11,8 +11,9 @@ moves to a new ``version_N`` at each start, so the earlier versions' ``checkpoin
 too. Every rank decides by itself, before the processes connect, so the checkpoint directory must be one that every
 node sees (as for any resume).
 
-Installed into Lightning's checkpoint connector when ``lightning_par`` is imported: ``Trainer.fit(ckpt_path="auto")``
-and ``lightning-par fit --ckpt_path auto`` both work, with any strategy.
+Installed into Lightning's checkpoint connector (its private ``_parse_ckpt_path``) when ``lightning_par`` is imported:
+``Trainer.fit(ckpt_path="auto")`` and ``lightning-par fit --ckpt_path auto`` both work, with any strategy; any other
+value goes to Lightning's own unchanged. :func:`uninstall` gives Lightning its own back.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from lightning_par.checkpoint.format import checkpoint_problem
 
 AUTO = "auto"
 
-__all__ = ["AUTO", "newest_checkpoint"]
+__all__ = ["AUTO", "install", "newest_checkpoint", "uninstall"]
 
 
 def newest_checkpoint(trainer: Trainer) -> str | None:
@@ -82,3 +83,9 @@ def install() -> None:
     """Teach Lightning's checkpoint connector ``ckpt_path="auto"`` (once)."""
     if not getattr(_CheckpointConnector._parse_ckpt_path, "lightning_par_auto", False):
         _CheckpointConnector._parse_ckpt_path = _with_auto(_CheckpointConnector._parse_ckpt_path)
+
+
+def uninstall() -> None:
+    """Give Lightning's checkpoint connector its own ``_parse_ckpt_path`` back (``"auto"`` is then a file name)."""
+    if getattr(_CheckpointConnector._parse_ckpt_path, "lightning_par_auto", False):
+        _CheckpointConnector._parse_ckpt_path = _CheckpointConnector._parse_ckpt_path.__wrapped__
