@@ -149,9 +149,10 @@ def too_few_microbatches(n_microbatches: int, schedule: Schedule, pp: int, virtu
     if SCHEDULES[schedule].fewest_microbatches == "one per stage":
         return (f"schedule {schedule!r} needs at least {least // pp} x pp={pp} = {least} micro-batches (one per "
                 f"stage), got microbatches={n_microbatches}; raise it to {least} or more")
-    unlimited = " or ".join(repr(name) for name, spec in SCHEDULES.items() if spec.fewest_microbatches == "any")
+    # The first row that runs any number (GPipe): a row added later does not change the advice.
+    unlimited = next(name for name, spec in SCHEDULES.items() if spec.fewest_microbatches == "any")
     return (f"schedule {schedule!r} needs at least pp={pp} micro-batches to fill the pipeline, got "
-            f"microbatches={n_microbatches}; raise it to {pp} or more (or use {unlimited})")
+            f"microbatches={n_microbatches}; raise it to {pp} or more (or use {unlimited!r})")
 
 
 def balance(costs: Sequence[float], n_stages: int, *, first: float = 0.0, last: float = 0.0) -> list[int]:
