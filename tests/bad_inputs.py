@@ -333,7 +333,7 @@ BAD_INPUTS: list[BadInput] = [
              "context_parallel_size must be a positive integer, got 0",
              _strategy("ContextParallelStrategy", context_parallel_size=0)),
     BadInput("`PipelineParallelStrategy(pipeline_schedule='dualpipe')`",
-             "pipeline_schedule='dualpipe' is not one of ('gpipe', '1f1b', 'interleaved_1f1b', 'zbv', 'dualpipev')",
+             "pipeline_schedule='dualpipe' is not one of ('gpipe', '1f1b'",  # and the rest of layout.schedules.SCHEDULES
              _strategy("PipelineParallelStrategy", pipeline_schedule="dualpipe")),
     BadInput("`PipelineParallelStrategy(microbatches=0)`", "microbatches must be an integer >= 1, got 0",
              _strategy("PipelineParallelStrategy", microbatches=0)),

@@ -10,6 +10,7 @@ import torch
 from parity import assert_fails_on_every_rank, assert_layout_matches, assert_parity
 from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule
 
+from lightning_par.layout.schedules import SCHEDULES, fewest_microbatches
 from lightning_par.parallel.mesh import build_mesh
 from lightning_par.parallel.pipeline.split import balance, sizes_from_split_points, stage_indices
 
@@ -43,24 +44,30 @@ def test_balance_minimises_the_largest_stage() -> None:
         sizes_from_split_points([f"b.{i}" for i in range(6)], ["b.2", "b.9"], 3)
 
 
-@pytest.mark.parametrize(
-    ("world_size", "kwargs", "accumulate", "clip"),
-    [
-        (2, dict(pipeline_schedule="gpipe", microbatches=2), 1, None),
-        (2, dict(pipeline_schedule="1f1b", microbatches=2), 2, 0.05),
-        (2, dict(pipeline_schedule="interleaved_1f1b", microbatches=2, activation_checkpointing="full"), 1, None),
-        (2, dict(pipeline_schedule="zbv", microbatches=2), 1, None),
-        (4, dict(pipeline_schedule="1f1b", microbatches=4), 1, 0.05),
-        (4, dict(pipeline_schedule="zbv", microbatches=4), 1, None),
-        (2, dict(pipeline_schedule="1f1b", microbatches=2, pipeline_balance="profile"), 1, None),
-        (2, dict(pipeline_schedule="gpipe", microbatches=4, model_map=SPLIT_AFTER_3), 1, None),
-        (2, dict(pipeline_schedule="dualpipev", microbatches=4), 2, 0.05),  # at least one micro-batch per stage
-    ],
-    # pp=4 for the schedules whose order depends most on the number of stages (1F1B's warm-up, ZB-V's V);
-    # GPipe and interleaved 1F1B at pp=2.
-    ids=["pp2-gpipe", "pp2-1f1b-acc2-clip", "pp2-interleaved-recompute", "pp2-zbv", "pp4-1f1b-clip", "pp4-zbv",
-         "pp2-profile", "pp2-split-points", "pp2-dualpipev-acc2-clip"],
-)
+# pp=4 for the schedules whose order depends most on the number of stages (1F1B's warm-up, ZB-V's V);
+# GPipe and interleaved 1F1B at pp=2.
+PARITY_CASES = [
+    pytest.param(2, dict(pipeline_schedule="gpipe", microbatches=2), 1, None, id="pp2-gpipe"),
+    pytest.param(2, dict(pipeline_schedule="1f1b", microbatches=2), 2, 0.05, id="pp2-1f1b-acc2-clip"),
+    pytest.param(2, dict(pipeline_schedule="interleaved_1f1b", microbatches=2, activation_checkpointing="full"), 1,
+                 None, id="pp2-interleaved-recompute"),
+    pytest.param(2, dict(pipeline_schedule="zbv", microbatches=2), 1, None, id="pp2-zbv"),
+    pytest.param(4, dict(pipeline_schedule="1f1b", microbatches=4), 1, 0.05, id="pp4-1f1b-clip"),
+    pytest.param(4, dict(pipeline_schedule="zbv", microbatches=4), 1, None, id="pp4-zbv"),
+    pytest.param(2, dict(pipeline_schedule="1f1b", microbatches=2, pipeline_balance="profile"), 1, None,
+                 id="pp2-profile"),
+    pytest.param(2, dict(pipeline_schedule="gpipe", microbatches=4, model_map=SPLIT_AFTER_3), 1, None,
+                 id="pp2-split-points"),
+    pytest.param(2, dict(pipeline_schedule="dualpipev", microbatches=4), 2, 0.05,  # one micro-batch per stage at least
+                 id="pp2-dualpipev-acc2-clip"),
+]
+# Every other row of layout.schedules.SCHEDULES, at pp=2 with its fewest micro-batches (at least 2).
+PARITY_CASES += [pytest.param(2, dict(pipeline_schedule=name, microbatches=max(2, fewest_microbatches(name, 2, 2))),
+                              1, None, id=f"pp2-{name}")
+                 for name in SCHEDULES if all(case.values[1]["pipeline_schedule"] != name for case in PARITY_CASES)]
+
+
+@pytest.mark.parametrize(("world_size", "kwargs", "accumulate", "clip"), PARITY_CASES)
 def test_pipeline_matches_single_process(world_size: int, kwargs: dict, accumulate: int, clip) -> None:
     datamodule = functools.partial(make_datamodule, batch_size=4)
     assert_layout_matches(make_module, datamodule,
@@ -243,25 +250,33 @@ def _schedule_step(rank: int, world_size: int, schedules: tuple[str, ...], micro
 
 def test_pipeline_bubble_matches_theory() -> None:
     """Idle fraction per rank, p=2 ranks, m=4 micro-batches, equal costs, from the order in which the ranks
-    really ran their compute: GPipe and 1F1B (p-1)/(m+p-1) = 0.20 (Huang et al. 2019; Narayanan et al. 2021);
-    interleaved with v=2 stages per rank (p-1)/(v*m+p-1) = 0.11; ZB-V fills the bubble with weight-gradient
-    work (Qi et al. 2024). Exact, whatever the machine's load: the measured figures are a benchmark
-    (benchmarks/pipeline_schedules.py), not a test."""
+    really ran their compute, for every row of layout.schedules.SCHEDULES: its bubble ``b`` of the compute is an
+    idle fraction ``b / (1 + b)`` of the step. GPipe and 1F1B (p-1)/(m+p-1) = 0.20 (Huang et al. 2019; Narayanan
+    et al. 2021); interleaved with v=2 stages per rank (p-1)/(v*m+p-1) = 0.11; the schedules that split backward
+    fill the bubble with weight-gradient work (Qi et al. 2024), by how much depending on the passes' lengths, so
+    their row's bubble is a residual the equal costs here cannot pin down: they must beat fill-and-drain. Exact,
+    whatever the machine's load: the measured figures are a benchmark (benchmarks/pipeline_schedules.py), not a
+    test."""
     from harness import run_distributed
 
     from lightning_par.parallel.pipeline.bubble import simulated_bubble
 
-    p, m, v = 2, 4, 2
-    schedules = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
+    p, v = 2, 2
+    m = max(4, *(fewest_microbatches(name, p, v) for name in SCHEDULES))
+    schedules = tuple(SCHEDULES)
     ranks = run_distributed(_schedule_step, p, schedules, m)
     implied = {name: max(simulated_bubble({r: rank[name]["actions"] for r, rank in enumerate(ranks)},
                                           ranks[0][name]["n_stages"]).values()) for name in schedules}
-    theory = {"gpipe": (p - 1) / (m + p - 1), "1f1b": (p - 1) / (m + p - 1),
-              "interleaved_1f1b": (p - 1) / (v * m + p - 1)}
     print("pipeline bubble implied by the recorded orders:", {k: round(x, 4) for k, x in implied.items()})
-    for name, expected in theory.items():
-        assert implied[name] == pytest.approx(expected, abs=1e-9), (name, implied[name], expected)
-    assert implied["zbv"] < implied["1f1b"] - 0.05
+    fill_and_drain = (p - 1) / (m + p - 1)
+    for name, spec in SCHEDULES.items():
+        share = spec.bubble(p, m, v)
+        if spec.splits_backward:
+            assert implied[name] < fill_and_drain - 0.05 and share < (p - 1) / m, (name, implied[name], share)
+        else:
+            assert implied[name] == pytest.approx(share / (1 + share), abs=1e-9), (name, implied[name], share)
+    assert implied["1f1b"] == pytest.approx(fill_and_drain, abs=1e-9)
+    assert implied["interleaved_1f1b"] == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-9)
     # DualPipeV (DeepSeek-AI 2024, V-shaped) overlaps one micro-batch's forward with another's backward; with
     # equal costs it leaves the same single unit idle as ZB-V: 1 / (2 stages x m x 3 units + 1) = 1/25.
     assert implied["dualpipev"] == pytest.approx(1 / (2 * m * 3 + 1), abs=1e-9)
@@ -269,10 +284,13 @@ def test_pipeline_bubble_matches_theory() -> None:
     for name in schedules:
         for rank in ranks:
             record = rank[name]
-            # Every micro-batch went forward and backward (split in two halves under ZB-V) on each stage.
-            kinds = sorted({kind for _, kind, _ in record["actions"]})
-            expected_kinds = {"zbv": ["F", "I", "W"], "dualpipev": ["B", "F", "I", "W"]}.get(name, ["B", "F"])
-            assert kinds == expected_kinds, (name, kinds)
+            # Every micro-batch went forward and backward (split in input and weight halves where the row says so,
+            # beside whole backwards under DualPipeV) on each stage.
+            kinds = {kind for _, kind, _ in record["actions"]}
+            if SCHEDULES[name].splits_backward:
+                assert {"F", "I", "W"} <= kinds <= {"F", "B", "I", "W"}, (name, kinds)
+            else:
+                assert kinds == {"F", "B"}, (name, kinds)
             # One forward and one backward (whole, or its input and weight halves) per micro-batch and stage.
             backward = sum(1 for _, kind, _ in record["actions"] if kind in ("B", "I"))
             assert backward == sum(1 for _, kind, _ in record["actions"] if kind == "F") == m * record["n_stages"] // p

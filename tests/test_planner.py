@@ -229,6 +229,7 @@ def test_model_spec_counts_match_the_reference_model() -> None:
 
 def test_pipeline_stages_are_the_balancers() -> None:
     """The planner splits blocks over stages exactly as lightning_par.parallel.pipeline.split.balance does by parameters."""
+    from lightning_par.layout.schedules import stages_per_rank
     from lightning_par.parallel.pipeline.split import balance
     from lightning_par.planner.memory import rank_stages
 
@@ -236,7 +237,7 @@ def test_pipeline_stages_are_the_balancers() -> None:
         model = ModelSpec.preset(name)
         for pp, schedule in ((4, "1f1b"), (8, "interleaved_1f1b"), (4, "zbv")):
             config = ParallelConfig(pp=pp, dp_shard=1, pp_schedule=schedule, pp_virtual_stages=2)
-            n_stages = pp * (1 if schedule == "1f1b" else 2)
+            n_stages = pp * stages_per_rank(schedule, 2)
             expected = balance([model.block_params(i) for i in range(model.layers)], n_stages,
                                first=model.embedding_params, last=model.hidden + model.vocab_size * model.hidden)
             by_stage = {}
@@ -340,14 +341,19 @@ def test_fixed_sizes_that_cannot_make_the_world_size_raise(fixed: dict, message:
 
 # ------------------------------------------------------------------------------ time model
 def test_pipeline_bubble_follows_the_schedules() -> None:
-    """(p-1)/m of the compute for GPipe and 1F1B, (p-1)/(v·m) interleaved (Narayanan et al. 2021, sec. 2.2)."""
+    """(p-1)/m of the compute for GPipe and 1F1B, (p-1)/(v·m) interleaved (Narayanan et al. 2021, sec. 2.2): each
+    row's bubble of layout.schedules.SCHEDULES, which tests/test_schedules.py and test_pipeline_parallel.py hold to
+    the orders torch runs."""
+    from lightning_par.layout.schedules import SCHEDULES
+
     cluster = ClusterSpec.from_preset("h100-80gb", nodes=1, devices_per_node=8)
     model = ModelSpec.preset("llama3-8b")
     bubbles = {}
-    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zbv"):
+    for schedule, spec in SCHEDULES.items():
         config = ParallelConfig(pp=4, dp_shard=2, pp_schedule=schedule, microbatches=8, pp_virtual_stages=2)
         t = estimate_step_time(model, config, cluster, seq_len=2048, microbatch_size=1, microbatches=8)
         bubbles[schedule] = t.bubble / (t.compute + t.recompute)
+        assert bubbles[schedule] == pytest.approx(spec.bubble(4, 8, 2)), schedule
     assert bubbles["gpipe"] == pytest.approx(3 / 8) and bubbles["1f1b"] == pytest.approx(3 / 8)
     assert bubbles["interleaved_1f1b"] == pytest.approx(3 / 16)
     assert bubbles["zbv"] < bubbles["interleaved_1f1b"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Union, get_args
 
 from lightning_par.layout.dimensions import MESH_DIM_NAMES
-from lightning_par.layout.schedules import V_SCHEDULES, Schedule
+from lightning_par.layout.schedules import SCHEDULES, Schedule
 
 Size = Union[int, Literal["auto"]]
 # ZeRO-3's gather controls when nothing is scheduled: one block a unit, resharded after forward, FSDP2's own
@@ -26,7 +26,7 @@ ZERO3_UNIT_DEFAULTS = {"keep_gathered_blocks": 0, "prefetch_blocks": 0, "blocks_
 # the checks below their values.
 Recompute = Literal["none", "full", "selective"]
 ContextParallelMethod = Literal["ulysses", "ring"]
-PipelineSchedule = Schedule
+PipelineSchedule = Schedule  # the names of layout.schedules.SCHEDULES
 PipelineBalance = Literal["parameters", "profile"]
 GradientCompression = Literal["none", "bf16", "fp16"]
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -187,9 +187,10 @@ class ParallelConfig:
 
     @property
     def splits_backward(self) -> bool:
-        """A pipeline whose schedule (ZB-V, DualPipeV) runs each backward as an input-gradient pass
-        (``torch.autograd.grad``) and a later weight-gradient pass."""
-        return self.pp > 1 and self.pp_schedule in V_SCHEDULES
+        """A pipeline whose schedule (ZB-V, DualPipeV: ``splits_backward`` in ``layout.schedules.SCHEDULES``) runs
+        each backward as an input-gradient pass (``torch.autograd.grad``) and a later weight-gradient pass."""
+        schedule = SCHEDULES.get(self.pp_schedule)  # None before validate() refuses an unknown name
+        return self.pp > 1 and schedule is not None and schedule.splits_backward
 
     @property
     def pipeline_casts_without_cache(self) -> bool:

@@ -1,30 +1,158 @@
-"""Pipeline stage arithmetic: how many stages a rank holds, which ones, and how blocks are balanced.
+"""Pipeline schedules, one row each, and the stage arithmetic every reader derives from the rows.
 
-Pure Python (no torch), shared by ``lightning_par.parallel.pipeline``, which cuts the model, and
-``lightning_par.planner``, which predicts what each rank will hold.
+:data:`SCHEDULES` holds what the split, the runner, the config's checks and the planner need to know about a
+schedule: how many stages a rank holds and where, whether backward is split into input- and weight-gradient
+passes, the fewest micro-batches it runs, the activations a rank keeps in flight, its bubble, its report label and
+PyTorch's class. Adding a schedule is adding a row (and its line in tests/test_schedules.py); nothing else names
+schedules. The rows' papers:
+
+* GPipe: Huang et al. 2019, "GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism";
+* 1F1B: Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training" (PipeDream-Flush);
+* interleaved 1F1B: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+  Megatron-LM", sec. 2.2;
+* ZB-V: Qi et al. 2024, "Zero Bubble Pipeline Parallelism" (and "Pipeline Parallelism with Controllable Memory");
+* DualPipeV: DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (DualPipe), cut in half into a V as PyTorch's
+  ``ScheduleDualPipeV``.
+
+Pure Python: neither torch nor the package is imported (the torch class is named, and resolved where a schedule is
+built, ``lightning_par.parallel.pipeline.split.build_schedule``), so ``lightning_par.layout.config`` and the planner
+read the table without torch.distributed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
-#: Schedules whose two stages per rank sit in a V: rank r holds stages r and 2p - 1 - r. They are also the ones
-#: that split a stage's backward into input- and weight-gradient actions (I and W).
-V_SCHEDULES = ("zbv", "dualpipev")
+#: The fewest micro-batches a schedule runs: any number, one per pipeline rank (fewer leave the pipeline unfilled),
+#: or one per stage (DualPipeV feeds micro-batches from both ends of the V).
+MicrobatchFloor = Literal["any", "one per rank", "one per stage"]
+
+#: Of the fill-and-drain bubble, what a zero-bubble schedule leaves: its bubble is zero only when forward, input- and
+#: weight-gradient passes take equal time (Qi et al. 2024), which real blocks do not.
+ZERO_BUBBLE_RESIDUAL = 0.1
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One pipeline schedule: every fact the package reads about it.
+
+    ``in_flight(p, rank, m, v)``: micro-batches whose activations rank ``rank`` holds at its peak, in units of the
+    whole rank's blocks, for ``p`` ranks, ``m`` micro-batches and ``v`` virtual stages. ``bubble(p, m, v)``: the idle
+    time of a step as a fraction of its compute when every pass takes its share (the idle fraction of the step is
+    ``b / (1 + b)``). ``label`` is the planner's short name, ``{v}`` standing for the virtual stages.
+    """
+
+    name: str
+    label: str
+    paper: str
+    #: Stages per rank; ``None``: the configured ``pp_virtual_stages``.
+    stages_per_rank: int | None
+    #: Rank r holds stages r and 2p - 1 - r (a V) instead of r, r + p, ... (looped).
+    v_shape: bool
+    #: Backward runs as an input-gradient pass (I) and a later weight-gradient pass (W).
+    splits_backward: bool
+    #: Every micro-batch's forward runs before any backward: the last stage keeps all the micro-batches' logits.
+    forwards_first: bool
+    fewest_microbatches: MicrobatchFloor
+    in_flight: Callable[[int, int, int, int], float]
+    bubble: Callable[[int, int, int], float]
+    #: The class in ``torch.distributed.pipelining.schedules`` that runs it.
+    torch_class: str
+    #: The planner tries schedules in this order (cheapest first); it keeps the earlier of two equally good layouts.
+    search_order: int
+
+
+def _all_microbatches(p: int, rank: int, m: int, v: int) -> float:
+    return float(m)  # GPipe: every forward before the first backward
+
+
+def _one_per_rank_ahead(p: int, rank: int, m: int, v: int) -> float:
+    return float(min(m, p - rank))  # 1F1B: rank r starts its first backward after p - r forwards
+
+
+def _interleaved_chunks(p: int, rank: int, m: int, v: int) -> float:
+    # Megatron's warm-up: 2(p - r - 1) + (v - 1)p + 1 model chunks, each 1/v of the rank's blocks (the first rank
+    # holding 1 + (p - 1)/(p·v) times 1F1B's activations).
+    return min(v * m, 2 * (p - rank - 1) + (v - 1) * p + 1) / v
+
+
+def _two_chunks_per_rank(p: int, rank: int, m: int, v: int) -> float:
+    # Two chunks per rank and 2p chunk-micro-batches in flight, the memory of 1F1B (Qi et al. 2024); measured for
+    # DualPipeV at p=2: 0.35 / 0.30 of GPipe's peak at m=8, ZB-V 0.40 / 0.41.
+    return min(2 * m, 2 * p) / 2
+
+
+def _fill_and_drain(p: int, m: int, v: int) -> float:
+    return (p - 1) / m  # p - 1 micro-batch slots to fill and as many to drain, over m micro-batches of work
+
+
+def _fill_and_drain_of_chunks(p: int, m: int, v: int) -> float:
+    return (p - 1) / m / v  # the same p - 1 slots, each 1/v as long
+
+
+def _filled_with_weight_passes(p: int, m: int, v: int) -> float:
+    return (p - 1) / m * ZERO_BUBBLE_RESIDUAL
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
+    ScheduleSpec("gpipe", label="gpipe", paper="Huang et al. 2019", stages_per_rank=1, v_shape=False,
+                 splits_backward=False, forwards_first=True, fewest_microbatches="any", in_flight=_all_microbatches,
+                 bubble=_fill_and_drain, torch_class="ScheduleGPipe", search_order=4),
+    ScheduleSpec("1f1b", label="1f1b", paper="Narayanan et al. 2021 (PipeDream-Flush)", stages_per_rank=1,
+                 v_shape=False, splits_backward=False, forwards_first=False, fewest_microbatches="one per rank",
+                 in_flight=_one_per_rank_ahead, bubble=_fill_and_drain, torch_class="Schedule1F1B", search_order=0),
+    ScheduleSpec("interleaved_1f1b", label="int{v}", paper="Narayanan et al. 2021 (Megatron-LM)",
+                 stages_per_rank=None, v_shape=False, splits_backward=False, forwards_first=False,
+                 fewest_microbatches="one per rank", in_flight=_interleaved_chunks, bubble=_fill_and_drain_of_chunks,
+                 torch_class="ScheduleInterleaved1F1B", search_order=1),
+    ScheduleSpec("zbv", label="zbv", paper="Qi et al. 2024", stages_per_rank=2, v_shape=True, splits_backward=True,
+                 forwards_first=False, fewest_microbatches="one per rank", in_flight=_two_chunks_per_rank,
+                 bubble=_filled_with_weight_passes, torch_class="ScheduleZBVZeroBubble", search_order=2),
+    ScheduleSpec("dualpipev", label="dpv", paper="DeepSeek-AI 2024 (DeepSeek-V3, DualPipe)", stages_per_rank=2,
+                 v_shape=True, splits_backward=True, forwards_first=False, fewest_microbatches="one per stage",
+                 in_flight=_two_chunks_per_rank, bubble=_filled_with_weight_passes, torch_class="ScheduleDualPipeV",
+                 search_order=3),
+)}
+
+#: The schedules' names, in the table's order; ``Literal`` takes the tuple as its values (LightningCLI reads them).
+Schedule = Literal[tuple(SCHEDULES)]  # type: ignore[valid-type]
 
 
 def stages_per_rank(schedule: Schedule, virtual_stages: int) -> int:
     """How many stages each rank holds under ``schedule``."""
-    return {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": virtual_stages, "zbv": 2, "dualpipev": 2}[schedule]
+    fixed = SCHEDULES[schedule].stages_per_rank
+    return virtual_stages if fixed is None else fixed
 
 
 def stage_indices(pp_rank: int, pp: int, schedule: Schedule, virtual_stages: int = 2) -> list[int]:
     """The stages rank ``pp_rank`` holds: looped (``r, r + pp, ...``) or V-shaped (``r, 2pp - 1 - r``)."""
-    if schedule in V_SCHEDULES:
+    if SCHEDULES[schedule].v_shape:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(stages_per_rank(schedule, virtual_stages))]
+
+
+def fewest_microbatches(schedule: Schedule, pp: int, virtual_stages: int) -> int:
+    """The fewest micro-batches ``schedule`` runs on ``pp`` ranks."""
+    floor = SCHEDULES[schedule].fewest_microbatches
+    if floor == "one per stage":
+        return pp * stages_per_rank(schedule, virtual_stages)
+    return pp if floor == "one per rank" else 1
+
+
+def too_few_microbatches(n_microbatches: int, schedule: Schedule, pp: int, virtual_stages: int) -> str | None:
+    """Why ``n_microbatches`` are too few for ``schedule`` on ``pp`` ranks, naming the values; ``None`` if enough."""
+    least = fewest_microbatches(schedule, pp, virtual_stages)
+    if n_microbatches >= least:
+        return None
+    if SCHEDULES[schedule].fewest_microbatches == "one per stage":
+        return (f"schedule {schedule!r} needs at least {least // pp} x pp={pp} = {least} micro-batches (one per "
+                f"stage), got microbatches={n_microbatches}; raise it to {least} or more")
+    # The first row that runs any number (GPipe): a row added later does not change the advice.
+    unlimited = next(name for name, spec in SCHEDULES.items() if spec.fewest_microbatches == "any")
+    return (f"schedule {schedule!r} needs at least pp={pp} micro-batches to fill the pipeline, got "
+            f"microbatches={n_microbatches}; raise it to {pp} or more (or use {unlimited!r})")
 
 
 def balance(costs: Sequence[float], n_stages: int, *, first: float = 0.0, last: float = 0.0) -> list[int]:
@@ -63,4 +191,5 @@ def balance(costs: Sequence[float], n_stages: int, *, first: float = 0.0, last: 
     return sizes[::-1]
 
 
-__all__ = ["Schedule", "balance", "stage_indices", "stages_per_rank"]
+__all__ = ["SCHEDULES", "ZERO_BUBBLE_RESIDUAL", "MicrobatchFloor", "Schedule", "ScheduleSpec", "balance",
+           "fewest_microbatches", "stage_indices", "stages_per_rank", "too_few_microbatches"]

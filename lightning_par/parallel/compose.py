@@ -63,7 +63,8 @@ def check_batch_fits(config: ParallelConfig, *, batch_size: int | None, seq_len:
     (and, with sequence parallel, the tensor-parallel) ranks. Checked at set-up on the first batch, so that a
     mismatch fails before the first step; ``None`` skips a check."""
     if config.pp > 1:
-        check_microbatches(config.microbatches, config.pp_schedule, config.pp, batch_size)
+        check_microbatches(config.microbatches, config.pp_schedule, config.pp, batch_size,
+                           virtual_stages=config.pp_virtual_stages)
     if seq_len is None:
         return
     if config.cp > 1:

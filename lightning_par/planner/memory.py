@@ -55,10 +55,10 @@ Activation checkpointing: "full" keeps each block's input only and rebuilds one 
 backward; "selective" (``lightning_par.parallel.recompute``) keeps the block input and every matmul and
 SDPA output (q, k, v, attention output, o_proj, gate, up, down) and recomputes the element-wise ops.
 
-Pipeline schedules keep several micro-batches in flight: GPipe all ``m``; 1F1B ``p - r`` on rank ``r``;
-interleaved 1F1B ``2(p - r - 1) + (v - 1)p + 1`` model chunks (Megatron, giving the first rank
-``1 + (p - 1)/(p·v)`` times 1F1B's activations); ZB-V ``2p`` chunks of ``L/2p`` blocks on every rank (the
-memory of 1F1B, Qi et al. 2024).
+Pipeline schedules keep several micro-batches in flight, each schedule's ``in_flight`` of
+``lightning_par.layout.schedules.SCHEDULES``: GPipe all ``m``; 1F1B ``p - r`` on rank ``r``; interleaved 1F1B
+``2(p - r - 1) + (v - 1)p + 1`` model chunks (Megatron, giving the first rank ``1 + (p - 1)/(p·v)`` times 1F1B's
+activations); ZB-V ``2p`` chunks of ``L/2p`` blocks on every rank (the memory of 1F1B, Qi et al. 2024).
 
 Buffers: DDP's gradient buckets (a second copy of the gradients), FSDP2's gathered units (the block being
 computed and the one prefetched, plus the root unit, kept gathered after forward), pipeline receive
@@ -236,18 +236,7 @@ def in_flight(config: ParallelConfig, rank: int, microbatches: int) -> float:
     p, m = config.pp, microbatches
     if p == 1:
         return 1.0  # gradient accumulation: each micro-batch's backward frees its activations
-    schedule = config.pp_schedule
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "1f1b":
-        return float(min(m, p - rank))
-    if schedule == "interleaved_1f1b":
-        v = config.pp_virtual_stages
-        chunks = min(v * m, 2 * (p - rank - 1) + (v - 1) * p + 1)
-        return chunks / v
-    # zbv and dualpipev: two chunks per rank, 2p chunk-micro-batches in flight (measured for DualPipeV at p=2:
-    # 0.35 / 0.30 of GPipe's peak at m=8, ZB-V 0.40 / 0.41).
-    return min(2 * m, 2 * p) / 2
+    return schedules.SCHEDULES[config.pp_schedule].in_flight(p, rank, m, config.pp_virtual_stages)
 
 
 # ------------------------------------------------------------------------------- activations per token
@@ -486,7 +475,8 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
         norm_head, log_softmax = final_activation_bytes(model, precision=computed, tp=tp,
                                                  sequence_parallel=config.sequence_parallel,
                                                  loss_parallel=config.loss_parallel)
-        in_flight_losses = microbatches if config.pp > 1 and config.pp_schedule == "gpipe" else 1
+        forwards_first = config.pp > 1 and schedules.SCHEDULES[config.pp_schedule].forwards_first
+        in_flight_losses = microbatches if forwards_first else 1
         if config.pp > 1:  # the schedule keeps the last stage's output, the logits, until their backward
             log_softmax += matmul_activation_bytes(computed) * model.vocab_size / (tp if config.loss_parallel else 1)
         logits = (norm_head / cp + log_softmax) * whole * in_flight_losses

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lightning_par.layout.config import ParallelConfig
+from lightning_par.layout.schedules import SCHEDULES
 from lightning_par.planner.cluster import GiB
 from lightning_par.planner.search import Candidate
 from lightning_par.planner.time import spans
@@ -35,9 +36,8 @@ def schedule_name(candidate: Candidate) -> str:
     c = candidate.config
     if c.pp == 1:
         return f"acc {candidate.microbatches}" if candidate.microbatches > 1 else "-"
-    name = {"interleaved_1f1b": f"int{c.pp_virtual_stages}", "1f1b": "1f1b", "gpipe": "gpipe", "zbv": "zbv",
-            "dualpipev": "dpv"}
-    return f"{name[c.pp_schedule]} m{candidate.microbatches}"
+    label = SCHEDULES[c.pp_schedule].label.format(v=c.pp_virtual_stages)
+    return f"{label} m{candidate.microbatches}"
 
 
 def _unit(candidates: Sequence[Candidate]) -> tuple[str, float]:

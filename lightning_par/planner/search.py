@@ -34,6 +34,7 @@ from lightning_par.layout.config import (
     ParallelConfig,
     divisors,
 )
+from lightning_par.layout.schedules import SCHEDULES, fewest_microbatches
 from lightning_par.planner.cluster import ClusterSpec, GiB
 from lightning_par.planner.memory import (OPTIMIZERS, PRECISIONS, MemoryBreakdown, block_local_params, estimate_memory,
                                           rank_stages)
@@ -43,8 +44,7 @@ from lightning_par.layout.zero_units import choose_units
 
 # The values config.py allows, in the order the search tries them (cheapest first).
 CHECKPOINTING = tuple(sorted(RECOMPUTE_MODES, key=("none", "selective", "full").index))
-SCHEDULE_PREFERENCE = tuple(sorted(PP_SCHEDULES,
-                                   key=("1f1b", "interleaved_1f1b", "zbv", "dualpipev", "gpipe").index))
+SCHEDULE_PREFERENCE = tuple(sorted(PP_SCHEDULES, key=lambda name: SCHEDULES[name].search_order))
 
 # Names a user may fix, with the strategies' argument names (config.STRATEGY_ARGUMENTS) as aliases.
 _ALIASES = {argument: name for name, argument in STRATEGY_ARGUMENTS.items()}
@@ -276,17 +276,17 @@ def _pipeline_options(pp: int, m: int, model: ModelSpec, training: TrainingSpec,
         return [{}]
     options = []
     for schedule in _options("pp_schedule", fixed, training.pp_schedules):
-        if schedule != "gpipe" and m < pp:
-            continue  # 1F1B-type schedules need at least pp micro-batches
-        if schedule == "interleaved_1f1b":
-            for v in _options("pp_virtual_stages", fixed, training.pp_virtual_stages):
-                if pp * v <= model.layers:
-                    options.append({"pp_schedule": schedule, "microbatches": m, "pp_virtual_stages": v})
-        elif schedule == "dualpipev":
-            if m >= 2 * pp and 2 * pp <= model.layers:  # one micro-batch per stage at least
-                options.append({"pp_schedule": schedule, "microbatches": m})
-        elif pp * (2 if schedule == "zbv" else 1) <= model.layers:
-            options.append({"pp_schedule": schedule, "microbatches": m})
+        fixed_count = SCHEDULES[schedule].stages_per_rank
+        # A schedule of virtual stages is tried with each count the training allows; the others hold a fixed count.
+        counts = _options("pp_virtual_stages", fixed, training.pp_virtual_stages) if fixed_count is None else [None]
+        for v in counts:
+            per_rank = fixed_count or v
+            if m < fewest_microbatches(schedule, pp, per_rank) or pp * per_rank > model.layers:
+                continue  # too few micro-batches to fill the schedule, or fewer blocks than stages
+            option = {"pp_schedule": schedule, "microbatches": m}
+            if fixed_count is None:
+                option["pp_virtual_stages"] = v
+            options.append(option)
     return options
 
 

@@ -24,7 +24,7 @@ spans ``tp`` ranks, ``cp`` spans ``tp x cp``, and so on outwards (:func:`spans`)
 * pp (Narayanan et al. 2021): point-to-point of one micro-batch's hidden states per stage boundary, forward
   and backward; the bubble is ``(p-1)/m`` of the compute for GPipe and 1F1B, ``(p-1)/(v·m)`` interleaved,
   and a residual of ZB-V's ideal zero (Qi et al. 2024) when forward, input- and weight-gradient passes
-  differ in length.
+  differ in length (each schedule's ``bubble`` in ``lightning_par.layout.schedules.SCHEDULES``).
 * dp: gradients all-reduced once per step (DDP, ZeRO-1), reduced to their owners (ZeRO-2, and ZeRO-1 where
   they are averaged after backward: pipelines, tensor parallel) or
   reduce-scattered (ZeRO-3, Rajbhandari et al. 2020); ZeRO-1/2 then broadcast the updated parameters;
@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_par.layout.config import ParallelConfig
+from lightning_par.layout.schedules import SCHEDULES
 from lightning_par.planner.cluster import ClusterSpec
 from lightning_par.planner.memory import (
     RankStages,
@@ -57,7 +58,6 @@ from lightning_par.planner.memory import (
 from lightning_par.planner.model import ModelSpec
 
 SELECTIVE_RECOMPUTE_OVERHEAD = 0.03  # of the blocks' compute: element-wise ops rerun (Korthikanti, table 4)
-ZBV_BUBBLE_RESIDUAL = 0.1  # of 1F1B's bubble: ZB-V's is zero only when F, B and W passes take equal time
 
 # ---- calibration against published runs (lightning_par.planner.published; docs/planner.md has the table)
 # HBM traffic of a block's element-wise ops in eager PyTorch, forward + backward, in reads and writes of an
@@ -212,13 +212,8 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     forward_mb, backward_mb = compute_mb / 3, 2 * compute_mb / 3 + recompute_mb
 
     bubble = 0.0
-    if pp > 1:
-        ratio = (pp - 1) / m
-        if config.pp_schedule == "interleaved_1f1b":
-            ratio /= config.pp_virtual_stages
-        elif config.pp_schedule in ("zbv", "dualpipev"):  # the same idle share in tests/test_pipeline_parallel.py
-            ratio *= ZBV_BUBBLE_RESIDUAL
-        bubble = ratio * (compute + recompute)
+    if pp > 1:  # the schedule's row of layout.schedules.SCHEDULES: its bubble as a share of the compute
+        bubble = SCHEDULES[config.pp_schedule].bubble(pp, m, config.pp_virtual_stages) * (compute + recompute)
 
     comm: dict[str, float] = {}
     volume: dict[str, float] = {}

@@ -53,9 +53,10 @@ class Hybrid3DStrategy(MeshStrategy):
         sequence_parallel: with tensor parallel, keep activations between regions split along the sequence.
         loss_parallel: with tensor parallel, cross-entropy on vocabulary-sharded logits.
         context_parallel_method: ``ulysses`` or ``ring``.
-        pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zbv`` or ``dualpipev``.
+        pipeline_schedule: a schedule of ``lightning_par.layout.schedules.SCHEDULES`` (``gpipe``, ``1f1b``,
+            ``interleaved_1f1b``, ``zbv``, ``dualpipev``, ...).
         microbatches: micro-batches per batch under pipeline parallel.
-        virtual_stages: stages per rank for ``interleaved_1f1b``.
+        virtual_stages: stages per rank for a schedule of virtual stages (``interleaved_1f1b``).
         pipeline_balance: ``parameters`` or ``profile``.
         reshard_after_forward: ZeRO-3: ``False`` keeps gathered blocks from forward to backward.
         keep_gathered_blocks: ZeRO-3: keep the last N blocks gathered from forward to backward.

@@ -24,11 +24,13 @@ class PipelineParallelStrategy(MeshStrategy):
 
     Args:
         pipeline_parallel_size: number of ranks the stages are spread over.
-        pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (``virtual_stages`` stages per rank), ``zbv``
-            (two stages per rank in a V, zero-bubble) or ``dualpipev`` (DeepSeek's DualPipe in a V).
+        pipeline_schedule: a schedule of ``lightning_par.layout.schedules.SCHEDULES``, each row saying its stages
+            per rank, placement and fewest micro-batches: ``gpipe``, ``1f1b``, ``interleaved_1f1b``
+            (``virtual_stages`` stages per rank), ``zbv`` (two stages per rank in a V, zero-bubble), ``dualpipev``
+            (DeepSeek's DualPipe in a V), ...
         microbatches: micro-batches per batch (the batch size must divide by it; 1F1B-type schedules need
             at least ``pipeline_parallel_size``, ``dualpipev`` twice that).
-        virtual_stages: stages per rank for ``interleaved_1f1b``.
+        virtual_stages: stages per rank for a schedule of virtual stages (``interleaved_1f1b``).
         pipeline_balance: how blocks are assigned to stages without split points in the model map: ``parameters``
             (equal parameter counts, embedding and head included) or ``profile`` (measured forward +
             backward time per block, embedding and head/loss).

@@ -31,7 +31,8 @@ def check_module(module: LightningModule, config: ParallelConfig, trainer: Train
             raise TypeError(f"pipeline parallel needs {type(module).__name__} to define {' and '.join(missing)}; the "
                             "schedule runs split_batch(batch) -> (inputs, targets), forward(inputs) -> logits and "
                             "loss_fn(logits, targets) itself (see docs/pipeline_parallel.md)")
-        check_microbatches(config.microbatches, config.pp_schedule, config.pp)
+        check_microbatches(config.microbatches, config.pp_schedule, config.pp,
+                           virtual_stages=config.pp_virtual_stages)
     if fitting and not any(p.requires_grad for p in module.parameters()):
         raise ValueError(f"{type(module).__name__} has no trainable parameters (it has none, or every one has "
                          "requires_grad=False): there is nothing to train. Unfreeze some, or add them in "

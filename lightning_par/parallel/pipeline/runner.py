@@ -38,7 +38,6 @@ from lightning_par.parallel.pipeline.split import (build_schedule, check_microba
                                                   last_stage_rank)
 from lightning_par.parallel.pipeline.weight_grad import DeferredWeightGradients
 from lightning_par.parallel.tensor import vocab_parallel_loss
-from lightning_par.layout.schedules import V_SCHEDULES
 
 __all__ = ["PipelineRunner"]
 
@@ -61,7 +60,7 @@ class PipelineRunner:
                  loss_fn: Callable[[Tensor, Tensor], Tensor], *, accumulate: int = 1,
                  device: torch.device | None = None,
                  loss_tokens: Callable[[Tensor], Tensor] | None = None) -> None:
-        check_microbatches(config.microbatches, config.pp_schedule, config.pp)
+        check_microbatches(config.microbatches, config.pp_schedule, config.pp, virtual_stages=config.pp_virtual_stages)
         self.stages, self.mesh, self.config, self.loss_fn, self.accumulate = stages, mesh, config, loss_fn, accumulate
         self.loss_tokens = loss_tokens
         self._batch_tokens: Tensor | None = None  # loss-taking tokens of the batch in the step, over the dp ranks
@@ -85,7 +84,7 @@ class PipelineRunner:
         self.bubble_fraction: float | None = None  # idle share of this rank's last training step
         self.sends = PipelineSends(stages)
         self.deferred = (DeferredWeightGradients(stages) if self.defer_weight_gradients
-                         and config.pp_schedule in V_SCHEDULES else None)
+                         and config.splits_backward else None)
         # Fixed for the run: whether this rank feeds the inputs or computes the loss, and which rank does.
         self.holds_first = any(stage.is_first for stage in stages)
         self.holds_last = any(stage.is_last for stage in stages)
@@ -161,9 +160,9 @@ class PipelineRunner:
         samples, short = inputs.shape[0], -inputs.shape[0] % config.microbatches
         if short:
             inputs = torch.cat([inputs, inputs[-1:].expand(short, *inputs.shape[1:])])
-        if config.pp_schedule in V_SCHEDULES:
-            # torch 2.13's ZB-V and DualPipeV run backward actions when asked to evaluate: forward_through_stages
-            # stands in.
+        if config.splits_backward:
+            # torch 2.13's ZB-V and DualPipeV, whose backward is split, run backward actions when asked to evaluate:
+            # forward_through_stages stands in.
             output = forward_through_stages(self.stages, inputs, self.mesh, config.pp_schedule,
                                             config.pp_virtual_stages)
         else:
@@ -215,7 +214,8 @@ class PipelineRunner:
         """What this rank passes to the schedule: the inputs on the first stage's rank, nothing elsewhere.
         Every stage also gets them as ``tokens`` (a keyword, split into micro-batches like the inputs)."""
         config = self.config
-        check_microbatches(config.microbatches, config.pp_schedule, config.pp, inputs.shape[0])
+        check_microbatches(config.microbatches, config.pp_schedule, config.pp, inputs.shape[0],
+                           virtual_stages=config.pp_virtual_stages)
         return (inputs,) if self.holds_first else ()
 
     def _ready(self, kind: str, inputs: Tensor) -> Any:

@@ -6,8 +6,9 @@ al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using M
 rank ``v`` smaller stages (rank ``r`` holds stages ``r, r + pp, ...``), dividing the bubble by ``v``;
 ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism") places two stages per rank in a V (rank ``r``
 holds ``r`` and ``2pp - 1 - r``) and fills the bubble with the weight-gradient halves of backward. The
-schedules and stage communication are PyTorch's ``torch.distributed.pipelining``; this module decides
-where the stages are and builds them from the model map.
+schedules and stage communication are PyTorch's ``torch.distributed.pipelining`` (each schedule's facts, its
+torch class among them, are a row of ``lightning_par.layout.schedules.SCHEDULES``); this module decides where the
+stages are and builds them from the model map.
 
 How a stage is made, without model-specific code: every stage runs the model's own forward over a view
 of it in which the network (the module holding the map's blocks) has the blocks the stage does not own skipped. What runs outside the blocks is found
@@ -37,15 +38,8 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    PipelineScheduleSingle,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleDualPipeV,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.pipeline.trace import (
@@ -59,15 +53,9 @@ from lightning_par.parallel.pipeline.trace import (
 from lightning_par.parallel.model_map import ModelMap, network_prefix, why_no_blocks
 from lightning_par.parallel.small_copy import small_copy
 from lightning_par.parallel.modules import clean_name
-from lightning_par.layout.schedules import V_SCHEDULES, Schedule, balance, stage_indices, stages_per_rank
+from lightning_par.layout.schedules import (SCHEDULES, Schedule, balance, stage_indices, stages_per_rank,
+                                           too_few_microbatches)
 
-TORCH_SCHEDULES: dict[str, type] = {  # each schedule of config.PP_SCHEDULES: torch's class
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
-}
 BALANCE_METHODS = ("parameters", "profile")
 
 
@@ -79,7 +67,8 @@ def check_weight_pass_with_zero3(schedule: Schedule, zero_stage: int) -> None:
     it would reduce incomplete gradients, so the pair is refused there, naming the limitation."""
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-    if zero_stage == 3 and schedule in V_SCHEDULES and not hasattr(_PipelineStageBase, "perform_reduce_grad"):
+    if zero_stage == 3 and SCHEDULES[schedule].splits_backward and not hasattr(_PipelineStageBase,
+                                                                                 "perform_reduce_grad"):
         raise ValueError(f"pipeline_schedule={schedule!r} with zero_stage=3 needs torch's pipeline runtime to "
                          "reduce FSDP2's gradients after each stage's last weight-gradient pass "
                          f"(PipelineStage.perform_reduce_grad), which torch {torch.__version__} lacks; use "
@@ -87,14 +76,12 @@ def check_weight_pass_with_zero3(schedule: Schedule, zero_stage: int) -> None:
 
 
 # ------------------------------------------------------------------------------------ placement
-def check_microbatches(n_microbatches: int, schedule: Schedule, pp: int, batch_size: int | None = None) -> None:
+def check_microbatches(n_microbatches: int, schedule: Schedule, pp: int, batch_size: int | None = None, *,
+                       virtual_stages: int) -> None:
     """Raise ``ValueError`` naming the values when the micro-batches do not fit the schedule or the batch."""
-    if schedule in ("1f1b", "interleaved_1f1b", "zbv") and n_microbatches < pp:
-        raise ValueError(f"schedule {schedule!r} needs at least pp={pp} micro-batches to fill the pipeline, "
-                         f"got microbatches={n_microbatches}; raise it to {pp} or more (or use 'gpipe')")
-    if schedule == "dualpipev" and n_microbatches < 2 * pp:
-        raise ValueError(f"schedule 'dualpipev' needs at least 2 x pp={pp} = {2 * pp} micro-batches (one per "
-                         f"stage), got microbatches={n_microbatches}; raise it to {2 * pp} or more")
+    too_few = too_few_microbatches(n_microbatches, schedule, pp, virtual_stages)
+    if too_few:
+        raise ValueError(too_few)
     if batch_size is not None and batch_size % n_microbatches != 0:
         raise ValueError(f"a batch of {batch_size} samples does not split into microbatches={n_microbatches}; "
                          f"use a batch size divisible by {n_microbatches}, and a loader that leaves out a partial "
@@ -674,8 +661,9 @@ def _receive(src: int, device: torch.device) -> Tensor:
 def build_schedule(stages: list[PipelineStage], schedule: Schedule, n_microbatches: int,
                    loss_fn: Callable[[Tensor, Tensor], Tensor] | None,
                    ) -> PipelineScheduleSingle | PipelineScheduleMulti:
-    """PyTorch's schedule over ``stages``; ``loss_fn`` already carries the 1/micro-batches scaling."""
-    cls = TORCH_SCHEDULES[schedule]
+    """PyTorch's schedule over ``stages`` (the row's class of ``torch.distributed.pipelining.schedules``);
+    ``loss_fn`` already carries the 1/micro-batches scaling."""
+    cls = getattr(torch_schedules, SCHEDULES[schedule].torch_class)
     if issubclass(cls, PipelineScheduleSingle):
         return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -684,7 +672,6 @@ def build_schedule(stages: list[PipelineStage], schedule: Schedule, n_microbatch
 
 __all__ = [
     "BALANCE_METHODS",
-    "TORCH_SCHEDULES",
     "SkippedBlock",
     "AbsentTensor",
     "StandInModule",
