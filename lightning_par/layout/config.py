@@ -167,11 +167,12 @@ class ParallelConfig:
                                  f"{self.name('prefetch_blocks')}=0 (the schedule keeps a stage gathered between its "
                                  "micro-batches)")
         if self.async_tp and not (self.tp > 1 and self.sequence_parallel and self.compile):
-            raise ValueError(f"{self.name('async_tp')}=True with {self.named('tp')}, {self.named('sequence_parallel')}, "
-                             f"{self.named('compile')}: async tensor parallel splits sequence parallel's all-gathers "
-                             "and reduce-scatters into pieces that overlap the matmuls beside them, a rewrite inductor "
-                             f"makes in compiled blocks; it needs {self.name('tp')} > 1, "
-                             f"{self.name('sequence_parallel')}=True and {self.name('compile')}=True")
+            raise ValueError(f"{self.name('async_tp')}=True with {self.named('tp')}, "
+                             f"{self.named('sequence_parallel')}, {self.named('compile')}: async tensor parallel "
+                             "splits sequence parallel's all-gathers and reduce-scatters into pieces that overlap the "
+                             "matmuls beside them, a rewrite inductor makes in compiled blocks; it needs "
+                             f"{self.name('tp')} > 1, {self.name('sequence_parallel')}=True and "
+                             f"{self.name('compile')}=True")
 
     @property
     def reduces_gradients_after_backward(self) -> bool:

@@ -536,9 +536,9 @@ def apply_context_parallel(module: nn.Module, mesh: ParallelMesh, model_map: Mod
     if method not in CP_METHODS:
         raise ValueError(f"context parallel method {method!r} is not one of {CP_METHODS}")
     if model_map is None:
-        raise ValueError(f"{mesh.spelling.named('cp', cp)} needs to know where the blocks are, and no model map was found "
-                         f"({why_no_blocks(module)}): give the strategy a model map (model_map: {{blocks: ...}}) or "
-                         "use a standard decoder layout")
+        raise ValueError(f"{mesh.spelling.named('cp', cp)} needs to know where the blocks are, and no model map was "
+                         f"found ({why_no_blocks(module)}): give the strategy a model map (model_map: "
+                         "{blocks: ...}) or use a standard decoder layout")
     # A router's per-sequence numbers (capacity, load-balancing statistics) are computed over the whole sequence
     # by the layers that know of the split; a model map's stacked experts are routed token by token by the model's
     # own router and need nothing.

@@ -211,8 +211,8 @@ def check_routing_draws(model: nn.Module, mesh: ParallelMesh, config: ParallelCo
         name = drawing[0]
         raise ValueError(
             f"{type(model_copy.get_submodule(name)).__name__} {name!r} draws random numbers in training (sampled "
-            f"routing such as sparsemixer, or router jitter), and {config.named_sizes()} routes other sets of tokens at "
-            "once than one process: each rank would draw from its own stream, and the model would train on other "
+            f"routing such as sparsemixer, or router jitter), and {config.named_sizes()} routes other sets of tokens "
+            "at once than one process: each rank would draw from its own stream, and the model would train on other "
             "routes than one process. Turn the draws off in the model's config where it has a setting (router jitter "
             "0), or train it on one process (docs/expert_parallel.md)")
 

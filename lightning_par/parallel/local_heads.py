@@ -59,8 +59,8 @@ def _localized(holder: Any, parts: int, what: str, spelling: Spelling) -> Any:
     counts = list(_counts(holder))
     for attribute, value in counts:  # all checked before any is set
         if value % parts:
-            raise ValueError(f"{spelling.named('tp', parts)} does not divide {what}.{attribute}={value}: its heads cannot be split "
-                             f"over the tensor-parallel ranks; sizes that fit: "
+            raise ValueError(f"{spelling.named('tp', parts)} does not divide {what}.{attribute}={value}: its heads "
+                             f"cannot be split over the tensor-parallel ranks; sizes that fit: "
                              f"{[d for d in range(1, min(value, 64) + 1) if value % d == 0]}")
     for attribute, value in counts:
         setattr(holder, attribute, value // parts)

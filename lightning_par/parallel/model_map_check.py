@@ -244,8 +244,8 @@ def _refusal(model_map: ModelMap, outcome: _Outcome, mesh: ParallelMesh, sequenc
         advice = (f"change the styles of {key!r}'s layers in the model map (colwise_gather/rowwise_split when the "
                   "model slices a projection's output by global sizes, replicate to keep it whole; see docs/models.md)")
     named_tp = mesh.spelling.named("tp", mesh.size("tp"))
-    return (f"tensor parallel ({named_tp}, {model_map.source} map) does not compute what the model computes in {key!r}: "
-            f"{outcome.reason}. {advice[0].upper()}{advice[1:]}")
+    return (f"tensor parallel ({named_tp}, {model_map.source} map) does not compute what the model computes in "
+            f"{key!r}: {outcome.reason}. {advice[0].upper()}{advice[1:]}")
 
 
 # ------------------------------------------------------------------------------------------- one run

@@ -47,8 +47,8 @@ def section_order(sections: tuple[int, ...], parts: int, *, spelling: Spelling =
     names the tensor-parallel size in the message when ``parts`` does not divide a section."""
     bad = [size for size in sections if size % parts]
     if bad:
-        raise ValueError(f"{spelling.named('tp', parts)} does not divide the sections {list(sections)} of a fused projection "
-                         f"(sizes {bad}); tensor-parallel sizes that fit: "
+        raise ValueError(f"{spelling.named('tp', parts)} does not divide the sections {list(sections)} of a fused "
+                         f"projection (sizes {bad}); tensor-parallel sizes that fit: "
                          f"{[d for d in range(1, 65) if all(size % d == 0 for size in sections)]}")
     starts = torch.tensor([0, *sections]).cumsum(0)[:-1].tolist()
     return torch.cat([torch.arange(start + rank * size // parts, start + (rank + 1) * size // parts)

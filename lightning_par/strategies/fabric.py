@@ -195,11 +195,11 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
 
     def _refuse_forward_outside_schedule(self, module: nn.Module, args: Any) -> None:
         if not self._in_schedule:
-            raise RuntimeError(f"pipeline parallel ({self.parallel_config.named('pp')}): this rank holds some stages of the "
-                               "model, so the model cannot be called whole. A training step is one call that runs the "
-                               "schedule: loss = fabric.strategy.pipeline_step(model, batch, loss_fn) (forward, loss "
-                               "and backward of every micro-batch); evaluation is fabric.strategy.pipeline_evaluate("
-                               "model, batch, loss_fn)")
+            raise RuntimeError(f"pipeline parallel ({self.parallel_config.named('pp')}): this rank holds some stages "
+                               "of the model, so the model cannot be called whole. A training step is one call that "
+                               "runs the schedule: loss = fabric.strategy.pipeline_step(model, batch, loss_fn) "
+                               "(forward, loss and backward of every micro-batch); evaluation is "
+                               "fabric.strategy.pipeline_evaluate(model, batch, loss_fn)")
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
