@@ -46,9 +46,7 @@ def _on_processes(world_size: int, name: str, **kwargs: Any) -> Callable[[], Any
     """The sizes check a strategy runs when ``world_size`` processes start (before any collective)."""
 
     def make() -> Any:
-        strategy = _strategy(name, **kwargs)()
-        with strategy.in_argument_names():
-            strategy.parallel_config.validate(world_size)
+        _strategy(name, **kwargs)().parallel_config.validate(world_size)
 
     return make
 
@@ -59,9 +57,7 @@ def _at_set_up(name: str, *, batch_size: int, seq_len: int, **kwargs: Any) -> Ca
     def make() -> Any:
         from lightning_par.parallel.compose import check_batch_fits
 
-        strategy = _strategy(name, **kwargs)()
-        with strategy.in_argument_names():
-            check_batch_fits(strategy.parallel_config, batch_size=batch_size, seq_len=seq_len)
+        check_batch_fits(_strategy(name, **kwargs)().parallel_config, batch_size=batch_size, seq_len=seq_len)
 
     return make
 

@@ -73,8 +73,7 @@ def layout_of(cli: DryRunCLI, world_size: int) -> ParallelConfig:
     if planned:
         raise ValueError(f"the strategy leaves {', '.join(planned)} to its planner: a dry run checks one layout; fix "
                          "the sizes in the config (lightning-par plan --config ... ranks them)")
-    with strategy.in_argument_names():
-        return strategy.parallel_config.validate(world_size)
+    return strategy.parallel_config.validate(world_size)
 
 
 def dry_run_rank(cli_args: list[str], *, world_size: int, rank: int, store: torch.distributed.Store | None

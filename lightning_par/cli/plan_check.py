@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_par.layout.config import STRATEGY_ARGUMENTS, ParallelConfig
+from lightning_par.layout.config import ParallelConfig
+from lightning_par.layout.dimensions import strategy_spelling
 from lightning_par.planner.report import layout_name
 from lightning_par.planner.search import Candidate
 
@@ -26,14 +27,14 @@ _HYBRID = "lightning_par.strategies.Hybrid3DStrategy"
 def layout_arguments(config: ParallelConfig) -> list[str]:
     """``lightning-par fit`` options that give the config's strategy the layout ``config`` (hybrid3d's names): every
     field that differs from ``ParallelConfig``'s default, the data-parallel size always."""
-    default = ParallelConfig()
+    default, hybrid = ParallelConfig(), strategy_spelling("dp")
     options = [f"--trainer.strategy={_HYBRID}",
                f"--trainer.strategy.init_args.data_parallel_size={int(config.dp_replicate) * int(config.dp_shard)}"]
     for field in dataclasses.fields(ParallelConfig):
         value = getattr(config, field.name)
-        if field.name == "dp_shard" or value == getattr(default, field.name):
+        if field.name in ("dp_shard", "spelling") or value == getattr(default, field.name):
             continue
-        options.append(f"--trainer.strategy.init_args.{STRATEGY_ARGUMENTS.get(field.name, field.name)}={value}")
+        options.append(f"--trainer.strategy.init_args.{hybrid.name(field.name)}={value}")
     return options
 
 

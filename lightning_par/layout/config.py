@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional, Union, get_args
 
-from lightning_par.layout.dimensions import MESH_DIM_NAMES
+from lightning_par.layout.dimensions import DIMENSIONS, FIELD_NAMES, MESH_DIM_NAMES, Spelling
 from lightning_par.layout.schedules import SCHEDULES, Schedule
 
 Size = Union[int, Literal["auto"]]
@@ -32,24 +32,9 @@ GradientCompression = Literal["none", "bf16", "fp16"]
 Dtype = Literal["fp32", "bf16", "fp16"]
 Float8Recipe = Literal["tensorwise", "rowwise"]
 
-# Only the data-parallel sizes can absorb "whatever is left" without a planner; the model-parallel
-# sizes change memory and speed too much to be guessed (the planner of the auto_parallel strategy
-# chooses them from a cost model instead).
-AUTO_SIZES = ("dp_replicate", "dp_shard")
 GRADIENT_COMPRESSIONS = get_args(GradientCompression)
 ZERO_STAGES = (0, 1, 2, 3)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-#: The argument every strategy (and the planner's ``fixed``) spells each field with, where the two differ: one name
-#: per knob, hybrid3d's. Fields not listed are spelled alike (``zero_stage``, ``sequence_parallel``, ...).
-#: ``dp_shard`` is ``data_parallel_size`` where nothing is replicated; each strategy says so itself.
-STRATEGY_ARGUMENTS = {
-    "dp": "data_parallel_size", "tp": "tensor_parallel_size", "pp": "pipeline_parallel_size",
-    "cp": "context_parallel_size", "ep": "expert_parallel_size", "dp_replicate": "replicate_size",
-    "cp_method": "context_parallel_method", "pp_schedule": "pipeline_schedule",
-    "pp_virtual_stages": "virtual_stages", "pp_balance": "pipeline_balance", "ddp_bucket_cap_mb": "bucket_cap_mb",
-    "ddp_static_graph": "static_graph", "ddp_find_unused_parameters": "find_unused_parameters",
-}
 RECOMPUTE_MODES = get_args(Recompute)
 CP_METHODS = get_args(ContextParallelMethod)
 PP_SCHEDULES = get_args(PipelineSchedule)
@@ -87,6 +72,10 @@ class ParallelConfig:
     beside them inside the compiled blocks (``lightning_par.parallel.async_tp``). Data-parallel knobs (``ddp_*``,
     ``gradient_compression``) configure PyTorch's ``DistributedDataParallel`` (Li et al. 2020, "PyTorch
     Distributed: Experiences on Accelerating Data Parallel Training") and apply to stages 0 and 1.
+
+    ``spelling`` is how whoever made the config names its fields, so that every message about a size or knob says
+    what the user wrote: a strategy's arguments (``tensor_parallel_size=2``), or the fields themselves
+    (``tp=2``) for a config built directly. It is no part of the layout: not compared, hashed or shown.
     """
 
     pp: int = 1
@@ -121,13 +110,14 @@ class ParallelConfig:
     ddp_static_graph: bool = False
     ddp_find_unused_parameters: bool = False
     gradient_compression: GradientCompression = "none"
+    spelling: Spelling = dataclasses.field(default=FIELD_NAMES, compare=False, repr=False)
 
     # ----------------------------------------------------------------------------------- sizes
     def mesh_shape(self) -> tuple[int, ...]:
         """Sizes in mesh order ``(pp, dp_replicate, dp_shard, cp, tp)``; the config must be resolved."""
         shape = tuple(getattr(self, name) for name in MESH_DIM_NAMES)
         if any(not isinstance(size, int) for size in shape):
-            raise ValueError(f"{self.describe()} still has 'auto' sizes: call validate(world_size) first")
+            raise ValueError(f"{self.named_sizes()} still has 'auto' sizes: call validate(world_size) first")
         return shape
 
     @property
@@ -136,14 +126,27 @@ class ParallelConfig:
         return _as_int(self.dp_replicate) * _as_int(self.dp_shard)
 
     def describe(self) -> str:
-        """The sizes as ``pp=1 x dp_replicate=2 x ...`` (used in every error message)."""
+        """The sizes as ``pp=1 x dp_replicate=2 x ...``, in the mesh's names (logs and records)."""
         return " x ".join(f"{name}={getattr(self, name)!r}" for name in MESH_DIM_NAMES) + f", ep={self.ep!r}"
+
+    def name(self, field: str) -> str:
+        """How the config's maker names ``field`` (``tensor_parallel_size``, or ``tp``)."""
+        return self.spelling.name(field)
+
+    def named(self, field: str) -> str:
+        """``field`` and its value as the config's maker names it: ``tensor_parallel_size=2`` (or ``tp=2``), for
+        messages."""
+        return self.spelling.named(field, getattr(self, field))
+
+    def named_sizes(self) -> str:
+        """Every size, as the config's maker names them (the layout in messages)."""
+        return " x ".join(self.named(name) for name in MESH_DIM_NAMES) + f", {self.named('ep')}"
 
     # ------------------------------------------------------------------------------ validation
     def _validate_values(self) -> None:
         """What can be checked without the world size: size types and every knob."""
-        for name in (*MESH_DIM_NAMES, "ep"):
-            _check_size(name, getattr(self, name), allow_auto=name in AUTO_SIZES)
+        for row in DIMENSIONS:
+            _check_size(self.name(row.field), getattr(self, row.field), allow_auto=row.may_be_auto)
         self._check_knobs()
 
     def check_composable(self) -> None:
@@ -154,18 +157,22 @@ class ParallelConfig:
         """
         stage = self.zero_stage
         if self.sharded_accumulation and stage not in (2, 3):
-            raise ValueError(f"sharded_accumulation=True with zero_stage={stage}: only ZeRO-2 and ZeRO-3 shard "
-                             "gradients; use zero_stage 2 or 3, or sharded_accumulation=False")
+            raise ValueError(f"{self.name('sharded_accumulation')}=True with {self.named('zero_stage')}: only ZeRO-2 "
+                             f"and ZeRO-3 shard gradients; use {self.name('zero_stage')} 2 or 3, or "
+                             f"{self.name('sharded_accumulation')}=False")
         if self.pp > 1:
             if self.prefetch_blocks:
-                raise ValueError(f"pp={self.pp} with prefetch_blocks={self.prefetch_blocks}: a pipeline schedule runs "
+                raise ValueError(f"{self.named('pp')} with {self.named('prefetch_blocks')}: a pipeline schedule runs "
                                  "its blocks for several micro-batches in its own order, not one after the next; set "
-                                 "prefetch_blocks=0 (the schedule keeps a stage gathered between its micro-batches)")
+                                 f"{self.name('prefetch_blocks')}=0 (the schedule keeps a stage gathered between its "
+                                 "micro-batches)")
         if self.async_tp and not (self.tp > 1 and self.sequence_parallel and self.compile):
-            raise ValueError(f"async_tp=True with tp={self.tp}, sequence_parallel={self.sequence_parallel}, compile="
-                             f"{self.compile}: async tensor parallel splits sequence parallel's all-gathers and "
-                             "reduce-scatters into pieces that overlap the matmuls beside them, a rewrite inductor "
-                             "makes in compiled blocks; it needs tp > 1, sequence_parallel=True and compile=True")
+            raise ValueError(f"{self.name('async_tp')}=True with {self.named('tp')}, "
+                             f"{self.named('sequence_parallel')}, {self.named('compile')}: async tensor parallel "
+                             "splits sequence parallel's all-gathers and reduce-scatters into pieces that overlap the "
+                             "matmuls beside them, a rewrite inductor makes in compiled blocks; it needs "
+                             f"{self.name('tp')} > 1, {self.name('sequence_parallel')}=True and "
+                             f"{self.name('compile')}=True")
 
     @property
     def reduces_gradients_after_backward(self) -> bool:
@@ -218,13 +225,14 @@ class ParallelConfig:
         auto = [name for name in MESH_DIM_NAMES if getattr(self, name) == "auto"]
         if not auto and product != world_size:
             raise ValueError(
-                f"{_product_text(fixed)} = {product} does not equal the world size {world_size}: "
-                f"the mesh sizes must multiply to the number of processes; {_suggest(fixed, world_size, exact=True)}"
+                f"{_product_text(fixed, self.spelling)} = {product} does not equal the world size {world_size}: "
+                f"the mesh sizes must multiply to the number of processes; "
+                f"{_suggest(fixed, world_size, self.spelling, exact=True)}"
             )
         if auto and world_size % product != 0:
             raise ValueError(
-                f"{_product_text(fixed)} = {product} does not divide the world size {world_size}; "
-                f"{_suggest(fixed, world_size)}"
+                f"{_product_text(fixed, self.spelling)} = {product} does not divide the world size {world_size}; "
+                f"{_suggest(fixed, world_size, self.spelling)}"
             )
         resolved = dict(fixed)
         if auto:
@@ -234,92 +242,93 @@ class ParallelConfig:
                 resolved[name] = 1
             resolved["dp_shard" if "dp_shard" in auto else auto[0]] = world_size // product
         config = dataclasses.replace(self, **resolved)
-
-        ep_host = _as_int(config.dp_shard) * config.cp
-        if ep_host % config.ep != 0:
-            fits = divisors(ep_host)
-            raise ValueError(
-                f"ep={config.ep} does not divide dp_shard x cp = {config.dp_shard} x {config.cp} = {ep_host}: "
-                f"expert parallel borrows its ranks from the sharded data-parallel and context-parallel "
-                f"dimensions. Try ep in {fits}, or raise dp_shard."
-            )
+        for row in DIMENSIONS:
+            if row.divides:
+                config._check_divides(row.field, row.divides, row.why_it_divides)
         return config
 
+    def _check_divides(self, name: str, hosts: tuple[str, ...], why: str) -> None:
+        """``name``'s size must divide the product of the (resolved) sizes ``hosts``."""
+        host = math.prod(_as_int(getattr(self, host)) for host in hosts)
+        if host % getattr(self, name) != 0:
+            raise ValueError(
+                f"{self.named(name)} does not divide {' x '.join(map(self.name, hosts))} = "
+                f"{' x '.join(str(getattr(self, host)) for host in hosts)} = {host}: {why}. "
+                f"Try {self.name(name)} in {divisors(host)}, or raise {self.name(hosts[0])}."
+            )
+
     def _check_knobs(self) -> None:
+        name, named = self.name, self.named
         if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
-            raise ValueError(f"zero_stage={self.zero_stage!r} is not one of {ZERO_STAGES} "
+            raise ValueError(f"{named('zero_stage')} is not one of {ZERO_STAGES} "
                              "(0: DDP, 1: optimizer states sharded, 2: + gradients, 3: + parameters)")
-        for name in ("param_dtype", "reduce_dtype"):
-            value = getattr(self, name)
-            if value not in DTYPES and not (name == "reduce_dtype" and value is None):
-                raise ValueError(f"{name}={value!r} is not one of {tuple(DTYPES)}")
+        for knob in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, knob)
+            if value not in DTYPES and not (knob == "reduce_dtype" and value is None):
+                raise ValueError(f"{named(knob)} is not one of {tuple(DTYPES)}")
         stage3_only = {"param_dtype": self.param_dtype != "fp32",
                        "reduce_dtype": self.reduce_dtype not in (None, "fp32"), "cpu_offload": self.cpu_offload is True}
-        for name, asked in stage3_only.items():
+        for knob, asked in stage3_only.items():
             if asked and self.zero_stage != 3:
                 raise ValueError(
-                    f"{name}={getattr(self, name)!r} needs zero_stage=3 (FSDP2 keeps fp32 shards and casts per "
-                    f"block); with zero_stage={self.zero_stage} use Trainer(precision='bf16-mixed') instead"
+                    f"{named(knob)} needs {name('zero_stage')}=3 (FSDP2 keeps fp32 shards and casts per block); "
+                    f"with {named('zero_stage')} use Trainer(precision='bf16-mixed') instead"
                 )
         if self.pp_schedule not in PP_SCHEDULES:
-            raise ValueError(f"pp_schedule={self.pp_schedule!r} is not one of {PP_SCHEDULES}")
+            raise ValueError(f"{named('pp_schedule')} is not one of {PP_SCHEDULES}")
         if self.pp_balance not in PP_BALANCE:
-            raise ValueError(f"pp_balance={self.pp_balance!r} is not one of {PP_BALANCE}")
-        for name, least in (("microbatches", 1), ("pp_virtual_stages", 2), ("keep_gathered_blocks", 0),
+            raise ValueError(f"{named('pp_balance')} is not one of {PP_BALANCE}")
+        for knob, least in (("microbatches", 1), ("pp_virtual_stages", 2), ("keep_gathered_blocks", 0),
                             ("prefetch_blocks", 0), ("blocks_per_unit", 1)):
-            value = getattr(self, name)
+            value = getattr(self, knob)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-        for name, default in ZERO3_UNIT_DEFAULTS.items():
-            if getattr(self, name) != default and self.zero_stage != 3:
-                raise ValueError(f"{name}={getattr(self, name)!r} schedules ZeRO-3's parameter all-gathers, and "
-                                 f"zero_stage={self.zero_stage} keeps parameters whole; use zero_stage=3 or "
-                                 f"{name}={default}")
+                raise ValueError(f"{name(knob)} must be an integer >= {least}, got {value!r}")
+        for knob, default in ZERO3_UNIT_DEFAULTS.items():
+            if getattr(self, knob) != default and self.zero_stage != 3:
+                raise ValueError(f"{named(knob)} schedules ZeRO-3's parameter all-gathers, and "
+                                 f"{named('zero_stage')} keeps parameters whole; use {name('zero_stage')}=3 or "
+                                 f"{name(knob)}={default}")
         if self.cp_method not in CP_METHODS:
-            raise ValueError(f"cp_method={self.cp_method!r} is not one of {CP_METHODS} (ulysses: all-to-all of heads "
+            raise ValueError(f"{named('cp_method')} is not one of {CP_METHODS} (ulysses: all-to-all of heads "
                              "and sequence; ring: key/value blocks passed round the ranks)")
         if self.activation_checkpointing not in RECOMPUTE_MODES:
-            raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r} is not one of "
-                             f"{RECOMPUTE_MODES}")
+            raise ValueError(f"{named('activation_checkpointing')} is not one of {RECOMPUTE_MODES}")
         every = self.activation_checkpointing_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"activation_checkpointing_every must be a positive integer, got {every!r}")
+            raise ValueError(f"{name('activation_checkpointing_every')} must be a positive integer, got {every!r}")
         if self.gradient_compression != "none" and self.zero_stage >= 2:
-            raise ValueError(f"gradient_compression={self.gradient_compression!r} applies to DDP's all-reduce "
-                             f"(zero_stage 0 or 1); zero_stage={self.zero_stage} reduces gradients differently")
+            raise ValueError(f"{named('gradient_compression')} applies to DDP's all-reduce ({name('zero_stage')} 0 "
+                             f"or 1); {named('zero_stage')} reduces gradients differently")
         if self.gradient_compression not in GRADIENT_COMPRESSIONS:
-            raise ValueError(
-                f"gradient_compression={self.gradient_compression!r} is not one of {GRADIENT_COMPRESSIONS}"
-            )
-        if isinstance(self.ddp_bucket_cap_mb, bool) or not isinstance(self.ddp_bucket_cap_mb, (int, float)) or not (
-            self.ddp_bucket_cap_mb > 0
-        ):
-            raise ValueError(f"ddp_bucket_cap_mb must be a positive number of MiB, got {self.ddp_bucket_cap_mb!r}")
+            raise ValueError(f"{named('gradient_compression')} is not one of {GRADIENT_COMPRESSIONS}")
+        bucket = self.ddp_bucket_cap_mb
+        if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not bucket > 0:
+            raise ValueError(f"{name('ddp_bucket_cap_mb')} must be a positive number of MiB, got {bucket!r}")
         for flag in ("ddp_static_graph", "ddp_find_unused_parameters", "reshard_after_forward", "cpu_offload",
                      "sequence_parallel", "loss_parallel", "sharded_accumulation", "compile", "float8_emulate",
                      "async_tp"):
             if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
+                raise ValueError(f"{name(flag)} must be true or false, got {getattr(self, flag)!r}")
         if self.float8 is not None and self.float8 not in FLOAT8_RECIPES:
-            raise ValueError(f"float8={self.float8!r} is not one of {FLOAT8_RECIPES} (tensorwise: one scale per "
-                             "tensor, weights gathered in float8 under ZeRO-3; rowwise: one scale per row), or None")
+            raise ValueError(f"{named('float8')} is not one of {FLOAT8_RECIPES} (tensorwise: one scale per tensor, "
+                             "weights gathered in float8 under ZeRO-3; rowwise: one scale per row), or None")
         if self.float8_emulate and self.float8 is None:
-            raise ValueError("float8_emulate=True emulates float8 matmuls, and float8 is None; set float8 to "
-                             f"one of {FLOAT8_RECIPES} or float8_emulate=False")
+            raise ValueError(f"{name('float8_emulate')}=True emulates float8 matmuls, and {name('float8')} is None; "
+                             f"set {name('float8')} to one of {FLOAT8_RECIPES} or {name('float8_emulate')}=False")
         if self.ddp_static_graph and self.ddp_find_unused_parameters:
             raise ValueError(
-                "ddp_static_graph=True and ddp_find_unused_parameters=True exclude each other: a static graph "
-                "already records which parameters are unused in the first iteration; keep one of them"
+                f"{name('ddp_static_graph')}=True and {name('ddp_find_unused_parameters')}=True exclude each other: "
+                "a static graph already records which parameters are unused in the first iteration; keep one of them"
             )
-
 
 def shard_size(data_parallel_size: Size, replicate_size: int) -> Size:
     """``dp_shard`` when ``data_parallel_size`` ranks form ``replicate_size`` replicated groups (HSDP).
 
-    ``"auto"`` stays ``"auto"``; values that are not positive integers are passed on for :meth:`ParallelConfig.validate`
-    to name.
+    ``"auto"`` stays ``"auto"``. ``data_parallel_size`` is checked here, where it is still the argument the user
+    gave (under HSDP no field holds it); a bad ``replicate_size`` is passed on for :meth:`ParallelConfig.validate`.
     """
-    if not (_positive(data_parallel_size) and _positive(replicate_size)):
+    _check_size("data_parallel_size", data_parallel_size, allow_auto=True)
+    if data_parallel_size == "auto" or not _positive(replicate_size):
         return data_parallel_size
     if data_parallel_size % replicate_size != 0:
         raise ValueError(f"replicate_size={replicate_size} does not divide data_parallel_size={data_parallel_size}: "
@@ -355,15 +364,17 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _product_text(sizes: dict[str, int]) -> str:
+def _product_text(sizes: dict[str, int], spelling: Spelling) -> str:
     shown = {k: v for k, v in sizes.items() if v != 1} or sizes
-    return " x ".join(f"{name}={size}" for name, size in shown.items())
+    return " x ".join(spelling.named(name, size) for name, size in shown.items())
 
 
-def _suggest(fixed: dict[str, int], world_size: int, *, exact: bool = False) -> str:
+def _suggest(fixed: dict[str, int], world_size: int, spelling: Spelling, *, exact: bool = False) -> str:
     """Name the values of the largest model-parallel size that would fit with every other size as given, e.g.
-    'try tp=2 or tp=4'. ``exact``: no size is 'auto', so the product must equal the world size, not divide it."""
-    model_dims = [name for name in ("tp", "cp", "pp") if fixed.get(name, 1) > 1]
+    'try tp=2 or tp=4' (innermost first among equals). ``exact``: no size is 'auto', so the product must equal the
+    world size, not divide it."""
+    model_dims = [row.field for row in reversed(DIMENSIONS)
+                  if row.in_mesh and not row.may_be_auto and fixed.get(row.field, 1) > 1]
     if not model_dims:
         return f"sizes whose product divides {world_size}: {divisors(world_size)}"
     name = max(model_dims, key=lambda n: fixed[n])
@@ -371,8 +382,9 @@ def _suggest(fixed: dict[str, int], world_size: int, *, exact: bool = False) -> 
     fits = [d for d in divisors(world_size) if d > 1 and d != fixed[name]
             and (d * others == world_size if exact else world_size % (d * others) == 0)]
     if not fits:
-        return f"no {name} fits with the other sizes; world size {world_size} has divisors {divisors(world_size)}"
-    return "try " + " or ".join(f"{name}={d}" for d in fits)
+        return (f"no {spelling.name(name)} fits with the other sizes; world size {world_size} has divisors "
+                f"{divisors(world_size)}")
+    return "try " + " or ".join(spelling.named(name, d) for d in fits)
 
 
 def _sizes(sizes: dict[str, int]) -> str:

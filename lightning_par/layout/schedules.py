@@ -141,18 +141,23 @@ def fewest_microbatches(schedule: Schedule, pp: int, virtual_stages: int) -> int
     return pp if floor == "one per rank" else 1
 
 
-def too_few_microbatches(n_microbatches: int, schedule: Schedule, pp: int, virtual_stages: int) -> str | None:
-    """Why ``n_microbatches`` are too few for ``schedule`` on ``pp`` ranks, naming the values; ``None`` if enough."""
+def too_few_microbatches(n_microbatches: int, schedule: Schedule, pp: int, virtual_stages: int,
+                         named: Callable[[str], str] | None = None) -> str | None:
+    """Why ``n_microbatches`` are too few for ``schedule`` on ``pp`` ranks, naming the values; ``None`` if enough.
+    ``named(field)`` writes ``pp`` or ``microbatches`` with its value as the user named them (by default
+    ``pp=4``)."""
     least = fewest_microbatches(schedule, pp, virtual_stages)
     if n_microbatches >= least:
         return None
+    values = {"pp": pp, "microbatches": n_microbatches}
+    named = named or (lambda field: f"{field}={values[field]}")
     if SCHEDULES[schedule].fewest_microbatches == "one per stage":
-        return (f"schedule {schedule!r} needs at least {least // pp} x pp={pp} = {least} micro-batches (one per "
-                f"stage), got microbatches={n_microbatches}; raise it to {least} or more")
+        return (f"schedule {schedule!r} needs at least {least // pp} x {named('pp')} = {least} micro-batches (one per "
+                f"stage), got {named('microbatches')}; raise it to {least} or more")
     # The first row that runs any number (GPipe): a row added later does not change the advice.
     unlimited = next(name for name, spec in SCHEDULES.items() if spec.fewest_microbatches == "any")
-    return (f"schedule {schedule!r} needs at least pp={pp} micro-batches to fill the pipeline, got "
-            f"microbatches={n_microbatches}; raise it to {pp} or more (or use {unlimited!r})")
+    return (f"schedule {schedule!r} needs at least {named('pp')} micro-batches to fill the pipeline, got "
+            f"{named('microbatches')}; raise it to {pp} or more (or use {unlimited!r})")
 
 
 def balance(costs: Sequence[float], n_stages: int, *, first: float = 0.0, last: float = 0.0) -> list[int]:

@@ -63,17 +63,18 @@ def check_batch_fits(config: ParallelConfig, *, batch_size: int | None, seq_len:
     (and, with sequence parallel, the tensor-parallel) ranks. Checked at set-up on the first batch, so that a
     mismatch fails before the first step; ``None`` skips a check."""
     if config.pp > 1:
-        check_microbatches(config.microbatches, config.pp_schedule, config.pp, batch_size,
-                           virtual_stages=config.pp_virtual_stages)
+        check_microbatches(config, batch_size)
     if seq_len is None:
         return
     if config.cp > 1:
-        check_sequence_length(seq_len, config.cp, config.cp_method)
+        check_sequence_length(seq_len, config.cp, config.cp_method, spelling=config.spelling)
     local = seq_len // config.cp
     if config.sequence_parallel and config.tp > 1 and local % config.tp:
-        held = f"the {local} tokens each cp rank holds" if config.cp > 1 else f"a sequence of {seq_len} tokens"
-        raise ValueError(f"sequence_parallel=True splits the sequence over tp={config.tp} ranks, but {held} cannot "
-                         f"be split into {config.tp}; use a sequence length divisible by {config.tp * config.cp}")
+        held = (f"the {local} tokens each context-parallel rank holds" if config.cp > 1 else
+                f"a sequence of {seq_len} tokens")
+        raise ValueError(f"{config.name('sequence_parallel')}=True splits the sequence over {config.named('tp')} "
+                         f"ranks, but {held} cannot be split into {config.tp}; use a sequence length divisible by "
+                         f"{config.tp * config.cp}")
 
 
 def parallelize(
@@ -121,8 +122,8 @@ def parallelize(
     record = layout_record(model)
     applied = record.layout if record is not None else None
     if applied is not None and applied != layout:
-        raise ValueError(f"this module was parallelized for {applied[1].describe()} already and cannot be "
-                         f"re-laid out as {config.describe()}; build a new module (or load a checkpoint into one)")
+        raise ValueError(f"this module was parallelized for {applied[1].named_sizes()} already and cannot be "
+                         f"re-laid out as {config.named_sizes()}; build a new module (or load a checkpoint into one)")
     stages = None
     allocate = dry_run or materialize_meta_parameters
     if dry_run is not None and sample_batch is not None:  # shapes are all a dry run's set-up needs of the data
@@ -130,7 +131,7 @@ def parallelize(
     analysis_device = torch.device("meta") if dry_run is not None else device
     if applied is None:
         _check_fsdp_roots(model, config)
-        check_experts_found(model, model_map, config.ep)
+        check_experts_found(model, model_map, config.ep, spelling=config.spelling)
         # Before anything is split: blocks whose parts the network also runs outside them (ZeRO-3 keeps them whole).
         used_outside = (blocks_used_outside(model, model_map, sample_batch[0], analysis_device)
                         if config.zero_stage == 3 and config.pp == 1 and model_map is not None
@@ -247,10 +248,11 @@ def _check_fsdp_roots(model: nn.Module, config: ParallelConfig) -> None:
     if config.zero_stage == 3 and config.pp > 1 and stages_per_rank(config.pp_schedule, config.pp_virtual_stages) > 1:
         tied = tied_groups(model)
         if tied:
-            raise ValueError(f"pp={config.pp} with zero_stage=3 and pp_schedule={config.pp_schedule!r}: each rank "
+            stage, schedule = config.name("zero_stage"), config.name("pp_schedule")
+            raise ValueError(f"{config.named('pp')} with {stage}=3 and {config.named('pp_schedule')}: each rank "
                              f"holds several stages, and the tied parameter {' = '.join(tied[0])} would belong to "
-                             "two of them, which FSDP2 cannot shard twice; use pp_schedule 1f1b or gpipe (one stage "
-                             "per rank), zero_stage 0 or 1, or untie the weights")
+                             f"two of them, which FSDP2 cannot shard twice; use {schedule} 1f1b or gpipe (one stage "
+                             f"per rank), {stage} 0 or 1, or untie the weights")
 
 
 def _dtype(name: str | None) -> torch.dtype | None:

@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 
 from lightning_par.layout.config import CP_METHODS, ContextParallelMethod
+from lightning_par.layout.dimensions import FIELD_NAMES, Spelling
 from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.model_map import ModelMap, why_no_blocks
 from lightning_par.parallel.modules import first_tensor
@@ -75,14 +76,17 @@ def local_positions(seq_len: int, rank: int, cp: int, method: Method) -> Tensor:
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks_of_rank(rank, cp, method)])
 
 
-def check_sequence_length(seq_len: int, cp: int, method: Method) -> None:
-    """Raise ``ValueError`` when ``seq_len`` tokens cannot be split over ``cp`` ranks with ``method``."""
+def check_sequence_length(seq_len: int, cp: int, method: Method, *, spelling: Spelling = FIELD_NAMES) -> None:
+    """Raise ``ValueError`` when ``seq_len`` tokens cannot be split over ``cp`` ranks with ``method``, naming them as
+    ``spelling`` does."""
     divisor = sequence_divisor(cp, method)
     if seq_len % divisor != 0:
-        why = "" if method == "ulysses" else f" (2 x cp: causal load balancing gives each rank 2 of {divisor} chunks)"
+        why = ("" if method == "ulysses" else
+               f" (2 x {spelling.name('cp')}: causal load balancing gives each rank 2 of {divisor} chunks)")
         fits = [seq_len - seq_len % divisor, seq_len + divisor - seq_len % divisor]
-        raise ValueError(f"sequence length {seq_len} is not divisible by {divisor}{why}, which cp={cp} with "
-                         f"cp_method={method!r} needs; nearest lengths that fit: {[n for n in fits if n > 0]}")
+        raise ValueError(f"sequence length {seq_len} is not divisible by {divisor}{why}, which "
+                         f"{spelling.named('cp', cp)} with {spelling.named('cp_method', method)} needs; nearest "
+                         f"lengths that fit: {[n for n in fits if n > 0]}")
 
 
 def causal_score_blocks(rank: int, cp: int, method: Method) -> int:
@@ -114,14 +118,16 @@ def _heads_to_sequence(x: Tensor, group: dist.ProcessGroup, cp: int) -> Tensor:
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, *, is_causal: bool,
-                      scale: float | None, mask: Tensor | None = None) -> Tensor:
+                      scale: float | None, mask: Tensor | None = None, spelling: Spelling = FIELD_NAMES) -> Tensor:
     """Attention of q/k/v (B, H, T/cp, D) over the whole sequence, via two all-to-alls per tensor set; ``mask``: the
-    whole sequence's (B or 1, H or 1, T, T), as ``scaled_dot_product_attention``'s ``attn_mask``."""
+    whole sequence's (B or 1, H or 1, T, T), as ``scaled_dot_product_attention``'s ``attn_mask``. ``spelling`` names
+    the layout's sizes when the heads do not split."""
     cp = dist.get_world_size(group)
     H, Hkv = q.shape[1], k.shape[1]
     if H % cp != 0:
-        raise ValueError(f"context parallel 'ulysses' splits attention heads over cp={cp} ranks, but the layer "
-                         f"has {H} query heads; use a cp that divides {H}, or cp_method='ring'")
+        raise ValueError(f"context parallel 'ulysses' splits attention heads over {spelling.named('cp', cp)} ranks, "
+                         f"but the layer has {H} query heads; use a {spelling.name('cp')} that divides {H}, or "
+                         f"{spelling.named('cp_method', 'ring')}")
     if Hkv % cp != 0:  # too few kv heads to split: give every query head its own copy first
         k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
     q, k, v = (_sequence_to_heads(t, group, cp) for t in (q, k, v))
@@ -279,9 +285,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, *,
 class _RouteAttention(TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` to context-parallel attention over ``group``."""
 
-    def __init__(self, group: dist.ProcessGroup, method: Method) -> None:
+    def __init__(self, group: dist.ProcessGroup, method: Method, spelling: Spelling) -> None:
         super().__init__()
-        self.group, self.method = group, method
+        self.group, self.method, self.spelling = group, method, spelling
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -299,8 +305,10 @@ class _RouteAttention(TorchFunctionMode):
                              f"got shape {tuple(attn_mask.shape)}: use is_causal=True, or a mask of every position")
         if dropout_p != 0.0:
             raise ValueError(f"context parallel attention has no attention dropout; got dropout_p={dropout_p}")
-        attention = ulysses_attention if self.method == "ulysses" else ring_attention
-        return attention(query, key, value, self.group, is_causal=is_causal, scale=scale, mask=attn_mask)
+        if self.method == "ulysses":
+            return ulysses_attention(query, key, value, self.group, is_causal=is_causal, scale=scale, mask=attn_mask,
+                                     spelling=self.spelling)
+        return ring_attention(query, key, value, self.group, is_causal=is_causal, scale=scale, mask=attn_mask)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -383,22 +391,23 @@ class _Total(torch.autograd.Function):
 
 class ContextParallelBlock:
     """Replaces a block's ``forward``: cut sequence inputs, route attention, gather after the last block when no
-    head gathers (:class:`GatherAtHead`)."""
+    head gathers (:class:`GatherAtHead`). ``spelling`` names the layout's sizes in its messages."""
 
     def __init__(self, forward: Callable, group: dist.ProcessGroup, method: Method, *, first: bool,
-                 last: bool) -> None:
+                 last: bool, spelling: Spelling) -> None:
         self.forward, self.group, self.method, self.first, self.last = forward, group, method, first, last
+        self.spelling = spelling
         self.rank, self.cp = dist.get_rank(group), dist.get_world_size(group)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         hidden = args[0] if args else kwargs["hidden_states"]  # (B, T, C), or (B, T/cp, C) after the first
         seq_len = hidden.shape[1] if self.first else hidden.shape[1] * self.cp
         if self.first:
-            check_sequence_length(seq_len, self.cp, self.method)
+            check_sequence_length(seq_len, self.cp, self.method, spelling=self.spelling)
         positions = local_positions(seq_len, self.rank, self.cp, self.method).to(hidden.device)
         cut = _SequenceCut(hidden, positions, seq_len, first=self.first)
         args, kwargs = cut(args), {name: cut(value) for name, value in kwargs.items()}
-        with _RouteAttention(self.group, self.method):
+        with _RouteAttention(self.group, self.method, self.spelling):
             output = self.forward(*args, **kwargs)
         if not self.last:
             return output
@@ -527,9 +536,9 @@ def apply_context_parallel(module: nn.Module, mesh: ParallelMesh, model_map: Mod
     if method not in CP_METHODS:
         raise ValueError(f"context parallel method {method!r} is not one of {CP_METHODS}")
     if model_map is None:
-        raise ValueError(f"cp={cp} needs to know where the blocks are, and no model map was found "
-                         f"({why_no_blocks(module)}): give the strategy a model map (model_map: {{blocks: ...}}) or "
-                         "use a standard decoder layout")
+        raise ValueError(f"{mesh.spelling.named('cp', cp)} needs to know where the blocks are, and no model map was "
+                         f"found ({why_no_blocks(module)}): give the strategy a model map (model_map: "
+                         "{blocks: ...}) or use a standard decoder layout")
     # A router's per-sequence numbers (capacity, load-balancing statistics) are computed over the whole sequence
     # by the layers that know of the split; a model map's stacked experts are routed token by token by the model's
     # own router and need nothing.
@@ -545,7 +554,8 @@ def apply_context_parallel(module: nn.Module, mesh: ParallelMesh, model_map: Mod
         block = module.get_submodule(name)
         # An instance attribute shadows the class's forward; the parameter names (and checkpoints) stay.
         block.forward = ContextParallelBlock(block.forward, mesh.group("cp"), method, first=index == 0,
-                                             last=not gather_at_head and index == len(names) - 1)
+                                             last=not gather_at_head and index == len(names) - 1,
+                                             spelling=mesh.spelling)
     return module
 
 

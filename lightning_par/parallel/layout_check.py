@@ -85,7 +85,7 @@ def check_layout_forward(model: nn.Module, mesh: ParallelMesh, config: ParallelC
         return
     if reason.startswith("!"):
         raise ValueError(reason[1:])
-    raise ValueError(f"{config.describe()} does not compute what {type(model).__name__} computes: {reason}. "
+    raise ValueError(f"{config.named_sizes()} does not compute what {type(model).__name__} computes: {reason}. "
                      "Checked on a small copy of the model before training (docs/models.md)")
 
 
@@ -211,8 +211,8 @@ def check_routing_draws(model: nn.Module, mesh: ParallelMesh, config: ParallelCo
         name = drawing[0]
         raise ValueError(
             f"{type(model_copy.get_submodule(name)).__name__} {name!r} draws random numbers in training (sampled "
-            f"routing such as sparsemixer, or router jitter), and {config.describe()} routes other sets of tokens at "
-            "once than one process: each rank would draw from its own stream, and the model would train on other "
+            f"routing such as sparsemixer, or router jitter), and {config.named_sizes()} routes other sets of tokens "
+            "at once than one process: each rank would draw from its own stream, and the model would train on other "
             "routes than one process. Turn the draws off in the model's config where it has a setting (router jitter "
             "0), or train it on one process (docs/expert_parallel.md)")
 

@@ -18,6 +18,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_par.layout.dimensions import FIELD_NAMES, Spelling
+
 # Attributes holding a number of heads or a width of all heads, by the names model families give them.
 HEAD_COUNT_NAMES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "heads", "n_query_groups",
                     "num_key_value_heads", "num_kv_heads", "n_kv_heads", "all_head_size", "split_size")
@@ -37,27 +39,28 @@ def head_counts(module: nn.Module, parts: int) -> dict[str, tuple[int, int]] | N
     return found
 
 
-def localize_head_counts(modules: Iterable[nn.Module], parts: int) -> None:
+def localize_head_counts(modules: Iterable[nn.Module], parts: int, *, spelling: Spelling = FIELD_NAMES) -> None:
     """Set the head counts of ``modules`` (and their submodules) to each rank's share, in place; a config they hold
     is replaced by a copy (one copy per shared config). Raises ``ValueError`` naming a count ``parts`` does not
-    divide."""
+    divide (and the tensor-parallel size as ``spelling`` names it)."""
     copies: dict[int, Any] = {}
     for module in modules:
         for sub in module.modules():
             config = sub.__dict__.get("config")
             if config is not None and not isinstance(config, nn.Module) and any(True for _ in _counts(config)):
                 if id(config) not in copies:
-                    copies[id(config)] = _localized(copy.copy(config), parts, type(sub).__name__ + ".config")
+                    copies[id(config)] = _localized(copy.copy(config), parts, type(sub).__name__ + ".config",
+                                                    spelling)
                 sub.config = copies[id(config)]
-            _localized(sub, parts, type(sub).__name__)
+            _localized(sub, parts, type(sub).__name__, spelling)
 
 
-def _localized(holder: Any, parts: int, what: str) -> Any:
+def _localized(holder: Any, parts: int, what: str, spelling: Spelling) -> Any:
     counts = list(_counts(holder))
     for attribute, value in counts:  # all checked before any is set
         if value % parts:
-            raise ValueError(f"tp={parts} does not divide {what}.{attribute}={value}: its heads cannot be split "
-                             f"over the tensor-parallel ranks; sizes that fit: "
+            raise ValueError(f"{spelling.named('tp', parts)} does not divide {what}.{attribute}={value}: its heads "
+                             f"cannot be split over the tensor-parallel ranks; sizes that fit: "
                              f"{[d for d in range(1, min(value, 64) + 1) if value % d == 0]}")
     for attribute, value in counts:
         setattr(holder, attribute, value // parts)

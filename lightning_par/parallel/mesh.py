@@ -23,7 +23,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_par.layout.config import ParallelConfig
-from lightning_par.layout.dimensions import FLATTENED_DIMS, MESH_DIM_NAMES
+from lightning_par.layout.dimensions import FIELD_NAMES, FLATTENED_DIMS, MESH_DIM_NAMES, Spelling
 
 
 class ExpertMeshes(NamedTuple):
@@ -36,12 +36,15 @@ class ExpertMeshes(NamedTuple):
 
 
 class ParallelMesh:
-    """Owns the root :class:`DeviceMesh` and its named flattened sub-meshes (torchtitan's ParallelDims)."""
+    """Owns the root :class:`DeviceMesh` and its named flattened sub-meshes (torchtitan's ParallelDims).
 
-    def __init__(self, root: DeviceMesh) -> None:
+    ``spelling``: how the layout's maker names its dimensions (``ParallelConfig.spelling``), for the messages of the
+    techniques laid out on the mesh, which see its sizes but not the config."""
+
+    def __init__(self, root: DeviceMesh, spelling: Spelling = FIELD_NAMES) -> None:
         if root.mesh_dim_names != MESH_DIM_NAMES:
             raise ValueError(f"mesh dimensions must be {MESH_DIM_NAMES}, got {root.mesh_dim_names}")
-        self.root = root
+        self.root, self.spelling = root, spelling
         self._flat = {name: root[dims]._flatten(name) for name, dims in FLATTENED_DIMS.items()}
         # One object per root dimension: slicing the root makes a new DeviceMesh each time, and a compiled block
         # whose DTensors meet two equal tp meshes (the parameters' and the pipeline's received activations')
@@ -112,10 +115,10 @@ def build_mesh(config: ParallelConfig, device_type: str = "cpu") -> ParallelMesh
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("build_mesh() needs an initialized torch.distributed process group")
     config = config.validate(dist.get_world_size())
-    return build_device_mesh(device_type, dict(zip(MESH_DIM_NAMES, config.mesh_shape())))
+    return build_device_mesh(device_type, dict(zip(MESH_DIM_NAMES, config.mesh_shape())), config.spelling)
 
 
-def build_device_mesh(device_type: str, sizes: dict[str, int]) -> ParallelMesh:
+def build_device_mesh(device_type: str, sizes: dict[str, int], spelling: Spelling = FIELD_NAMES) -> ParallelMesh:
     """Initialize the root mesh with ``sizes`` given for every name of :data:`MESH_DIM_NAMES`."""
     shape = tuple(sizes[name] for name in MESH_DIM_NAMES)
-    return ParallelMesh(init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES))
+    return ParallelMesh(init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES), spelling)

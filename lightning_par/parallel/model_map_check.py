@@ -99,7 +99,7 @@ def check_model_map(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, 
             continue
         where = outcome.region or outcome.module or "the model"
         if model_map.source not in FOUND_SOURCES or outcome.region is None:
-            raise ValueError(_refusal(model_map, outcome, mesh.size("tp"), sequence_parallel))
+            raise ValueError(_refusal(model_map, outcome, mesh, sequence_parallel))
         tried = per_rank.applied_to(candidate, outcome.region)
         if tried is not candidate:
             candidate = tried
@@ -118,12 +118,13 @@ def check_model_map(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, 
             notes.append(f"{_pattern(model_map, where)}: left whole ({outcome.reason})")
     else:
         raise ValueError(f"tensor parallel: the model map for {type(module).__name__} did not settle; last: "
-                         f"{_refusal(model_map, outcome, mesh.size('tp'), sequence_parallel)}")
+                         f"{_refusal(model_map, outcome, mesh, sequence_parallel)}")
     notes.extend(per_rank.notes(candidate))
     if not any(is_projection(sub) and candidate.style_of(name) in SPLIT_STYLES
                for name, sub in module.named_modules() if name.startswith(model_map.blocks + ".")):
         why = "; ".join(notes) if notes else "the model map marks no projection inside the blocks column- and row-wise"
-        raise ValueError(f"tp={mesh.size('tp')} would split no layer inside the blocks {model_map.blocks!r} of "
+        named_tp = mesh.spelling.named("tp", mesh.size("tp"))
+        raise ValueError(f"{named_tp} would split no layer inside the blocks {model_map.blocks!r} of "
                          f"{type(module).__name__} ({model_map.source} map; {why}): the blocks would train "
                          "replicated on every tensor-parallel rank. Give a model map whose blocks pair colwise and rowwise projections (docs/models.md), "
                          "or use data parallel / ZeRO-3 for this model")
@@ -231,7 +232,7 @@ def _layers(module: nn.Module, model_map: ModelMap, region: str) -> list[str]:
             if name and is_projection(sub) and model_map.style_of(f"{region}.{name}") in SPLIT_STYLES]
 
 
-def _refusal(model_map: ModelMap, outcome: _Outcome, tp: int, sequence_parallel: bool) -> str:
+def _refusal(model_map: ModelMap, outcome: _Outcome, mesh: ParallelMesh, sequence_parallel: bool) -> str:
     where = outcome.region or outcome.module or "the model"
     key = _pattern(model_map, where)
     if sequence_parallel and "mixed torch.Tensor and DTensor" in (outcome.reason or ""):
@@ -242,8 +243,9 @@ def _refusal(model_map: ModelMap, outcome: _Outcome, tp: int, sequence_parallel:
     else:
         advice = (f"change the styles of {key!r}'s layers in the model map (colwise_gather/rowwise_split when the "
                   "model slices a projection's output by global sizes, replicate to keep it whole; see docs/models.md)")
-    return (f"tensor parallel (tp={tp}, {model_map.source} map) does not compute what the model computes in {key!r}: "
-            f"{outcome.reason}. {advice[0].upper()}{advice[1:]}")
+    named_tp = mesh.spelling.named("tp", mesh.size("tp"))
+    return (f"tensor parallel ({named_tp}, {model_map.source} map) does not compute what the model computes in "
+            f"{key!r}: {outcome.reason}. {advice[0].upper()}{advice[1:]}")
 
 
 # ------------------------------------------------------------------------------------------- one run

@@ -28,7 +28,6 @@ from lightning_par.layout.config import (
     CP_METHODS,
     PP_SCHEDULES,
     RECOMPUTE_MODES,
-    STRATEGY_ARGUMENTS,
     ZERO3_UNIT_DEFAULTS,
     ZERO_STAGES,
     ParallelConfig,
@@ -40,17 +39,18 @@ from lightning_par.planner.memory import (OPTIMIZERS, PRECISIONS, MemoryBreakdow
                                           rank_stages)
 from lightning_par.planner.model import ModelSpec, parameter_count
 from lightning_par.planner.time import StepTime, estimate_step_time
+from lightning_par.layout.dimensions import DIMENSIONS, argument_fields
 from lightning_par.layout.zero_units import choose_units
 
 # The values config.py allows, in the order the search tries them (cheapest first).
 CHECKPOINTING = tuple(sorted(RECOMPUTE_MODES, key=("none", "selective", "full").index))
 SCHEDULE_PREFERENCE = tuple(sorted(PP_SCHEDULES, key=lambda name: SCHEDULES[name].search_order))
 
-# Names a user may fix, with the strategies' argument names (config.STRATEGY_ARGUMENTS) as aliases.
-_ALIASES = {argument: name for name, argument in STRATEGY_ARGUMENTS.items()}
-_FIXABLE = ("tp", "pp", "cp", "ep", "dp", "dp_replicate", "dp_shard", "zero_stage", "activation_checkpointing",
-            "pp_schedule", "pp_virtual_stages", "sequence_parallel", "loss_parallel", "cp_method",
-            "sharded_accumulation")
+# Names a user may fix: every dimension's size (and dp, their data-parallel product) and the knobs the search
+# chooses, with the strategies' argument names as aliases.
+_ALIASES = argument_fields()
+_FIXABLE = (*(row.field for row in DIMENSIONS), "dp", "zero_stage", "activation_checkpointing", "pp_schedule",
+            "pp_virtual_stages", "sequence_parallel", "loss_parallel", "cp_method", "sharded_accumulation")
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,6 @@ from lightning_par.layout.config import Float8Recipe, ParallelConfig, Recompute
 from lightning_par.parallel.compose import parallelize
 from lightning_par.parallel.parallelized import Parallelized, parallelized_by_its_author
 from lightning_par.parallel.model_map import ModelMap, resolve_model_map
-from lightning_par.strategies.arguments import rename_arguments
 from lightning_par.strategies.full_batches import drop_partial_last_batch
 from lightning_par.strategies.setup_checks import check_module, sample_for_layout
 from lightning_par.strategies.steps import StepsThroughTheHandle
@@ -79,9 +78,6 @@ class MeshStrategy(StepsThroughTheHandle):
 
     strategy_name = "mesh"
     strategy_description = "lightning_par strategy"
-    #: ParallelConfig field -> the argument of this strategy that sets it, so that errors speak the user's terms
-    #: (none here: a MeshStrategy is given the ParallelConfig itself).
-    argument_names: dict[str, str] = {}
     #: ZeRO-3's gather controls given "auto", chosen at set-up (:meth:`_unit_controls`).
     _auto_units: set[str] = set()
 
@@ -107,14 +103,14 @@ class MeshStrategy(StepsThroughTheHandle):
                  "activation_checkpointing_every": activation_checkpointing_every, "compile": compile,
                  "float8": float8, "float8_emulate": float8_emulate, "async_tp": async_tp}
         self.parallel_config = dataclasses.replace(config, **{k: v for k, v in given.items() if v is not None})
-        # Refuse what cannot work before any process group exists, so every rank fails alike.
-        with self.in_argument_names():
-            self.parallel_config.validate()
-            self.parallel_config.check_composable()
-            if self.parallel_config.pp > 1 and not save_distributed_checkpoint:
-                raise ValueError(f"pp={self.parallel_config.pp}: each rank saves its own stages, so checkpoints are "
-                                 "sharded; save_distributed_checkpoint=False is not supported - export a single file "
-                                 "with lightning-par-export instead")
+        # Refuse what cannot work before any process group exists, so every rank fails alike. The messages name the
+        # config's fields as its maker did: a subclass's arguments, or the fields of a ParallelConfig given here.
+        self.parallel_config.validate()
+        self.parallel_config.check_composable()
+        if self.parallel_config.pp > 1 and not save_distributed_checkpoint:
+            raise ValueError(f"{self.parallel_config.named('pp')}: each rank saves its own stages, so checkpoints are "
+                             "sharded; save_distributed_checkpoint=False is not supported - export a single file "
+                             "with lightning-par-export instead")
         self._model_map = ModelMap.from_dict(model_map) if isinstance(model_map, dict) else model_map
         self._parallelized: Parallelized | None = None
 
@@ -123,22 +119,6 @@ class MeshStrategy(StepsThroughTheHandle):
         set-up chooses it from the model (``lightning_par.strategies.unit_controls``)."""
         values, self._auto_units = split_auto(given)
         return values
-
-    @contextmanager
-    def in_argument_names(self) -> Generator[None, None, None]:
-        """Re-raise a ``ValueError`` about the layout in the names of this strategy's arguments
-        (``data_parallel_size=-1``, not the mesh dimension ``dp_replicate=-1`` it became). A run's errors are
-        renamed in :meth:`on_exception`; this is for what is checked before the run (the constructor)."""
-        try:
-            yield
-        except ValueError as error:
-            rename_arguments(error, self.argument_names)
-            raise
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        rename_arguments(exception, self.argument_names)  # in the names of this strategy's arguments, not the mesh's
-        super().on_exception(exception)
 
     @override
     def setup_environment(self) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from lightning_par.layout.config import ContextParallelMethod, ParallelConfig, Size
-from lightning_par.strategies.arguments import argument_names
+from lightning_par.layout.dimensions import strategy_spelling
 from lightning_par.strategies.base import MeshStrategy
 
 
@@ -29,12 +29,12 @@ class ContextParallelStrategy(MeshStrategy):
     """
 
     strategy_name = "context_parallel"
-    argument_names = argument_names("dp_shard")
     strategy_description = "context parallel: Ulysses or ring attention"
 
     def __init__(self, context_parallel_size: int = 2, context_parallel_method: ContextParallelMethod = "ulysses",
                  data_parallel_size: Size = "auto", zero_stage: Literal[0, 3] = 0, **kwargs: Any) -> None:
         config = ParallelConfig(cp=context_parallel_size, cp_method=context_parallel_method,
-                                dp_shard=data_parallel_size, zero_stage=zero_stage)
+                                dp_shard=data_parallel_size, zero_stage=zero_stage,
+                                spelling=strategy_spelling("dp_shard"))
         super().__init__(config, **kwargs)
 

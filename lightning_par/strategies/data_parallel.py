@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_par.layout.config import GradientCompression, ParallelConfig, Size
-from lightning_par.strategies.arguments import argument_names
+from lightning_par.layout.dimensions import strategy_spelling
 from lightning_par.strategies.base import MeshStrategy
 
 
@@ -27,7 +27,6 @@ class DataParallelStrategy(MeshStrategy):
 
     strategy_name = "data_parallel"
     strategy_description = "DDP over lightning_par's data-parallel mesh"
-    argument_names = argument_names("dp_replicate")
 
     def __init__(self, data_parallel_size: Size = "auto", bucket_cap_mb: float = 25.0, static_graph: bool = False,
                  find_unused_parameters: bool = False, gradient_compression: GradientCompression = "none",
@@ -39,5 +38,6 @@ class DataParallelStrategy(MeshStrategy):
             ddp_static_graph=static_graph,
             ddp_find_unused_parameters=find_unused_parameters,
             gradient_compression=gradient_compression,
+            spelling=strategy_spelling("dp_replicate"),
         )
         super().__init__(config, **kwargs)

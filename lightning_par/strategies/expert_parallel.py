@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_par.layout.config import ParallelConfig, Size
-from lightning_par.strategies.arguments import argument_names
+from lightning_par.layout.dimensions import strategy_spelling
 from lightning_par.strategies.base import MeshStrategy
 
 
@@ -25,9 +25,9 @@ class ExpertParallelStrategy(MeshStrategy):
     """
 
     strategy_name = "expert_parallel"
-    argument_names = argument_names("dp_shard")
     strategy_description = "MoE experts split over ranks"
 
     def __init__(self, expert_parallel_size: int = 2, data_parallel_size: Size = "auto", **kwargs: Any) -> None:
-        config = ParallelConfig(ep=expert_parallel_size, dp_shard=data_parallel_size)
+        config = ParallelConfig(ep=expert_parallel_size, dp_shard=data_parallel_size,
+                                spelling=strategy_spelling("dp_shard"))
         super().__init__(config, **kwargs)

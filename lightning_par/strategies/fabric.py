@@ -116,8 +116,7 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
                              "is fixed when the processes start, before the model exists: give every size (the "
                              "command `lightning-par plan` proposes them), or use the Trainer, which plans from the "
                              "model")
-        with self.layout.in_argument_names():
-            self.layout.start_processes_and_mesh()
+        self.layout.start_processes_and_mesh()
 
     @override
     def teardown(self) -> None:
@@ -182,8 +181,9 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
         example = getattr(module, "example_input_array", None)
         if not isinstance(example, Tensor):
             if model_map is not None and (config.tp > 1 or config.pp > 1):
-                needs = (f"tp={config.tp}: the tensor-parallel split is checked" if config.tp > 1 else
-                         f"pp={config.pp}: the code outside the blocks is placed on its stage by tracing the model")
+                needs = (f"{config.named('tp')}: the tensor-parallel split is checked" if config.tp > 1 else
+                         f"{config.named('pp')}: the code outside the blocks is placed on its stage by tracing the "
+                         "model")
                 raise ValueError(f"{needs} on a sample input before training, and {type(module).__name__} has none: "
                                  "set model.example_input_array = <a batch of inputs> (token ids of shape [batch, "
                                  "sequence]) before fabric.setup")
@@ -195,11 +195,11 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
 
     def _refuse_forward_outside_schedule(self, module: nn.Module, args: Any) -> None:
         if not self._in_schedule:
-            raise RuntimeError(f"pipeline parallel (pp={self.parallel_config.pp}): this rank holds some stages of the "
-                               "model, so the model cannot be called whole. A training step is one call that runs the "
-                               "schedule: loss = fabric.strategy.pipeline_step(model, batch, loss_fn) (forward, loss "
-                               "and backward of every micro-batch); evaluation is fabric.strategy.pipeline_evaluate("
-                               "model, batch, loss_fn)")
+            raise RuntimeError(f"pipeline parallel ({self.parallel_config.named('pp')}): this rank holds some stages "
+                               "of the model, so the model cannot be called whole. A training step is one call that "
+                               "runs the schedule: loss = fabric.strategy.pipeline_step(model, batch, loss_fn) "
+                               "(forward, loss and backward of every micro-batch); evaluation is "
+                               "fabric.strategy.pipeline_evaluate(model, batch, loss_fn)")
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

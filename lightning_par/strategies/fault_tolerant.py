@@ -47,7 +47,8 @@ def check_fault_tolerance(option: dict[str, Any] | None, config: ParallelConfig)
         raise ValueError(f"fault_tolerance with replicate_size={config.dp_replicate}: the replica groups are the "
                          "replicas (fault_tolerance.replica_groups); each group shards only, so use replicate_size=1")
     if config.pp != 1:
-        raise ValueError(f"fault_tolerance with pp={config.pp}: pipeline parallel is not supported; use pp=1")
+        raise ValueError(f"fault_tolerance with {config.named('pp')}: pipeline parallel is not supported; use "
+                         f"{config.name('pp')}=1")
     resolved = ft.FaultTolerance.from_option(option)
     if not ft.torchft_available():
         raise ImportError("fault_tolerance needs torchft: pip install torchft-nightly==2026.10.26")

@@ -19,7 +19,7 @@ from lightning_par.layout.config import (
     Size,
     shard_size,
 )
-from lightning_par.strategies.arguments import argument_names
+from lightning_par.layout.dimensions import strategy_spelling
 from lightning_par.strategies.base import MeshStrategy
 
 # The sizes the planner may choose (ParallelConfig fields).
@@ -122,7 +122,6 @@ class Hybrid3DStrategy(MeshStrategy):
         # Sizes for the planner: what it may choose is "auto"; a checkable placeholder until it has chosen.
         self._planned = {name for name, value in requested.items() if value == "auto"}
         chosen = {name: (1 if value == "auto" else value) for name, value in requested.items()}
-        self.argument_names = argument_names("dp_shard" if replicate_size == 1 else None)
         config = ParallelConfig(
             dp_replicate=replicate_size, dp_shard=shard_size(data_parallel_size, replicate_size), **chosen,
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, cp_method=context_parallel_method,
@@ -134,6 +133,7 @@ class Hybrid3DStrategy(MeshStrategy):
             sharded_accumulation=sharded_accumulation,
             ddp_bucket_cap_mb=bucket_cap_mb, ddp_static_graph=static_graph,
             ddp_find_unused_parameters=find_unused_parameters, gradient_compression=gradient_compression,
+            spelling=strategy_spelling("dp_shard" if replicate_size == 1 else "dp"),
         )
         if device is not None:
             from lightning_par.planner import ClusterSpec

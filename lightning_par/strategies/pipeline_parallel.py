@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_par.layout.config import ParallelConfig, PipelineBalance, PipelineSchedule
-from lightning_par.strategies.arguments import argument_names
+from lightning_par.layout.dimensions import strategy_spelling
 from lightning_par.strategies.base import MeshStrategy
 
 
@@ -40,7 +40,6 @@ class PipelineParallelStrategy(MeshStrategy):
     """
 
     strategy_name = "pipeline_parallel"
-    argument_names = argument_names()
     strategy_description = "pipeline parallel (GPipe, 1F1B, interleaved, ZB-V, DualPipeV)"
 
     def __init__(self, pipeline_parallel_size: int = 2, pipeline_schedule: PipelineSchedule = "1f1b",
@@ -48,5 +47,5 @@ class PipelineParallelStrategy(MeshStrategy):
                  **kwargs: Any) -> None:
         config = ParallelConfig(pp=pipeline_parallel_size, dp_shard=1, pp_schedule=pipeline_schedule,
                                 microbatches=microbatches, pp_virtual_stages=virtual_stages,
-                                pp_balance=pipeline_balance)
+                                pp_balance=pipeline_balance, spelling=strategy_spelling(None))
         super().__init__(config, **kwargs)

@@ -31,8 +31,7 @@ def check_module(module: LightningModule, config: ParallelConfig, trainer: Train
             raise TypeError(f"pipeline parallel needs {type(module).__name__} to define {' and '.join(missing)}; the "
                             "schedule runs split_batch(batch) -> (inputs, targets), forward(inputs) -> logits and "
                             "loss_fn(logits, targets) itself (see docs/pipeline_parallel.md)")
-        check_microbatches(config.microbatches, config.pp_schedule, config.pp,
-                           virtual_stages=config.pp_virtual_stages)
+        check_microbatches(config)
     if fitting and not any(p.requires_grad for p in module.parameters()):
         raise ValueError(f"{type(module).__name__} has no trainable parameters (it has none, or every one has "
                          "requires_grad=False): there is nothing to train. Unfreeze some, or add them in "
@@ -107,7 +106,7 @@ def sample_for_layout(module: LightningModule, config: ParallelConfig, model_map
         return None
     sample = first_batch(module, config, broadcast)
     if config.tp > 1 and model_map is not None and sample is None:
-        raise ValueError(f"tp={config.tp}: the tensor-parallel split is checked on one sample of the data before "
+        raise ValueError(f"{config.named('tp')}: the tensor-parallel split is checked on one sample of the data before "
                          "training, and none could be taken: define split_batch(batch) -> (inputs, targets) on the "
                          "LightningModule, or use batches of token tensors, of (inputs, ...) tuples or of dicts with "
                          "'input_ids' (see docs/models.md)")

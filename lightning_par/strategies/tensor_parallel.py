@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_par.layout.config import ParallelConfig, Size
-from lightning_par.strategies.arguments import argument_names
+from lightning_par.layout.dimensions import strategy_spelling
 from lightning_par.strategies.base import MeshStrategy
 
 
@@ -32,11 +32,11 @@ class TensorParallelStrategy(MeshStrategy):
     """
 
     strategy_name = "tensor_parallel"
-    argument_names = argument_names("dp_shard")
     strategy_description = "Megatron-style tensor parallel on DTensor"
 
     def __init__(self, tensor_parallel_size: int = 2, data_parallel_size: Size = "auto",
                  sequence_parallel: bool = False, loss_parallel: bool = False, **kwargs: Any) -> None:
         config = ParallelConfig(tp=tensor_parallel_size, dp_shard=data_parallel_size, zero_stage=3,
-                                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,)
+                                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                                spelling=strategy_spelling("dp_shard"))
         super().__init__(config, **kwargs)

@@ -7,7 +7,7 @@ from typing import Any, Optional
 from typing_extensions import override
 
 from lightning_par.layout.config import Dtype, ParallelConfig, Size, shard_size
-from lightning_par.strategies.arguments import argument_names
+from lightning_par.layout.dimensions import strategy_spelling
 from lightning_par.strategies.base import MeshStrategy
 from lightning_par.strategies.fault_tolerant import FaultTolerantReplicas, check_fault_tolerance
 
@@ -55,16 +55,15 @@ class ZeroStrategy(FaultTolerantReplicas, MeshStrategy):
                  cpu_offload: bool = False, sharded_accumulation: bool = False, keep_gathered_blocks: Size = "auto",
                  prefetch_blocks: Size = "auto", blocks_per_unit: Size = "auto",
                  fault_tolerance: Optional[dict[str, Any]] = None, **kwargs: Any) -> None:
-        self.argument_names = argument_names("dp_shard" if replicate_size == 1 else None)
         units = self._unit_controls(keep_gathered_blocks=keep_gathered_blocks, prefetch_blocks=prefetch_blocks,
                                     blocks_per_unit=blocks_per_unit)
         config = ParallelConfig(dp_replicate=replicate_size, dp_shard=shard_size(data_parallel_size, replicate_size),
                                 zero_stage=zero_stage, reshard_after_forward=reshard_after_forward,
                                 param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
-                                sharded_accumulation=sharded_accumulation, **units)
+                                sharded_accumulation=sharded_accumulation, **units,
+                                spelling=strategy_spelling("dp_shard" if replicate_size == 1 else "dp"))
         super().__init__(config, **kwargs)
-        with self.in_argument_names():
-            self._fault_tolerance = check_fault_tolerance(fault_tolerance, self.parallel_config)
+        self._fault_tolerance = check_fault_tolerance(fault_tolerance, self.parallel_config)
 
     @classmethod
     @override

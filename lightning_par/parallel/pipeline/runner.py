@@ -60,7 +60,7 @@ class PipelineRunner:
                  loss_fn: Callable[[Tensor, Tensor], Tensor], *, accumulate: int = 1,
                  device: torch.device | None = None,
                  loss_tokens: Callable[[Tensor], Tensor] | None = None) -> None:
-        check_microbatches(config.microbatches, config.pp_schedule, config.pp, virtual_stages=config.pp_virtual_stages)
+        check_microbatches(config)
         self.stages, self.mesh, self.config, self.loss_fn, self.accumulate = stages, mesh, config, loss_fn, accumulate
         self.loss_tokens = loss_tokens
         self._batch_tokens: Tensor | None = None  # loss-taking tokens of the batch in the step, over the dp ranks
@@ -214,8 +214,7 @@ class PipelineRunner:
         """What this rank passes to the schedule: the inputs on the first stage's rank, nothing elsewhere.
         Every stage also gets them as ``tokens`` (a keyword, split into micro-batches like the inputs)."""
         config = self.config
-        check_microbatches(config.microbatches, config.pp_schedule, config.pp, inputs.shape[0],
-                           virtual_stages=config.pp_virtual_stages)
+        check_microbatches(config, inputs.shape[0])
         return (inputs,) if self.holds_first else ()
 
     def _ready(self, kind: str, inputs: Tensor) -> Any:

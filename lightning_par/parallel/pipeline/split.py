@@ -55,6 +55,7 @@ from lightning_par.parallel.small_copy import small_copy
 from lightning_par.parallel.modules import clean_name
 from lightning_par.layout.schedules import (SCHEDULES, Schedule, balance, stage_indices, stages_per_rank,
                                            too_few_microbatches)
+from lightning_par.layout.config import ParallelConfig
 
 BALANCE_METHODS = ("parameters", "profile")
 
@@ -76,14 +77,15 @@ def check_weight_pass_with_zero3(schedule: Schedule, zero_stage: int) -> None:
 
 
 # ------------------------------------------------------------------------------------ placement
-def check_microbatches(n_microbatches: int, schedule: Schedule, pp: int, batch_size: int | None = None, *,
-                       virtual_stages: int) -> None:
-    """Raise ``ValueError`` naming the values when the micro-batches do not fit the schedule or the batch."""
-    too_few = too_few_microbatches(n_microbatches, schedule, pp, virtual_stages)
+def check_microbatches(config: ParallelConfig, batch_size: int | None = None) -> None:
+    """Raise ``ValueError`` naming the values when the config's micro-batches do not fit its schedule or the batch."""
+    n_microbatches = config.microbatches
+    too_few = too_few_microbatches(n_microbatches, config.pp_schedule, config.pp, config.pp_virtual_stages,
+                                   named=config.named)
     if too_few:
         raise ValueError(too_few)
     if batch_size is not None and batch_size % n_microbatches != 0:
-        raise ValueError(f"a batch of {batch_size} samples does not split into microbatches={n_microbatches}; "
+        raise ValueError(f"a batch of {batch_size} samples does not split into {config.named('microbatches')}; "
                          f"use a batch size divisible by {n_microbatches}, and a loader that leaves out a partial "
                          "last batch (DataLoader(drop_last=True))")
 
@@ -541,26 +543,27 @@ def split_pipeline(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap | 
     in ``model_map`` win over balancing.
     """
     pp = mesh.size("pp")
+    named_pp = mesh.spelling.named("pp", pp)  # as the layout's maker spells it
     if model_map is None:
-        raise ValueError(f"pp={pp} needs to know where the blocks are, and no model map was found "
+        raise ValueError(f"{named_pp} needs to know where the blocks are, and no model map was found "
                          f"({why_no_blocks(module)}): give the "
                          "strategy a model map (model_map: {blocks: ..., embedding: ..., head: ...})")
     if sample_batch is None:
-        raise ValueError(f"pp={pp} traces the network once on a sample of the data to place what runs outside the "
+        raise ValueError(f"{named_pp} traces the network once on a sample of the data to place what runs outside the "
                          "blocks, and no data was found: train with a datamodule or dataloaders")
     n_stages = pp * stages_per_rank(schedule, virtual_stages)
     shared = model_map.shared_blocks(module)
     if shared:
         entries = len(module.get_submodule(model_map.blocks)._modules)
         distinct = entries - sum(len(group) - 1 for group in shared)
-        raise ValueError(f"pp={pp}: the {entries} entries of the block list {model_map.blocks!r} hold only "
+        raise ValueError(f"{named_pp}: the {entries} entries of the block list {model_map.blocks!r} hold only "
                          f"{distinct} distinct module{'s' * (distinct != 1)}, because entries share one module "
                          f"({', '.join(' = '.join(group) for group in shared[:2])}): a pipeline stage owns the "
                          "parameters of its blocks, and one block module cannot be cut between stages. Give each "
                          "entry a module of its own, or train this model without pipeline parallel")
     blocks = model_map.block_names(module)
     if len(blocks) < n_stages:
-        raise ValueError(f"{n_stages} pipeline stages (pp={pp} x {n_stages // pp} per rank for {schedule!r}) need "
+        raise ValueError(f"{n_stages} pipeline stages ({named_pp} x {n_stages // pp} per rank for {schedule!r}) need "
                          f"at least {n_stages} blocks, the model has {len(blocks)}")
     trace = _trace(module, model_map, sample_batch[0][:1].to(device))
     if model_map.split_points:
