@@ -204,11 +204,10 @@ def test_every_strategy_name_resolves_in_fabric_with_the_trainers_arguments() ->
     import lightning as L
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_par.strategies import DEPRECATED_STRATEGIES, STRATEGIES
+    from lightning_par.strategies import STRATEGIES
     from lightning_par.strategies.fabric import MeshFabricStrategy
 
-    names = [name for name, entry in StrategyRegistry.items()
-             if entry["strategy"] in STRATEGIES and entry["strategy"] not in DEPRECATED_STRATEGIES]
+    names = [name for name, entry in StrategyRegistry.items() if entry["strategy"] in STRATEGIES]
     assert {"data_parallel", "zero1", "zero2", "zero3", "fsdp2", "tensor_parallel", "context_parallel",
             "pipeline_parallel", "expert_parallel", "hybrid3d", "auto_parallel"} <= set(names)
     for name in names:
