@@ -385,7 +385,3 @@ def _suggest(fixed: dict[str, int], world_size: int, spelling: Spelling, *, exac
         return (f"no {spelling.name(name)} fits with the other sizes; world size {world_size} has divisors "
                 f"{divisors(world_size)}")
     return "try " + " or ".join(spelling.named(name, d) for d in fits)
-
-
-def _sizes(sizes: dict[str, int]) -> str:
-    return ", ".join(f"{name}={size}" for name, size in sizes.items())
