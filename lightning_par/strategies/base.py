@@ -27,10 +27,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_par.parallel.mesh import build_mesh
 from lightning_par.health.bad_steps import BadSteps
 from lightning_par.layout.config import Float8Recipe, ParallelConfig, Recompute
 from lightning_par.parallel.compose import parallelize
+from lightning_par.parallel.mesh import build_mesh
 from lightning_par.parallel.parallelized import Parallelized, parallelized_by_its_author
 from lightning_par.parallel.model_map import ModelMap, resolve_model_map
 from lightning_par.strategies.full_batches import drop_partial_last_batch
