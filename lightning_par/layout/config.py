@@ -1,8 +1,8 @@
 """ParallelConfig: the size of every mesh dimension and the knobs of each technique.
 
 One frozen dataclass describes a layout. ``validate(world_size)`` checks it against the number of
-processes and returns a copy with every ``"auto"`` resolved; ``build_mesh()`` turns it into one named
-:class:`~lightning_par.parallel.mesh.ParallelMesh`. Nothing here talks to other ranks before the sizes are known
+processes and returns a copy with every ``"auto"`` resolved; ``lightning_par.parallel.mesh.build_mesh(config)`` turns
+it into one named :class:`~lightning_par.parallel.mesh.ParallelMesh`. Nothing here talks to other ranks before the sizes are known
 to fit, so a bad layout fails with the same ``ValueError`` on every rank instead of hanging a collective.
 
 This module never imports lightning (docs/architecture.md).
@@ -127,7 +127,7 @@ class ParallelConfig:
 
     def describe(self) -> str:
         """The sizes as ``pp=1 x dp_replicate=2 x ...``, in the mesh's names (logs and records)."""
-        return " x ".join(f"{name}={getattr(self, name)!r}" for name in MESH_DIM_NAMES) + f", ep={self.ep!r}"
+        return self._sizes_as(FIELD_NAMES)
 
     def name(self, field: str) -> str:
         """How the config's maker names ``field`` (``tensor_parallel_size``, or ``tp``)."""
@@ -140,7 +140,11 @@ class ParallelConfig:
 
     def named_sizes(self) -> str:
         """Every size, as the config's maker names them (the layout in messages)."""
-        return " x ".join(self.named(name) for name in MESH_DIM_NAMES) + f", {self.named('ep')}"
+        return self._sizes_as(self.spelling)
+
+    def _sizes_as(self, spelling: Spelling) -> str:
+        sizes = " x ".join(spelling.named(name, getattr(self, name)) for name in MESH_DIM_NAMES)
+        return f"{sizes}, {spelling.named('ep', self.ep)}"
 
     # ------------------------------------------------------------------------------ validation
     def _validate_values(self) -> None:

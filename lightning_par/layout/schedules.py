@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from lightning_par.layout.dimensions import FIELD_NAMES
+
 #: The fewest micro-batches a schedule runs: any number, one per pipeline rank (fewer leave the pipeline unfilled),
 #: or one per stage (DualPipeV feeds micro-batches from both ends of the V).
 MicrobatchFloor = Literal["any", "one per rank", "one per stage"]
@@ -150,7 +152,7 @@ def too_few_microbatches(n_microbatches: int, schedule: Schedule, pp: int, virtu
     if n_microbatches >= least:
         return None
     values = {"pp": pp, "microbatches": n_microbatches}
-    named = named or (lambda field: f"{field}={values[field]}")
+    named = named or (lambda field: FIELD_NAMES.named(field, values[field]))
     if SCHEDULES[schedule].fewest_microbatches == "one per stage":
         return (f"schedule {schedule!r} needs at least {least // pp} x {named('pp')} = {least} micro-batches (one per "
                 f"stage), got {named('microbatches')}; raise it to {least} or more")
