@@ -395,7 +395,8 @@ def test_the_sections_a_model_cuts_a_fused_projection_into_are_read_off_its_forw
 
 
 def test_regrouped_rows_give_each_rank_its_part_of_every_section_and_convert_back() -> None:
-    """[q0 q1 q2 q3 | k0 k1 | v0 v1] over 2 ranks -> [q0 q1 k0 v0 | q2 q3 k1 v1]; state dicts see the stored order."""
+    """[q0 q1 q2 q3 | k0 k1 | v0 v1] over 2 ranks -> [q0 q1 k0 v0 | q2 q3 k1 v1]; the layer's state_dict() and
+    load_state_dict() speak the stored order, and so do the optimizer states' conversions."""
     from lightning_par.parallel.regroup import regroup_rows, section_order, to_stored_order, to_training_order
 
     assert section_order((4, 2, 2), 2).tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
@@ -406,7 +407,12 @@ def test_regrouped_rows_give_each_rank_its_part_of_every_section_and_convert_bac
     regroup_rows(layer, (4, 2, 2), 2, {"weight": 0, "bias": 0})
     assert torch.equal(layer.weight[2], stored["weight"][4]) and torch.equal(layer.bias[3], stored["bias"][6])
     model = nn.Sequential(layer)
-    out = to_stored_order(model, {f"0.{k}": v for k, v in layer.state_dict().items()})
+    assert all(torch.equal(model.state_dict()[f"0.{k}"], v) for k, v in stored.items())
+    assert model.state_dict(keep_vars=True)["0.weight"] is layer.weight  # the parameters themselves: training order
+    trained = {k: v.detach().clone() for k, v in layer.named_parameters()}
+    model.load_state_dict({f"0.{k}": v for k, v in stored.items()})
+    assert all(torch.equal(getattr(layer, k), v) for k, v in trained.items())
+    out = to_stored_order(model, {f"0.{k}": v for k, v in trained.items()})  # an optimizer state's conversion
     assert all(torch.equal(out[f"0.{k}"], v) for k, v in stored.items())
     back = to_training_order(model, out)
     assert torch.equal(back["0.weight"], layer.weight) and torch.equal(back["0.bias"], layer.bias)

@@ -43,8 +43,7 @@ from torch.optim import Optimizer
 from lightning_par.checkpoint import validation
 from lightning_par.checkpoint import safe_dcp
 from lightning_par.parallel.modules import clean_name, tied_aliases
-from lightning_par.parallel.regroup import (optimizer_to_stored_order, optimizer_to_training_order, to_stored_order,
-                                            to_training_order)
+from lightning_par.parallel.regroup import optimizer_to_stored_order, optimizer_to_training_order
 from lightning_par.parallel.zero_experts import ZeroWithExperts
 
 MODEL_KEY = "state_dict"  # Lightning's own key for the model weights
@@ -67,8 +66,8 @@ def model_state_dict(module: nn.Module, *, full: bool, aliases: bool = True,
     gathered to rank 0 (the other ranks get an empty dict). ``aliases=False`` leaves out the other names of a
     tied parameter, so that a checkpoint holds it once; ``trainable_only`` keeps the parameters that require a
     gradient (a LoRA run's adapters: its frozen base is read from the model directory again)."""
+    # Fused projections regrouped for tensor parallel come in the model's order (their state_dict hooks: regroup.py).
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
-    state = to_stored_order(module, state)  # fused projections regrouped for tensor parallel, as the model has them
     if not aliases:
         for alias in tied_aliases(module):
             state.pop(alias, None)
@@ -315,7 +314,7 @@ def load_checkpoint(
             weights = {name: tensor for name, tensor in weights.items()
                        if name in local or name in aliases or name not in expected}
             full = StateDictOptions(full_state_dict=True, strict=strict)
-            set_model_state_dict(module, to_training_order(module, weights), options=full)
+            set_model_state_dict(module, weights, options=full)
             for optimizer, state in zip(optimizers, checkpoint.pop(OPTIMIZERS_KEY, [])):
                 _load_optimizer_state(module, optimizer, state, full=True)
     except (Exception, CheckpointException) as error:
@@ -384,7 +383,7 @@ def _load_sharded(path: Path, module: nn.Module, local: dict[str, Any], optimize
 
     model_state = {MODEL_KEY: local}  # this rank's tensors, filled by DCP
     load(model_state)
-    set_model_state_dict(module, with_aliases(to_training_order(module, model_state[MODEL_KEY]), aliases),
+    set_model_state_dict(module, with_aliases(model_state[MODEL_KEY], aliases),
                          options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
         key = f"optimizer_{index}"

@@ -28,7 +28,6 @@ from lightning_par.checkpoint import validation
 from lightning_par.checkpoint.format import FROZEN_BASE_KEY, consolidated_weights, move_into_place, staging_path, with_aliases
 from lightning_par.parallel.adapters import adapter_parameter_names, checkpoint_name, is_peft_model
 from lightning_par.parallel.modules import clean_name, materialize_meta_parameters, tied_aliases
-from lightning_par.parallel.regroup import to_stored_order, to_training_order
 
 __all__ = ["load_huggingface_weights", "export_huggingface", "save_huggingface", "model_config",
            "config_from_arguments", "directory_fingerprint", "TOKENIZER_FILES"]
@@ -53,9 +52,8 @@ def load_huggingface_weights(module: nn.Module, directory: str | os.PathLike, *,
     directory = Path(directory)
     materialize_meta_parameters(module, torch.device(device))
     aliases = tied_aliases(module)  # safetensors stores a tied head once, under the embedding's name
-    # Fused projections regrouped for tensor parallel are read in the directory's order, then regrouped.
-    state = {name: value for name, value in to_stored_order(module, get_model_state_dict(module)).items()
-             if name not in aliases}
+    # Fused projections regrouped for tensor parallel are read in the directory's order (their state_dict hooks).
+    state = {name: value for name, value in get_model_state_dict(module).items() if name not in aliases}
     # Under LoRA (peft) the directory holds the base model: adapters are not in it, and each base weight is read
     # under the name it has there (without peft's base_layer and PeftModel prefix).
     adapters = {clean_name(name) for name in adapter_parameter_names(module)}
@@ -72,7 +70,7 @@ def load_huggingface_weights(module: nn.Module, directory: str | os.PathLike, *,
         problem = f"model directory {str(directory)!r} cannot be read: {validation.one_line(error)}"
     validation.agree(problem)
     dcp.load(base, storage_reader=HuggingFaceStorageReader(str(directory)))  # into the tensors of ``state``
-    set_model_state_dict(module, with_aliases(to_training_order(module, state), aliases))
+    set_model_state_dict(module, with_aliases(state, aliases))
 
 
 def directory_fingerprint(directory: str | os.PathLike) -> str:

@@ -26,6 +26,7 @@ collective runs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -53,7 +54,7 @@ from lightning_par.parallel.record import layout_record
 from lightning_par.parallel.tensor import apply_tensor_parallel, split_summary
 from lightning_par.parallel.modules import clean_name, tied_groups
 from lightning_par.parallel.pipeline.ties import StageTies
-from lightning_par.parallel.modules import materialize_meta_parameters
+from lightning_par.parallel.initialize import RandomState, has_meta_tensors, initialize_meta_model, meta_skeleton
 from lightning_par.parallel.zero import fully_shard_model
 
 
@@ -125,7 +126,12 @@ def parallelize(
         raise ValueError(f"this module was parallelized for {applied[1].named_sizes()} already and cannot be "
                          f"re-laid out as {config.named_sizes()}; build a new module (or load a checkpoint into one)")
     stages = None
-    allocate = dry_run or materialize_meta_parameters
+    # A model built on the meta device is initialised as one process would (parallel/initialize.py); a pipeline stage
+    # runs the initialisers of the model as built, of which the split leaves it a part.
+    skeleton = (meta_skeleton(model) if dry_run is None and applied is None and config.pp > 1
+                and has_meta_tensors(model) else None)
+    random_state = RandomState(device)  # the set-up's runs of small copies must not move the user's random stream
+    allocate = dry_run or functools.partial(initialize_meta_model, skeleton=skeleton)
     if dry_run is not None and sample_batch is not None:  # shapes are all a dry run's set-up needs of the data
         sample_batch = tuple(t if t is None else t.to("meta") for t in sample_batch)  # type: ignore[assignment]
     analysis_device = torch.device("meta") if dry_run is not None else device
@@ -197,6 +203,7 @@ def parallelize(
             for root, network in roots:
                 precompute_scales_before_forward(root, network)
         record.layout = layout
+    random_state.restore()
     allocate(model, device)
     if stages is not None:
         # After allocation: a model built on the meta device gets new parameter objects there.

@@ -54,6 +54,7 @@ from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.model_map import ModelMap, why_no_blocks
 from lightning_par.parallel.modules import first_tensor
 from lightning_par.parallel.small_copy import small_copy
+from lightning_par.parallel.model_call import run_model
 
 Method = ContextParallelMethod  # ulysses or ring, as config.py names them
 
@@ -490,7 +491,7 @@ def head_follows_last_block(module: nn.Module, model_map: ModelMap, sample: Tens
         handles += [step.register_forward_pre_hook(check, with_kwargs=True), step.register_forward_hook(record)]
     try:
         with torch.no_grad():
-            small(sample[:1])
+            run_model(small, sample[:1])
     except Exception:  # noqa: BLE001 - a model the copy cannot run gathers after the last block, as before
         return False
     finally:

@@ -35,6 +35,7 @@ from lightning_par.parallel.model_map import ModelMap
 from lightning_par.parallel.model_map_check import copy_settings
 from lightning_par.parallel.modules import first_tensor
 from lightning_par.parallel.small_copy import small_copy
+from lightning_par.parallel.model_call import run_model
 
 # A faithful layout differs from the whole copy by rounding (~1e-15 in float64, ~1e-6 in float32); a wrong one by
 # O(0.1).
@@ -51,7 +52,7 @@ def check_layout_forward(model: nn.Module, mesh: ParallelMesh, config: ParallelC
     reason = None
     with torch.no_grad():
         try:
-            whole = _logits(model_copy(sample))
+            whole = _logits(run_model(model_copy, sample))
         except Exception:  # noqa: BLE001 - the model's own failure is not the layout's: training will report it
             whole = None
         if whole is not None:
@@ -60,7 +61,7 @@ def check_layout_forward(model: nn.Module, mesh: ParallelMesh, config: ParallelC
             handles = _track(model_copy, stack)
             try:
                 apply(model_copy)
-                laid_out = _logits(model_copy(sample))
+                laid_out = _logits(run_model(model_copy, sample))
                 if laid_out.shape != whole.shape:
                     reason = f"its logits have shape {tuple(laid_out.shape)}, the whole model's {tuple(whole.shape)}"
                 else:
@@ -147,7 +148,7 @@ def _blocks_calling_attention(model: nn.Module, model_map: ModelMap, sample: Ten
         handles.append(block.register_forward_pre_hook(lambda m, a, c=counter: c.__enter__() and None))
         handles.append(block.register_forward_hook(lambda m, a, o, c=counter, n=name: leave(c, n)))
     try:
-        model(sample)
+        run_model(model, sample)
     except Exception:  # noqa: BLE001 - only a hint for the refusal
         pass
     finally:
@@ -201,7 +202,7 @@ def check_routing_draws(model: nn.Module, mesh: ParallelMesh, config: ParallelCo
     model_copy.train()
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-            model_copy(sample)
+            run_model(model_copy, sample)
     except Exception:  # noqa: BLE001 - the model's own failure: training will report it
         return
     finally:

@@ -44,6 +44,7 @@ from lightning_par.parallel.model_map_structure import fused_sections, structura
 from lightning_par.parallel.regroup import regrouped_parameters
 from lightning_par.parallel.small_copy import Vocabulary, small_copy
 from lightning_par.parallel.modules import clean_name
+from lightning_par.parallel.model_call import run_model
 
 # A faithful split differs from the whole model by rounding only: ~1e-15 in float64, ~1e-7 where a model
 # computes a norm in float32 whatever its dtype (Gemma), ~1e-6 in float32 (models whose kernels have no float64
@@ -136,7 +137,7 @@ def _with_structural_pairs(module: nn.Module, model_map: ModelMap, sample: Tenso
     """``model_map`` with the column/row-wise pairs the blocks compute among the projections it leaves unstyled
     (``lightning_par.parallel.model_map_structure``), source ``structure`` when it found any."""
     model_copy = small_copy(module, model_map.blocks, device, dtype, vocabulary=vocabulary)
-    found = structural_styles(model_copy, model_map, lambda: model_copy(_as(sample, device, dtype)))
+    found = structural_styles(model_copy, model_map, lambda: run_model(model_copy, _as(sample, device, dtype)))
     if not found:
         return model_map
     notes.append("found from the computation: " + ", ".join(f"{p}: {s}" for p, s in found.items()))
@@ -179,7 +180,7 @@ class _HeadsPerRank:
             return
         sample, dtype, vocabulary, device = self.copy_settings
         model_copy = small_copy(self.module, self.model_map.blocks, device, dtype, vocabulary=vocabulary)
-        self.sections.update(fused_sections(model_copy, layers, lambda: model_copy(_as(sample, device, dtype))))
+        self.sections.update(fused_sections(model_copy, layers, lambda: run_model(model_copy, _as(sample, device, dtype))))
         self.probed.update(layers)
 
     def removed_from(self, candidate: ModelMap, region: str) -> ModelMap:
@@ -269,7 +270,7 @@ def copy_settings(module: nn.Module, model_map: ModelMap, inputs: Tensor, tp: in
         for dtype in (torch.float64, torch.float32):
             try:
                 model_copy = small_copy(module, model_map.blocks, device, dtype, vocabulary=vocabulary)
-                logits, _, _ = first_tensor(model_copy(_as(sample, device, dtype)))
+                logits, _, _ = first_tensor(run_model(model_copy, _as(sample, device, dtype)))
             except Exception:  # noqa: BLE001 - a dtype without kernels, or whatever the cut model raises
                 continue
             if model_map.head is None or logits.shape[-1] == vocabulary.rows:
@@ -292,7 +293,7 @@ def _dtype_that_runs(module: nn.Module, model_map: ModelMap, inputs: Tensor, dev
     """float64 where the whole model runs in it, else float32."""
     try:
         model_copy = small_copy(module, model_map.blocks, device, torch.float64)
-        model_copy(_as(inputs, device, torch.float64))
+        run_model(model_copy, _as(inputs, device, torch.float64))
         return torch.float64
     except RuntimeError:
         return torch.float32
@@ -319,7 +320,7 @@ def _run(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, inputs: Ten
                 lambda m, a, k, n=name: _enter(stack, n, record, a, k, regions), with_kwargs=True))
             handles.append(sub.register_forward_hook(lambda m, a, o, n=name: _leave(stack, n, record, o, regions)))
         try:
-            logits, _, _ = first_tensor(model_copy(inputs))
+            logits, _, _ = first_tensor(run_model(model_copy, inputs))
         finally:
             for handle in handles:
                 handle.remove()

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_par.parallel.model_map import ModelMap
-from lightning_par.parallel.small_copy import small_copy
+from lightning_par.parallel.small_copy import model_dtype, small_copy
+from lightning_par.parallel.model_call import run_model
 
 
 @dataclass(frozen=True)
@@ -80,12 +81,13 @@ def blocks_used_outside(module: nn.Module, model_map: ModelMap, inputs: Tensor,
                         device: torch.device) -> dict[str, list[str]]:
     """``{block name: [its submodules called outside it]}`` for the forward of ``module`` on the first row of
     ``inputs`` (full names; blocks beyond the first of each kind are not run)."""
-    model_copy = small_copy(module, model_map.blocks, device, torch.float32)
+    dtype = model_dtype(module)
+    model_copy = small_copy(module, model_map.blocks, device, dtype)
     blocks = [(f"{model_map.blocks}.{index}", block)
               for index, block in model_copy.get_submodule(model_map.blocks).named_children()]
     sample = inputs[:1].to(device)
     with watching_block_parts(blocks) as calls, torch.no_grad():
-        model_copy(sample.float() if sample.is_floating_point() else sample)
+        run_model(model_copy, sample.to(dtype) if sample.is_floating_point() else sample)
     outside: dict[str, list[str]] = {}
     for call in calls:
         if not call.inside_its_block:

@@ -8,10 +8,11 @@ the q, k and v of its own heads (Shoeybi et al. 2019, "Megatron-LM", section 3).
 once, when the layer is split: rank ``r``'s rows are part ``r`` of every section, ``[q_r | k_r | v_r]``. The model's
 own code then cuts its local output with per-rank sizes (:mod:`lightning_par.parallel.local_heads`).
 
-Whatever reads or writes the model's state sees the stored order: :func:`to_stored_order` and
-:func:`to_training_order` convert a state dict (whole tensors, or DTensor shards: those are gathered, reordered and
-sliced again, a collective over the tensor's mesh), and the optimizer's states the same way, so a checkpoint or an
-exported model is the one a single process would write, and loads under any layout.
+Whatever reads or writes the model's state sees the stored order: the layer's ``state_dict()`` and
+``load_state_dict()`` convert its regrouped rows (DTensor shards are gathered, reordered and sliced again, a
+collective over the tensor's mesh), so ``model.state_dict()``, a checkpoint or an exported model is what a single
+process would write, and loads under any layout. :func:`to_stored_order` and :func:`to_training_order` convert the
+optimizer's states (keyed by parameter name) the same way.
 """
 
 from __future__ import annotations
@@ -68,6 +69,31 @@ def regroup_rows(layer: nn.Module, sections: tuple[int, ...], parts: int, dims: 
                              f"{name} has {parameter.shape[dim]} output features: give sections that cover them")
         parameter.data = parameter.data.index_select(dim, order.to(parameter.device))
     layer.regrouped_rows = regrouped
+    # The layer's own state dict keeps the model's order, whoever reads it (model.state_dict(), DCP, a checkpoint).
+    layer.register_state_dict_post_hook(_state_dict_in_stored_order)
+    layer.register_load_state_dict_pre_hook(_state_dict_in_training_order)
+
+
+def _state_dict_in_stored_order(layer: nn.Module, state: dict[str, Any], prefix: str, _: Any) -> None:
+    """``layer.state_dict()`` with its regrouped rows in the order the model stores them. Collective over the
+    tensor-parallel ranks, as reading any split tensor whole is; ``keep_vars=True`` keeps the parameters themselves
+    (in training order)."""
+    regrouped: Regrouped = layer.regrouped_rows
+    stored = torch.argsort(regrouped.order())
+    for name, dim in regrouped.dims.items():
+        value = state.get(prefix + name)
+        if isinstance(value, Tensor) and value is not layer.get_parameter(name):
+            state[prefix + name] = _reorder(value, dim, stored)
+
+
+def _state_dict_in_training_order(layer: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    """What ``layer.load_state_dict()`` reads, in the model's order, put in training order first."""
+    regrouped: Regrouped = layer.regrouped_rows
+    order = regrouped.order()
+    for name, dim in regrouped.dims.items():
+        value = state.get(prefix + name)
+        if isinstance(value, Tensor) and value.dim() > dim and value.shape[dim] == len(order):
+            state[prefix + name] = _reorder(value, dim, order)
 
 
 def regrouped_parameters(module: nn.Module) -> dict[str, tuple[int, Tensor]]:

@@ -70,6 +70,12 @@ def small_copy(module: nn.Module, blocks: str, device: torch.device, dtype: torc
     return model_copy
 
 
+def model_dtype(module: nn.Module) -> torch.dtype:
+    """The floating-point dtype ``module`` computes in (its first floating-point parameter's, else torch's default):
+    a copy run in another would meet the model's own tensors of this dtype (a table it builds in its forward)."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.get_default_dtype())
+
+
 @dataclass(frozen=True)
 class Vocabulary:
     """The embedding (an ``nn.Embedding``) and the head (an ``nn.Linear`` with a row per token, or None) to cut to
@@ -160,4 +166,4 @@ def _keep_one_block_of_each_kind(model_copy: nn.Module, blocks: str, min_blocks:
         del container._modules[key]
 
 
-__all__ = ["Vocabulary", "small_copy"]
+__all__ = ["Vocabulary", "model_dtype", "small_copy"]

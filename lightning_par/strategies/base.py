@@ -30,6 +30,8 @@ from typing_extensions import override
 from lightning_par.health.bad_steps import BadSteps
 from lightning_par.layout.config import Float8Recipe, ParallelConfig, Recompute
 from lightning_par.parallel.compose import parallelize
+from lightning_par.parallel.initialize import initialize_meta_model
+from lightning_par.parallel.model_call import ModelCall, calling_as
 from lightning_par.parallel.mesh import build_mesh
 from lightning_par.parallel.parallelized import Parallelized, parallelized_by_its_author
 from lightning_par.parallel.model_map import ModelMap, resolve_model_map
@@ -176,36 +178,46 @@ class MeshStrategy(StepsThroughTheHandle):
         owner = self.lightning_module
         return self.lay_out(module, owner, training=training, accumulate=trainer.accumulate_grad_batches,
                             sample=lambda config, model_map: sample_for_layout(owner, config, model_map,
-                                                                               self.broadcast))
+                                                                               self.broadcast, self.root_device))
 
     def lay_out(self, module: nn.Module, owner: nn.Module, *, training: bool, accumulate: int,
-                sample: Callable[[ParallelConfig, ModelMap | None], tuple[Tensor, Tensor | None] | None],
+                sample: Callable[[ParallelConfig, ModelMap | None], tuple[Tensor, Tensor | None] | ModelCall | None],
                 **parallelize_options: Any) -> Parallelized:
         """Lay ``module`` out on the mesh: as ``owner`` (the LightningModule, or Fabric's module) parallelizes
         itself, as its author already did, or through ``parallelize`` with the model map, ``owner``'s model contract
-        (``loss_fn``, ``loss_tokens``) and ``sample(config, model_map)``, one batch of the data or None.
+        (``loss_fn``, ``loss_tokens``) and ``sample(config, model_map)``: one batch of the data, how the step calls the
+        model on it (the set-up's runs of the model then call it so: ``parallel/model_call.py``), or None.
         ``parallelize_options`` go to ``parallelize`` (``dry_run``)."""
         config, mesh = self.parallel_config, self.mesh
+        # A model built on the meta device: allocated and initialised as one process would draw it (a dry run's
+        # allocation makes fake tensors instead).
+        allocate = parallelize_options.get("dry_run") or initialize_meta_model
         hook: Callable[..., nn.Module | None] | None = getattr(owner, "parallelize", None)
         if callable(hook):
             returned = hook(mesh, config)
-            return Parallelized(module if returned is None else returned, mesh, config,
+            module = module if returned is None else returned
+            allocate(module, self.root_device)
+            return Parallelized(module, mesh, config,
                                 reduces_after_backward=training and config.reduces_gradients_after_backward)
         if parallelized_by_its_author(module):
             # Lightning's ModelParallelStrategy idiom: configure_model() split and sharded the model itself on
             # self.device_mesh["tensor_parallel"] / ["data_parallel"]. It is trained as it is.
             rank_zero_info(f"{type(self).__name__}: the model parallelized itself; the strategy applies no model "
                            "map to it")
+            allocate(module, self.root_device)
             return Parallelized.as_given(module, mesh, config)
         model_map = resolve_model_map(self._model_map, module)
         self.parallel_config = config = resolve_units(config, self._auto_units, module, model_map,
                                                       self.root_device, self.num_processes,
                                                       log=lambda line: rank_zero_info(f"{type(self).__name__}: {line}"))
-        return parallelize(module, mesh, config, model_map, training=training, device=self.root_device,
-                           device_ids=None if self.root_device.type == "cpu" else [self.root_device.index],
-                           sample_batch=sample(config, model_map), log=rank_zero_info,
-                           loss_fn=getattr(owner, "loss_fn", None), accumulate=accumulate,
-                           loss_tokens=getattr(owner, "loss_tokens", None), **parallelize_options)
+        taken = sample(config, model_map)
+        call = taken if isinstance(taken, ModelCall) else None
+        with calling_as(call):
+            return parallelize(module, mesh, config, model_map, training=training, device=self.root_device,
+                               device_ids=None if self.root_device.type == "cpu" else [self.root_device.index],
+                               sample_batch=(call.sample, None) if call is not None else taken, log=rank_zero_info,
+                               loss_fn=getattr(owner, "loss_fn", None), accumulate=accumulate,
+                               loss_tokens=getattr(owner, "loss_tokens", None), **parallelize_options)
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

@@ -5,32 +5,35 @@ on). Lightning side: it reads the trainer's loops."""
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
 
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_par.layout.config import ParallelConfig
 from lightning_par.parallel.experts import moe_layers
 from lightning_par.parallel.compose import check_batch_fits
 from lightning_par.parallel.pipeline.split import check_microbatches
-from lightning_par.parallel.model_map import ModelMap
+from lightning_par.parallel.initialize import RandomState
+from lightning_par.parallel.model_call import ModelCall
+from lightning_par.parallel.model_map import ModelMap, network_prefix
+from lightning_par.parallel.small_copy import model_dtype, small_copy
 
-__all__ = ["check_module", "data_of_this_run", "first_batch", "sample_for_layout"]
+__all__ = ["check_module", "data_of_this_run", "layout_sample", "sample_for_layout", "step_call"]
 
 
 def check_module(module: LightningModule, config: ParallelConfig, trainer: Trainer, *, fitting: bool) -> None:
     """Raise when ``module`` cannot be trained or run in ``config``'s layout (the pipeline's contract, something to
     train); warn about settings that cost what the user may not expect."""
     if config.pp > 1:
-        missing = [f"{name}()" for name in ("split_batch", "loss_fn") if not callable(getattr(module, name, None))]
-        if missing:
-            raise TypeError(f"pipeline parallel needs {type(module).__name__} to define {' and '.join(missing)}; the "
-                            "schedule runs split_batch(batch) -> (inputs, targets), forward(inputs) -> logits and "
-                            "loss_fn(logits, targets) itself (see docs/pipeline_parallel.md)")
+        _check_pipeline_contract(module)
         check_microbatches(config)
     if fitting and not any(p.requires_grad for p in module.parameters()):
         raise ValueError(f"{type(module).__name__} has no trainable parameters (it has none, or every one has "
@@ -39,6 +42,37 @@ def check_module(module: LightningModule, config: ParallelConfig, trainer: Train
     if fitting and config.ddp_static_graph and trainer.accumulate_grad_batches > 1:
         rank_zero_warn("static_graph=True with accumulate_grad_batches > 1: gradients are all-reduced on every "
                        "micro-batch, because PyTorch's DDP cannot skip the all-reduce (no_sync) under a static graph")
+
+
+# What a LightningModule adds for pipeline parallel, one line each: the schedule runs them itself.
+_PIPELINE_LINES = {
+    "split_batch": "def split_batch(self, batch): return batch[:, :-1], batch[:, 1:]  # -> (inputs, targets)",
+    "forward": "def forward(self, inputs): return self.model(inputs)  # inputs -> logits, one tensor in",
+    "loss_fn": "def loss_fn(self, logits, targets): return F.cross_entropy(logits.flatten(0, 1), targets.flatten())",
+}
+
+
+def _check_pipeline_contract(module: LightningModule) -> None:
+    """Pipeline stages run ``split_batch(batch) -> (inputs, targets)``, ``forward(inputs) -> logits`` (one tensor from
+    stage to stage) and ``loss_fn(logits, targets)`` themselves, never ``training_step``: raise ``TypeError`` showing,
+    as code, what ``module`` lacks of them."""
+    missing = [name for name in ("split_batch", "loss_fn") if not callable(getattr(module, name, None))]
+    forward = type(module).forward
+    required = [p for p in inspect.signature(forward).parameters.values()][1:] \
+        if forward is not LightningModule.forward else None
+    if required is None or sum(p.default is inspect.Parameter.empty and p.kind in
+                               (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in required) != 1:
+        missing.insert(1 if "split_batch" in missing else 0, "forward")
+    if not missing:
+        return
+    lines = "\n".join(f"    {_PIPELINE_LINES[name]}" for name in missing)
+    described = [{"forward": "forward(inputs)", "split_batch": "split_batch()", "loss_fn": "loss_fn()"}[name]
+                 for name in missing]
+    listed = described[0] if len(described) == 1 else f"{', '.join(described[:-1])} and {described[-1]}"
+    raise TypeError(f"pipeline parallel needs {type(module).__name__} to define {listed}; the schedule runs split_batch(batch) -> "
+                    "(inputs, targets), forward(inputs) -> logits and loss_fn(logits, targets) itself, never "
+                    f"training_step. Add to {type(module).__name__}, for example:\n{lines}\n"
+                    "(see docs/models.md, \"Bring your own module\")")
 
 
 def data_of_this_run(trainer: Trainer) -> Any:
@@ -56,25 +90,24 @@ def data_of_this_run(trainer: Trainer) -> Any:
     return loader
 
 
-def first_batch(module: LightningModule, config: ParallelConfig,
-                broadcast: Callable[[Any], Any]) -> tuple[Tensor, Tensor | None] | None:
-    """Rank 0's first batch (``broadcast`` hands it to every rank: a shuffling loader would give each rank another,
-    and ranks that check or cut the model together must run it on the same sample), checked against what the layout
-    needs of every batch. Through ``split_batch`` when the module defines it (one micro-batch under pipeline
-    parallel: what a stage runs at a time), else a batch of token ids, a dict's ``input_ids`` or a tuple's first
-    tensor as the inputs. None without data or with batches of another kind."""
+def _first_batch_and_size(module: LightningModule, broadcast: Callable[[Any], Any]) -> tuple[Any, int | None] | None:
+    """Rank 0's first batch and the loader's batch size (``broadcast`` hands the batch to every rank: a shuffling loader
+    would give each rank another, and ranks that check or cut the model together must run it on the same sample);
+    None without data."""
     loader = data_of_this_run(module.trainer)
     if loader is None:
         return None
     batch = broadcast(next(iter(loader)))
     batch_size = getattr(loader, "batch_size", None)
-    return layout_sample(module, config, batch, batch_size=batch_size if isinstance(batch_size, int) else None)
+    return batch, batch_size if isinstance(batch_size, int) else None
 
 
 def layout_sample(module: LightningModule, config: ParallelConfig, batch: Any, *,
                   batch_size: int | None) -> tuple[Tensor, Tensor | None] | None:
-    """The (inputs, targets) of ``batch`` that the layout runs at set-up (:func:`first_batch`), checked against what
-    the layout needs of every batch of ``batch_size`` samples (None: the batch's own size)."""
+    """The (inputs, targets) of ``batch`` that the layout runs at set-up, checked against what the layout needs of every
+    batch of ``batch_size`` samples (None: the batch's own size). Through ``split_batch`` when the module defines it
+    (one micro-batch under pipeline parallel: what a stage runs at a time), else a batch of token ids, a dict's
+    ``input_ids`` or a tuple's first tensor as the inputs. None with batches of another kind."""
     split = getattr(module, "split_batch", None)
     targets = None
     if callable(split):
@@ -96,18 +129,88 @@ def layout_sample(module: LightningModule, config: ParallelConfig, batch: Any, *
 
 
 def sample_for_layout(module: LightningModule, config: ParallelConfig, model_map: ModelMap | None,
-                      broadcast: Callable[[Any], Any]) -> tuple[Tensor, Tensor | None] | None:
+                      broadcast: Callable[[Any], Any],
+                      device: torch.device | None = None) -> tuple[Tensor, Tensor | None] | ModelCall | None:
     """The first batch where the layout runs the model at set-up (checking a tensor-parallel split, the layout's
     forward and a mixture-of-experts model's routing, cutting pipeline stages, finding blocks that ZeRO-3 must not
-    gather alone) or splits batches (context parallel), else None. Raises when a tensor-parallel split needs one and
-    the data gives none the model contract can read."""
+    gather alone) or splits batches (context parallel), else None: as the model contract's ``(inputs, targets)``
+    where the module defines ``split_batch``, else as the call its ``training_step`` makes of the model
+    (:func:`step_call`, on ``device``). Raises when a tensor-parallel split needs one and the data gives none the
+    model contract can read."""
     if (config.tp == 1 and config.pp == 1 and config.cp == 1 and config.ep == 1 and config.zero_stage != 3
             and not moe_layers(module, model_map)):
         return None
-    sample = first_batch(module, config, broadcast)
+    device = device or torch.device("cpu")
+    # One process never takes this batch nor runs the copy: the user's random stream (which a loader's iterator draws
+    # its seed from) must not move, or dropout would draw other masks than under Lightning's own strategies.
+    random_state = RandomState(device)
+    try:
+        taken = _first_batch_and_size(module, broadcast)
+        call = (step_call(module, taken[0], model_map, device)
+                if taken is not None and model_map is not None and not callable(getattr(module, "split_batch", None))
+                else None)
+    finally:
+        random_state.restore()
+    if call is not None:
+        inputs = call.sample
+        check_batch_fits(config, batch_size=taken[1] if taken[1] is not None else inputs.shape[0],
+                         seq_len=inputs.shape[1] if inputs.dim() == 2 else None)
+        return call
+    sample = None if taken is None else layout_sample(module, config, taken[0], batch_size=taken[1])
     if config.tp > 1 and model_map is not None and sample is None:
         raise ValueError(f"{config.named('tp')}: the tensor-parallel split is checked on one sample of the data before "
                          "training, and none could be taken: define split_batch(batch) -> (inputs, targets) on the "
                          "LightningModule, or use batches of token tensors, of (inputs, ...) tuples or of dicts with "
                          "'input_ids' (see docs/models.md)")
     return sample
+
+
+class _Caught(Exception):
+    """Raised by the hook that catches the step's call of the network, to stop the step there."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__()
+        self.args, self.kwargs = args, kwargs
+
+
+def step_call(module: LightningModule, batch: Any, model_map: ModelMap, device: torch.device) -> ModelCall | None:
+    """How ``module.training_step(batch, 0)`` calls the network (the module that holds the model map's blocks, head and
+    embedding: ``self.model(x)``, ``self(inputs, target)``, ``self.model(input_ids=x, attention_mask=m)``), caught on a
+    small copy of the module (one block of each kind, random weights, evaluation mode) and stopped there, so that
+    nothing the step does after it (its loss, its logging) runs. The set-up's runs of small copies then call the
+    network the same way, with the first tensor given as the sample's inputs. None where the step does not call the
+    network, or fails before it (the set-up then takes the batch's first tensor as the model's inputs)."""
+    path = network_prefix(model_map).rstrip(".")
+    model_copy = small_copy(module, model_map.blocks, device, model_dtype(module))
+    network = model_copy.get_submodule(path) if path else model_copy
+
+    def catch(_: nn.Module, args: tuple, kwargs: dict) -> None:
+        raise _Caught(args, kwargs)
+
+    handle = network.register_forward_pre_hook(catch, with_kwargs=True)
+    step = model_copy.training_step
+    takes_index = len(inspect.signature(step).parameters) > 1
+    try:
+        # The copy has no trainer: what the step logs before it calls the network is not logged, and not warned about.
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            batch = move_data_to_device(batch, device)
+            step(batch, 0) if takes_index else step(batch)
+    except _Caught as caught:
+        return _as_call(path, caught.args, caught.kwargs)
+    except Exception:  # noqa: BLE001 - a step the copy cannot run: the batch's first tensor stands for the inputs
+        return None
+    finally:
+        handle.remove()
+    return None
+
+
+def _as_call(path: str, args: tuple, kwargs: dict) -> ModelCall | None:
+    """The call, with its first tensor argument as the inputs; None without one."""
+    for index, value in enumerate(args):
+        if isinstance(value, Tensor):
+            return ModelCall(path, tuple(args), dict(kwargs), index)
+    for key, value in kwargs.items():
+        if isinstance(value, Tensor):
+            return ModelCall(path, tuple(args), dict(kwargs), key)
+    return None

@@ -13,6 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -122,7 +123,7 @@ class StepsThroughTheHandle(ShardedCheckpoints):
             return loss
         share = self._token_share(args[0])
         with self.parallelized.loss_context():
-            output = super().training_step(*args, **kwargs)
+            output = self._through_the_root("training_step", super().training_step, args, kwargs)
         if share is None:
             return output
         if isinstance(output, Tensor):
@@ -149,26 +150,43 @@ class StepsThroughTheHandle(ShardedCheckpoints):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self._enter("validation")
-        return self._evaluation_step("val_loss", super().validation_step, args, kwargs)
+        return self._evaluation_step("val_loss", "validation_step", super().validation_step, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step("test_loss", super().test_step, args, kwargs)
+        return self._evaluation_step("test_loss", "test_step", super().test_step, args, kwargs)
 
-    def _evaluation_step(self, name: str, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def _evaluation_step(self, name: str, hook: str, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if self.parallelized.pipeline is not None:
             loss = self.parallelized.pipeline.evaluate(*self.lightning_module.split_batch(args[0]))
             self.lightning_module.log(name, loss, prog_bar=name == "val_loss", sync_dist=True)
             return loss
         with self.parallelized.loss_context():
-            return step(*args, **kwargs)
+            return self._through_the_root(hook, step, args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.parallelized.pipeline is not None:  # the batch is the model's input; every rank gets the logits
             return self.parallelized.pipeline.predict(args[0])
         # Predictions leave the strategy whole: vocabulary-sharded logits are gathered.
-        return apply_to_collection(super().predict_step(*args, **kwargs), DTensor, DTensor.full_tensor)
+        output = self._through_the_root("predict_step", super().predict_step, args, kwargs)
+        return apply_to_collection(output, DTensor, DTensor.full_tensor)
+
+    def _through_the_root(self, hook: str, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run the LightningModule's ``hook`` (``training_step``, ...) through the module's own ``forward`` where ZeRO-3
+        made the LightningModule itself an FSDP2 root, as Lightning's FSDP strategies route the step through their
+        wrapper: FSDP2 gathers the root's parameters (those outside every block: an embedding, a head) in the root's
+        forward hooks, which a step that calls a submodule (``self.model(x)``) would never run. Lightning itself routes
+        the step through a DDP wrapper, which is not the LightningModule."""
+        module = self.lightning_module
+        if self.model is not module or not isinstance(module, FSDPModule):
+            return step(*args, **kwargs)
+        context = {"training_step": self.precision_plugin.train_step_context,
+                   "validation_step": self.precision_plugin.val_step_context,
+                   "test_step": self.precision_plugin.test_step_context,
+                   "predict_step": self.precision_plugin.predict_step_context}[hook]
+        with context():
+            return self._forward_redirection(module, module, hook, *args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
