@@ -275,23 +275,35 @@ def _turn_dropout_off(model: nn.Module, keep: str | None = None) -> None:
 
 
 def _default_stream_after_training(rank: int, world_size: int) -> dict:
+    from lightning_par.models.llama import LlamaConfig, Transformer
+    from lightning_par.parallel.layout_check import draws_in_training
+    from lightning_par.parallel.model_map import derive_model_map
     from lightning_par.parallel.record import layout_record
 
     results = {}
     for label, p in (("without dropout", 0.0), ("dropout turned off after set-up", P)):
-        model, handle, _, _ = _laid_out({"tp": 2}, sequence_parallel=True, p=p)
+        model, handle, mesh, _ = _laid_out({"tp": 2}, sequence_parallel=True, p=p)
         _turn_dropout_off(model)
         before = torch.get_rng_state()
         _train(model, handle, steps=2)
         results[label] = {"unchanged": torch.equal(before, torch.get_rng_state()),
                           "streams": layout_record(model).random_streams}
+    # The set-up's question itself draws nothing, also for a model built on the meta device, whose small copy is
+    # initialised by drawing (the reference model's init_weights).
+    with torch.device("meta"):
+        on_meta = Transformer(LlamaConfig(vocab_size=VOCAB, dim=DIM, n_layers=2, n_heads=HEADS, max_seq_len=SEQ))
+    before = torch.get_rng_state()
+    draws = draws_in_training(on_meta, mesh, derive_model_map(on_meta), _tokens(1)[0][:, :-1])
+    results["asking"] = {"unchanged": torch.equal(before, torch.get_rng_state()), "draws": draws}
     return results
 
 
 def test_a_model_that_draws_nothing_leaves_the_default_stream_alone() -> None:
     """A model without dropout gets no dropout streams at all (one training-mode forward of a small copy at set-up
-    finds that it draws nothing), and a model whose dropout is off by the time it trains draws nothing through its
-    streams: the default generator's state after two steps is the state before, so such a model trains as before."""
+    finds that it draws nothing, and asking draws nothing either), and a model whose dropout is off by the time it
+    trains draws nothing through its streams: the default generator's state after two steps is the state before, so
+    such a model trains as before."""
     for result in run_distributed(_default_stream_after_training, 2):
         assert result["without dropout"] == {"unchanged": True, "streams": False}
         assert result["dropout turned off after set-up"] == {"unchanged": True, "streams": True}
+        assert result["asking"] == {"unchanged": True, "draws": False}

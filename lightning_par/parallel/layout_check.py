@@ -225,20 +225,18 @@ def draws_in_training(model: nn.Module, mesh: ParallelMesh, model_map: ModelMap,
     the generators are left as they were."""
     device = torch.device(mesh.device_type)
     accelerator = [device] if device.type != "cpu" else []
-    try:
-        model_copy, sample = _small_copy_and_sample(model, model_map, inputs, mesh.size("tp"), device)
-    except Exception:  # noqa: BLE001 - the model's own failure: training will report it
-        return True
-    model_copy.train()
 
     def states() -> list[Tensor]:
         return [torch.get_rng_state()] + ([torch.get_device_module(device).get_rng_state()] if accelerator else [])
 
+    # The copy is built inside too: a model built on the meta device is initialised by it, which draws.
     with torch.random.fork_rng(devices=accelerator, device_type=device.type), torch.no_grad():
-        before = states()
         try:
+            model_copy, sample = _small_copy_and_sample(model, model_map, inputs, mesh.size("tp"), device)
+            model_copy.train()
+            before = states()
             model_copy(sample)
-        except Exception:  # noqa: BLE001 - as above
+        except Exception:  # noqa: BLE001 - the model's own failure: training will report it
             return True
         return not all(torch.equal(b, a) for b, a in zip(before, states()))
 
