@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from harness import run_distributed
+from test_parallelized import _lightning_par_state_on
 from torch import Tensor, nn
 
 VOCAB, DIM, HEADS, SEQ, BATCH, P = 32, 16, 4, 8, 2, 0.5
@@ -162,7 +163,7 @@ def _tensor_parallel_masks(rank: int, world_size: int, sequence_parallel: bool) 
     _turn_dropout_off(model, keep="mlp.drop")
     masks.clear()
     _train(model, handle, steps=2)
-    return {"first": first, "split_only": masks}
+    return {"first": first, "split_only": masks, "on_module": _lightning_par_state_on(model)}
 
 
 def _assert_alike(results: list[dict], name: str, alike: bool) -> None:
@@ -193,6 +194,7 @@ def test_tensor_parallel_ranks_draw_alike_where_they_hold_the_same_activations()
     for result in results:
         step_one, step_two = result["split_only"]["layers.0.mlp.drop"]
         assert not torch.equal(step_one, step_two)
+        assert result["on_module"] == []  # the regions are hooks: the user's modules keep their own attributes
     _assert_alike([r["split_only"] for r in results], "layers.1.mlp.drop", alike=False)
 
 

@@ -50,7 +50,7 @@ their different samples, as under Lightning's DDP.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -110,22 +110,31 @@ class DerivedStream:
                 torch.empty((), device=generator.device).random_(generator=generator)
 
 
-class InStream:
-    """A module's ``forward`` run in a region (set as the module's ``forward``: an instance attribute shadows the
-    class's, so the module's name and parameters, and the wrappers applied after it, stay as they were)."""
+class Region:
+    """A module's forward run in a region: entered by a forward pre-hook, left by a forward hook that runs also when
+    the forward raises (``always_call``), so that the module and its attributes stay the user's."""
 
-    def __init__(self, forward: Callable[..., Any], key: Key, device_type: str) -> None:
-        self.forward, self.key, self.device_type = forward, key, device_type
+    def __init__(self, key: Key, device_type: str) -> None:
+        self.key, self.device_type = key, device_type
+        self._open: list[DerivedStream] = []
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with DerivedStream(self.key, self.device_type):
-            return self.forward(*args, **kwargs)
+    def enter(self, module: nn.Module, args: tuple) -> None:
+        self._open.append(DerivedStream(self.key, self.device_type).__enter__())
+
+    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._open:
+            self._open.pop().__exit__(None, None, None)
+
+    def attach(self, module: nn.Module) -> None:
+        """Run ``module``'s forward, its own hooks included, in this region."""
+        module.register_forward_pre_hook(self.enter, prepend=True)
+        module.register_forward_hook(self.leave, always_call=True)
 
 
 class SplitRegion:
     """The stretch of a module from its first column-wise layer's output to its row-wise layer's output: opened by a
     forward hook of the column-wise layers (the first one opens it), closed by one of the row-wise layers, and
-    closed at the latest when the module's forward ends (:class:`ClosingForward`), also when it raises.
+    closed at the latest when the module's forward ends, also when it raises.
 
     The column-wise layer's input is whole on every rank and draws from the default stream (a column-wise LoRA
     layer's input dropout); the row-wise layer's input is this rank's slice (a row-wise LoRA layer's input
@@ -145,25 +154,12 @@ class SplitRegion:
             stream.__exit__(None, None, None)
 
 
-class ClosingForward:
-    """The ``forward`` of a module holding split layers, which ends its :class:`SplitRegion` however it returns."""
-
-    def __init__(self, forward: Callable[..., Any], region: SplitRegion) -> None:
-        self.forward, self.region = forward, region
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self.forward(*args, **kwargs)
-        finally:
-            self.region.close()
-
-
 def apply_split_streams(module: nn.Module, regions: Mapping[str, Sequence[tuple[str, str]]], tp_rank: int,
                         device_type: str) -> int:
     """Give each module of ``regions`` (``{module: [(layer, style), ...]}``, the split layers tensor parallel laid out
     in it) its :class:`SplitRegion`, keyed by this rank's tensor-parallel ``tp_rank``: ``colwise`` layers (whose
     output is this rank's part) open it, ``rowwise`` and ``rowwise_split`` layers (whose output is whole again)
-    close it. Returns the number of regions."""
+    close it, and so does the end of the module's forward. Returns the number of regions."""
     count = 0
     for parent_name, layers in regions.items():
         opening = [name for name, style in layers if style == "colwise"]
@@ -175,8 +171,7 @@ def apply_split_streams(module: nn.Module, regions: Mapping[str, Sequence[tuple[
         for name, style in layers:
             if style in ("rowwise", "rowwise_split"):
                 module.get_submodule(name).register_forward_hook(region.close)
-        parent = module.get_submodule(parent_name)
-        parent.forward = ClosingForward(parent.forward, region)
+        module.get_submodule(parent_name).register_forward_hook(region.close, always_call=True)
         count += 1
     return count
 
@@ -185,14 +180,13 @@ def apply_token_streams(module: nn.Module, names: Sequence[str], cp_rank: int, d
     """Run the modules ``names`` (the blocks, and the final norm and head where they compute on each rank's tokens)
     in regions keyed by this rank's context-parallel ``cp_rank``."""
     for name in names:
-        sub = module.get_submodule(name)
-        sub.forward = InStream(sub.forward, ("tokens", cp_rank), device_type)
+        Region(("tokens", cp_rank), device_type).attach(module.get_submodule(name))
 
 
 def apply_stage_streams(stages: Sequence[nn.Module], indices: Sequence[int], device_type: str) -> None:
     """Run each pipeline stage module in ``stages`` (this rank's) in a region keyed by its stage index."""
     for stage, index in zip(stages, indices):
-        stage.forward = InStream(stage.forward, ("stage", index), device_type)
+        Region(("stage", index), device_type).attach(stage)
 
 
 # --------------------------------------------------------------------------------- DTensor random ops
@@ -263,5 +257,5 @@ def install_shard_streams(mesh: DeviceMesh) -> None:
         dtensor_random._rng_tracker = dtensor_random.OffsetBasedRNGTracker(mesh, run_state_sync=False)
 
 
-__all__ = ["DerivedStream", "InStream", "ShardStreams", "SplitRegion", "apply_split_streams", "apply_stage_streams",
+__all__ = ["DerivedStream", "Region", "ShardStreams", "SplitRegion", "apply_split_streams", "apply_stage_streams",
            "apply_token_streams", "default_generators", "derived_seed", "install_shard_streams", "shard_coordinates"]
