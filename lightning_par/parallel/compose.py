@@ -11,6 +11,10 @@ The order matters and is the same as torchtitan's, after a check of the model ma
 2. tensor / sequence parallel -- swaps parameters for DTensors sharded over ``tp``;
 3. context parallel      -- wraps attention to exchange sequence chunks over ``cp``;
 4. expert parallel       -- places experts over ``dp_shard x cp`` and routes tokens with all-to-all;
+   then dropout streams  -- where the layout gave ranks different activations (a tensor-parallel split region,
+                            context parallel's blocks, a pipeline stage, a sequence-split DTensor), random draws
+                            come from a stream derived per rank; before recomputation wraps the blocks, so that
+                            it replays them (rng); only for a model that draws in training;
 5. activation checkpointing -- wraps whole blocks, after their inner modules are final;
 6. torch.compile         -- compiles the already-sharded blocks;
 7. ZeRO / FSDP or DDP    -- last, because it must see the final parameters (DTensors included) and
@@ -44,14 +48,16 @@ from lightning_par.parallel.pipeline.split import (StageLayout, build_stages, ch
                                                   check_weight_pass_with_zero3, split_pipeline)
 from lightning_par.parallel.model_map import ModelMap, network_prefix
 from lightning_par.parallel.model_map_check import check_model_map
-from lightning_par.parallel.layout_check import check_layout_forward, check_routing_draws
+from lightning_par.parallel.layout_check import check_layout_forward, check_routing_draws, draws_in_training
 from lightning_par.parallel.outside_calls import blocks_used_outside
 from lightning_par.parallel.recompute import apply_activation_checkpointing
 from lightning_par.parallel.context import apply_context_parallel, check_sequence_length, head_follows_last_block
 from lightning_par.parallel.parallelized import Parallelized
 from lightning_par.parallel.pipeline.runner import PipelineRunner
 from lightning_par.parallel.record import layout_record
-from lightning_par.parallel.tensor import apply_tensor_parallel, split_summary
+from lightning_par.parallel.rng import (apply_split_streams, apply_stage_streams, apply_token_streams,
+                                        install_shard_streams)
+from lightning_par.parallel.tensor import apply_tensor_parallel, split_regions, split_summary
 from lightning_par.parallel.modules import clean_name, tied_groups
 from lightning_par.parallel.pipeline.ties import StageTies
 from lightning_par.parallel.initialize import RandomState, has_meta_tensors, initialize_meta_model, meta_skeleton
@@ -157,6 +163,12 @@ def parallelize(
                     + ("; ".join(notes) or "as given"))
         if model_map is not None and sample_batch is not None and dry_run is None:
             _check_layout(model, mesh, config, model_map, sample_batch[0], gather_at_head)
+        # Dropout streams only where the layout gives ranks different activations, and only for a model that draws:
+        # a model without dropout runs as it did, without the regions' bookkeeping (or graph breaks under compile).
+        # A dry run draws no numbers that matter.
+        random_streams = (dry_run is None and model_map is not None
+                          and (config.tp > 1 or config.cp > 1 or config.pp > 1)
+                          and (sample_batch is None or draws_in_training(model, mesh, model_map, sample_batch[0])))
         if config.float8 is not None and not config.float8_emulate:
             check_float8_device(device, config.float8, log=log)
         weight_pass = config.gathers_into_the_weight_pass
@@ -179,6 +191,8 @@ def parallelize(
             log(f"tensor parallel (tp={config.tp}) split, on this rank: {split_summary(model, model_map)}")
         apply_context_parallel(model, mesh, model_map, method=config.cp_method, gather_at_head=gather_at_head)  # 3
         apply_expert_parallel(model, mesh, config.ep, model_map, reduce_gradients=config.zero_stage != 3)  # 4
+        if random_streams:  # 4, then dropout streams
+            _apply_random_streams(model, mesh, config, model_map, gather_at_head)
         apply_activation_checkpointing(model, model_map, mode=config.activation_checkpointing,  # 5
                                        every=config.activation_checkpointing_every)
         apply_compile(model, model_map, enabled=config.compile)  # 6
@@ -197,14 +211,21 @@ def parallelize(
         if stages is not None:  # 1, completed: each stage's view of the blocks as they now are
             record.stages = build_stages(model, stages, mesh, device, sequence_parallel=config.sequence_parallel,
                                          shard_root=shard_root)
+            if random_streams:  # each stage draws from its own stream
+                apply_stage_streams([stage.submod for stage in record.stages],
+                                    [stage.stage_index for stage in record.stages], mesh.device_type)
         if converted is not None and float8_gather and config.float8 == "tensorwise":  # float8 all-gather
             roots = ([(stage.submod, stage.submod) for stage in record.stages] if stages is not None
                      else [(model, model.get_submodule(network_prefix(model_map).rstrip(".")))])
             for root, network in roots:
                 precompute_scales_before_forward(root, network)
         record.layout = layout
+        record.random_streams = random_streams
     random_state.restore()
     allocate(model, device)
+    if record.random_streams and config.tp > 1:
+        # After allocation, so that a meta-device model's initialisation draws as it did (dropout streams, above).
+        install_shard_streams(mesh["tp"])
     if stages is not None:
         # After allocation: a model built on the meta device gets new parameter objects there.
         by_name = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
@@ -247,6 +268,20 @@ def _check_layout(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, 
         apply_expert_parallel(model_copy, mesh, config.ep, model_map)
 
     check_layout_forward(model, mesh, config, model_map, inputs, apply=lay_out)
+
+
+def _apply_random_streams(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, model_map: ModelMap,
+                          gather_at_head: bool) -> None:
+    """The regions of ``rng`` in the network as steps 2-4 laid it out: tensor parallel's split regions, and context
+    parallel's blocks (with the final norm and head where they run on each rank's tokens)."""
+    if config.tp > 1:
+        apply_split_streams(model, split_regions(model, model_map, sequence_parallel=config.sequence_parallel),
+                            mesh.local_rank("tp"), mesh.device_type)
+    if config.cp > 1:
+        held = dict(model.named_modules())  # a pipeline stage holds its own blocks, and the head on the last stage
+        outside = [name for name in (model_map.final_norm, model_map.head) if name] if gather_at_head else []
+        local = [name for name in model_map.block_names(model) + outside if name in held]
+        apply_token_streams(model, local, mesh.local_rank("cp"), mesh.device_type)
 
 
 def _check_fsdp_roots(model: nn.Module, config: ParallelConfig) -> None:

@@ -119,10 +119,12 @@ def _heads_to_sequence(x: Tensor, group: dist.ProcessGroup, cp: int) -> Tensor:
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, *, is_causal: bool,
-                      scale: float | None, mask: Tensor | None = None, spelling: Spelling = FIELD_NAMES) -> Tensor:
+                      scale: float | None, mask: Tensor | None = None, dropout_p: float = 0.0,
+                      spelling: Spelling = FIELD_NAMES) -> Tensor:
     """Attention of q/k/v (B, H, T/cp, D) over the whole sequence, via two all-to-alls per tensor set; ``mask``: the
-    whole sequence's (B or 1, H or 1, T, T), as ``scaled_dot_product_attention``'s ``attn_mask``. ``spelling`` names
-    the layout's sizes when the heads do not split."""
+    whole sequence's (B or 1, H or 1, T, T), as ``scaled_dot_product_attention``'s ``attn_mask``; ``dropout_p``: its
+    attention dropout, drawn by each rank for its heads (in the block's stream of ``lightning_par.parallel.rng``,
+    which differs per rank). ``spelling`` names the layout's sizes when the heads do not split."""
     cp = dist.get_world_size(group)
     H, Hkv = q.shape[1], k.shape[1]
     if H % cp != 0:
@@ -135,8 +137,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup,
     if mask is not None and mask.shape[1] > 1:  # one mask per head: this rank's heads
         rank = dist.get_rank(group)
         mask = mask[:, rank * (H // cp):(rank + 1) * (H // cp)]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
-                                         enable_gqa=k.shape[1] != q.shape[1])  # (B, H/cp, T, D)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                         scale=scale, enable_gqa=k.shape[1] != q.shape[1])  # (B, H/cp, T, D)
     return _heads_to_sequence(out, group, cp)
 
 
@@ -304,11 +306,14 @@ class _RouteAttention(TorchFunctionMode):
             raise ValueError(f"context parallel attention takes an attn_mask of the whole sequence, (batch, heads, "
                              f"{whole}, {whole}) with batch and heads 1 or full (each rank attends for its chunks), "
                              f"got shape {tuple(attn_mask.shape)}: use is_causal=True, or a mask of every position")
-        if dropout_p != 0.0:
-            raise ValueError(f"context parallel attention has no attention dropout; got dropout_p={dropout_p}")
+        if dropout_p != 0.0 and self.method == "ring":
+            raise ValueError(f"context parallel 'ring' attention has no attention dropout (it merges blocks of scores "
+                             f"with an online softmax); got dropout_p={dropout_p}: use "
+                             f"{self.spelling.named('cp_method', 'ulysses')}, whose attention runs whole for each "
+                             "rank's heads, or turn attention dropout off")
         if self.method == "ulysses":
             return ulysses_attention(query, key, value, self.group, is_causal=is_causal, scale=scale, mask=attn_mask,
-                                     spelling=self.spelling)
+                                     dropout_p=dropout_p, spelling=self.spelling)
         return ring_attention(query, key, value, self.group, is_causal=is_causal, scale=scale, mask=attn_mask)
 
 

@@ -13,7 +13,8 @@ attention implementation.
 
 :func:`check_routing_draws` refuses a mixture-of-experts layer that draws random numbers in training (sampled routing
 such as PhiMoE's sparsemixer, router jitter) where the layout routes other sets of tokens at once than one process
-does: each rank would draw from its own stream, and the model would train on other routes.
+does: each rank would draw from its own stream, and the model would train on other routes. :func:`draws_in_training`
+tells whether a model draws random numbers in training at all (dropout), for the dropout streams of ``rng``.
 """
 
 from __future__ import annotations
@@ -218,4 +219,27 @@ def check_routing_draws(model: nn.Module, mesh: ParallelMesh, config: ParallelCo
             "0), or train it on one process (docs/expert_parallel.md)")
 
 
-__all__ = ["check_layout_forward", "check_routing_draws"]
+def draws_in_training(model: nn.Module, mesh: ParallelMesh, model_map: ModelMap, inputs: Tensor) -> bool:
+    """Whether a training-mode forward of ``model`` draws random numbers (dropout, ``dropout_p`` of attention, any
+    other draw from the default generators): one forward of a small copy on the first row of ``inputs``, watching
+    the CPU's and the device's generator. A copy that cannot run counts as drawing. Local and alike on every rank;
+    the generators are left as they were."""
+    device = torch.device(mesh.device_type)
+    accelerator = [device] if device.type != "cpu" else []
+
+    def states() -> list[Tensor]:
+        return [torch.get_rng_state()] + ([torch.get_device_module(device).get_rng_state()] if accelerator else [])
+
+    # The copy is built inside too: a model built on the meta device is initialised by it, which draws.
+    with torch.random.fork_rng(devices=accelerator, device_type=device.type), torch.no_grad():
+        try:
+            model_copy, sample = _small_copy_and_sample(model, model_map, inputs, mesh.size("tp"), device)
+            model_copy.train()
+            before = states()
+            run_model(model_copy, sample)
+        except Exception:  # noqa: BLE001 - the model's own failure: training will report it
+            return True
+        return not all(torch.equal(b, a) for b, a in zip(before, states()))
+
+
+__all__ = ["check_layout_forward", "check_routing_draws", "draws_in_training"]

@@ -365,7 +365,7 @@ def tensor_parallel_styles(module: nn.Module, model_map: ModelMap, *, sequence_p
     styles: dict[str, ParallelStyle] = {}
     # Under sequence parallel a mixture-of-experts layer routes this rank's tokens (RoutedOnLocalTokens), whole.
     local_layers = set(moe_layers(module, model_map)) if sequence_parallel else set()
-    regions: dict[str, list[tuple[str, str]]] = {}  # module holding split layers -> (layer, style)
+    regions = split_regions(module, model_map, sequence_parallel=sequence_parallel)  # laid out after the loop
     blocks = model_map.blocks + "."
     for name, sub in module.named_modules():
         style = model_map.style_of(name)
@@ -381,7 +381,7 @@ def tensor_parallel_styles(module: nn.Module, model_map: ModelMap, *, sequence_p
             styles[name] = (Colwise(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
                             if vocab_parallel_logits else Colwise(input_layouts=between, output_layouts=Replicate()))
         elif style in SPLIT_STYLES and is_projection(sub):
-            regions.setdefault(name.rpartition(".")[0], []).append((name, style))
+            continue  # in ``regions``
         elif style == "sequence" and sequence_parallel:
             styles[name] = SequenceParallel()
         elif name in local_layers:
@@ -410,6 +410,25 @@ def tensor_parallel_styles(module: nn.Module, model_map: ModelMap, *, sequence_p
             # summed before one all-reduce (or reduce-scatter), not one per projection (Megatron's f operator).
             styles[parent] = PrepareFirstInput(between, Replicate())
     return styles
+
+
+def split_regions(module: nn.Module, model_map: ModelMap, *,
+                  sequence_parallel: bool = False) -> dict[str, list[tuple[str, str]]]:
+    """The modules holding the projections tensor parallel splits inside the network, each with its projections and
+    their styles in order (``{"layers.0.mlp": [("layers.0.mlp.up", "colwise"), ("layers.0.mlp.down", "rowwise")]}``):
+    between a ``colwise`` layer's output and its ``rowwise`` partner each rank holds its own part of the activations.
+    The head is not one (its logits are gathered or split over the vocabulary), nor, under sequence parallel, a
+    mixture-of-experts layer routing this rank's tokens whole (:class:`RoutedOnLocalTokens`)."""
+    local_layers = set(moe_layers(module, model_map)) if sequence_parallel else set()
+    regions: dict[str, list[tuple[str, str]]] = {}
+    for name, sub in module.named_modules():
+        style = model_map.style_of(name)
+        if (style not in SPLIT_STYLES or not is_projection(sub)
+                or any(name.startswith(layer + ".") for layer in local_layers)
+                or (name == model_map.head and style in ("colwise", "colwise_gather"))):
+            continue
+        regions.setdefault(name.rpartition(".")[0], []).append((name, style))
+    return regions
 
 
 def _takes_input_once(module: nn.Module, parent: str, model_map: ModelMap) -> bool:
@@ -598,5 +617,5 @@ def vocab_parallel_loss(enabled: bool = True) -> Iterator[None]:
         yield
 
 
-__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "routed_on_local_tokens", "split_summary",
+__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "routed_on_local_tokens", "split_regions", "split_summary",
            "sum_over_tensor_parallel", "tensor_parallel_styles", "vocab_parallel_loss"]

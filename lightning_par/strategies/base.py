@@ -141,8 +141,11 @@ class MeshStrategy(StepsThroughTheHandle):
         self._mesh = build_mesh(self.parallel_config, self.root_device.type)
         rank_zero_info(f"{type(self).__name__}: {self.world_size} processes as {self.parallel_config.describe()}, "
                        f"zero_stage={self.parallel_config.zero_stage}")
-        if self._mesh.size("tp") > 1:
-            share_rng_states(self._mesh.group("tp"), self.root_device)
+        # Tensor- then context-parallel ranks share rank (cp 0, tp 0)'s states: the ranks of one stage of one replica
+        # hold the same activations wherever the layout does not split them (lightning_par/parallel/rng.py).
+        for name in ("tp", "cp"):
+            if self._mesh.size(name) > 1:
+                share_rng_states(self._mesh.group(name), self.root_device)
 
     def _choose_layout(self, config: ParallelConfig) -> ParallelConfig:
         """The layout to run: the configured one (strategies that plan sizes override this). Runs on every

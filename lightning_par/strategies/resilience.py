@@ -50,10 +50,12 @@ def gather_rng_states(root_device: torch.device) -> list[dict[str, Any]] | None:
 def share_rng_states(group: dist.ProcessGroup, root_device: torch.device) -> None:
     """Give every rank of ``group`` the RNG states of its first rank. Collective over ``group``.
 
-    Tensor-parallel ranks compute the activations between the split layers each in full: a dropout there
-    must draw the same mask on every one of them, or their copies of one activation drift apart (Megatron's
-    model-parallel RNG tracker keeps these draws alike too). Seeding every rank alike does it; this does it
-    for runs that did not seed.
+    Tensor-parallel ranks compute the activations between the split layers each in full, and context-parallel ranks
+    the embedding of the whole sequence before the blocks cut it: a dropout there must draw the same mask on every
+    one of them, or their copies of one activation drift apart (Megatron's model-parallel RNG tracker keeps these
+    draws alike too). Where the layout gives them different activations, ``lightning_par.parallel.rng`` derives a
+    stream per rank from these shared states. Seeding every rank alike does it; this does it for runs that did not
+    seed, or seeded each rank its own way.
     """
     box = [_collect_rng_states(include_cuda=root_device.type == "cuda")]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
