@@ -250,3 +250,33 @@ def test_fabric_asks_for_its_one_line_before_step_0() -> None:
     messages = set(run_distributed(_fabric_refusal, 2))
     assert len(messages) == 1, messages
     assert "model.example_input_array = " in messages.pop()
+
+
+def _state_dict_read_directly(rank: int, world_size: int) -> tuple[dict, dict]:
+    """litgpt's GPT (q, k and v fused in one projection, which tensor parallel regroups by rank) set up under tp2 by
+    Fabric, its ``state_dict()`` read as user code reads it; and the state dict of the model as built."""
+    import lightning as L
+    from clients import LITGPT_CONFIG
+    from litgpt import GPT, Config
+
+    import lightning_par  # noqa: F401
+
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy="tensor_parallel")
+    fabric.launch()
+    torch.manual_seed(0)
+    model = GPT(Config(**LITGPT_CONFIG))
+    built = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.example_input_array = torch.randint(0, 64, (2, 16))
+    model = fabric.setup(model)
+    read = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    return read, built
+
+
+def test_state_dict_under_tensor_parallel_is_in_the_models_own_order() -> None:
+    """Anything that reads ``model.state_dict()`` (and gathers its DTensors) gets the weights as the model stores them,
+    not in the order tensor parallel trains a fused projection's rows in."""
+    for read, built in run_distributed(_state_dict_read_directly, 2):
+        fused = [name for name in built if "attn.qkv.weight" in name]
+        assert fused and read.keys() >= built.keys()
+        for name, value in built.items():
+            assert torch.equal(read[name], value), name
