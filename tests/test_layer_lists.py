@@ -147,14 +147,16 @@ def test_every_name_of_a_tied_tensor_is_split_alike_or_none() -> None:
 
 # --------------------------------------------------------------------------------- training like one process
 CELLS = {  # (model, layout): data-parallel size
-    ("hybrid", "zero3"): 2, ("hybrid", "pp2"): 1, ("bart", "tp2"): 1, ("t5", "tp2"): 1, ("jamba", "tp2"): 1,
+    ("hybrid", "zero3"): 2, ("hybrid", "pp2"): 1, ("hybrid", "tp2"): 1, ("bart", "tp2"): 1, ("t5", "tp2"): 1,
+    ("jamba", "tp2"): 1,
 }
 
 
 def test_hybrid_layer_lists_shared_blocks_and_tied_names_train_like_one_process() -> None:
-    """In one launch of 2 ranks: the hybrid model under ZeRO-3 (the shared block one unit, gathered each time it runs)
-    and pp2 (the shared block on both stages, its copies' gradients summed), BART and T5 under tp2 (the tensor of four
-    names split alike) and Jamba under tp2 (its config's plan for the attention layers)."""
+    """In one launch of 2 ranks: the hybrid model under ZeRO-3 (the shared block one unit, gathered each time it runs),
+    pp2 (the shared block on both stages, its copies' gradients summed) and tp2 (the shared block split once, by
+    heads), BART and T5 under tp2 (the tensor of four names split alike) and Jamba under tp2 (its config's plan for
+    the attention layers)."""
     require("transformers")
     runs = {f"{model} {layout}": (functools.partial(_model, model), make_datamodule,
                                   functools.partial(make_strategy, layout))
