@@ -68,6 +68,21 @@ class HuggingFaceLM(SGDModule):
         return self.model(input_ids=inputs).logits
 
 
+class Seq2SeqLM(SGDModule):
+    """Any ``AutoModelForSeq2SeqLM`` built from a config dict, trained on one tensor: the encoder reads the inputs and
+    the decoder, fed the same inputs, predicts each next token."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        import transformers
+
+        model_config = transformers.AutoConfig.for_model(**config)
+        self.model = transformers.AutoModelForSeq2SeqLM.from_config(model_config)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=inputs, decoder_input_ids=inputs).logits
+
+
 # ------------------------------------------------------------------------------------------ nanoGPT
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int) -> None:
@@ -238,6 +253,96 @@ class TorchLM(SGDModule):
         return self.model(inputs)
 
 
+# ------------------------------------------------------------------------------------- hybrid layer lists
+class SharedTransformer(nn.Module):
+    """Attention (SDPA) and an MLP that several layers call (Zamba's shared transformer block, Glorioso et al. 2024):
+    one module at every position that references it, with a low-rank adapter per position on its input (Zamba2's),
+    kept in a list of two identical entries inside it."""
+
+    def __init__(self, dim: int, heads: int, positions: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.gate_proj, self.up_proj = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(dim, 2 * dim, bias=False)
+        self.down_proj = nn.Linear(2 * dim, dim, bias=False)
+        self.adapters = nn.ModuleList(nn.Sequential(nn.Linear(dim, 4, bias=False), nn.Linear(4, dim, bias=False))
+                                      for _ in range(positions))
+
+    def forward(self, x: torch.Tensor, position: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        x = x + self.adapters[position](x)
+        h = self.norm1(x)
+        q, k, v = (p(h).view(B, T, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+        x = x + self.o_proj(y)
+        h = self.norm2(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class SharedAttentionLayer(nn.Module):
+    """A layer that runs the shared block at its position and adds it through a projection of its own."""
+
+    def __init__(self, shared: SharedTransformer, dim: int, position: int) -> None:
+        super().__init__()
+        self.position = position
+        self.norm = nn.RMSNorm(dim)
+        self.shared = shared
+        self.linear = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(self.shared(self.norm(x), self.position))
+
+
+class ConvLayer(nn.Module):
+    """Mixes the tokens through a gated causal depthwise convolution along the sequence (LFM2's short convolution,
+    Mamba's conv1d), then an MLP: no attention."""
+
+    def __init__(self, dim: int, kernel: int = 3) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.in_proj = nn.Linear(dim, 2 * dim, bias=False)
+        self.conv = nn.Conv1d(dim, dim, kernel, groups=dim, padding=kernel - 1)
+        self.out_proj = nn.Linear(dim, dim, bias=False)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        a, gate = self.in_proj(self.norm1(x)).chunk(2, dim=-1)
+        mixed = self.conv(a.transpose(1, 2))[..., :T].transpose(1, 2)  # position t sees t - 2 .. t
+        x = x + self.out_proj(mixed * F.silu(gate))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class HybridNetwork(nn.Module):
+    """A layer list of two classes, convolution and attention layers interleaved (as Jamba, Zamba and LFM2 do), whose
+    attention layers call one shared block."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, heads: int = 4, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        shared = SharedTransformer(dim, heads, positions=layers // 2)
+        self.layers = nn.ModuleList(SharedAttentionLayer(shared, dim, i // 2) if i % 2 else ConvLayer(dim)
+                                    for i in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+class HybridLM(SGDModule):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self.model = HybridNetwork(**kwargs)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs)
+
+
 # Explicit model maps (the strategy's ``model_map`` argument, as in YAML) for models no rule recognises.
 PLANS: dict[str, dict] = {
     "flat_block": {"blocks": "model.blocks", "embedding": "model.embed", "final_norm": "model.norm",
@@ -327,6 +432,32 @@ TRAIT_FAMILIES: dict[str, dict] = {
     "exaone4": dict(model_type="exaone4", intermediate_size=64, num_key_value_heads=2, head_dim=8, sliding_window=8,
                     layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False),
 }
+# Hybrid layer lists: attention layers among recurrent or convolution layers, and a block several layers share.
+HYBRID_FAMILIES: dict[str, dict] = {
+    # Mamba2 layers and hybrid layers that call one shared transformer block (its parameters tied across the
+    # layers, with per-position adapters inside it) on the layer's input concatenated with the embedding; tied head
+    "zamba2": dict(model_type="zamba2", num_hidden_layers=4, intermediate_size=64, num_key_value_heads=4,
+                   mamba_d_state=8, mamba_headdim=8, n_mamba_heads=8, mamba_ngroups=1, adapter_rank=8,
+                   layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], num_mem_blocks=1,
+                   tie_word_embeddings=True),  # (transformers ties the shared block only along with the head)
+    # Mamba layers and attention layers of two classes, an MoE feed-forward in every other layer; a
+    # base_model_tp_plan for the attention layers
+    "jamba": dict(model_type="jamba", num_hidden_layers=4, intermediate_size=64, num_key_value_heads=2,
+                  attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=4, tie_word_embeddings=False),
+    # gated short convolutions and attention layers (one class, two operators)
+    "lfm2": dict(model_type="lfm2", num_hidden_layers=4, intermediate_size=64, num_key_value_heads=2,
+                 layer_types=["conv", "full_attention", "conv", "full_attention"], tie_word_embeddings=False),
+}
+# Encoder-decoders whose shared embedding, encoder and decoder embed_tokens and head are one tensor of four names.
+SEQ2SEQ_FAMILIES: dict[str, dict] = {
+    "bart": dict(model_type="bart", vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+                 encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                 max_position_embeddings=SEQ_LEN, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                 tie_word_embeddings=True, use_cache=False),
+    "t5": dict(model_type="t5", vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+               num_heads=4, dropout_rate=0.0, tie_word_embeddings=True, use_cache=False),
+}
 TRAIT_FAMILIES["exaone4_eager"] = TRAIT_FAMILIES["exaone4"]
 EAGER = ("gemma2", "gpt_oss", "exaone4_eager")  # models built with eager attention
 
@@ -348,7 +479,9 @@ def make_model(name: str) -> pl.LightningModule:
         return TorchLM(TORCH_MODELS[name])
     if name in LITGPT_CONFIGS:
         return LitGPTLM(**LITGPT_CONFIGS[name])
-    config = dict(ARCHITECTURES[name] if name in ARCHITECTURES else TRAIT_FAMILIES[name])
+    if name in SEQ2SEQ_FAMILIES:
+        return Seq2SeqLM(SEQ2SEQ_FAMILIES[name])
+    config = dict(ARCHITECTURES.get(name) or TRAIT_FAMILIES.get(name) or HYBRID_FAMILIES[name])
     if config["model_type"] not in ("gpt2", "dbrx"):  # those two name their sizes their own way
         config = {**_COMMON, **config}
     return HuggingFaceLM(config, attention="eager" if name in EAGER else "sdpa")

@@ -7,9 +7,10 @@ model on top of it: context parallel (each rank's chunk of the sequence, attenti
 parallel (experts split, tokens sent to the ranks of their experts) and sequence parallel's routing of this rank's
 tokens, with the layout's own collectives, on a small copy (:func:`~lightning_par.parallel.small_copy.small_copy`,
 float64 where the model runs in it) and one sample of the data. Its logits must be the whole copy's; a model whose
-blocks mix the sequence some other way than through ``F.scaled_dot_product_attention`` (eager attention with a mask of
-the whole sequence, a convolution or recurrence along it) is refused under context parallel, naming the block and the
-attention implementation.
+blocks mix the sequence some other way than through ``F.scaled_dot_product_attention`` is refused under context
+parallel naming the module that does (:mod:`~lightning_par.parallel.sequence_mixing`) and why: attention written out
+(eager, with a mask of the whole sequence), with the attention implementation to load instead, or a convolution or
+recurrence along the sequence, which context parallel cannot split.
 
 :func:`check_routing_draws` refuses a mixture-of-experts layer that draws random numbers in training (sampled routing
 such as PhiMoE's sparsemixer, router jitter) where the layout routes other sets of tokens at once than one process
@@ -24,10 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.overrides import TorchFunctionMode
 
 from lightning_par.layout.config import ParallelConfig
 from lightning_par.parallel.mesh import ParallelMesh
@@ -35,6 +34,7 @@ from lightning_par.parallel.experts import moe_layers
 from lightning_par.parallel.model_map import ModelMap
 from lightning_par.parallel.model_map_check import copy_settings
 from lightning_par.parallel.modules import first_tensor
+from lightning_par.parallel.sequence_mixing import sequence_mixers
 from lightning_par.parallel.small_copy import small_copy
 from lightning_par.parallel.model_call import run_model
 
@@ -57,7 +57,6 @@ def check_layout_forward(model: nn.Module, mesh: ParallelMesh, config: ParallelC
         except Exception:  # noqa: BLE001 - the model's own failure is not the layout's: training will report it
             whole = None
         if whole is not None:
-            attending = _blocks_calling_attention(model_copy, model_map, sample)
             stack: list[str] = []
             handles = _track(model_copy, stack)
             try:
@@ -79,7 +78,7 @@ def check_layout_forward(model: nn.Module, mesh: ParallelMesh, config: ParallelC
                 for handle in handles:
                     handle.remove()
             if reason is not None and config.cp > 1:
-                reason += _attention_hint(model, model_map, attending)
+                reason += _mixing_hint(model, model_map, inputs, config, device)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, reason)
     reason = next((r for r in everyone if r is not None), None)
@@ -123,54 +122,31 @@ def _track(model: nn.Module, stack: list[str]) -> list[Any]:
     return handles
 
 
-class _CountAttention(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is F.scaled_dot_product_attention:
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _blocks_calling_attention(model: nn.Module, model_map: ModelMap, sample: Tensor) -> dict[str, bool]:
-    """Whether each block of the whole copy calls ``F.scaled_dot_product_attention`` (what context parallel routes)."""
-    called: dict[str, bool] = {}
-    handles = []
-    for name in model_map.block_names(model):
-        counter = _CountAttention()
-        block = model.get_submodule(name)
-
-        def leave(counter: _CountAttention, name: str) -> None:
-            counter.__exit__(None, None, None)
-            called[name] = counter.calls > 0
-
-        handles.append(block.register_forward_pre_hook(lambda m, a, c=counter: c.__enter__() and None))
-        handles.append(block.register_forward_hook(lambda m, a, o, c=counter, n=name: leave(c, n)))
-    try:
-        run_model(model, sample)
-    except Exception:  # noqa: BLE001 - only a hint for the refusal
-        pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    return called
-
-
-def _attention_hint(model: nn.Module, model_map: ModelMap, attending: dict[str, bool]) -> str:
-    silent = [name for name, calls in attending.items() if not calls]
-    if not silent:
+def _mixing_hint(model: nn.Module, model_map: ModelMap, inputs: Tensor, config: ParallelConfig,
+                 device: torch.device) -> str:
+    """Why context parallel cannot run a block of ``model``: the module that mixes the tokens without
+    F.scaled_dot_product_attention (``sequence_mixing``), found on a fresh whole copy; empty where there is none."""
+    model_copy, sample = _small_copy_and_sample(model, model_map, inputs, config.tp, device)
+    mixers = sequence_mixers(model_copy, model_map.block_names(model_copy), lambda: run_model(model_copy, sample))
+    if not mixers:
         return ""
-    kind = type(model.get_submodule(silent[0])).__name__
-    implementation = next((getattr(sub.config, "_attn_implementation", None) for sub in model.modules()
-                           if getattr(getattr(sub, "config", None), "_attn_implementation", None)), None)
-    how = f" (attn_implementation={implementation!r})" if implementation else ""
-    return (f". Block {silent[0]!r} ({kind}) mixes the sequence without F.scaled_dot_product_attention{how}: context "
-            "parallel routes only that call over the ranks, so another attention (eager, with a mask of the whole "
-            "sequence) or a recurrence along the sequence sees this rank's chunk alone. Load the model with "
-            "attn_implementation='sdpa' where it supports it (a model whose attention needs eager, for soft-capping "
-            "or attention sinks, cannot use context parallel), or set context_parallel_size=1")
+    mixer = next(iter(mixers.values()))
+    block = f"Block {mixer.block!r} ({type(model_copy.get_submodule(mixer.block)).__name__})"
+    unsplit = f"set {config.name('cp')}=1"
+    if mixer.softmax:  # attention written out: the model may run it through SDPA instead
+        implementation = next((getattr(sub.config, "_attn_implementation", None) for sub in model.modules()
+                               if getattr(getattr(sub, "config", None), "_attn_implementation", None)), None)
+        how = f" (attn_implementation={implementation!r})" if implementation else ""
+        return (f". {block} mixes the sequence without F.scaled_dot_product_attention{how} in {mixer.module!r} "
+                f"({mixer.kind}): context parallel routes only that call over the ranks, so attention written "
+                "out (eager, with a mask of the whole sequence) sees this rank's chunk alone. Load the model with "
+                "attn_implementation='sdpa' where it supports it (a model whose attention needs eager, for "
+                f"soft-capping or attention sinks, cannot use context parallel), or {unsplit}")
+    return (f". {block} mixes the tokens through {mixer.module!r} ({mixer.kind}), a convolution or recurrence along "
+            "the sequence, not attention: context parallel splits the sequence over the ranks and routes only "
+            f"F.scaled_dot_product_attention between them, so {mixer.module!r} would see this rank's chunk alone, "
+            "whatever the attention implementation. Context parallel cannot split this model: "
+            f"{unsplit} (data, tensor and pipeline parallel and ZeRO keep each sequence whole)")
 
 
 # ------------------------------------------------------------------------------------------------ routing draws

@@ -34,6 +34,7 @@ from typing import Any
 from torch import nn
 
 from lightning_par.parallel.adapters import base_layer
+from lightning_par.parallel.modules import holds_for_submodule, tied_groups
 
 STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_split", "vocab", "sequence", "per_shard",
           "shared_rope_key", "experts", "replicate")
@@ -223,15 +224,17 @@ def network_prefix(model_map: ModelMap) -> str:
 def derive_model_map(model: nn.Module) -> ModelMap | None:
     """Recognise a decoder transformer; return None when the model does not look like one.
 
-    The blocks are the longest ``ModuleList``/``ModuleDict`` of identical modules that contain projections
-    (``nn.Linear`` or ``Conv1D``); the embedding is the ``nn.Embedding`` outside them; the head is the last
-    projection outside them whose output size is the vocabulary; the final norm is the norm beside the blocks.
-    Inside a block, projections are marked by their usual names and kept only in pairs: a module (attention,
-    MLP, or the block itself) with at least one column-wise layer and exactly one row-wise layer, which restores
-    the whole activation. A row-wise layer without its partner (``nn.MultiheadAttention``'s ``out_proj``, whose
-    input projection is a bare parameter) stays whole.
+    The blocks are the model's layer list (:func:`find_blocks`): the ``ModuleList``/``ModuleDict`` holding most of the
+    parameters among those whose layers contain projections (``nn.Linear`` or ``Conv1D``), whatever classes its layers
+    are of (attention and recurrent layers interleaved, as hybrid models do); the embedding is the ``nn.Embedding``
+    outside them; the head is the last projection outside them whose output size is the vocabulary; the final norm is
+    the norm beside the blocks. Inside each layer, projections are marked by their usual names and kept only in pairs:
+    a module (attention, MLP, or the layer itself) with at least one column-wise layer and exactly one row-wise layer,
+    which restores the whole activation. A row-wise layer without its partner (``nn.MultiheadAttention``'s
+    ``out_proj``, whose input projection is a bare parameter) stays whole. Every name of a tied tensor gets the
+    same style, or none does (:func:`tie_styles`).
     """
-    blocks = _find_blocks(model)
+    blocks = find_blocks(model)
     if blocks is None:
         return None
     outside = [(n, m) for n, m in model.named_modules() if n and not (n == blocks or n.startswith(blocks + "."))]
@@ -244,37 +247,103 @@ def derive_model_map(model: nn.Module) -> ModelMap | None:
     norms = [n for n, _ in outside if n.rpartition(".")[0] == parent and n.rpartition(".")[2] in _FINAL_NORM_NAMES]
     final_norm = norms[0] if norms else None
 
+    # Every layer, not just the first: layers may be of several classes (attention and recurrent layers) or of one
+    # class that differs inside (dense and MoE feed-forwards). A name that means one style in every layer holding it
+    # gets one pattern for the whole list; one that means different styles in different layers, a pattern per layer.
+    per_block = [(key, {name for name, _ in block.named_modules()}, _block_styles(block))
+                 for key, block in model.get_submodule(blocks).named_children()]
+    by_name: dict[str, dict[str, str]] = {}
+    for key, _, styles_of_block in per_block:
+        for name, style in styles_of_block.items():
+            by_name.setdefault(name, {})[key] = style
     styles: dict[str, str] = {}
-    # Every block, not just the first: blocks of one type may differ inside (dense and MoE feed-forwards).
-    block_modules = [(name, sub) for block in model.get_submodule(blocks).children()
-                     for name, sub in block.named_modules()]
-    regions: dict[str, dict[str, str]] = {}  # parent (relative to a block) -> {layer: style}
-    for name, sub in block_modules:
-        leaf = name.rpartition(".")[2]
-        pattern = f"{blocks}.*.{name}"
-        if leaf in _EXPERT_NAMES:
-            styles[pattern] = "experts"
-        elif (is_projection(sub) and not _inside_experts(name)
-              and not _inside(name, block_modules, nn.MultiheadAttention)):
-            role = ("colwise" if leaf in _COLWISE_NAMES or leaf in _FUSED_NAMES
-                    else "rowwise" if leaf in _ROWWISE_NAMES else None)
-            if role is not None:
-                regions.setdefault(name.rpartition(".")[0], {})[name] = role
-        elif "norm" in type(sub).__name__.lower() or "norm" in leaf.lower():
-            if "." not in name:  # norms directly in the block, not inside attention (q/k norms)
-                styles[pattern] = "sequence"
-    for layers in regions.values():
-        roles = list(layers.values())
-        if roles.count("rowwise") == 1 and "colwise" in roles:
-            styles.update({f"{blocks}.*.{name}": role for name, role in layers.items()})
+    for name, per_key in by_name.items():
+        holders = [key for key, names, _ in per_block if name in names]
+        if len(set(per_key.values())) == 1 and len(per_key) == len(holders):
+            styles[f"{blocks}.*.{name}"] = next(iter(per_key.values()))
+        else:
+            styles.update({f"{blocks}.{key}.{name}": style for key, style in per_key.items()})
     if embedding:
         styles[embedding] = "vocab"
     if head:
         styles[head] = "colwise"
     if final_norm:
         styles[final_norm] = "sequence"
-    return ModelMap(blocks=blocks, embedding=embedding, final_norm=final_norm, head=head, styles=styles,
-                     source="derived")
+    model_map = ModelMap(blocks=blocks, embedding=embedding, final_norm=final_norm, head=head, styles=styles,
+                         source="derived")
+    return model_map.with_styles(tie_styles(model, model_map.styles))
+
+
+def _block_styles(block: nn.Module) -> dict[str, str]:
+    """The styles the name rules give inside one layer (names relative to it)."""
+    modules = list(block.named_modules())
+    styles: dict[str, str] = {}
+    regions: dict[str, dict[str, str]] = {}  # parent (relative to the layer) -> {layer: style}
+    for name, sub in modules:
+        leaf = name.rpartition(".")[2]
+        if leaf in _EXPERT_NAMES:
+            styles[name] = "experts"
+        elif is_projection(sub) and not _inside_experts(name) and not _inside(name, modules, nn.MultiheadAttention):
+            role = ("colwise" if leaf in _COLWISE_NAMES or leaf in _FUSED_NAMES
+                    else "rowwise" if leaf in _ROWWISE_NAMES else None)
+            if role is not None:
+                regions.setdefault(name.rpartition(".")[0], {})[name] = role
+        elif "norm" in type(sub).__name__.lower() or "norm" in leaf.lower():
+            if name and "." not in name:  # norms directly in the layer, not inside attention (q/k norms)
+                styles[name] = "sequence"
+    for layers in regions.values():
+        roles = list(layers.values())
+        if roles.count("rowwise") == 1 and "colwise" in roles:
+            styles.update(layers)
+    return styles
+
+
+def tie_styles(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
+    """``styles`` (of a map the project found) with every name of a tied tensor split alike, or none split.
+
+    A tensor several modules hold (an embedding tied to the head, Press & Wolf 2017; an encoder-decoder's ``shared``,
+    encoder and decoder ``embed_tokens`` and ``lm_head``, as T5 and BART tie them) stays one tensor under tensor
+    parallel (:func:`~lightning_par.parallel.modules.retie`), so it has one layout. Where some of its holders are split
+    and others left whole, each whole one takes the style of a split holder of its kind: another ``nn.Embedding`` of
+    a ``vocab`` embedding, another projection of a projection's style, an ``nn.Linear`` head ``colwise`` beside a
+    ``vocab`` embedding (both split the [vocabulary, width] weight by rows). Where a whole holder has no such partner,
+    no holder is split. The styles added name single modules and come first, so they win over the patterns.
+    """
+    def style_of(name: str) -> str | None:
+        return next((style for pattern, style in styles.items() if fnmatch.fnmatchcase(name, pattern)), None)
+
+    modules = dict(model.named_modules(remove_duplicate=False))
+    exact: dict[str, str] = {}
+    for group in tied_groups(model):
+        holders = list(dict.fromkeys(name.rpartition(".")[0] for name in group
+                                     if not holds_for_submodule(name, group)))
+        current = {holder: exact.get(holder, style_of(holder)) for holder in holders}
+        split = {holder: style for holder, style in current.items() if style in (*SPLIT_STYLES, "vocab")}
+        if not split or len(split) == len(holders):
+            continue
+        partners = {holder: next((alike for other, style in split.items()
+                                  if (alike := _style_alike(modules[holder], modules[other], style)) is not None), None)
+                    for holder in holders if holder not in split}
+        if all(style is not None for style in partners.values()):
+            exact.update(partners)  # type: ignore[arg-type]
+        else:
+            exact.update({holder: "replicate" for holder in split})
+    return {**exact, **{pattern: style for pattern, style in styles.items() if pattern not in exact}}
+
+
+def _style_alike(module: nn.Module, split: nn.Module, style: str) -> str | None:
+    """The style under which ``module`` splits a weight it shares with ``split`` (split by ``style``) the same way, or
+    None where it has none."""
+    linear = isinstance(base_layer(module), nn.Linear)
+    if isinstance(module, nn.Embedding):
+        if style == "vocab" and isinstance(split, nn.Embedding):
+            return "vocab"
+        return "vocab" if style == "colwise" and isinstance(base_layer(split), nn.Linear) else None
+    if style == "vocab":
+        return "colwise" if linear and isinstance(split, nn.Embedding) else None
+    if is_projection(module) and is_projection(split) and is_conv1d(base_layer(module)) == is_conv1d(base_layer(split)):
+        return style
+    return None
 
 
 def huggingface_model_map(model: nn.Module) -> ModelMap | None:
@@ -315,6 +384,7 @@ def huggingface_model_map(model: nn.Module) -> ModelMap | None:
         from_config = any(p.startswith(blocks + ".") for p in styles)
         styles.update({p: s for p, s in derived.styles.items()
                        if not from_config or not p.startswith(blocks + ".") or s in ("sequence", "experts")})
+        styles = tie_styles(model, styles)
         return replace(derived, blocks=blocks,
                        embedding=full(keys[0]) if keys and isinstance(_get(model, full(keys[0])), nn.Embedding)
                        else derived.embedding,
@@ -342,36 +412,51 @@ def _inside(name: str, modules: list[tuple[str, nn.Module]], kind: type) -> bool
     return any(isinstance(m, kind) and name.startswith(n + ".") for n, m in modules if n)
 
 
-def _find_blocks(model: nn.Module) -> str | None:
-    best: tuple[int, str] | None = None
-    for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) == 0:
+def find_blocks(model: nn.Module) -> str | None:
+    """The name of the model's layer list: of the ``ModuleList``/``ModuleDict`` whose entries all hold projections, the
+    one holding most of the parameters (then the one with most entries; None when there is none).
+
+    The list the network iterates over holds most of the parameters, whatever classes its layers are of (Jamba's and
+    Zamba's attention and Mamba layers, LFM2's attention and convolution layers) and whether a module is shared by
+    several of its layers (Zamba's shared transformer block). A list inside a layer (Zamba2's per-position adapters, an
+    MoE layer's experts) holds part of one layer's parameters, so it is never chosen over the layer list.
+    """
+    best: tuple[tuple[int, int], str] | None = None
+    for name, module in _block_lists(model):
+        if _inside_experts(name) or not _holds_projections(module):
             continue
-        children = list(module.children())
-        if len({type(c) for c in children}) != 1:
-            continue
-        if not any(is_projection(m) for m in children[0].modules()):
-            continue
-        if _inside_experts(name):
-            continue
-        if best is None or len(children) > best[0]:
-            best = (len(children), name)
+        key = (_parameter_count(module), len(module))
+        if best is None or key > best[0]:
+            best = (key, name)
     return best[1] if best else None
+
+
+def _block_lists(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > 0]
+
+
+def _holds_projections(container: nn.Module) -> bool:
+    """Whether every entry of ``container`` holds a projection: a layer transforms the hidden states with weights
+    (a named collection of parts, such as nanoGPT's ``transformer`` dict of embeddings, layers and norm, is not a
+    layer list)."""
+    return all(any(is_projection(m) for m in entry.modules()) for entry in container.children())
+
+
+def _parameter_count(module: nn.Module) -> int:
+    """Elements of the distinct parameters of ``module`` (a tensor shared by several layers counts once)."""
+    return sum(p.numel() for p in module.parameters())
 
 
 def why_no_blocks(model: nn.Module) -> str:
     """Why no model map could be derived for ``model``: the lists of modules it examined as candidate blocks and why
     each was rejected (for the refusal of a layout that needs one)."""
     reasons = []
-    for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) == 0:
-            continue
-        children = list(module.children())
-        kinds = sorted({type(c).__name__ for c in children})
-        if len(kinds) != 1:
-            reason = f"mixed block types ({', '.join(kinds)})"
-        elif not any(is_projection(m) for m in children[0].modules()):
-            reason = f"its {kinds[0]} entries hold no nn.Linear or Conv1D"
+    for name, module in _block_lists(model):
+        if not _holds_projections(module):
+            empty = sorted({type(c).__name__ for c in module.children()
+                            if not any(is_projection(m) for m in c.modules())})
+            reason = f"its {', '.join(empty)} entries hold no nn.Linear or Conv1D"
         elif _inside_experts(name):
             reason = "it holds experts, inside a block"
         else:
@@ -393,4 +478,4 @@ def resolve_model_map(given: ModelMap | None, model: nn.Module) -> ModelMap | No
 
 __all__ = ["HF_STYLES", "MAP_SOURCES", "ModelMap", "PROJECTION_NAMES", "SPLIT_STYLES", "STYLES", "derive_model_map",
            "huggingface_model_map", "is_conv1d", "is_projection", "network_prefix",
-           "projection_features", "resolve_model_map", "why_no_blocks"]
+           "find_blocks", "projection_features", "resolve_model_map", "tie_styles", "why_no_blocks"]

@@ -65,7 +65,7 @@ def retie(module: nn.Module, groups: Iterable[tuple[str, ...]]) -> None:
         users = {name: _owner(module, name) for name in group}
         versions = {name: getattr(owner, leaf) for name, (owner, leaf) in users.items()}
         computing = {name: tensor for name, tensor in versions.items()
-                     if not getattr(users[name][0], "holds_only", False) and not _holds_for_submodule(name, group)}
+                     if not getattr(users[name][0], "holds_only", False) and not holds_for_submodule(name, group)}
         split = {name: tensor for name, tensor in computing.items() if isinstance(tensor, DTensor)}
         if split and len(split) != len(computing):
             plain = sorted(set(computing) - set(split))
@@ -84,8 +84,9 @@ def retie(module: nn.Module, groups: Iterable[tuple[str, ...]]) -> None:
                 owner._parameters[leaf] = chosen
 
 
-def _holds_for_submodule(name: str, group: tuple[str, ...]) -> bool:
-    """Whether parameter ``name``'s module is an ancestor of the module of another name in ``group``."""
+def holds_for_submodule(name: str, group: tuple[str, ...]) -> bool:
+    """Whether parameter ``name``'s module is an ancestor of the module of another name in ``group`` (it holds the
+    parameter of one of its submodules, which computes with it)."""
     owner = name.rpartition(".")[0]
     return any(other != name and (not owner or other.startswith(owner + ".")) and other.count(".") > name.count(".")
                for other in group)
@@ -137,4 +138,5 @@ def materialize_meta_parameters(module: nn.Module, device: torch.device) -> bool
     return True
 
 
-__all__ = ["clean_name", "first_tensor", "materialize_meta_parameters", "retie", "tied_aliases", "tied_groups"]
+__all__ = ["clean_name", "first_tensor", "holds_for_submodule", "materialize_meta_parameters", "retie", "tied_aliases",
+           "tied_groups"]

@@ -29,7 +29,7 @@ class PartCall:
 
     block: str  # the block's full name
     part: str  # the part's full name
-    inside_its_block: bool  # its own block's forward was running
+    inside_its_block: bool  # its own block's forward was running (or another's that holds the same part)
     inside_a_block: bool  # some block's forward was running
     after_every_block_started: bool
 
@@ -54,16 +54,24 @@ def watching_block_parts(blocks: Iterable[tuple[str, nn.Module]]) -> Iterator[li
     def leave(*_: Any) -> None:  # (a forward hook that returned the popped block would replace the output)
         running.pop()
 
-    def called(block: nn.Module, block_name: str, part: str) -> Any:
-        return lambda *_: calls.append(PartCall(block_name, part, any(r is block for r in running), bool(running),
-                                                len(started) == len(blocks)))
+    # A part several blocks hold (a shared transformer block) runs inside its own block when any of them runs it.
+    holders: dict[int, list[nn.Module]] = {}
+    for _, block in blocks:
+        for sub in block.modules():
+            holders.setdefault(id(sub), []).append(block)
+
+    def called(sub: nn.Module, block_name: str, part: str) -> Any:
+        def hook(*_: Any) -> None:
+            inside = any(r is b for r in running for b in holders[id(sub)])
+            calls.append(PartCall(block_name, part, inside, bool(running), len(started) == len(blocks)))
+        return hook
 
     for block_name, block in blocks:
         handles.append(block.register_forward_pre_hook(enter(block)))
         handles.append(block.register_forward_hook(leave, always_call=True))
         for name, sub in block.named_modules():
             if name and next(sub.parameters(), None) is not None:
-                handles.append(sub.register_forward_pre_hook(called(block, block_name, f"{block_name}.{name}")))
+                handles.append(sub.register_forward_pre_hook(called(sub, block_name, f"{block_name}.{name}")))
     try:
         yield calls
     finally:

@@ -44,6 +44,7 @@ from lightning_par.parallel.experts import expert_modules, local_part
 from lightning_par.parallel.model_map import ModelMap
 from lightning_par.parallel.ddp import GRADIENT_GROUP, PARTITION_GROUP, is_expert
 from lightning_par.parallel.record import layout_record
+from lightning_par.parallel.shared_parts import shared_parts
 from lightning_par.parallel.zero_experts import ZeroWithExperts
 
 
@@ -74,6 +75,8 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap
 
     ``blocks_used_outside``: names of blocks whose parts the network also calls outside the block
     (``lightning_par.parallel.outside_calls``): not units of their own, their parameters join the root's unit.
+    A part that several blocks hold (``lightning_par.parallel.shared_parts``: a shared transformer block) is a unit
+    of its own, gathered each time a block runs it.
 
     Returns the function that shards a root with the same settings. With ``root=False`` the module itself is
     left to the caller: under pipeline parallel each pipeline stage is a root (torchtitan's PP x FSDP), and
@@ -106,9 +109,15 @@ def fully_shard_model(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap
             experts.set_force_sum_reduction_for_comms(True)
     if model_map is not None:
         container = model_map.blocks
-        blocks = [block for name, block in module.get_submodule(container).named_children()
-                  if next(block.parameters(), None) is not None  # not the stand-ins for other pipeline ranks' blocks
-                  and f"{container}.{name}" not in blocks_used_outside]
+        layers = [(f"{container}.{name}", block) for name, block in module.get_submodule(container).named_children()
+                  if next(block.parameters(), None) is not None]  # not the stand-ins for other pipeline ranks' blocks
+        # A part several layers hold (a shared transformer block) is one unit of its own, gathered each time a layer
+        # runs it: FSDP2 manages a parameter in one unit only. Inner units first: the layers' units take the rest.
+        parts = shared_parts(layers)
+        for part in parts:
+            shard(list(part.modules), fsdp_mesh, reshard_after_forward)
+        in_parts = {id(m) for part in parts for m in part.modules}
+        blocks = [block for name, block in layers if name not in blocks_used_outside and id(block) not in in_parts]
         runs = [blocks] if stage_blocks is None else [[b for b in blocks if any(b is s for s in stage)]
                                                       for stage in stage_blocks]
         units = [run[first:first + blocks_per_unit] for run in runs for first in range(0, len(run), blocks_per_unit)]

@@ -417,7 +417,7 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, trac
     # stage whose role needs it (its stand-in keeps it); a parameter of an enclosing module stays everywhere.
     # By parameter, not by name: the names of a tied parameter share one set of holders.
     holders: dict[int, set[int]] = {}
-    names: dict[int, str] = {}  # parameter -> its first name
+    names: dict[int, list[str]] = {}  # parameter -> its names, in module order
     runs: dict[str, set[int]] = {}
     for name, sub in module.named_modules(remove_duplicate=False):
         if name in trace.outside:
@@ -436,7 +436,7 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, trac
             else:
                 stages = set(range(n_stages))
             holders.setdefault(id(parameter), set()).update(stages)
-            names.setdefault(id(parameter), full)
+            names.setdefault(id(parameter), []).append(full)
 
     parts_after = {b[len(prefix):]: tuple(p[len(b) + 1:] for p in sorted(trace.parts_after_blocks)
                                           if p.startswith(b + "."))
@@ -463,11 +463,14 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, trac
     # Trainable parameters some code uses, held on more than one pipeline rank: kept equal by StageTies.
     used = trace.prelude | trace.postlude | trace.shared
     shared = {}
+    # Each tie under a name this rank still holds: a part several blocks share (a shared transformer block) is
+    # known by its first name on the stage of its first block, and by another one on the other stages.
+    held = {clean_name(n) for n, _ in module.named_parameters(remove_duplicate=False)}
     for key, stages in holders.items():
         ranks = tuple(sorted({rank_of[s] for s in stages}))
-        name = names[key]
-        in_block = any(name.startswith(b + ".") for b in blocks)
-        if len(ranks) > 1 and (in_block or name in used):
+        name = next((n for n in names[key] if n in held), names[key][0])
+        in_block = any(n.startswith(b + ".") for n in names[key] for b in blocks)
+        if len(ranks) > 1 and (in_block or any(n in used for n in names[key])):
             shared[name] = ranks
     return StageLayout(prefix.rstrip("."), n_stages, trace.block_call, stage_parts,
                        {n[len(prefix):]: trace.outside[n] if n in trace.before_blocks else StandIn("unused")
