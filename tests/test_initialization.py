@@ -2,7 +2,7 @@
 process draws with the same seed: each rank holds its part of one draw (parallel/initialize.py).
 
 The references are the models' own initialisation on one process, never lightning_par's: the reference model's
-``init_weights()``, transformers' ``init_weights()``, and for modules that parallelise themselves in
+``initialize()``, transformers' ``init_weights()``, and for modules that parallelise themselves in
 ``configure_model`` Lightning's own materialisation (``_materialize_distributed_module``: ``reset_parameters()`` of each
 module in order). Before sharded initialisation drew each rank's part itself, the halves of every ZeRO-3 or tensor-
 parallel weight matrix started equal; those cases fail against these references (max difference about 0.1).
@@ -76,7 +76,9 @@ def _reference(model: str) -> dict[str, torch.Tensor]:
     module.to_empty(device="cpu")  # allocates a tied weight's names apart: the models tie them again
     if model == "hf_llama":
         module.model.tie_weights()  # as built off the meta device: the head's init draws into the embedding's tensor
-    module.model.init_weights()
+        module.model.init_weights()
+    else:
+        module.model.initialize()
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
@@ -171,3 +173,20 @@ def test_a_tensor_no_initialiser_covers_is_refused_naming_its_module() -> None:
     assert len(messages) == 1, messages
     message = messages.pop()
     assert "nothing initialises model (Decoder: scale)" in message and "reset_parameters()" in message, message
+
+
+def test_the_reference_model_is_initialised_one_part_at_a_time() -> None:
+    """Each part initialises its own tensors (rotary tables, embedding, each block, norm, head), so initialising a
+    meta-device model never holds more of it whole than its largest part."""
+    from lightning_par.parallel.initialize import initializers
+
+    with torch.device("meta"):
+        module = _llama()
+    block = sum(p.numel() for p in module.model.layers["0"].parameters())
+    embedding = module.model.embed_tokens.weight.numel()
+    sizes = {initializer.name: sum(t.numel() for _, m in initializer.modules for t in
+                                   (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+             for initializer in initializers(module)}
+    assert max(sizes.values()) == max(block, embedding), sizes
+    assert list(sizes) == ["Transformer.reset_parameters()", "TokenEmbedding.init_weights()",
+                           "TransformerBlock.init_weights()", "RMSNorm.reset_parameters()", "OutputHead.init_weights()"]

@@ -152,19 +152,19 @@ def test_init_deterministic_and_scaled():
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_meta_device_then_init_weights_matches_eager(tie):
-    # Asserted: after the same seed, init_weights gives bit-identical parameters and rotary tables
+def test_meta_device_then_initialize_matches_eager(tie):
+    # Asserted: after the same seed, initialize() gives bit-identical parameters and rotary tables
     # whether the module was built eagerly or on the meta device and materialised with to_empty.
     eager = tiny(tie_embeddings=tie)
     torch.manual_seed(7)
-    eager.init_weights()
+    eager.initialize()
 
     with torch.device("meta"):
         lazy = tiny(tie_embeddings=tie)
     assert lazy.embed_tokens.weight.is_meta
     lazy.to_empty(device="cpu")
     torch.manual_seed(7)
-    lazy.init_weights()
+    lazy.initialize()
 
     assert (lazy.lm_head.weight is lazy.embed_tokens.weight) == tie
     for (name, pa), pb in zip(eager.state_dict().items(), lazy.state_dict().values()):
@@ -241,8 +241,8 @@ def test_pipeline_style_stages_compose_to_the_full_model():
     assert hidden.shape == (2, 16, 32)
     torch.testing.assert_close(last(hidden), full(x), rtol=0, atol=0)
     assert first.num_parameters() + last.num_parameters() == full.num_parameters()
-    first.init_weights()  # still works with pieces missing
-    last.init_weights()
+    first.initialize()  # still works with pieces missing
+    last.initialize()
 
 
 @pytest.mark.parametrize(

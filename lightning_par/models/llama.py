@@ -14,8 +14,9 @@ it without special cases:
   the ``layers`` ModuleDict deleted; names of the remaining layers stay stable ("0", "1", ...);
 * context parallel: ``forward`` takes explicit ``positions`` so a rank holding a slice of the
   sequence uses the right rotary angles;
-* meta-device initialisation: ``init_weights`` (re)computes everything, including the rotary tables,
-  after ``to_empty``.
+* meta-device initialisation: each part initialises its own tensors (the root its rotary tables, the
+  embedding and head their weights, each block its own), so a layout initialises one part at a time
+  (``lightning_par.parallel.initialize``); ``Transformer.initialize`` runs them all, in the same order.
 
 Submodule names match Hugging Face's Llama (``q_proj``, ``gate_proj``, ``embed_tokens``, ...) so that
 one automatic map covers both.
@@ -244,18 +245,48 @@ class TransformerBlock(nn.Module):
                            z_loss_weight=config.moe_z_loss_weight)
             if moe else FeedForward(config.dim, config.resolved_ffn_hidden_size)
         )
+        self.init_std, self.out_std = config.init_std, config.init_std / math.sqrt(2 * config.n_layers)
 
-    def init_weights(self, init_std: float, out_std: float) -> None:
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """This block's tensors: norms at one, projections Normal(0, init_std), the projections that write into the
+        residual stream at the depth-scaled ``out_std`` (:meth:`Transformer.initialize`)."""
         self.attention_norm.reset_parameters()
-        self.attention.init_weights(init_std, out_std)
+        self.attention.init_weights(self.init_std, self.out_std)
         self.mlp_norm.reset_parameters()
-        self.mlp.init_weights(init_std, out_std)
+        self.mlp.init_weights(self.init_std, self.out_std)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         # cos/sin by keyword: the positional input is the one activation that parallel styles re-lay out
         # (Hugging Face passes position embeddings the same way).
         h = x + self.attention(self.attention_norm(x), cos=cos, sin=sin)  # (B, T, C)
         return h + self.mlp(self.mlp_norm(h))  # (B, T, C)
+
+
+class TokenEmbedding(nn.Embedding):
+    """The token embedding, initialised Normal(0, ``init_std``)."""
+
+    def __init__(self, vocab_size: int, dim: int, init_std: float) -> None:
+        super().__init__(vocab_size, dim)
+        self.init_std = init_std
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+
+class OutputHead(nn.Linear):
+    """The head to the vocabulary, initialised Normal(0, ``init_std``), or left to the embedding it is tied to."""
+
+    def __init__(self, dim: int, vocab_size: int, init_std: float) -> None:
+        super().__init__(dim, vocab_size, bias=False)
+        self.init_std = init_std
+        self.tied = False  # set by Transformer.tie_weights: the embedding's initialisation is the head's
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        if not self.tied:
+            nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
 
 
 def _weight(module: nn.Module | None) -> Tensor | None:
@@ -275,29 +306,31 @@ class Transformer(nn.Module):
         super().__init__()
         config.validate()
         self.config = config
-        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
+        self.embed_tokens: nn.Embedding | None = TokenEmbedding(config.vocab_size, config.dim, config.init_std)
         # A ModuleDict keyed by the layer index: a pipeline stage deletes the layers it does not own and
         # the remaining parameter names ("layers.5.attention.q_proj.weight") match the full model's.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, config.is_moe_layer(i))
                                      for i in range(config.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
-        self.lm_head: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.lm_head: nn.Linear | None = OutputHead(config.dim, config.vocab_size, config.init_std)
         # Non-persistent: derived from the config, so they stay out of state_dict and checkpoints.
         rope_shape = (config.max_seq_len, config.head_dim // 2)
         self.register_buffer("rope_cos", torch.empty(rope_shape), persistent=False)
         self.register_buffer("rope_sin", torch.empty(rope_shape), persistent=False)
         self.tie_weights()
-        self.init_weights()
+        self.initialize()
 
     def tie_weights(self) -> None:
         """Share one tensor between ``embed_tokens`` and ``lm_head`` when ``config.tie_embeddings``.
 
-        Called again by :meth:`init_weights` because ``to_empty`` materialises each module's parameters
+        Called again by :meth:`initialize` because ``to_empty`` materialises each module's parameters
         separately and so unties them.
         """
         embedding, head = _weight(self.embed_tokens), _weight(self.lm_head)
         if self.config.tie_embeddings and embedding is not None and head is not None and head is not embedding:
             self.lm_head.weight = embedding
+        if isinstance(self.lm_head, OutputHead):
+            self.lm_head.tied = self.config.tie_embeddings
 
     def _init_rope(self) -> None:
         positions = torch.arange(self.config.max_seq_len, device=self.rope_cos.device)
@@ -306,29 +339,30 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(sin)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Initialise every parameter and buffer; deterministic under ``torch.manual_seed``.
+    def reset_parameters(self) -> None:
+        """The tensors this module holds itself: the rotary tables."""
+        self._init_rope()
+
+    @torch.no_grad()
+    def initialize(self) -> None:
+        """Initialise every parameter and buffer, each part its own in module order (the rotary tables, the
+        embedding, each block, the final norm, the head); deterministic under ``torch.manual_seed``.
 
         Normal(0, init_std) for embeddings and linear weights; the projections that write into the
         residual stream (``o_proj``, ``down_proj``) use ``init_std / sqrt(2 * n_layers)`` so the residual
         variance does not grow with depth (GPT-2, Radford et al. 2019; Megatron-LM, Shoeybi et al. 2019).
-        Works after ``to_empty`` on a module built on the meta device.
+        Works after ``to_empty`` on a module built on the meta device. A layout initialises a model built on the
+        meta device part by part in the same order (``lightning_par.parallel.initialize``), so no part but the
+        largest is ever whole on a rank.
         """
         self.tie_weights()
-        self._init_rope()
-        std = self.config.init_std
-        out_std = std / math.sqrt(2 * self.config.n_layers)
+        self.reset_parameters()
         # On a pipeline stage the parts other stages run are stand-ins without weights (or are None).
-        embedding, head = _weight(self.embed_tokens), _weight(self.lm_head)
-        if embedding is not None:
-            nn.init.normal_(embedding, mean=0.0, std=std)
-        for layer in self.layers.values():
-            if isinstance(layer, TransformerBlock):
-                layer.init_weights(std, out_std)
-        if isinstance(self.norm, RMSNorm):
-            self.norm.reset_parameters()
-        if head is not None and head is not embedding:
-            nn.init.normal_(head, mean=0.0, std=std)
+        for part in (self.embed_tokens, *self.layers.values(), self.norm, self.lm_head):
+            if isinstance(part, (TokenEmbedding, TransformerBlock, OutputHead)):
+                part.init_weights()
+            elif isinstance(part, RMSNorm):
+                part.reset_parameters()
 
     def rope(self, seq_len: int, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Rotary ``(cos, sin)`` for ``positions`` (default ``arange(seq_len)``): (T, D/2) or (B, T, D/2)."""

@@ -13,7 +13,7 @@ initialisation with the same seed, on any device and layout.
 The initialisers, in the order of ``model.named_modules()``, are the ones Lightning materialises a meta-device model
 with, plus the model's own:
 
-- a module's ``init_weights()`` (torchtitan's convention: the reference model's), over all of its submodules;
+- a module's ``init_weights()`` (torchtitan's convention: the reference model's blocks), over all of its submodules;
 - a Hugging Face ``PreTrainedModel``'s ``_initialize_weights(module)``, module by module, children first, as
   transformers' own ``initialize_weights()`` applies it;
 - otherwise ``reset_parameters()`` of each module that holds parameters or buffers of its own (PyTorch's and
@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightning_par.parallel.modules import clean_name, retie, tied_groups
 from lightning_par.parallel.regroup import regrouped_parameters
 
-__all__ = ["has_meta_tensors", "initialize_meta_model", "meta_skeleton", "RandomState"]
+__all__ = ["Initializer", "RandomState", "has_meta_tensors", "initialize_meta_model", "initializers", "meta_skeleton"]
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -69,8 +69,8 @@ def meta_skeleton(module: nn.Module) -> nn.Module:
 
 
 @dataclass(frozen=True)
-class _Initializer:
-    """``run()`` initialises the tensors of ``modules``' own (with their names: ``path`` of each module)."""
+class Initializer:
+    """``run()`` initialises the tensors ``modules`` hold themselves ((path, module) pairs), whole at once."""
 
     name: str  # for messages: "Block.init_weights()" ...
     modules: tuple[tuple[str, nn.Module], ...]
@@ -95,7 +95,7 @@ def initialize_meta_model(module: nn.Module, device: torch.device, *, skeleton: 
     source = skeleton if skeleton is not None else module
     targets = _tensors_by_name(module)
     regrouped = regrouped_parameters(module)
-    initializers = list(_initializers(source))
+    initializers = list(initializers(source))
     _refuse_uncovered(source, initializers)
     _agree_on_random_state(device, group)
     # A tied tensor is one whole tensor through every initialiser that touches it: the later ones see what the earlier
@@ -126,7 +126,7 @@ def _own_tensors(module: nn.Module) -> Iterator[tuple[str, str, Tensor]]:
                 yield kind, leaf, tensor
 
 
-def _initializers(root: nn.Module) -> Iterator[_Initializer]:
+def initializers(root: nn.Module) -> Iterator[Initializer]:
     """The initialisers of ``root``, in the order one process runs them (see the module's docstring)."""
     covered: set[nn.Module] = set()
     for path, sub in root.named_modules(remove_duplicate=False):
@@ -135,14 +135,26 @@ def _initializers(root: nn.Module) -> Iterator[_Initializer]:
         if _is_hugging_face_model(sub):
             yield from _hugging_face_initializers(sub, path)
             covered.update(sub.modules())
-        elif callable(getattr(sub, "init_weights", None)):
+        elif _callable_without_arguments(getattr(sub, "init_weights", None)):
             prefix = f"{path}." if path else ""
-            yield _Initializer(f"{type(sub).__name__}.init_weights()",
+            yield Initializer(f"{type(sub).__name__}.init_weights()",
                                tuple((f"{prefix}{p}" if p else path, m)
                                      for p, m in sub.named_modules(remove_duplicate=False)), sub.init_weights)
             covered.update(sub.modules())
         elif callable(getattr(sub, "reset_parameters", None)) and any(True for _ in _own_tensors(sub)):
-            yield _Initializer(f"{type(sub).__name__}.reset_parameters()", ((path, sub),), sub.reset_parameters)
+            yield Initializer(f"{type(sub).__name__}.reset_parameters()", ((path, sub),), sub.reset_parameters)
+
+
+def _callable_without_arguments(method: object) -> bool:
+    """Whether ``method`` can be called with no argument (a part's ``init_weights(init_std, out_std)`` that its block
+    calls is not an initialiser of its own)."""
+    if not callable(method):
+        return False
+    try:
+        inspect.signature(method).bind()
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _is_hugging_face_model(module: nn.Module) -> bool:
@@ -150,13 +162,13 @@ def _is_hugging_face_model(module: nn.Module) -> bool:
         and hasattr(module, "config")
 
 
-def _hugging_face_initializers(model: nn.Module, path: str) -> Iterator[_Initializer]:
+def _hugging_face_initializers(model: nn.Module, path: str) -> Iterator[Initializer]:
     """transformers' ``initialize_weights()`` one module at a time: each module after its children, by the innermost
     ``PreTrainedModel`` that holds it (a composite model's parts initialise themselves)."""
     custom = bool(model.is_custom_code()) if callable(getattr(model, "is_custom_code", None)) else False
     takes_custom = len(inspect.signature(model._initialize_weights).parameters) > 1  # transformers 5 on
 
-    def visit(module: nn.Module, name: str, owner: nn.Module) -> Iterator[_Initializer]:
+    def visit(module: nn.Module, name: str, owner: nn.Module) -> Iterator[Initializer]:
         for child_name, child in module.named_children():
             inner = child if _is_hugging_face_model(child) else owner
             yield from visit(child, f"{name}.{child_name}" if name else child_name, inner)
@@ -165,13 +177,13 @@ def _hugging_face_initializers(model: nn.Module, path: str) -> Iterator[_Initial
             module._is_hf_initialized = False  # transformers skips a module it marked, and the marks are stale here
             owner._initialize_weights(module, custom) if takes_custom else owner._initialize_weights(module)
 
-        yield _Initializer(f"{type(owner).__name__}._initialize_weights({type(module).__name__})",
+        yield Initializer(f"{type(owner).__name__}._initialize_weights({type(module).__name__})",
                            ((name, module),), run)
 
     yield from visit(model, path, model)
 
 
-def _refuse_uncovered(root: nn.Module, initializers: list[_Initializer]) -> None:
+def _refuse_uncovered(root: nn.Module, initializers: list[Initializer]) -> None:
     covered = {id(module) for initializer in initializers for _, module in initializer.modules}
     missing = [f"{path or type(root).__name__} ({type(sub).__name__}: {', '.join(leaf for _, leaf, _ in _own_tensors(sub))})"
                for path, sub in root.named_modules() if id(sub) not in covered and any(True for _ in _own_tensors(sub))]
@@ -192,7 +204,7 @@ def _tied_tensors(module: nn.Module) -> list[Tensor]:
     return [tensor for tensor, count in seen.values() if count > 1]
 
 
-def _run_on_whole_tensors(initializer: _Initializer, device: torch.device,
+def _run_on_whole_tensors(initializer: Initializer, device: torch.device,
                           tied: dict[int, Tensor | None]) -> list[tuple[str, Tensor]]:
     """Run ``initializer`` with every tensor of its modules swapped for a whole one on ``device`` (a tied tensor's,
     kept in ``tied``, for the whole walk); return the values under each of their names, and put the modules' own
