@@ -1,10 +1,10 @@
 """Code that users already have, written for Lightning's own strategies: the modules of ``lightning.pytorch.demos``
 as Lightning ships them, a hand-written LightningModule whose ``training_step`` calls ``self.model``, one whose
-``forward`` takes two inputs, and litgpt's pretraining flow under Fabric (``init_module(empty_init=True)``, litgpt's
-own ``initialize_weights``). Nothing here follows lightning_par's model contract (``split_batch``, ``loss_fn``);
-``tests/test_clients.py`` trains each under lightning_par's strategies and under Lightning's ``ddp``, changing only
-the strategy name. Sizes are small and the data is random tokens: the demos' own data loaders download WikiText-2,
-so each client is handed a loader of the same shape.
+``forward`` takes two inputs, a Hugging Face model whose step hands it its labels, and litgpt's pretraining flow under
+Fabric (``init_module(empty_init=True)``, litgpt's own ``initialize_weights``). Nothing here follows lightning_par's
+model contract (``split_batch``, ``loss_fn``); ``tests/test_clients.py`` trains each under lightning_par's strategies
+and under Lightning's ``ddp``, changing only the strategy name. Sizes are small and the data is random tokens: the
+demos' own data loaders download WikiText-2, so each client is handed a loader of the same shape.
 """
 
 from __future__ import annotations
@@ -113,6 +113,27 @@ class TwoInputs(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class HuggingFaceByHand(L.LightningModule):
+    """A Hugging Face model in a LightningModule written by hand, as its users write one: the step gives the model its
+    labels and returns the loss the model computes (the output's first item)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.AutoConfig.for_model(model_type="llama", vocab_size=VOCAB, hidden_size=32,
+                                                   intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                   num_key_value_heads=2, max_position_embeddings=32)
+        self.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
 # ------------------------------------------------------------------------------------------ Lightning's demos
 def demo_transformer(dropout: float = 0.2) -> L.LightningModule:
     """``lightning.pytorch.demos.LightningTransformer`` (``forward(inputs, target)``, ``nn.Transformer`` inside),
@@ -145,7 +166,7 @@ def demo_boring() -> L.LightningModule:
 
 TRAINER_CLIENTS = {"demo_transformer": demo_transformer, "demo_transformer_without_dropout":
                    lambda: demo_transformer(dropout=0.0), "demo_lstm": demo_lstm, "demo_boring": demo_boring,
-                   "calls_its_model": CallsItsModel, "two_inputs": TwoInputs}
+                   "calls_its_model": CallsItsModel, "two_inputs": TwoInputs, "hf_by_hand": HuggingFaceByHand}
 
 
 def client_data(name: str, batch_size: int) -> DataLoader:

@@ -291,7 +291,7 @@ def _default_stream_after_training(rank: int, world_size: int) -> dict:
         results[label] = {"unchanged": torch.equal(before, torch.get_rng_state()),
                           "streams": layout_record(model).random_streams}
     # The set-up's question itself draws nothing, also for a model built on the meta device, whose small copy is
-    # initialised by drawing (the reference model's init_weights).
+    # initialised by drawing (the reference model's initialisers).
     with torch.device("meta"):
         on_meta = Transformer(LlamaConfig(vocab_size=VOCAB, dim=DIM, n_layers=2, n_heads=HEADS, max_seq_len=SEQ))
     before = torch.get_rng_state()

@@ -95,14 +95,14 @@ def initialize_meta_model(module: nn.Module, device: torch.device, *, skeleton: 
     source = skeleton if skeleton is not None else module
     targets = _tensors_by_name(module)
     regrouped = regrouped_parameters(module)
-    initializers = list(initializers(source))
-    _refuse_uncovered(source, initializers)
+    ordered = list(initializers(source))
+    _refuse_uncovered(source, ordered)
     _agree_on_random_state(device, group)
     # A tied tensor is one whole tensor through every initialiser that touches it: the later ones see what the earlier
     # ones drew (transformers skips a tensor it marked initialised), as in one process.
     tied = {id(t): None for t in _tied_tensors(source)}
     with torch.no_grad():
-        for initializer in initializers:
+        for initializer in ordered:
             for name, value in _run_on_whole_tensors(initializer, device, tied):
                 for target in targets.get(name, ()):
                     _write_part(target, value, regrouped.get(name))
@@ -183,8 +183,8 @@ def _hugging_face_initializers(model: nn.Module, path: str) -> Iterator[Initiali
     yield from visit(model, path, model)
 
 
-def _refuse_uncovered(root: nn.Module, initializers: list[Initializer]) -> None:
-    covered = {id(module) for initializer in initializers for _, module in initializer.modules}
+def _refuse_uncovered(root: nn.Module, ordered: list[Initializer]) -> None:
+    covered = {id(module) for initializer in ordered for _, module in initializer.modules}
     missing = [f"{path or type(root).__name__} ({type(sub).__name__}: {', '.join(leaf for _, leaf, _ in _own_tensors(sub))})"
                for path, sub in root.named_modules() if id(sub) not in covered and any(True for _ in _own_tensors(sub))]
     if missing:

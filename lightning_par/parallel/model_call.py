@@ -72,7 +72,10 @@ def calling_as(call: ModelCall | None) -> Iterator[None]:
 
 def run_model(model: nn.Module, inputs: Tensor) -> Any:
     """``model`` (a small copy of the model the layout is for, or the model) run on ``inputs`` as the training step
-    runs it: ``model(inputs)``, or the recorded :class:`ModelCall` where the set-up runs under :func:`calling_as`."""
+    runs it: ``model(inputs)``, or the recorded :class:`ModelCall` where the set-up runs under :func:`calling_as`.
+    An output that carries ``logits`` (a Hugging Face model given ``labels`` puts its loss first) gives those."""
     call = _CALL.get()
-    return model(inputs) if call is None else call.run(model, inputs)
+    output = model(inputs) if call is None else call.run(model, inputs)
+    logits = getattr(output, "logits", None)
+    return logits if isinstance(logits, Tensor) else output
 

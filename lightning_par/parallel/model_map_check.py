@@ -463,7 +463,8 @@ def _whole(actual: Any, expected: Tensor, group: dist.ProcessGroup) -> Any:
     ends in column-wise split layers (BERT's self-attention, whose output projection is a module of its own), or
     the gradient of the next region's input."""
     tp = dist.get_world_size(group)
-    if (not isinstance(actual, Tensor) or isinstance(actual, DTensor) or tp == 1 or actual.dim() != expected.dim()
+    if (not isinstance(actual, Tensor) or isinstance(actual, DTensor) or tp == 1 or actual.dim() == 0
+            or actual.dim() != expected.dim()
             or actual.shape[:-1] != expected.shape[:-1] or actual.shape[-1] * tp != expected.shape[-1]):
         return actual
     pieces = [torch.empty_like(actual) for _ in range(tp)]
