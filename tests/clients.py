@@ -215,3 +215,30 @@ def litgpt_pretraining(fabric: L.Fabric, steps: int, batch_size: int, *, example
         optimizer.zero_grad()
         losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
     return losses, model
+
+
+def two_inputs_loop(fabric: L.Fabric, steps: int, batch_size: int, *, example_input: bool) -> tuple[list[float], Any]:
+    """A plain Fabric loop around a model whose ``forward(tokens, positions)`` takes two inputs; ``example_input``: the
+    line a layout that runs the model at set-up asks of a Fabric model, here a tuple of both inputs."""
+    fabric.seed_everything(42)
+    model = Decoder()
+    model.positions = nn.Embedding(SEQ, 32)
+    tokens = client_data("two_inputs", batch_size).dataset.tensors[0]
+    positions = torch.arange(SEQ).expand(batch_size, SEQ)
+    if example_input:
+        model.example_input_array = (tokens[:batch_size, :-1], positions)
+    model = fabric.setup(model)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    loader = fabric.setup_dataloaders(DataLoader(TensorDataset(tokens), batch_size=batch_size))
+    losses = []
+    for step, (batch,) in zip(range(steps), loader):
+        logits = model(batch[:, :-1], positions.to(batch.device))
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
+    return losses, model
+
+
+FABRIC_CLIENTS = {"litgpt": litgpt_pretraining, "two_inputs": two_inputs_loop}

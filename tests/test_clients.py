@@ -185,27 +185,29 @@ def test_a_client_a_layout_cannot_train_is_refused_before_step_0_with_the_line_t
 
 
 # ------------------------------------------------------------------------------------------ Fabric
-FABRIC_LAYOUTS = ("data_parallel", "zero3", "tensor_parallel", "hybrid3d")
+FABRIC_TRAINS = {"litgpt": ("data_parallel", "zero3", "tensor_parallel", "hybrid3d"),
+                 "two_inputs": ("tensor_parallel", "hybrid3d")}
 
 
-def _fabric_runs(rank: int, world_size: int, cases: list[tuple[str, int]]) -> dict[str, tuple]:
+def _fabric_runs(rank: int, world_size: int, cases: list[tuple[str, str, int]]) -> dict[tuple[str, str], tuple]:
     import lightning as L
-    from clients import litgpt_pretraining
+    from clients import FABRIC_CLIENTS
 
     import lightning_par  # noqa: F401
 
     results = {}
-    for layout, dp in cases:
+    for client, layout, dp in cases:
         fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=_strategy(layout, fabric=True))
         fabric.launch()
-        losses, model = litgpt_pretraining(fabric, STEPS, GLOBAL_BATCH // dp, example_input=layout != "lightning")
+        losses, model = FABRIC_CLIENTS[client](fabric, STEPS, GLOBAL_BATCH // dp, example_input=layout != "lightning")
         if layout == "lightning":
             state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         else:
             from lightning_par.checkpoint.format import model_state_dict
 
             state = model_state_dict(fabric.strategy.parallelized.inner, full=True)
-        results[layout if layout != "lightning" else f"lightning dp{dp}"] = (losses, state if rank == 0 else None)
+        key = (client, layout if layout != "lightning" else f"lightning dp{dp}")
+        results[key] = (losses, state if rank == 0 else None)
     return results
 
 
@@ -225,11 +227,14 @@ def _fabric_refusal(rank: int, world_size: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def fabric_runs() -> dict[str, tuple[torch.Tensor, dict]]:
-    cases: dict[int, list[tuple[str, int]]] = {1: [("lightning", 1)], 2: [("lightning", 2)]}
-    for layout in FABRIC_LAYOUTS:
-        world_size, dp, _ = LAYOUTS[layout]
-        cases.setdefault(world_size, []).append((layout, dp))
+def fabric_runs() -> dict[tuple[str, str], tuple[torch.Tensor, dict]]:
+    cases: dict[int, list[tuple[str, str, int]]] = {}
+    for client, layouts in FABRIC_TRAINS.items():
+        for layout in layouts:
+            world_size, dp, _ = LAYOUTS[layout]
+            cases.setdefault(world_size, []).append((client, layout, dp))
+            if (client, "lightning", dp) not in cases.setdefault(dp, []):
+                cases[dp].append((client, "lightning", dp))
     results = {}
     for world_size, listed in sorted(cases.items()):
         per_rank = run_distributed(_fabric_runs, world_size, listed, timeout=600)
@@ -239,13 +244,15 @@ def fabric_runs() -> dict[str, tuple[torch.Tensor, dict]]:
     return results
 
 
-@pytest.mark.parametrize("layout", FABRIC_LAYOUTS)
-def test_litgpts_pretraining_flow_under_fabric_trains_as_under_lightnings_ddp(fabric_runs: dict, layout: str) -> None:
-    """``empty_init=True`` and litgpt's own initialisation: every layout starts from the weights ddp starts from (each
-    rank's part of one draw) and trains the same 20 steps."""
-    assert len(fabric_runs[layout][0]) == STEPS
-    loss_error, weight_error = _errors(fabric_runs[layout], fabric_runs[f"lightning dp{LAYOUTS[layout][1]}"])
-    print(f"litgpt under Fabric, {layout}: losses {loss_error:.1e}, weights {weight_error:.1e}")
+@pytest.mark.parametrize(("client", "layout"), [(c, la) for c, layouts in FABRIC_TRAINS.items() for la in layouts])
+def test_a_fabric_loop_trains_as_under_lightnings_ddp(fabric_runs: dict, client: str, layout: str) -> None:
+    """litgpt's pretraining flow (``empty_init=True``, litgpt's own initialisation: every layout starts from the weights
+    ddp starts from, each rank's part of one draw) and a two-input model (``example_input_array`` a tuple of both):
+    20 steps as under Lightning's ddp."""
+    assert len(fabric_runs[(client, layout)][0]) == STEPS
+    loss_error, weight_error = _errors(fabric_runs[(client, layout)],
+                                       fabric_runs[(client, f"lightning dp{LAYOUTS[layout][1]}")])
+    print(f"{client} under Fabric, {layout}: losses {loss_error:.1e}, weights {weight_error:.1e}")
     assert loss_error <= RTOL and weight_error <= RTOL, (loss_error, weight_error)
 
 

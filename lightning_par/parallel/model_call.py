@@ -32,6 +32,17 @@ class ModelCall:
     kwargs: dict[str, Any] = field(default_factory=dict)
     inputs: int | str = 0
 
+    @classmethod
+    def first_tensor_as_inputs(cls, path: str, args: tuple, kwargs: dict[str, Any]) -> ModelCall | None:
+        """The call with its first tensor argument (positional, else keyword) as the inputs; None without one."""
+        for index, value in enumerate(args):
+            if isinstance(value, Tensor):
+                return cls(path, tuple(args), dict(kwargs), index)
+        for key, value in kwargs.items():
+            if isinstance(value, Tensor):
+                return cls(path, tuple(args), dict(kwargs), key)
+        return None
+
     @property
     def sample(self) -> Tensor:
         """The recorded inputs."""

@@ -20,6 +20,7 @@ import torch
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl, _validate_keys_for_strict_loading
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.distributed import ReduceOp, _sync_ddp_if_available
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch import Tensor, nn
@@ -30,6 +31,7 @@ from typing_extensions import override
 from lightning_par.checkpoint import format as ckpt
 from lightning_par import strategies as trainer_strategies
 from lightning_par.layout.config import ParallelConfig
+from lightning_par.parallel.model_call import ModelCall
 from lightning_par.parallel.model_map import ModelMap
 from lightning_par.parallel.modules import clean_name, tied_aliases
 from lightning_par.parallel.parallelized import Parallelized
@@ -172,26 +174,30 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
         return self._parallelized.module
 
     def _sample(self, module: nn.Module, config: ParallelConfig,
-                model_map: ModelMap | None) -> tuple[Tensor, None] | None:
+                model_map: ModelMap | None) -> tuple[Tensor, None] | ModelCall | None:
         """The model's ``example_input_array`` (rank 0's, on every rank), where the layout runs the model at set-up:
         to check a tensor-parallel split, to trace the code outside a pipeline's blocks, to find where context
-        parallel's head runs. One micro-batch of it under pipeline parallel."""
+        parallel's head runs. One micro-batch of it under pipeline parallel. A tuple is the forward's positional
+        inputs and a dict its keyword inputs (Lightning's convention): the set-up calls the model with them."""
         if config.tp == 1 and config.pp == 1 and config.cp == 1:
             return None
         example = getattr(module, "example_input_array", None)
-        if not isinstance(example, Tensor):
+        if example is None or not isinstance(example, (Tensor, tuple, list, dict)):
             if model_map is not None and (config.tp > 1 or config.pp > 1):
                 needs = (f"{config.named('tp')}: the tensor-parallel split is checked" if config.tp > 1 else
                          f"{config.named('pp')}: the code outside the blocks is placed on its stage by tracing the "
                          "model")
                 raise ValueError(f"{needs} on a sample input before training, and {type(module).__name__} has none: "
                                  "set model.example_input_array = <a batch of inputs> (token ids of shape [batch, "
-                                 "sequence]) before fabric.setup")
+                                 "sequence]; a tuple or dict of the forward's inputs) before fabric.setup")
             return None
-        example = self.layout.broadcast(example.detach().cpu()).to(self.root_device)
-        if config.pp > 1:
-            example = example[: max(1, example.shape[0] // config.microbatches)]
-        return example, None
+        example = move_data_to_device(self.layout.broadcast(move_data_to_device(example, "cpu")), self.root_device)
+        if isinstance(example, Tensor):
+            if config.pp > 1:
+                example = example[: max(1, example.shape[0] // config.microbatches)]
+            return example, None
+        args, kwargs = (tuple(example), {}) if isinstance(example, (tuple, list)) else ((), dict(example))
+        return ModelCall.first_tensor_as_inputs("", args, kwargs)
 
     def _refuse_forward_outside_schedule(self, module: nn.Module, args: Any) -> None:
         if not self._in_schedule:

@@ -197,20 +197,9 @@ def step_call(module: LightningModule, batch: Any, model_map: ModelMap, device: 
             batch = move_data_to_device(batch, device)
             step(batch, 0) if takes_index else step(batch)
     except _Caught as caught:
-        return _as_call(path, caught.args, caught.kwargs)
+        return ModelCall.first_tensor_as_inputs(path, caught.args, caught.kwargs)
     except Exception:  # noqa: BLE001 - a step the copy cannot run: the batch's first tensor stands for the inputs
         return None
     finally:
         handle.remove()
-    return None
-
-
-def _as_call(path: str, args: tuple, kwargs: dict) -> ModelCall | None:
-    """The call, with its first tensor argument as the inputs; None without one."""
-    for index, value in enumerate(args):
-        if isinstance(value, Tensor):
-            return ModelCall(path, tuple(args), dict(kwargs), index)
-    for key, value in kwargs.items():
-        if isinstance(value, Tensor):
-            return ModelCall(path, tuple(args), dict(kwargs), key)
     return None
