@@ -142,10 +142,15 @@ class SharedKVBlock(nn.Module):
         self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
         self.attn, self.mlp = _Attention(dim, heads, own_kv=mode != "reuse"), _MLP(dim)
 
-    def forward(self, x: torch.Tensor, shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        attended, kv = self.attn(self.norm1(x), kv=shared_kv[self.kind] if self.mode == "reuse" else None)
-        if self.mode == "store":
+    def forward(self, x: torch.Tensor, shared_kv: dict | list) -> torch.Tensor:
+        reused = None
+        if self.mode == "reuse":  # a list holds the stores in order: the last one is this kind's
+            reused = shared_kv[self.kind] if isinstance(shared_kv, dict) else shared_kv[-1]
+        attended, kv = self.attn(self.norm1(x), kv=reused)
+        if self.mode == "store" and isinstance(shared_kv, dict):
             shared_kv[self.kind] = kv
+        elif self.mode == "store":
+            shared_kv.append(kv)
         x = x + attended
         return x + self.mlp(self.norm2(x))
 
@@ -154,23 +159,24 @@ class SharedKVNetwork(nn.Module):
     KINDS = ("local", "global", "local", "global")
     MODES = ("store", "store", "reuse", "reuse")
 
-    def __init__(self) -> None:
+    def __init__(self, shared: type = dict) -> None:
         super().__init__()
+        self.shared = shared  # what the blocks share their keys and values in: a dict, or a list
         self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(SharedKVBlock(DIM, HEADS, kind, mode) for kind, mode in zip(self.KINDS, self.MODES))
         self.norm, self.head = nn.RMSNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h, shared_kv = self.embed(tokens), {}
+        h, shared_kv = self.embed(tokens), self.shared()
         for block in self.blocks:
             h = block(h, shared_kv=shared_kv)
         return self.head(self.norm(h))
 
 
 class SharedKVLM(zoo.SGDModule):
-    def __init__(self) -> None:
+    def __init__(self, shared: type = dict) -> None:
         super().__init__()
-        self.model = SharedKVNetwork()
+        self.model = SharedKVNetwork(shared)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.model(inputs)
@@ -281,3 +287,129 @@ def test_values_cross_the_stages_in_evaluation(schedule: str) -> None:
         expected = module(tokens)
     assert abs(validated - sum(losses) / len(losses)) <= 1e-5 * abs(validated)
     torch.testing.assert_close(predicted, expected, rtol=1e-5, atol=1e-6)
+
+
+
+# ------------------------------------------------------------------------------------------ refused
+class ListKVLM(SharedKVLM):
+    """Keys and values shared through a list every block receives: ``store`` layers append, ``reuse`` layers read."""
+
+    def __init__(self) -> None:
+        super().__init__(shared=list)
+
+
+class _Holder:
+    """A plain object every block holds (not an argument): block 0 leaves its bias there for the others."""
+
+    bias: torch.Tensor | None = None
+
+
+class HeldBiasBlock(BiasBlock):
+    def __init__(self, dim: int, heads: int, has_table: bool, holder: _Holder) -> None:
+        super().__init__(dim, heads, has_table)
+        self.holder = holder
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x, bias = super().forward(x, None if self.table is not None else self.holder.bias)
+        if self.table is not None:
+            self.holder.bias = bias
+        return x
+
+
+class HeldBiasNetwork(BiasNetwork):
+    def __init__(self) -> None:
+        super().__init__()
+        holder = _Holder()
+        self.blocks = nn.ModuleList(HeldBiasBlock(DIM, HEADS, i == 0, holder) for i in range(len(self.blocks)))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+class HeldBiasLM(zoo.SGDModule):
+    """The position bias handed on through an attribute of an object the blocks share: no stage boundary sees it,
+    and a later stage's blocks find no bias there (they fall back to none, as T5's do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = HeldBiasNetwork()
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs)
+
+
+def test_keys_and_values_shared_through_a_list_are_refused_naming_the_value() -> None:
+    """A list cannot cross a stage boundary (only the entries of a dict do): refused before step 0 on every rank,
+    naming the block that writes into it, the one that reads it and what would cross."""
+    assert_fails_on_every_rank(ListKVLM, _data, _pp2, world_size=2, message=(
+        "pipeline parallel: block 'model.blocks.0' writes shared_kv[0] into a list the blocks share: a stage boundary "
+        "carries the entries of a dict they share, not of a list, and block 'model.blocks.3' receives it; a stage "
+        "would start at 'model.blocks.2', between them, and run without it. Hand the value on as a tensor the block "
+        "returns or in a dict the blocks share"))
+
+
+def test_a_value_handed_on_through_an_attribute_is_refused_by_the_set_up_check() -> None:
+    """Block 0 leaves its position bias on an object the blocks hold; the trace sees no argument carry it. The set-up
+    check runs the stages of a small copy with their real sends and finds the first block of the second stage
+    computing other hidden states than the whole model: refused before step 0 on every rank, naming the block."""
+    assert_fails_on_every_rank(HeldBiasLM, _data, _pp2, world_size=2, message=(
+        "block 'model.blocks.1' (HeldBiasBlock) computes other hidden states than in the whole model"))
+
+
+# ------------------------------------------------------------------------------------------ beyond the trace
+def test_what_crosses_beyond_the_traced_blocks_follows_the_last_traced_block() -> None:
+    """A model built on the meta device is traced on a copy of its first blocks. Within them what crosses is exact;
+    beyond them the last traced block stands for the rest: the item each block hands the next (T5's bias) crosses
+    from the block before the boundary, and the dict's entries as the traced blocks left them."""
+    from lightning_par.parallel.pipeline.handoffs import Entry, EntryPart, Handoffs, Item
+
+    bias = Handoffs(traced=3, items={Item(0, 1): frozenset({1}), Item(1, 1): frozenset({2})}, chain=frozenset({1}))
+    assert bias.crossing(1, 3) == (Item(0, 1),) and bias.crossing(2, 3) == (Item(1, 1),)  # every block traced
+    assert bias.crossing(6, 8) == (Item(5, 1),)
+    local, shared = (Entry("shared_kv", kind, 2, f"shared_kv[{kind!r}]") for kind in ("local", "global"))
+    kv = Handoffs(traced=3, entries={local: (0, frozenset({1, 2})), shared: (1, frozenset({2}))})
+    assert kv.crossing(1, 3) == (EntryPart(local, 0), EntryPart(local, 1))
+    assert kv.crossing(6, 8) == tuple(EntryPart(e, i) for e in (local, shared) for i in (0, 1))
+    read_once = Handoffs(traced=3, entries={local: (0, frozenset({1}))})
+    assert read_once.crossing(2, 3) == ()  # nothing after block 1 reads it: nothing to send
+
+
+def test_a_stage_refuses_to_send_a_value_it_does_not_have() -> None:
+    """Beyond the traced blocks, a stage checks what it sends: an item its block did not return, and an entry the
+    trace did not see written, are refused naming them (never sent as something else, never dropped)."""
+    from lightning_par.parallel.pipeline.carry import Carrier
+    from lightning_par.parallel.pipeline.handoffs import Entry, EntryPart, Item
+
+    names = [f"model.blocks.{i}" for i in range(8)]
+    carrier = Carrier((), (Item(5, 1),), names, exact=False)
+    with carrier.running(()):
+        carrier.block_returned(5, (torch.zeros(2), None))
+        with pytest.raises(ValueError, match=r"block 'model.blocks.5' returned NoneType as item 1 of its output"):
+            carrier.collect()
+    local = Entry("shared_kv", "local", 0, "shared_kv['local']")
+    carrier = Carrier((), (EntryPart(local, 0),), names, exact=False)
+    with carrier.running(()):
+        carrier.block_called((torch.zeros(2),), {"shared_kv": {"local": torch.ones(2), "global": torch.ones(2)}})
+        with pytest.raises(ValueError, match=r"the dict the blocks share \(shared_kv\) holds 'global', which the "
+                                             r"set-up's trace of the model's first blocks"):
+            carrier.collect()
+
+
+@pytest.mark.parametrize("make_model", [BiasLM, SharedKVLM], ids=["position-bias", "shared-kv-dict"])
+def test_a_model_built_on_the_meta_device_carries_what_the_whole_trace_finds(make_model) -> None:
+    """Built on the meta device (``Trainer.init_module(empty_init=True)``), a model is traced on a copy of its first
+    blocks; at the boundary of pp2 (block 2 of 4) the values that cross are those the trace of every block finds."""
+    from lightning_par.parallel.model_map import derive_model_map
+    from lightning_par.parallel.pipeline.split import _trace
+
+    sample = torch.randint(0, VOCAB, (1, SEQ_LEN))
+    whole = make_model()
+    with torch.device("meta"):
+        on_meta = make_model()
+    model_map = derive_model_map(whole)
+    exact, extrapolated = _trace(whole, model_map, sample).handoffs, _trace(on_meta, model_map, sample).handoffs
+    assert exact.exact(4) and not extrapolated.exact(4)
+    assert extrapolated.crossing(2, 4) == exact.crossing(2, 4) != ()

@@ -57,7 +57,7 @@ def check_layout_forward(model: nn.Module, mesh: ParallelMesh, config: ParallelC
         if whole is not None:
             attending = _blocks_calling_attention(model_copy, model_map, sample)
             stack: list[str] = []
-            handles = _track(model_copy, stack)
+            handles = track_running(model_copy, stack)
             try:
                 apply(model_copy)
                 laid_out = _logits(model_copy(sample))
@@ -104,7 +104,7 @@ def _logits(output: Any) -> Tensor:
     return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
 
-def _track(model: nn.Module, stack: list[str]) -> list[Any]:
+def track_running(model: nn.Module, stack: list[str]) -> list[Any]:
     """Forward hooks that keep ``stack`` the path of the modules running, innermost last."""
     def enter(name: str) -> None:
         stack.append(name)
@@ -217,4 +217,4 @@ def check_routing_draws(model: nn.Module, mesh: ParallelMesh, config: ParallelCo
             "0), or train it on one process (docs/expert_parallel.md)")
 
 
-__all__ = ["check_layout_forward", "check_routing_draws"]
+__all__ = ["check_layout_forward", "check_routing_draws", "track_running"]

@@ -97,10 +97,12 @@ class Handoffs:
         untraced = n_blocks > self.traced
         last = self.traced - 1
 
-        def read_from(readers: frozenset[int]) -> bool:
-            return any(r >= start for r in readers) or (untraced and last in readers)
+        def read_from(readers: frozenset[int], chained: bool = False) -> bool:
+            return any(r >= start for r in readers) or (untraced and last in readers and not chained)
 
-        items = {item for item, readers in self.items.items() if item.block < start and read_from(readers)}
+        # An item the last traced block receives as the next block of a chain stands for the chain, not for itself.
+        items = {item for item, readers in self.items.items() if item.block < start
+                 and read_from(readers, chained=item.block == last - 1 and item.index in self.chain)}
         if untraced and start - 1 >= last:
             items |= {Item(start - 1, index) for index in self.chain}
         parts = [EntryPart(entry, element) for entry, (writer, readers) in self.entries.items()
@@ -120,10 +122,12 @@ class Handoffs:
             if cut:
                 allowed = [block_names[i] for i in range(1, len(block_names))
                            if not any(v.writer < i <= v.last_reader for v in self.uncarried)]
-                raise ValueError(f"pipeline parallel: {value.reason}, and a stage would start at "
-                                 f"{block_names[cut[0]]!r}, between them. Keep them on one stage with the map's "
-                                 f"split_points (any of {allowed[:8]}{' ...' if len(allowed) > 8 else ''}), or hand "
-                                 "the value on as a tensor the block returns, or in a dict every block receives")
+                keep = (f"Keep them on one stage with the map's split_points (any of {allowed[:8]}"
+                        f"{' ...' if len(allowed) > 8 else ''}), or hand" if allowed else "Hand")
+                raise ValueError(f"pipeline parallel: {value.reason}; a stage would start at {block_names[cut[0]]!r}, "
+                                 f"between them, and run without it. {keep} the value on as a tensor the block "
+                                 "returns or in a dict the blocks share, which cross stage boundaries, or train this "
+                                 "model without pipeline parallel")
 
 
 # ------------------------------------------------------------------------------------------------ the trace's side
@@ -203,11 +207,11 @@ def find_handoffs(calls: list[BlockCall], block_names: list[str], tensors_in: Ca
             name = f"{call.names.get(location, location)}[{key!r}]"
             tensors = _tensors_of(value)
             if not isinstance(container, MutableMapping) or tensors is None:
-                what = ("a list it shares with later blocks" if not isinstance(container, MutableMapping)
-                        else f"a {type(value).__name__}, not a tensor or a tuple of tensors")
+                what = ("into a list the blocks share: a stage boundary carries the entries of a dict they share, "
+                        "not of a list" if not isinstance(container, MutableMapping) else
+                        f"as a {type(value).__name__}: a stage boundary carries tensors and tuples of tensors")
                 uncarried.append(Uncarried(writer, max(readers), f"block {block_names[writer]!r} writes {name} "
-                                           f"({what}), which block {block_names[max(readers)]!r} receives; a "
-                                           "pipeline stage boundary carries tensors only"))
+                                           f"{what}, and block {block_names[max(readers)]!r} receives it"))
                 continue
             entry = Entry(location, key, 0 if isinstance(value, Tensor) else len(tensors), name,
                           "list" if isinstance(value, list) else "tuple")

@@ -18,7 +18,9 @@ block (embedding, positions, scaling); a later stage runs the same code on stand
 masks), and a hook swaps its first block's hidden-state input for the activations it received; a stage
 that is not the last stops right after its last block, so the final norm, the head and whatever follows
 them (soft-capping) run once, on the last stage. Every stage receives the micro-batch's tokens as a keyword
-argument for that purpose. Parameter names do not change, so optimizers and checkpoints see the usual names,
+argument for that purpose. What blocks hand later blocks beside the hidden states (a position bias a block returns,
+keys and values written into a dict the blocks share) is sent after the hidden states and given back to the
+network's loop on the next stage (``lightning_par.parallel.pipeline.carry``). Parameter names do not change, so optimizers and checkpoints see the usual names,
 each rank holding only its stages' parameters; a parameter several stages use (a head tied to the
 embedding) is held by each of them and kept equal (``lightning_par.parallel.pipeline.ties.StageTies``).
 """
@@ -426,11 +428,12 @@ def _outside_runs(trace: NetworkTrace, name: str, module: nn.Module, n_stages: i
 
 
 def cut_network(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, trace: NetworkTrace, *, schedule: Schedule,
-                virtual_stages: int, sizes: list[int]) -> StageLayout:
+                virtual_stages: int, sizes: list[int], placement: dict[int, int] | None = None) -> StageLayout:
     """Drop from the network inside ``module`` every part this rank's stages do not run (in place).
 
-    ``sizes`` are the numbers of blocks of every stage (``pp x stages per rank`` of them). A part this rank
-    does not run but whose parameters one of its stages uses (a head tied to the embedding) becomes a
+    ``sizes`` are the numbers of blocks of every stage (``pp x stages per rank`` of them), placed on the pipeline
+    ranks as ``schedule`` places them, or as ``placement`` says (stage -> pipeline rank: the set-up check's). A part
+    this rank does not run but whose parameters one of its stages uses (a head tied to the embedding) becomes a
     stand-in holding those parameters. Raises ``ValueError`` naming a module that must run before the blocks
     on stage 0 and that later stages cannot stand in for.
     """
@@ -441,8 +444,8 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, trac
     blocks = model_map.block_names(module)
     starts = [sum(sizes[:s]) for s in range(n_stages)]
     block_stage = {name: s for s in range(n_stages) for name in blocks[starts[s]:starts[s] + sizes[s]]}
-    rank_of = {s: r for r in range(pp) for s in stage_indices(r, pp, schedule, virtual_stages)}
-    mine = stage_indices(pp_rank, pp, schedule, virtual_stages)
+    rank_of = placement or {s: r for r in range(pp) for s in stage_indices(r, pp, schedule, virtual_stages)}
+    mine = sorted(s for s, r in rank_of.items() if r == pp_rank)
 
     # Where each parameter is held: its block's stage, every stage that runs its outside module, and every
     # stage whose role needs it (its stand-in keeps it); a parameter of an enclosing module stays everywhere.
@@ -525,14 +528,25 @@ def build_stages(module: nn.Module, layout: StageLayout, mesh: ParallelMesh, dev
     units do not hold (embedding, norm, head), which the schedule then drives (gathered blocks and whole gradients
     over the micro-batches, one reduce-scatter after the last).
     """
+    sliced = mesh["tp"] if sequence_parallel and mesh.size("tp") > 1 else None
+    return [PipelineStage(stage_module, index, layout.n_stages, device, group=mesh.group("pp"))
+            for index, stage_module in stage_modules(module, layout, device, sequence_mesh=sliced,
+                                                     shard_root=shard_root).items()]
+
+
+def stage_modules(module: nn.Module, layout: StageLayout, device: torch.device, *,
+                  sequence_mesh: DeviceMesh | None = None,
+                  shard_root: Callable[[nn.Module], None] | None = None) -> dict[int, StageModule]:
+    """This rank's stage modules (stage index -> :class:`StageModule`) over the cut network of ``module``, with the
+    hooks that start and stop each at its blocks: what :func:`build_stages` hands the schedule, and what the set-up
+    check (``pipeline.check``) runs itself."""
     network = module.get_submodule(layout.network) if layout.network else module
     prefix = f"{layout.network}." if layout.network else ""
     blocks_held = set().union(*(owned for owned, _ in layout.stages.values()))
     outside_held = set().union(*(running for _, running in layout.stages.values()))
-    sliced = mesh["tp"] if sequence_parallel and mesh.size("tp") > 1 else None
     block_order = {name: index for index, name in enumerate(
         n[len(prefix):] for n, _ in module.named_modules() if n[len(prefix):] in blocks_held)}
-    stages = []
+    stages = {}
     for index, (owned, running) in layout.stages.items():
         last = index == layout.n_stages - 1
         replacements: dict[str, nn.Module] = {
@@ -548,7 +562,7 @@ def build_stages(module: nn.Module, layout: StageLayout, mesh: ParallelMesh, dev
         stage_module = StageModule(_replace(module, {prefix + n: m for n, m in replacements.items()}),
                                    is_first=index == 0,
                                    is_last=index == layout.n_stages - 1,
-                                   sequence_mesh=sliced if index > 0 else None, carrier=carrier)
+                                   sequence_mesh=sequence_mesh if index > 0 else None, carrier=carrier)
         for part in stage_module.modules():
             if isinstance(part, StandInModule):
                 part.device = device
@@ -563,7 +577,7 @@ def build_stages(module: nn.Module, layout: StageLayout, mesh: ParallelMesh, dev
                 _receive_hidden(stage_module, layout.call), with_kwargs=True)
         if index < layout.n_stages - 1:
             network.get_submodule(ordered[-1]).register_forward_hook(_stop_after(layout.call))
-        stages.append(PipelineStage(stage_module, index, layout.n_stages, device, group=mesh.group("pp")))
+        stages[index] = stage_module
     return stages
 
 
@@ -765,6 +779,7 @@ __all__ = [
     "cut_network",
     "last_stage_rank",
     "split_pipeline",
+    "stage_modules",
     "network_prefix",
     "parameter_costs",
     "profile_costs",

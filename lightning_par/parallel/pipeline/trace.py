@@ -13,11 +13,14 @@ model was built there) and reads, from the graph:
 - *shared*: parameters behind the blocks' other inputs (every stage that holds a block);
 - where each block takes and returns its hidden states;
 - parts of blocks the network runs again after its last block (a DiT's final modulation computed by block 0's
-  timestep embedding): the last stage holds a copy of them.
+  timestep embedding): the last stage holds a copy of them;
+- what blocks hand later blocks beside the hidden states, a tensor a block returns that the network passes on or an
+  entry a block writes into a dict the blocks share (``lightning_par.parallel.pipeline.handoffs``): the stages carry
+  it across their boundaries.
 
 It refuses, naming the blocks or the argument, a network whose stages could not reproduce it: an output that
-uses more than the last block's output, a block argument computed from the hidden states, or a parameter
-outside the blocks that only a block registers. Code between two blocks is noted (``changed``): a stage
+uses more than the last block's output, a block argument the network computes from the hidden states outside the
+blocks, or a parameter outside the blocks that only a block registers. Code between two blocks is noted (``changed``): a stage
 must not start after it (:func:`~lightning_par.parallel.pipeline.split_pipeline` refuses such a split and
 names the split points that avoid it).
 """
