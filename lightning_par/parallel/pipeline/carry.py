@@ -54,9 +54,6 @@ class Carrier:
         self._returned: dict[Item, Any] = {}
         self._mappings: dict[int | str, MutableMapping] = {}
 
-    def __bool__(self) -> bool:
-        return bool(self.incoming or self.outgoing)
-
     @contextlib.contextmanager
     def running(self, received: tuple[Tensor, ...]) -> Iterator[None]:
         """The stage's forward, with ``received`` (after the hidden states) as the values of ``incoming``."""

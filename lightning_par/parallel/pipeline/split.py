@@ -20,9 +20,10 @@ that is not the last stops right after its last block, so the final norm, the he
 them (soft-capping) run once, on the last stage. Every stage receives the micro-batch's tokens as a keyword
 argument for that purpose. What blocks hand later blocks beside the hidden states (a position bias a block returns,
 keys and values written into a dict the blocks share) is sent after the hidden states and given back to the
-network's loop on the next stage (``lightning_par.parallel.pipeline.carry``). Parameter names do not change, so optimizers and checkpoints see the usual names,
-each rank holding only its stages' parameters; a parameter several stages use (a head tied to the
-embedding) is held by each of them and kept equal (``lightning_par.parallel.pipeline.ties.StageTies``).
+network's loop on the next stage (``lightning_par.parallel.pipeline.carry``). Parameter names do not change, so
+optimizers and checkpoints see the usual names, each rank holding only its stages' parameters; a parameter several
+stages use (a head tied to the embedding) is held by each of them and kept equal
+(``lightning_par.parallel.pipeline.ties.StageTies``).
 """
 
 from __future__ import annotations
@@ -307,7 +308,7 @@ class StageModule(nn.Module):
         self.model = model
         self.is_first, self.is_last = is_first, is_last
         self.sequence_mesh = sequence_mesh
-        self.carrier = carrier if carrier is not None else Carrier((), (), [])
+        self.carrier = carrier  # what earlier blocks hand later ones, where the stage receives or sends any
         self.incoming: Tensor | None = None  # the received hidden states, for the first block's input hook
 
     def forward(self, x: Tensor, *carried: Tensor, tokens: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:
@@ -320,13 +321,16 @@ class StageModule(nn.Module):
             if self.sequence_mesh is not None:  # (B, T/tp, C) -> (B, T, C)
                 x = DTensor.from_local(x, self.sequence_mesh, (Shard(1),), run_check=False)
             self.incoming, x = x, tokens
+        if carried and self.carrier is None:
+            raise ValueError(f"a pipeline stage received {len(carried)} values beside the hidden states, and expects "
+                             "none")
         handed: tuple[Tensor, ...] = ()
-        with self.carrier.running(carried) if self.carrier else contextlib.nullcontext():
+        with self.carrier.running(carried) if self.carrier is not None else contextlib.nullcontext():
             try:
                 output, _, _ = first_tensor(self.model(x))
             except _StageOutput as stop:
                 output = stop.hidden
-                handed = self.carrier.collect() if self.carrier else ()
+                handed = self.carrier.collect() if self.carrier is not None else ()
             finally:
                 self.incoming = None
         if isinstance(output, DTensor) and not self.is_last:
