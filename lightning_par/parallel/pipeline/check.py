@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,8 +38,8 @@ from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.model_map import ModelMap, network_prefix
 from lightning_par.parallel.model_map_check import copy_settings
 from lightning_par.parallel.modules import clean_name, first_tensor
-from lightning_par.parallel.pipeline.split import (StageModule, cut_network, receive_tensors, send_tensors,
-                                                  stage_modules)
+from lightning_par.parallel.pipeline.split import (StageLayout, StageModule, cut_network, receive_tensors,
+                                                  send_tensors, stage_modules)
 from lightning_par.parallel.pipeline.trace import NetworkTrace, output_item, trace_network
 from lightning_par.parallel.small_copy import small_copy
 
@@ -81,68 +82,38 @@ def _check(make_copy: Callable[[], nn.Module], mesh: ParallelMesh, model_map: Mo
     ``sample``, on this rank; None where nothing does, and where the copy cannot be checked (a model that fails whole,
     or that the trace refuses, is refused by training's own set-up). The whole run, the trace and the stages each get
     a copy of their own: what a forward leaves on a module (a value a block stores for later blocks) must not reach
-    the stages' copy, where it would hide that the value does not cross."""
-    prefix = network_prefix(model_map)
-    whole_copy = make_copy()
-    blocks = model_map.block_names(whole_copy)
-    whole_outputs: dict[int, Any] = {}
-    handles = _keep_outputs(whole_copy, blocks, range(len(blocks)), whole_outputs)
+    the stages' copy, where it would hide that the value does not cross. The pipeline ranks agree to go on before the
+    stages send anything, so that one that could not prepare (out of memory, say) leaves none waiting."""
     try:
-        logits = _logits(whole_copy(sample))
-        weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-        weights = weights.to(device=logits.device, dtype=logits.dtype)
-        (logits * weights).sum().backward()
-        logits = logits.detach()  # its graph would keep the copy's parameters
-    except Exception:  # noqa: BLE001 - the model's own failure, which training reports
+        prepared = _prepare(make_copy, mesh, model_map, sample)
+    except Exception:  # noqa: BLE001 - the model's own failure, or a split the split itself refuses (and names)
+        prepared = None
+    agreed = torch.tensor([prepared is not None], dtype=torch.int64, device=torch.device(mesh.device_type))
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=mesh.group("pp"))
+    if not int(agreed):
         return None
-    finally:
-        for handle in handles:
-            handle.remove()
-    # A parameter under several names (a tied head) is one gradient, under its first name; after the cut a rank may
-    # know it by another.
-    canonical: dict[str, str] = {}
-    first: dict[int, str] = {}
-    for name, parameter in whole_copy.named_parameters(remove_duplicate=False):
-        canonical[clean_name(name)] = first.setdefault(id(parameter), clean_name(name))
-    whole = _projected_gradients(whole_copy, canonical)
-    del whole_copy
-    traced = make_copy()
-    try:
-        trace = trace_network(traced.get_submodule(prefix.rstrip(".")) if prefix else traced, blocks, sample,
-                              root=traced)
-    except Exception:  # noqa: BLE001 - a network the pipeline cannot cut: the split of the model refuses it itself
-        return None
-    del traced
-    starts = _stage_starts(trace, len(blocks))
-    if not starts:
-        return None
-
-    model_copy = make_copy()
-    pp, me = mesh.size("pp"), mesh.local_rank("pp")
-    firsts = [0, *starts]
-    sizes = [b - a for a, b in zip(firsts, [*starts, len(blocks)])]
-    placement = {stage: stage % pp for stage in range(len(sizes))}  # consecutive stages on different ranks
-    layout = cut_network(model_copy, mesh, model_map, trace, schedule="1f1b", virtual_stages=1, sizes=sizes,
-                         placement=placement)
-    mine = [block for stage, first in enumerate(firsts) if placement[stage] == me
-            for block in range(first, first + sizes[stage])]
+    whole, model_copy, trace, layout, starts, placement = prepared
+    blocks = list(layout.block_names)
+    me = mesh.local_rank("pp")
+    mine = [block for stage, (first, end) in enumerate(zip([0, *starts], [*starts, len(blocks)]))
+            if placement[stage] == me for block in range(first, end)]
     staged_outputs: dict[int, Any] = {}
     running: list[str] = []
     # Before the stages' own hooks, which stop a stage inside its last block's forward hooks.
     handles = _keep_outputs(model_copy, blocks, mine, staged_outputs) + track_running(model_copy, running)
     try:
         stages = stage_modules(model_copy, layout, sample.device)
-        failure, backward_failure, staged_logits = _run(stages, placement, mesh, sample, weights, running)
+        failure, backward_failure, staged_logits = _run(stages, placement, mesh, sample, whole.weights, running)
     finally:
         for handle in handles:
             handle.remove()
-    gradients = _compare_gradients(model_copy, canonical, whole, mesh)  # collective: every rank, whatever failed
+    gradients = _compare_gradients(model_copy, whole.canonical, whole.gradients, mesh)  # every rank, whatever failed
     where = f"on a copy cut into stages at {', '.join(repr(blocks[s]) for s in starts)}"
     if failure is not None:
         return (0, 0, f"{where}, {failure}") if failure else None
     index = trace.block_call.output_index
     for block in (b for b in mine if b in staged_outputs):
-        differs = _differs(output_item(staged_outputs[block], index), output_item(whole_outputs[block], index))
+        differs = _differs(output_item(staged_outputs[block], index), output_item(whole.outputs[block], index))
         if differs is not None:
             kind = type(model_copy.get_submodule(blocks[block])).__name__
             return 1, block, (f"{where}, block {blocks[block]!r} ({kind}) computes other hidden states than in the "
@@ -154,7 +125,7 @@ def _check(make_copy: Callable[[], nn.Module], mesh: ParallelMesh, model_map: Mo
     if backward_failure is not None:
         return (2, 0, f"{where}, in backward {backward_failure}") if backward_failure else None
     if staged_logits is not None:
-        differs = _differs(staged_logits, logits)
+        differs = _differs(staged_logits, whole.logits)
         if differs is not None:
             return 3, 0, f"{where}, its logits differ from the whole model's ({differs})"
     if gradients is not None:
@@ -162,6 +133,57 @@ def _check(make_copy: Callable[[], nn.Module], mesh: ParallelMesh, model_map: Mo
         return 4, 0, (f"{where}, the gradient of {name} differs from the whole model's ({differs}): a value a later "
                       "stage receives carries no gradient back to the blocks that computed it")
     return None
+
+
+@dataclass
+class _Whole:
+    """What the whole copy computed: its logits, every block's output, each parameter's gradient projected (by its
+    first name: ``canonical`` maps every name to it), and the weights the logits were summed with for backward."""
+
+    logits: Tensor
+    outputs: dict[int, Any]
+    gradients: dict[str, tuple[float, float]]
+    canonical: dict[str, str]
+    weights: Tensor
+
+
+def _prepare(make_copy: Callable[[], nn.Module], mesh: ParallelMesh, model_map: ModelMap,
+             sample: Tensor) -> tuple[_Whole, nn.Module, NetworkTrace, StageLayout, list[int], dict[int, int]] | None:
+    """The whole copy's run, the trace of another, and a third cut into stages (this rank's kept), placed on the
+    pipeline ranks in turn; None where no stage can start after the first block. Local to this rank."""
+    prefix = network_prefix(model_map)
+    whole_copy = make_copy()
+    blocks = model_map.block_names(whole_copy)
+    outputs: dict[int, Any] = {}
+    handles = _keep_outputs(whole_copy, blocks, range(len(blocks)), outputs)
+    try:
+        logits = _logits(whole_copy(sample))
+        weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        weights = weights.to(device=logits.device, dtype=logits.dtype)
+        (logits * weights).sum().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    # A parameter under several names (a tied head) is one gradient, under its first name; after the cut a rank may
+    # know it by another.
+    canonical: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, parameter in whole_copy.named_parameters(remove_duplicate=False):
+        canonical[clean_name(name)] = first.setdefault(id(parameter), clean_name(name))
+    whole = _Whole(logits.detach(), outputs, _projected_gradients(whole_copy, canonical), canonical, weights)
+    del whole_copy, logits  # the logits' graph would keep the copy's parameters
+    traced = make_copy()
+    trace = trace_network(traced.get_submodule(prefix.rstrip(".")) if prefix else traced, blocks, sample, root=traced)
+    del traced
+    starts = _stage_starts(trace, len(blocks))
+    if not starts:
+        return None
+    model_copy = make_copy()
+    sizes = [b - a for a, b in zip([0, *starts], [*starts, len(blocks)])]
+    placement = {stage: stage % mesh.size("pp") for stage in range(len(sizes))}  # consecutive stages: other ranks
+    layout = cut_network(model_copy, mesh, model_map, trace, schedule="1f1b", virtual_stages=1, sizes=sizes,
+                         placement=placement)
+    return whole, model_copy, trace, layout, starts, placement
 
 
 def _keep_outputs(model_copy: nn.Module, blocks: list[str], indices: Iterable[int],
