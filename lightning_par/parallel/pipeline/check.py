@@ -13,8 +13,8 @@ every block's hidden states, the last stage's logits and every parameter's gradi
 it, as the stages' ties sum it in training) with the whole copy's. A copy that raises, or differs, is refused on every
 rank before the first step, naming the first block that differs or the module that raised. Its cost is a forward
 and backward of the copy, twice, a traced forward, and one send each way per boundary (0.1-0.3 s at set-up for the
-tiny models of the tests on 2 CPU cores); its memory at most three copies' worth (the whole copy's gradients, the
-stages' copy and its gradients), one at a time otherwise.
+tiny models of the tests on 2 CPU cores); it holds one copy and its gradients at a time (the whole copy's gradients
+are kept as one projection each).
 
 The ranks stay in step whatever fails: each send says whether the stage before succeeded, a rank that fails sends
 the failure on, and every rank takes part in the final comparison (``all_gather_object``), so no collective is left
