@@ -53,6 +53,7 @@ from lightning_par.parallel.outside_calls import blocks_used_outside
 from lightning_par.parallel.recompute import apply_activation_checkpointing
 from lightning_par.parallel.context import apply_context_parallel, check_sequence_length, head_follows_last_block
 from lightning_par.parallel.parallelized import Parallelized
+from lightning_par.parallel.pipeline.check import check_pipeline_split
 from lightning_par.parallel.pipeline.runner import PipelineRunner
 from lightning_par.parallel.record import layout_record
 from lightning_par.parallel.rng import (apply_split_streams, apply_stage_streams, apply_token_streams,
@@ -256,8 +257,11 @@ def parallelize(
 def _check_layout(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, model_map: ModelMap,
                   inputs: torch.Tensor, gather_at_head: bool) -> None:
     """Before anything is split: the layout's techniques that change the model's computation, run on a small copy
-    (``layout_check``); the tensor-parallel split alone was checked with the model map."""
+    (``layout_check``; the pipeline's stages: ``pipeline.check``); the tensor-parallel split alone was checked with the
+    model map."""
     check_routing_draws(model, mesh, config, model_map, inputs)
+    if config.pp > 1:  # the stages, with what they send each other, against the whole model
+        check_pipeline_split(model, mesh, config, model_map, inputs)
     routes_local_tokens = config.tp > 1 and config.sequence_parallel and moe_layers(model, model_map)
     if not (config.cp > 1 or config.ep > 1 or routes_local_tokens):
         return

@@ -58,7 +58,7 @@ def check_layout_forward(model: nn.Module, mesh: ParallelMesh, config: ParallelC
             whole = None
         if whole is not None:
             stack: list[str] = []
-            handles = _track(model_copy, stack)
+            handles = track_running(model_copy, stack)
             try:
                 apply(model_copy)
                 laid_out = _logits(run_model(model_copy, sample))
@@ -105,7 +105,7 @@ def _logits(output: Any) -> Tensor:
     return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
 
-def _track(model: nn.Module, stack: list[str]) -> list[Any]:
+def track_running(model: nn.Module, stack: list[str]) -> list[Any]:
     """Forward hooks that keep ``stack`` the path of the modules running, innermost last."""
     def enter(name: str) -> None:
         stack.append(name)
@@ -218,4 +218,4 @@ def draws_in_training(model: nn.Module, mesh: ParallelMesh, model_map: ModelMap,
         return not all(torch.equal(b, a) for b, a in zip(before, states()))
 
 
-__all__ = ["check_layout_forward", "check_routing_draws", "draws_in_training"]
+__all__ = ["check_layout_forward", "check_routing_draws", "draws_in_training", "track_running"]

@@ -101,24 +101,34 @@ class Vocabulary:
         return cls(embedding, head, rows)
 
     def cut(self, model_copy: nn.Module) -> None:
-        """Swap the (meta) embedding and head parameters of ``copy`` for ones of ``rows`` rows, tie kept."""
+        """Swap the (meta) embedding and head parameters of ``copy`` for ones of ``rows`` rows, ties kept: every module
+        that registers one of them (a head tied to the embedding, BERT's ``cls.predictions.bias`` beside its decoder's,
+        T5's encoder and decoder tables beside ``shared``) gets the new one."""
         table = model_copy.get_submodule(self.embedding)
         old = table.weight
-        table.weight = nn.Parameter(torch.empty(self.rows, table.embedding_dim, dtype=old.dtype, device="meta"))
+        _swap(model_copy, old, nn.Parameter(torch.empty(self.rows, table.embedding_dim, dtype=old.dtype,
+                                                        device="meta")))
         table.num_embeddings = self.rows
         if table.padding_idx is not None and table.padding_idx >= self.rows:
             table.padding_idx = None
         if self.head is None:
             return
         projection = model_copy.get_submodule(self.head)
-        if projection.weight is old:
-            projection.weight = table.weight
-        else:
-            projection.weight = nn.Parameter(torch.empty(self.rows, projection.in_features,
-                                                         dtype=projection.weight.dtype, device="meta"))
+        if projection.weight is not table.weight:
+            rows = torch.empty(self.rows, projection.in_features, dtype=projection.weight.dtype, device="meta")
+            _swap(model_copy, projection.weight, nn.Parameter(rows))
         if projection.bias is not None:
-            projection.bias = nn.Parameter(torch.empty(self.rows, dtype=projection.bias.dtype, device="meta"))
+            _swap(model_copy, projection.bias, nn.Parameter(torch.empty(self.rows, dtype=projection.bias.dtype,
+                                                                        device="meta")))
         projection.out_features = self.rows
+
+
+def _swap(model_copy: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
+    """Register ``new`` wherever ``model_copy`` registers ``old``."""
+    for sub in model_copy.modules():
+        for name, parameter in list(sub._parameters.items()):
+            if parameter is old:
+                sub._parameters[name] = new
 
 
 def _drop_hooks(model_copy: nn.Module) -> None:

@@ -18,13 +18,17 @@ block (embedding, positions, scaling); a later stage runs the same code on stand
 masks), and a hook swaps its first block's hidden-state input for the activations it received; a stage
 that is not the last stops right after its last block, so the final norm, the head and whatever follows
 them (soft-capping) run once, on the last stage. Every stage receives the micro-batch's tokens as a keyword
-argument for that purpose. Parameter names do not change, so optimizers and checkpoints see the usual names,
-each rank holding only its stages' parameters; a parameter several stages use (a head tied to the
-embedding) is held by each of them and kept equal (``lightning_par.parallel.pipeline.ties.StageTies``).
+argument for that purpose. What blocks hand later blocks beside the hidden states (a position bias a block returns,
+keys and values written into a dict the blocks share) is sent after the hidden states and given back to the
+network's loop on the next stage (``lightning_par.parallel.pipeline.carry``). Parameter names do not change, so
+optimizers and checkpoints see the usual names, each rank holding only its stages' parameters; a parameter several
+stages use (a head tied to the embedding) is held by each of them and kept equal
+(``lightning_par.parallel.pipeline.ties.StageTies``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import warnings
@@ -51,6 +55,8 @@ from lightning_par.parallel.pipeline.trace import (
     trace_network,
 )
 from lightning_par.parallel.model_map import ModelMap, network_prefix, why_no_blocks
+from lightning_par.parallel.pipeline.carry import Carrier, active as active_carrier, skipped_output
+from lightning_par.parallel.pipeline.handoffs import Carried
 from lightning_par.parallel.small_copy import small_copy
 from lightning_par.parallel.modules import clean_name
 from lightning_par.layout.schedules import (SCHEDULES, Schedule, balance, stage_indices, stages_per_rank,
@@ -176,14 +182,17 @@ def _time_forward_and_backward(module: nn.Module, key: str, timings: dict[str, f
 
 # ---------------------------------------------------------------------------------- stage modules
 class SkippedBlock(nn.Module):
-    """Stands in for a block another stage owns: hands its hidden-state input on, shaped like the block's output.
+    """Stands in for block ``index``, which another stage owns: hands its hidden-state input on, shaped like the
+    block's output, with the values received for it beside (``pipeline.carry``: a position bias it would have
+    returned), and gives the stage's carrier the block's arguments (a dict the blocks share gets its received entries).
 
     ``parts`` (names relative to the block -> modules) are the parts of the block the network runs after its last
     block, kept at their paths on the last stage (the same modules, so their parameters are the block's)."""
 
-    def __init__(self, call: Call, parts: dict[str, nn.Module] | None = None) -> None:
+    def __init__(self, call: Call, parts: dict[str, nn.Module] | None = None, index: int = -1) -> None:
         super().__init__()
         self.call = call
+        self.index = index
         for path, part in (parts or {}).items():
             parent: nn.Module = self
             *containers, leaf = path.split(".")
@@ -195,9 +204,12 @@ class SkippedBlock(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         hidden = _hidden_of(self.call, args, kwargs)
+        carrier = active_carrier()
+        if carrier is not None:
+            carrier.block_called(args, kwargs)
         if self.call.output_index is None:
             return hidden
-        return tuple(hidden if i == self.call.output_index else None for i in range(self.call.output_length))
+        return skipped_output(carrier, self.index, hidden, self.call.output_index, self.call.output_length)
 
 
 class AbsentTensor(Tensor):
@@ -271,7 +283,8 @@ class StandInModule(nn.Module):
 
 
 class _StageOutput(Exception):
-    """Raised after a stage's last block to stop the network's forward there, carrying the hidden states."""
+    """Raised after a stage's last block to stop the network's forward there, carrying the hidden states (the values
+    handed on beside them are the stage's carrier's)."""
 
     def __init__(self, hidden: Tensor) -> None:
         super().__init__()
@@ -290,14 +303,17 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, *, is_first: bool, is_last: bool = False,
-                 sequence_mesh: DeviceMesh | None = None) -> None:
+                 sequence_mesh: DeviceMesh | None = None, carrier: Carrier | None = None) -> None:
         super().__init__()
         self.model = model
         self.is_first, self.is_last = is_first, is_last
         self.sequence_mesh = sequence_mesh
+        self.carrier = carrier  # what earlier blocks hand later ones, where the stage receives or sends any
         self.incoming: Tensor | None = None  # the received hidden states, for the first block's input hook
 
-    def forward(self, x: Tensor, tokens: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, *carried: Tensor, tokens: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:
+        """``carried``: the values earlier blocks hand the blocks of this stage (``pipeline.carry``), received after
+        the hidden states; the stage returns those the next stage needs after its own hidden states."""
         if not self.is_first:
             if tokens is None:
                 raise ValueError("a pipeline stage after the first needs the micro-batch's tokens (tokens=...) to run "
@@ -305,19 +321,26 @@ class StageModule(nn.Module):
             if self.sequence_mesh is not None:  # (B, T/tp, C) -> (B, T, C)
                 x = DTensor.from_local(x, self.sequence_mesh, (Shard(1),), run_check=False)
             self.incoming, x = x, tokens
-        try:
-            output, _, _ = first_tensor(self.model(x))
-        except _StageOutput as stop:
-            output = stop.hidden
-        finally:
-            self.incoming = None
+        if carried and self.carrier is None:
+            raise ValueError(f"a pipeline stage received {len(carried)} values beside the hidden states, and expects "
+                             "none")
+        handed: tuple[Tensor, ...] = ()
+        with self.carrier.running(carried) if self.carrier is not None else contextlib.nullcontext():
+            try:
+                output, _, _ = first_tensor(self.model(x))
+            except _StageOutput as stop:
+                output = stop.hidden
+                handed = self.carrier.collect() if self.carrier is not None else ()
+            finally:
+                self.incoming = None
         if isinstance(output, DTensor) and not self.is_last:
             # Between stages each rank sends its own piece; the last stage's output (logits split over the
             # vocabulary, under loss parallel) stays a DTensor for the loss.
             output = output.to_local()
         # The zero-bubble schedules detach stage outputs in place, which PyTorch refuses on views (the
         # output of a linear layer on a 3-D input is one).
-        return output.clone() if output._base is not None else output
+        output = output.clone() if output._base is not None else output
+        return (output, *handed) if handed else output
 
 
 def _hidden_of(call: Call, args: tuple, kwargs: dict) -> Any:
@@ -375,11 +398,25 @@ class StageLayout:
     shared: dict[str, tuple[int, ...]]  # parameter names (from the model root) -> pp ranks holding a copy (2+)
     # blocks (relative to ``network``) -> their parts the network runs after its last block (relative to the block)
     parts_after_blocks: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # The values blocks hand later blocks (pipeline.handoffs): per stage of this rank, (received, sent); the blocks
+    # (relative to ``network``) by index; the blocks' full names, for messages; whether the trace ran every block.
+    carried: dict[int, tuple[tuple[Carried, ...], tuple[Carried, ...]]] = field(default_factory=dict)
+    block_index: dict[str, int] = field(default_factory=dict)
+    block_names: tuple[str, ...] = ()
+    traced_every_block: bool = True
+
+    def carrier(self, stage: int) -> Carrier | None:
+        """The carrier of ``stage``'s handed values (None where it receives and sends only hidden states)."""
+        incoming, outgoing = self.carried.get(stage, ((), ()))
+        if not (incoming or outgoing):
+            return None
+        return Carrier(incoming, outgoing, list(self.block_names), exact=self.traced_every_block)
 
 
-def _skipped(call: Call, block: nn.Module, paths: tuple[str, ...]) -> SkippedBlock:
-    """The stand-in for ``block``, keeping its parts at ``paths`` (on the last stage: those run after the blocks)."""
-    return SkippedBlock(call, {path: block.get_submodule(path) for path in paths})
+def _skipped(call: Call, block: nn.Module, paths: tuple[str, ...], index: int = -1) -> SkippedBlock:
+    """The stand-in for ``block`` (block ``index``), keeping its parts at ``paths`` (on the last stage: those run after
+    the blocks)."""
+    return SkippedBlock(call, {path: block.get_submodule(path) for path in paths}, index)
 
 
 def _outside_runs(trace: NetworkTrace, name: str, module: nn.Module, n_stages: int) -> set[int]:
@@ -395,11 +432,12 @@ def _outside_runs(trace: NetworkTrace, name: str, module: nn.Module, n_stages: i
 
 
 def cut_network(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, trace: NetworkTrace, *, schedule: Schedule,
-                virtual_stages: int, sizes: list[int]) -> StageLayout:
+                virtual_stages: int, sizes: list[int], placement: dict[int, int] | None = None) -> StageLayout:
     """Drop from the network inside ``module`` every part this rank's stages do not run (in place).
 
-    ``sizes`` are the numbers of blocks of every stage (``pp x stages per rank`` of them). A part this rank
-    does not run but whose parameters one of its stages uses (a head tied to the embedding) becomes a
+    ``sizes`` are the numbers of blocks of every stage (``pp x stages per rank`` of them), placed on the pipeline
+    ranks as ``schedule`` places them, or as ``placement`` says (stage -> pipeline rank: the set-up check's). A part
+    this rank does not run but whose parameters one of its stages uses (a head tied to the embedding) becomes a
     stand-in holding those parameters. Raises ``ValueError`` naming a module that must run before the blocks
     on stage 0 and that later stages cannot stand in for.
     """
@@ -410,8 +448,8 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, trac
     blocks = model_map.block_names(module)
     starts = [sum(sizes[:s]) for s in range(n_stages)]
     block_stage = {name: s for s in range(n_stages) for name in blocks[starts[s]:starts[s] + sizes[s]]}
-    rank_of = {s: r for r in range(pp) for s in stage_indices(r, pp, schedule, virtual_stages)}
-    mine = stage_indices(pp_rank, pp, schedule, virtual_stages)
+    rank_of = placement or {s: r for r in range(pp) for s in stage_indices(r, pp, schedule, virtual_stages)}
+    mine = sorted(s for s, r in rank_of.items() if r == pp_rank)
 
     # Where each parameter is held: its block's stage, every stage that runs its outside module, and every
     # stage whose role needs it (its stand-in keeps it); a parameter of an enclosing module stays everywhere.
@@ -441,10 +479,10 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, trac
     parts_after = {b[len(prefix):]: tuple(p[len(b) + 1:] for p in sorted(trace.parts_after_blocks)
                                           if p.startswith(b + "."))
                    for b in blocks if any(p.startswith(b + ".") for p in trace.parts_after_blocks)}
-    for name in blocks:
+    for index, name in enumerate(blocks):
         if block_stage[name] not in mine:
             paths = parts_after.get(name[len(prefix):], ()) if n_stages - 1 in mine else ()
-            _set(network, name[len(prefix):], _skipped(trace.block_call, module.get_submodule(name), paths))
+            _set(network, name[len(prefix):], _skipped(trace.block_call, module.get_submodule(name), paths, index))
     replaced: list[str] = []
     for name, stages in runs.items():
         if stages & set(mine) or any(name.startswith(outer + ".") for outer in replaced):
@@ -472,9 +510,15 @@ def cut_network(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, trac
         in_block = any(n.startswith(b + ".") for n in names[key] for b in blocks)
         if len(ranks) > 1 and (in_block or any(n in used for n in names[key])):
             shared[name] = ranks
+    # What each stage receives from the stage before and sends to the next beside the hidden states.
+    handoffs = trace.handoffs
+    crossing = [() if s == 0 else handoffs.crossing(starts[s], len(blocks)) for s in range(n_stages)] + [()]
     return StageLayout(prefix.rstrip("."), n_stages, trace.block_call, stage_parts,
                        {n[len(prefix):]: trace.outside[n] if n in trace.before_blocks else StandIn("unused")
-                        for n in runs}, shared, parts_after)
+                        for n in runs}, shared, parts_after,
+                       carried={s: (crossing[s], crossing[s + 1]) for s in mine},
+                       block_index={name[len(prefix):]: index for index, name in enumerate(blocks)},
+                       block_names=tuple(blocks), traced_every_block=handoffs.exact(len(blocks)))
 
 
 def build_stages(module: nn.Module, layout: StageLayout, mesh: ParallelMesh, device: torch.device, *,
@@ -491,42 +535,74 @@ def build_stages(module: nn.Module, layout: StageLayout, mesh: ParallelMesh, dev
     units do not hold (embedding, norm, head), which the schedule then drives (gathered blocks and whole gradients
     over the micro-batches, one reduce-scatter after the last).
     """
+    sliced = mesh["tp"] if sequence_parallel and mesh.size("tp") > 1 else None
+    return [PipelineStage(stage_module, index, layout.n_stages, device, group=mesh.group("pp"))
+            for index, stage_module in stage_modules(module, layout, device, sequence_mesh=sliced,
+                                                     shard_root=shard_root).items()]
+
+
+def stage_modules(module: nn.Module, layout: StageLayout, device: torch.device, *,
+                  sequence_mesh: DeviceMesh | None = None,
+                  shard_root: Callable[[nn.Module], None] | None = None) -> dict[int, StageModule]:
+    """This rank's stage modules (stage index -> :class:`StageModule`) over the cut network of ``module``, with the
+    hooks that start and stop each at its blocks: what :func:`build_stages` hands the schedule, and what the set-up
+    check (``pipeline.check``) runs itself."""
     network = module.get_submodule(layout.network) if layout.network else module
     prefix = f"{layout.network}." if layout.network else ""
     blocks_held = set().union(*(owned for owned, _ in layout.stages.values()))
     outside_held = set().union(*(running for _, running in layout.stages.values()))
-    sliced = mesh["tp"] if sequence_parallel and mesh.size("tp") > 1 else None
     block_order = {name: index for index, name in enumerate(
         n[len(prefix):] for n, _ in module.named_modules() if n[len(prefix):] in blocks_held)}
-    stages = []
+    stages = {}
     for index, (owned, running) in layout.stages.items():
         last = index == layout.n_stages - 1
         replacements: dict[str, nn.Module] = {
             name: _skipped(layout.call, network.get_submodule(name),
-                           layout.parts_after_blocks.get(name, ()) if last else ())
+                           layout.parts_after_blocks.get(name, ()) if last else (), layout.block_index.get(name, -1))
             for name in blocks_held - owned}
         replacements.update({name: StandInModule(layout.stand_ins[name], stands_for=network.get_submodule(name),
                                                  path=prefix + name)
                              for name in outside_held - running})
         # The stage runs the model's own forward (which may hand the network more than the inputs: a timestep,
         # labels), over a view of the model with this stage's parts.
+        carrier = layout.carrier(index)
         stage_module = StageModule(_replace(module, {prefix + n: m for n, m in replacements.items()}),
                                    is_first=index == 0,
                                    is_last=index == layout.n_stages - 1,
-                                   sequence_mesh=sliced if index > 0 else None)
+                                   sequence_mesh=sequence_mesh if index > 0 else None, carrier=carrier)
         for part in stage_module.modules():
             if isinstance(part, StandInModule):
                 part.device = device
         if shard_root is not None:
             shard_root(stage_module)
         ordered = sorted(owned, key=block_order.__getitem__)
+        if carrier is not None:  # before the hook that stops the stage: the last block's items are kept first
+            for name in ordered:
+                _watch_handed_values(network.get_submodule(name), layout.block_index[name])
         if index > 0:
             network.get_submodule(ordered[0]).register_forward_pre_hook(
                 _receive_hidden(stage_module, layout.call), with_kwargs=True)
         if index < layout.n_stages - 1:
             network.get_submodule(ordered[-1]).register_forward_hook(_stop_after(layout.call))
-        stages.append(PipelineStage(stage_module, index, layout.n_stages, device, group=mesh.group("pp")))
+        stages[index] = stage_module
     return stages
+
+
+def _watch_handed_values(block: nn.Module, index: int) -> None:
+    """Hooks on a block a stage runs: its arguments (a dict the blocks share) and its output (what it hands on) go
+    to the carrier of the stage running it."""
+    def called(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        carrier = active_carrier()
+        if carrier is not None:
+            carrier.block_called(args, kwargs)
+
+    def returned(module: nn.Module, args: tuple, output: Any) -> None:
+        carrier = active_carrier()
+        if carrier is not None:
+            carrier.block_returned(index, output)
+
+    block.register_forward_pre_hook(called, with_kwargs=True)
+    block.register_forward_hook(returned)
 
 
 def _set(network: nn.Module, name: str, value: nn.Module) -> None:
@@ -584,6 +660,7 @@ def split_pipeline(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap | 
             costs, first, last = parameter_costs(module, model_map)
         sizes = balance(costs, n_stages, first=first, last=last)
     _check_boundaries(blocks, sizes, trace.changed)
+    trace.handoffs.check_split([sum(sizes[:s]) for s in range(1, len(sizes))], blocks)
     return cut_network(module, mesh, model_map, trace, schedule=schedule, virtual_stages=virtual_stages, sizes=sizes)
 
 
@@ -632,36 +709,52 @@ def forward_through_stages(stages: list[PipelineStage], inputs: Tensor, mesh: Pa
     owner = {stage: rank for rank in range(pp) for stage in stage_indices(rank, pp, schedule, virtual_stages)}
     mine = {stage.stage_index: stage for stage in stages}
     last = len(owner) - 1
-    x = inputs
+    values: tuple[Tensor, ...] = (inputs,)
     for index in range(last + 1):
         if owner[index] != me:
             continue
         if index > 0 and owner[index - 1] != me:
-            x = _receive(dist.get_global_rank(group, owner[index - 1]), mine[index].device)
-        x = mine[index].submod(x, tokens=inputs)
+            values = receive_tensors(dist.get_global_rank(group, owner[index - 1]), mine[index].device)
+        output = mine[index].submod(*values, tokens=inputs)
+        values = output if isinstance(output, tuple) else (output,)  # the hidden states, and values handed on
         if index < last and owner[index + 1] != me:
-            _send(x, dist.get_global_rank(group, owner[index + 1]))
-    return x if owner[last] == me else None
+            send_tensors(values, dist.get_global_rank(group, owner[index + 1]))
+    return values[0] if owner[last] == me else None
 
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.bool, torch.int64, torch.int32)
 
 
-def _send(x: Tensor, dst: int) -> None:
-    header = torch.zeros(8, dtype=torch.int64, device=x.device)
-    header[0], header[1] = x.dim(), _DTYPES.index(x.dtype)
-    header[2:2 + x.dim()] = torch.tensor(x.shape)
-    dist.send(header, dst)
-    dist.send(x.contiguous(), dst)
+def send_tensors(tensors: Sequence[Tensor] | None, dst: int, group: dist.ProcessGroup | None = None) -> None:
+    """Send ``tensors`` to global rank ``dst``, their number and each one's shape and dtype first; None sends a
+    failure (:func:`receive_tensors` returns None), so that a rank that failed still answers the one waiting."""
+    count = torch.tensor([-1 if tensors is None else len(tensors)], dtype=torch.int64)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    dist.send(count.to(device), dst, group=group)
+    for x in tensors or ():
+        header = torch.zeros(10, dtype=torch.int64, device=x.device)
+        header[0], header[1] = x.dim(), _DTYPES.index(x.dtype)
+        header[2:2 + x.dim()] = torch.tensor(x.shape)
+        dist.send(header, dst, group=group)
+        dist.send(x.detach().contiguous(), dst, group=group)
 
 
-def _receive(src: int, device: torch.device) -> Tensor:
-    header = torch.zeros(8, dtype=torch.int64, device=device)
-    dist.recv(header, src)
-    ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
-    x = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=device)
-    dist.recv(x, src)
-    return x
+def receive_tensors(src: int, device: torch.device,
+                    group: dist.ProcessGroup | None = None) -> tuple[Tensor, ...] | None:
+    """The tensors :func:`send_tensors` sent from global rank ``src`` (None where it sent a failure)."""
+    count = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(count, src, group=group)
+    if int(count) < 0:
+        return None
+    tensors = []
+    for _ in range(int(count)):
+        header = torch.zeros(10, dtype=torch.int64, device=device)
+        dist.recv(header, src, group=group)
+        ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+        x = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=device)
+        dist.recv(x, src, group=group)
+        tensors.append(x)
+    return tuple(tensors)
 
 
 def build_schedule(stages: list[PipelineStage], schedule: Schedule, n_microbatches: int,
@@ -687,10 +780,13 @@ __all__ = [
     "build_schedule",
     "build_stages",
     "forward_through_stages",
+    "receive_tensors",
+    "send_tensors",
     "check_microbatches",
     "cut_network",
     "last_stage_rank",
     "split_pipeline",
+    "stage_modules",
     "network_prefix",
     "parameter_costs",
     "profile_costs",

@@ -13,13 +13,16 @@ model was built there) and reads, from the graph:
 - *shared*: parameters behind the blocks' other inputs (every stage that holds a block);
 - where each block takes and returns its hidden states;
 - parts of blocks the network runs again after its last block (a DiT's final modulation computed by block 0's
-  timestep embedding): the last stage holds a copy of them.
+  timestep embedding): the last stage holds a copy of them;
+- what blocks hand later blocks beside the hidden states, a tensor a block returns that the network passes on or an
+  entry a block writes into a dict the blocks share (``lightning_par.parallel.pipeline.handoffs``): the stages carry
+  it across their boundaries.
 
 It refuses, naming the blocks or the argument, a network whose stages could not reproduce it: an output that
-uses more than the last block's output, a block argument computed from the hidden states, or a parameter
-outside the blocks that only a block registers. Code between two blocks is noted (``changed``): a stage
-must not start after it (:func:`~lightning_par.parallel.pipeline.split_pipeline` refuses such a split and
-names the split points that avoid it).
+uses more than the last block's output, a block argument the network computes from the hidden states outside the
+blocks, or a parameter outside the blocks that only a block registers. Code between two blocks is noted
+(``changed``): a stage must not start after it (:func:`~lightning_par.parallel.pipeline.split_pipeline` refuses
+such a split and names the split points that avoid it).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_par.parallel.modules import clean_name, first_tensor
+from lightning_par.parallel.pipeline.handoffs import BlockCall, Handoffs, find_handoffs, snapshot, written
 from lightning_par.parallel.outside_calls import outermost, watching_block_parts
 
 
@@ -78,6 +82,9 @@ class NetworkTrace:
     # Parts of blocks (full names, outermost) the network runs after its last block, outside any block's forward (a
     # DiT's final modulation from block 0's timestep embedding): the last stage holds a copy.
     parts_after_blocks: frozenset[str] = frozenset()
+    # Values blocks hand later blocks beside the hidden states (a T5 position bias returned by block 0, keys and values
+    # written into a dict every block receives): carried across the stage boundaries (pipeline.handoffs, .carry).
+    handoffs: Handoffs = Handoffs()
 
     def role_stages(self, name: str, n_stages: int) -> set[int]:
         """The stages that use parameter ``name`` outside the blocks."""
@@ -180,15 +187,18 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
     def before_block(index: int) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             blocks_started.append(index)
-            position, hidden = _hidden_argument(args, kwargs, _signature(module))
-            side = [t for i, a in enumerate(args) if i != position for t in _tensors(a)]
-            side += [t for k, v in kwargs.items() if k != position for t in _tensors(v)]
-            calls[index].update(argument=position, hidden=hidden, side=side)
+            signature = _signature(module)
+            position, hidden = _hidden_argument(args, kwargs, signature)
+            arguments = {**dict(enumerate(args)), **kwargs}
+            del arguments[position]
+            names = {i: signature[i] for i in range(len(args)) if i < len(signature)}
+            calls[index].update(argument=position, hidden=hidden, arguments=arguments, names=names,
+                                containers=snapshot(arguments))
         return hook
 
     def after_block(index: int) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            calls[index]["output"] = output
+            calls[index].update(output=output, writes=written(calls[index]["containers"]))
         return hook
 
     def outside_call(name: str) -> Callable:
@@ -261,13 +271,19 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
         raise ValueError("pipeline parallel: the network's output uses more than the last block's output (an earlier "
                          "block's or the embedding's activations); only the last stage computes it, and it holds "
                          "neither. Train this model without pp")
+    handoffs, sides, handed = find_handoffs(
+        [BlockCall(call["arguments"], call["names"], _items(call["output"], output_index), call["writes"])
+         for call in calls], block_names, _tensors)
     shared: set[int] = set()
-    for index, call in enumerate(calls):
-        leaves, nodes = _walk(call["side"], set())
+    for index, side in enumerate(sides):
+        # What a block receives from earlier blocks is carried across the stages (pipeline.carry): the walk stops
+        # at it. Anything else computed from the hidden states cannot be computed on a later stage.
+        leaves, nodes = _walk(side, handed[index])
         if nodes & inner:
             raise ValueError(f"pipeline parallel: an argument of block {block_names[index]!r} besides its hidden "
-                             "states is computed from the hidden states; later stages, which receive only the "
-                             "hidden states, could not compute it")
+                             "states is computed from the hidden states outside the blocks; later stages, which "
+                             "receive the hidden states and what earlier blocks returned or wrote into a dict they "
+                             "share, could not compute it")
         shared |= leaves - in_block
     if prelude & in_block:
         raise ValueError("pipeline parallel: the code before the first block uses parameters of a block; the first "
@@ -280,7 +296,16 @@ def trace_network(network: nn.Module, block_names: list[str], inputs: Tensor, *,
                         prelude=names(prelude), postlude=names(postlude), shared=names(shared),
                         outside={name: _stand_in(first_calls.get(name)) if name in first_calls else StandIn("unused")
                                  for name in outside_modules},
-                        before_blocks=frozenset(first_calls), parts_after_blocks=frozenset(parts_after))
+                        before_blocks=frozenset(first_calls), parts_after_blocks=frozenset(parts_after),
+                        handoffs=handoffs)
+
+
+def _items(output: Any, hidden_index: int | None) -> dict[int, Tensor]:
+    """The tensors a block's output holds beside its hidden states, by position."""
+    if hidden_index is None:
+        return {}
+    items = output.to_tuple() if hasattr(output, "to_tuple") else output
+    return {i: item for i, item in enumerate(items) if i != hidden_index and isinstance(item, Tensor)}
 
 
 def _signature(module: nn.Module) -> list[str]:
