@@ -244,6 +244,9 @@ def _gradient_collectives_per_micro_batch(rank: int, world_size: int, stage: int
     held: list[int] = []
 
     class Count(lightning.Callback):
+        def on_train_start(self, trainer, pl_module):
+            calls.clear()  # the set-up's check of the units on a small copy reduces its gradients too
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             per_batch.append(len(calls))
             calls.clear()
@@ -520,3 +523,49 @@ def test_dtensor_parameters_step_with_foreach_where_torch_was_left_to_choose() -
     from harness import run_distributed
 
     assert run_distributed(_foreach_choices, 2)[0] == [[True], [False], [True, None], [None]]
+
+
+class _ReadsABlocksWeight(torch.nn.Module):
+    """A network that reads a parameter of its first block outside the block (not by calling the block's module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from clients import Decoder
+
+        self.net = Decoder()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.net(tokens)
+        return logits + torch.nn.functional.linear(logits[..., :32], self.net.layers[0].attn.q_proj.weight).sum(-1,
+                                                                                                         keepdim=True)
+
+
+def _refused_units(rank: int, world_size: int) -> str:
+    import lightning
+    from clients import CallsItsModel, client_data
+
+    from lightning_par import ZeroStrategy
+
+    module = CallsItsModel()
+    module.model = _ReadsABlocksWeight()
+    # Every block freed after its forward (a small model would otherwise keep them all gathered).
+    trainer = lightning.Trainer(accelerator="cpu", devices=world_size, max_steps=1, logger=False,
+                                strategy=ZeroStrategy(zero_stage=3, keep_gathered_blocks=0),
+                                enable_checkpointing=False, enable_progress_bar=False)
+    try:
+        trainer.fit(module, client_data("calls_its_model", 4))
+    except ValueError as error:
+        return f"{trainer.global_step}: {error}"
+    return "trained"
+
+
+def test_units_that_cannot_run_as_the_network_runs_them_are_refused_at_set_up() -> None:
+    """A block's parameter read outside the block meets its shard there: the small copy cut into the run's units fails
+    in set-up, on every rank, naming where (without the check, step 0 fails inside the model)."""
+    from harness import run_distributed
+
+    messages = set(run_distributed(_refused_units, 2))
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message.startswith("0: zero_stage=3's units do not compute what CallsItsModel computes: it raises in "
+                              "'model'"), message

@@ -63,6 +63,7 @@ from lightning_par.parallel.modules import clean_name, tied_groups
 from lightning_par.parallel.pipeline.ties import StageTies
 from lightning_par.parallel.initialize import RandomState, has_meta_tensors, initialize_meta_model, meta_skeleton
 from lightning_par.parallel.zero import fully_shard_model
+from lightning_par.parallel.zero_check import check_sharded_units
 
 
 def check_batch_fits(config: ParallelConfig, *, batch_size: int | None, seq_len: int | None) -> None:
@@ -163,7 +164,7 @@ def parallelize(
                 log(f"tensor-parallel split ({model_map.source}) checked on a sample: "
                     + ("; ".join(notes) or "as given"))
         if model_map is not None and sample_batch is not None and dry_run is None:
-            _check_layout(model, mesh, config, model_map, sample_batch[0], gather_at_head)
+            _check_layout(model, mesh, config, model_map, sample_batch[0], gather_at_head, list(used_outside))
         # Dropout streams only where the layout gives ranks different activations, and only for a model that draws:
         # a model without dropout runs as it did, without the regions' bookkeeping (or graph breaks under compile).
         # A dry run draws no numbers that matter.
@@ -255,13 +256,18 @@ def parallelize(
 
 
 def _check_layout(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, model_map: ModelMap,
-                  inputs: torch.Tensor, gather_at_head: bool) -> None:
-    """Before anything is split: the layout's techniques that change the model's computation, run on a small copy
-    (``layout_check``; the pipeline's stages: ``pipeline.check``); the tensor-parallel split alone was checked with the
-    model map."""
+                  inputs: torch.Tensor, gather_at_head: bool, used_outside: list[str]) -> None:
+    """Before anything is split: the layout's techniques that change where or how the model computes, run on a small
+    copy (``layout_check``; the pipeline's stages: ``pipeline.check``; ZeRO-3's units: ``zero_check``); the
+    tensor-parallel split alone was checked with the model map."""
     check_routing_draws(model, mesh, config, model_map, inputs)
     if config.pp > 1:  # the stages, with what they send each other, against the whole model
         check_pipeline_split(model, mesh, config, model_map, inputs)
+    if config.zero_stage == 3 and config.pp == 1 and config.ep == 1:  # the units, gathered as the network runs them
+        check_sharded_units(model, mesh, config, model_map, inputs, shard=lambda model_copy: fully_shard_model(
+            model_copy, mesh, model_map, reshard_after_forward=config.reshard_after_forward,
+            keep_gathered_blocks=config.keep_gathered_blocks, blocks_per_unit=config.blocks_per_unit,
+            blocks_used_outside=used_outside))
     routes_local_tokens = config.tp > 1 and config.sequence_parallel and moe_layers(model, model_map)
     if not (config.cp > 1 or config.ep > 1 or routes_local_tokens):
         return

@@ -49,7 +49,7 @@ def check_layout_forward(model: nn.Module, mesh: ParallelMesh, config: ParallelC
     tensor, context and expert parallel, as training applies them), raises or computes other logits than the whole copy
     on ``inputs`` (a micro-batch of the model's own inputs; its first row is used). Collective over every rank."""
     device = torch.device(mesh.device_type)
-    model_copy, sample = _small_copy_and_sample(model, model_map, inputs, mesh.size("tp"), device)
+    model_copy, sample = small_copy_and_sample(model, model_map, inputs, mesh.size("tp"), device)
     reason = None
     with torch.no_grad():
         try:
@@ -79,6 +79,13 @@ def check_layout_forward(model: nn.Module, mesh: ParallelMesh, config: ParallelC
                     handle.remove()
             if reason is not None and config.cp > 1:
                 reason += _mixing_hint(model, model_map, inputs, config, device)
+    agree_and_refuse(reason, config, model)
+
+
+def agree_and_refuse(reason: str | None, config: ParallelConfig, model: nn.Module, *, what: str | None = None) -> None:
+    """Raise the same ``ValueError`` on every rank when any rank found a ``reason`` (the first rank's that did): the
+    layout (``what``: a part of it) does not compute what ``model`` computes. A reason that starts with ``!`` is a
+    refusal of the layout's own, raised as it is. Collective over every rank."""
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, reason)
     reason = next((r for r in everyone if r is not None), None)
@@ -86,18 +93,19 @@ def check_layout_forward(model: nn.Module, mesh: ParallelMesh, config: ParallelC
         return
     if reason.startswith("!"):
         raise ValueError(reason[1:])
-    raise ValueError(f"{config.named_sizes()} does not compute what {type(model).__name__} computes: {reason}. "
-                     "Checked on a small copy of the model before training (docs/models.md)")
+    raise ValueError(f"{what or config.named_sizes()} {'do' if what else 'does'} not compute what "
+                     f"{type(model).__name__} computes: {reason}. Checked on a small copy of the model before training "
+                     "(docs/models.md)")
 
 
-def _small_copy_and_sample(model: nn.Module, model_map: ModelMap, inputs: Tensor, tp: int,
-                           device: torch.device) -> tuple[nn.Module, Tensor]:
-    """A small copy of ``model`` (its vocabulary cut where the model allows, float64 where it runs in it) and the
-    first row of ``inputs`` as it takes it."""
+def small_copy_and_sample(model: nn.Module, model_map: ModelMap, inputs: Tensor, tp: int, device: torch.device, *,
+                          min_blocks: int = 1) -> tuple[nn.Module, Tensor]:
+    """A small copy of ``model`` (its vocabulary cut where the model allows, float64 where it runs in it; at least
+    ``min_blocks`` blocks) and the first row of ``inputs`` as it takes it."""
     vocabulary, sample, dtype = copy_settings(model, model_map, inputs[:1], tp, device)
     sample = sample.to(device)
     sample = sample.to(dtype) if sample.is_floating_point() else sample
-    return small_copy(model, model_map.blocks, device, dtype, vocabulary=vocabulary), sample
+    return small_copy(model, model_map.blocks, device, dtype, vocabulary=vocabulary, min_blocks=min_blocks), sample
 
 
 def _logits(output: Any) -> Tensor:
@@ -126,7 +134,7 @@ def _mixing_hint(model: nn.Module, model_map: ModelMap, inputs: Tensor, config: 
                  device: torch.device) -> str:
     """Why context parallel cannot run a block of ``model``: the module that mixes the tokens without
     F.scaled_dot_product_attention (``sequence_mixing``), found on a fresh whole copy; empty where there is none."""
-    model_copy, sample = _small_copy_and_sample(model, model_map, inputs, config.tp, device)
+    model_copy, sample = small_copy_and_sample(model, model_map, inputs, config.tp, device)
     mixers = sequence_mixers(model_copy, model_map.block_names(model_copy), lambda: run_model(model_copy, sample))
     if not mixers:
         return ""
@@ -160,7 +168,7 @@ def check_routing_draws(model: nn.Module, mesh: ParallelMesh, config: ParallelCo
     if not splits_tokens or not moe_layers(model, model_map):  # no small copy to build for a dense model
         return
     device = torch.device(mesh.device_type)
-    model_copy, sample = _small_copy_and_sample(model, model_map, inputs, mesh.size("tp"), device)
+    model_copy, sample = small_copy_and_sample(model, model_map, inputs, mesh.size("tp"), device)
     layers = moe_layers(model_copy, model_map)
     if not layers:
         return
@@ -209,7 +217,7 @@ def draws_in_training(model: nn.Module, mesh: ParallelMesh, model_map: ModelMap,
     # The copy is built inside too: a model built on the meta device is initialised by it, which draws.
     with torch.random.fork_rng(devices=accelerator, device_type=device.type), torch.no_grad():
         try:
-            model_copy, sample = _small_copy_and_sample(model, model_map, inputs, mesh.size("tp"), device)
+            model_copy, sample = small_copy_and_sample(model, model_map, inputs, mesh.size("tp"), device)
             model_copy.train()
             before = states()
             run_model(model_copy, sample)
@@ -218,4 +226,5 @@ def draws_in_training(model: nn.Module, mesh: ParallelMesh, model_map: ModelMap,
         return not all(torch.equal(b, a) for b, a in zip(before, states()))
 
 
-__all__ = ["check_layout_forward", "check_routing_draws", "draws_in_training", "track_running"]
+__all__ = ["agree_and_refuse", "check_layout_forward", "check_routing_draws", "draws_in_training", "small_copy_and_sample",
+           "track_running"]

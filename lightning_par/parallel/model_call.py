@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["ModelCall", "calling_as", "run_model"]
+__all__ = ["ModelCall", "calling_as", "current_call", "run_model"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,11 @@ def calling_as(call: ModelCall | None) -> Iterator[None]:
         yield
     finally:
         _CALL.reset(token)
+
+
+def current_call() -> ModelCall | None:
+    """The call :func:`run_model` makes now (None: the model contract's ``model(inputs)``)."""
+    return _CALL.get()
 
 
 def run_model(model: nn.Module, inputs: Tensor) -> Any:

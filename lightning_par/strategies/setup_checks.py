@@ -166,40 +166,46 @@ def sample_for_layout(module: LightningModule, config: ParallelConfig, model_map
 
 
 class _Caught(Exception):
-    """Raised by the hook that catches the step's call of the network, to stop the step there."""
+    """Raised by the hook that catches the step's call of the model (of the module at ``path``), to stop the step
+    there."""
 
-    def __init__(self, args: tuple, kwargs: dict) -> None:
+    def __init__(self, path: str, args: tuple, kwargs: dict) -> None:
         super().__init__()
-        self.args, self.kwargs = args, kwargs
+        self.path, self.args, self.kwargs = path, args, kwargs
 
 
 def step_call(module: LightningModule, batch: Any, model_map: ModelMap, device: torch.device) -> ModelCall | None:
-    """How ``module.training_step(batch, 0)`` calls the network (the module that holds the model map's blocks, head and
-    embedding: ``self.model(x)``, ``self(inputs, target)``, ``self.model(input_ids=x, attention_mask=m)``), caught on a
-    small copy of the module (one block of each kind, random weights, evaluation mode) and stopped there, so that
-    nothing the step does after it (its loss, its logging) runs. The set-up's runs of small copies then call the
-    network the same way, with the first tensor given as the sample's inputs. None where the step does not call the
-    network, or fails before it (the set-up then takes the batch's first tensor as the model's inputs)."""
-    path = network_prefix(model_map).rstrip(".")
+    """How ``module.training_step(batch, 0)`` calls the model: the first call it makes of the network (the module that
+    holds the model map's blocks, head and embedding) or of a module around it (the LightningModule's own forward, a
+    wrapper), with its arguments (``self.model(x)``, ``self(inputs, target)``, ``self.model(input_ids=x,
+    attention_mask=m)``). Caught on a small copy of the module (one block of each kind, random weights, evaluation
+    mode) and stopped there, so that nothing the step does after it (its loss, its logging) runs. The set-up's runs of
+    small copies then make the same call, with the first tensor given as the sample's inputs. None where the step calls
+    none of them, or fails before it (the set-up then takes the batch's first tensor as the model's inputs)."""
     model_copy = small_copy(module, model_map.blocks, device, model_dtype(module))
-    network = model_copy.get_submodule(path) if path else model_copy
+    parts = network_prefix(model_map).rstrip(".").split(".")
+    around = ["", *(".".join(parts[:depth]) for depth in range(1, len(parts) + 1) if parts[0])]
 
-    def catch(_: nn.Module, args: tuple, kwargs: dict) -> None:
-        raise _Caught(args, kwargs)
+    def catch(path: str) -> Callable[..., None]:
+        def hook(_: nn.Module, args: tuple, kwargs: dict) -> None:
+            raise _Caught(path, args, kwargs)
+        return hook
 
-    handle = network.register_forward_pre_hook(catch, with_kwargs=True)
+    handles = [model_copy.get_submodule(path).register_forward_pre_hook(catch(path), with_kwargs=True)
+               for path in around]
     step = model_copy.training_step
     takes_index = len(inspect.signature(step).parameters) > 1
     try:
-        # The copy has no trainer: what the step logs before it calls the network is not logged, and not warned about.
+        # The copy has no trainer: what the step logs before it calls the model is not logged, and not warned about.
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             batch = move_data_to_device(batch, device)
             step(batch, 0) if takes_index else step(batch)
     except _Caught as caught:
-        return ModelCall.first_tensor_as_inputs(path, caught.args, caught.kwargs)
+        return ModelCall.first_tensor_as_inputs(caught.path, caught.args, caught.kwargs)
     except Exception:  # noqa: BLE001 - a step the copy cannot run: the batch's first tensor stands for the inputs
         return None
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     return None

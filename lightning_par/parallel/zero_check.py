@@ -1,0 +1,114 @@
+"""ZeRO-3's units run on a small copy of the model before anything trains, forward and backward, against the whole copy.
+
+FSDP2 gathers a unit's parameters when the unit's forward starts and frees them when it ends (Rajbhandari et al.
+2020, "ZeRO"; Zhao et al. 2023, "PyTorch FSDP"). What the network does outside that rhythm fails only once training
+runs: a part of a block called outside the block, a parameter two units hold, a unit whose forward the step never
+calls. Here a small copy (:func:`~lightning_par.parallel.small_copy.small_copy`, float64 where the model runs in it) is
+cut into the run's units over its real sharding ranks and runs one sample forward and backward as the training step
+calls it; its logits and every gradient (gathered whole) must be the whole copy's. Every rank runs the same sample, so
+the gradients FSDP2 averages over the ranks are the whole copy's. What raises or differs is refused at set-up, with
+the module that ran when it did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_par.layout.config import ParallelConfig
+from lightning_par.parallel.layout_check import agree_and_refuse, small_copy_and_sample, track_running
+from lightning_par.parallel.mesh import ParallelMesh
+from lightning_par.parallel.model_call import current_call, run_model
+from lightning_par.parallel.model_map import ModelMap
+from lightning_par.parallel.modules import clean_name, first_tensor
+
+__all__ = ["check_sharded_units"]
+
+_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}  # rounding apart from the whole copy; a wrong unit is O(1)
+
+
+def check_sharded_units(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, model_map: ModelMap,
+                        inputs: Tensor, *, shard: Callable[[nn.Module], Any]) -> None:
+    """Raise ``ValueError`` on every rank when a small copy of ``model`` sharded by ``shard(copy)`` (the run's ZeRO-3
+    units) raises, or computes other logits or gradients than the whole copy, on the first row of ``inputs``.
+    Collective over every rank."""
+    device = torch.device(mesh.device_type)
+    # Two blocks at least: FSDP2 keeps the last unit gathered for backward, so only an earlier one is freed after its
+    # forward, as most of a model's blocks are.
+    whole_copy, sample = small_copy_and_sample(model, model_map, inputs, 1, device, min_blocks=2)
+    reason = None
+    try:
+        whole_logits, whole_gradients = _forward_and_backward(whole_copy, sample)
+    except Exception:  # noqa: BLE001 - the model's own failure is not the layout's: training will report it
+        whole_logits = None
+    if whole_logits is not None:
+        model_copy, _ = small_copy_and_sample(model, model_map, inputs, 1, device, min_blocks=2)
+        stack: list[str] = []
+        handles = track_running(model_copy, stack)
+        try:
+            shard(model_copy)
+            logits, gradients = _forward_and_backward(model_copy, sample)
+            reason = _difference(logits, gradients, whole_logits, whole_gradients, model_copy)
+        except ValueError as refusal:  # a refusal of the layout's own, which names the value and what fits
+            reason = f"!{refusal}"
+        except Exception as error:  # noqa: BLE001 - what the sharded copy raises is the reason it is refused
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            where = f" in {stack[-1]!r} ({type(model_copy.get_submodule(stack[-1])).__name__})" if stack else ""
+            reason = f"it raises{where} {type(error).__name__}: {first_line}"
+        finally:
+            for handle in handles:
+                handle.remove()
+    agree_and_refuse(reason, config, model, what=f"{config.name('zero_stage')}=3's units")
+
+
+def _forward_and_backward(model_copy: nn.Module, sample: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """The copy's logits on ``sample`` and the gradients of a fixed projection of them, whole, by parameter name."""
+    logits, _, _ = first_tensor(_through_the_root(model_copy, sample))
+    logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    (logits * weights.to(device=logits.device, dtype=logits.dtype)).sum().backward()
+    gradients = {}
+    for name, parameter in model_copy.named_parameters():
+        if parameter.grad is not None:
+            grad = parameter.grad
+            gradients[clean_name(name)] = grad.full_tensor() if isinstance(grad, DTensor) else grad
+    return logits.detach(), gradients
+
+
+def _through_the_root(model_copy: nn.Module, sample: Tensor) -> Any:
+    """The copy run as the training step runs the model: where the step calls a submodule, through the root's own
+    forward, as the strategies route the step (``strategies/steps.py``), so that the root unit's hooks run."""
+    call = current_call()
+    if call is None or not call.path:
+        return run_model(model_copy, sample)
+    model_copy.forward = lambda *_: run_model(model_copy, sample)  # an instance attribute shadows the class's
+    try:
+        return model_copy(sample)
+    finally:
+        del model_copy.forward
+
+
+def _difference(logits: Tensor, gradients: dict[str, Tensor], whole_logits: Tensor,
+                whole_gradients: dict[str, Tensor], model_copy: nn.Module) -> str | None:
+    rtol = _RTOL.get(whole_logits.dtype, 1e-4)
+    if logits.shape != whole_logits.shape:
+        return f"its logits have shape {tuple(logits.shape)}, the whole model's {tuple(whole_logits.shape)}"
+    error = float((logits - whole_logits).abs().max()) / max(float(whole_logits.abs().max()), 1e-30)
+    if not error <= rtol:
+        return f"its logits differ from the whole model's by {error:.1e} relative on a sample"
+    missing = sorted(set(whole_gradients) - set(gradients))
+    if missing:
+        return f"{missing[0]!r} gets no gradient"
+    floor = max(float(g.abs().max()) for g in whole_gradients.values()) * 1e-6
+    for name, expected in whole_gradients.items():
+        got = gradients[name].to(expected.dtype)
+        error = float((got - expected).abs().max()) / max(float(expected.abs().max()), floor, 1e-30)
+        if not error <= rtol:
+            owner = name.rpartition(".")[0]
+            return f"the gradient of {name!r} ({type(model_copy.get_submodule(owner)).__name__}) differs by " \
+                   f"{error:.1e} relative"
+    return None
