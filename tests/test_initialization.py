@@ -190,3 +190,32 @@ def test_the_reference_model_is_initialised_one_part_at_a_time() -> None:
     assert max(sizes.values()) == max(block, embedding), sizes
     assert list(sizes) == ["Transformer.reset_parameters()", "TokenEmbedding.init_weights()",
                            "TransformerBlock.init_weights()", "RMSNorm.reset_parameters()", "OutputHead.init_weights()"]
+
+
+def _unwritten_buffer(rank: int, world_size: int) -> str:
+    import lightning as L
+    from clients import CallsItsModel, client_data
+
+    class ScaledDecoder(CallsItsModel):
+        def __init__(self) -> None:
+            super().__init__()
+            norm = self.model.norm
+            # Computed in __init__ only: its reset_parameters() resets the weights, not this table.
+            norm.register_buffer("scale", torch.full((32,), 0.5), persistent=False)
+
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy="zero3", max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False)
+    with trainer.init_module(empty_init=True):
+        module = ScaledDecoder()
+    try:
+        trainer.fit(module, client_data("calls_its_model", 4))
+    except ValueError as error:
+        return str(error)
+    return "trained"
+
+
+def test_a_computed_buffer_its_initialiser_leaves_unset_is_refused() -> None:
+    messages = set(run_distributed(_unwritten_buffer, 2))
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert "LayerNorm.reset_parameters() leaves 'model.norm.scale' unset" in message, message

@@ -23,7 +23,9 @@ Memory: the tensors of one initialiser are whole at a time (a module's own, or e
 ``init_weights()`` covers it). A model that initialises everything in one root ``init_weights()`` is therefore whole
 on every rank for a moment at set-up; per-module initialisers keep that to the largest module.
 
-A tensor that no initialiser covers would start as whatever memory held: it is refused, naming its module.
+A tensor that no initialiser covers would start as whatever memory held: it is refused, naming its module. So is a
+buffer the model computes (non-persistent: a rotary table, a mask), which no checkpoint loads either, that its
+initialiser leaves partly unwritten.
 """
 
 from __future__ import annotations
@@ -218,6 +220,8 @@ def _run_on_whole_tensors(initializer: Initializer, device: torch.device,
                     whole[id(tensor)] = tied[id(tensor)]
                 else:
                     empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+                    if _computed_by_the_model(module, kind, leaf, tensor):
+                        empty.fill_(float("nan"))  # what the initialiser leaves unwritten shows
                     whole[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) \
                         if isinstance(tensor, nn.Parameter) else empty
                     if id(tensor) in tied:
@@ -227,10 +231,25 @@ def _run_on_whole_tensors(initializer: Initializer, device: torch.device,
     try:
         initializer.run()
         # An initialiser may assign a new tensor (``self.cos = ...``): what the slot holds now is the value.
-        return [(name, getattr(module, kind)[leaf].detach()) for module, kind, leaf, name, _ in slots]
+        values = [(name, getattr(module, kind)[leaf].detach()) for module, kind, leaf, name, _ in slots]
+        unwritten = [name for (name, value), (module, kind, leaf, _, tensor) in zip(values, slots)
+                     if _computed_by_the_model(module, kind, leaf, tensor) and bool(value.isnan().any())]
+        if unwritten:
+            raise ValueError(
+                f"the model was built on the meta device (empty_init=True), and {initializer.name} leaves "
+                f"{', '.join(repr(n) for n in unwritten)} unset: a buffer the model computes (kept out of checkpoints, so "
+                "nothing loads it) would start as whatever memory held. Compute it in that initialiser (as a rotary "
+                "table is computed in reset_parameters()), or build the model off the meta device (empty_init=False)")
+        return values
     finally:
         for module, kind, leaf, _, tensor in slots:
             getattr(module, kind)[leaf] = tensor
+
+
+def _computed_by_the_model(module: nn.Module, kind: str, leaf: str, tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a floating-point buffer the model computes and keeps out of its state dict (a rotary
+    table, a mask): no checkpoint loads it, so its initialiser must write all of it."""
+    return kind == "_buffers" and leaf in module._non_persistent_buffers_set and tensor.is_floating_point()
 
 
 def _write_part(target: Tensor, value: Tensor, regrouped: tuple[int, Tensor] | None) -> None:

@@ -99,10 +99,11 @@ def agree_and_refuse(reason: str | None, config: ParallelConfig, model: nn.Modul
 
 
 def small_copy_and_sample(model: nn.Module, model_map: ModelMap, inputs: Tensor, tp: int, device: torch.device, *,
-                          min_blocks: int = 1) -> tuple[nn.Module, Tensor]:
-    """A small copy of ``model`` (its vocabulary cut where the model allows, float64 where it runs in it; at least
-    ``min_blocks`` blocks) and the first row of ``inputs`` as it takes it."""
-    vocabulary, sample, dtype = copy_settings(model, model_map, inputs[:1], tp, device)
+                          min_blocks: int = 1, dtype: torch.dtype | None = None) -> tuple[nn.Module, Tensor]:
+    """A small copy of ``model`` (its vocabulary cut where the model allows; in ``dtype``, by default float64 where it
+    runs in it; at least ``min_blocks`` blocks) and the first row of ``inputs`` as it takes it."""
+    vocabulary, sample, found = copy_settings(model, model_map, inputs[:1], tp, device)
+    dtype = dtype or found
     sample = sample.to(device)
     sample = sample.to(dtype) if sample.is_floating_point() else sample
     return small_copy(model, model_map.blocks, device, dtype, vocabulary=vocabulary, min_blocks=min_blocks), sample

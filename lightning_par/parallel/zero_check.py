@@ -5,13 +5,16 @@ FSDP2 gathers a unit's parameters when the unit's forward starts and frees them 
 runs: a part of a block called outside the block, a parameter two units hold, a unit whose forward the step never
 calls. Here a small copy (:func:`~lightning_par.parallel.small_copy.small_copy`, float64 where the model runs in it) is
 cut into the run's units over its real sharding ranks and runs one sample forward and backward as the training step
-calls it; its logits and every gradient (gathered whole) must be the whole copy's. Every rank runs the same sample, so
+calls it; its logits and every gradient (gathered whole) must be the whole copy's. It runs in float32 (a unit that
+cannot run fails by an error or by O(1), not by rounding), the whole copy freed before the sharded one is built; with
+one sharding rank there is nothing to check. Every rank runs the same sample, so
 the gradients FSDP2 averages over the ranks are the whole copy's. What raises or differs is refused at set-up, with
 the module that ran when it did.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +31,7 @@ from lightning_par.parallel.modules import clean_name, first_tensor
 
 __all__ = ["check_sharded_units"]
 
-_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}  # rounding apart from the whole copy; a wrong unit is O(1)
+_RTOL = 1e-4  # float32 rounding apart from the whole copy; a wrong unit is O(1)
 
 
 def check_sharded_units(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, model_map: ModelMap,
@@ -36,17 +39,22 @@ def check_sharded_units(model: nn.Module, mesh: ParallelMesh, config: ParallelCo
     """Raise ``ValueError`` on every rank when a small copy of ``model`` sharded by ``shard(copy)`` (the run's ZeRO-3
     units) raises, or computes other logits or gradients than the whole copy, on the first row of ``inputs``.
     Collective over every rank."""
+    if _sharding_ranks(mesh) == 1:
+        return  # one rank holds every unit whole: nothing is gathered or freed
     device = torch.device(mesh.device_type)
     # Two blocks at least: FSDP2 keeps the last unit gathered for backward, so only an earlier one is freed after its
-    # forward, as most of a model's blocks are.
-    whole_copy, sample = small_copy_and_sample(model, model_map, inputs, 1, device, min_blocks=2)
+    # forward, as most of a model's blocks are. float32: what fails here fails by an error or O(1), not by rounding.
+    copy = functools.partial(small_copy_and_sample, model, model_map, inputs, 1, device, min_blocks=2,
+                             dtype=torch.float32)
+    whole_copy, sample = copy()
     reason = None
     try:
         whole_logits, whole_gradients = _forward_and_backward(whole_copy, sample)
     except Exception:  # noqa: BLE001 - the model's own failure is not the layout's: training will report it
         whole_logits = None
+    del whole_copy  # its gradients are kept; the sharded copy is built in its place
     if whole_logits is not None:
-        model_copy, _ = small_copy_and_sample(model, model_map, inputs, 1, device, min_blocks=2)
+        model_copy, _ = copy()
         stack: list[str] = []
         handles = track_running(model_copy, stack)
         try:
@@ -63,6 +71,11 @@ def check_sharded_units(model: nn.Module, mesh: ParallelMesh, config: ParallelCo
             for handle in handles:
                 handle.remove()
     agree_and_refuse(reason, config, model, what=f"{config.name('zero_stage')}=3's units")
+
+
+def _sharding_ranks(mesh: ParallelMesh) -> int:
+    """How many ranks ZeRO-3 shards or replicates a unit over (``zero._fsdp_mesh``: dp_replicate x dp_shard x cp)."""
+    return mesh.size("dp_replicate") * mesh.size("dp_shard_cp")
 
 
 def _forward_and_backward(model_copy: nn.Module, sample: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -94,7 +107,7 @@ def _through_the_root(model_copy: nn.Module, sample: Tensor) -> Any:
 
 def _difference(logits: Tensor, gradients: dict[str, Tensor], whole_logits: Tensor,
                 whole_gradients: dict[str, Tensor], model_copy: nn.Module) -> str | None:
-    rtol = _RTOL.get(whole_logits.dtype, 1e-4)
+    rtol = _RTOL
     if logits.shape != whole_logits.shape:
         return f"its logits have shape {tuple(logits.shape)}, the whole model's {tuple(whole_logits.shape)}"
     error = float((logits - whole_logits).abs().max()) / max(float(whole_logits.abs().max()), 1e-30)
