@@ -57,8 +57,15 @@ def _self_parallelized() -> Any:
     return SplitsItself()
 
 
+def _hybrid() -> Any:
+    """Convolution and attention layers interleaved, one block shared by several layers (tests/zoo.py)."""
+    import zoo
+
+    return zoo.HybridLM()
+
+
 MAKERS = {"llama": _llama, "llama_moe": lambda: _llama(moe=True), "hf_llama": _hf,
-          "splits_itself": _self_parallelized}
+          "splits_itself": _self_parallelized, "hybrid": _hybrid}
 
 
 def _reference(model: str) -> dict[str, torch.Tensor]:
@@ -70,7 +77,7 @@ def _reference(model: str) -> dict[str, torch.Tensor]:
         module = MAKERS[model]() if model != "splits_itself" else _splits_itself_whole()
         if model == "hf_llama":
             module.configure_model()
-    if model == "splits_itself":
+    if model in ("splits_itself", "hybrid"):
         _materialize_distributed_module(module, torch.device("cpu"))  # to_empty, then reset_parameters() in order
         return {k: v.detach().clone() for k, v in module.state_dict().items()}
     module.to_empty(device="cpu")  # allocates a tied weight's names apart: the models tie them again
@@ -129,7 +136,7 @@ def _initialised(rank: int, world_size: int, cases: list[tuple[str, str]]) -> di
 
 
 TWO_RANKS = [("llama", "zero3"), ("llama", "tp2"), ("llama", "pp2"), ("llama_moe", "ep2"), ("hf_llama", "zero3"),
-             ("hf_llama", "tp2"), ("splits_itself", "tp2")]
+             ("hf_llama", "tp2"), ("splits_itself", "tp2"), ("hybrid", "zero3"), ("hybrid", "pp2")]
 FOUR_RANKS = [("llama", "tp2 x zero3"), ("llama", "pp2 x tp2"), ("splits_itself", "tp2 x dp2")]
 
 

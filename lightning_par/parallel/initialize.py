@@ -96,6 +96,11 @@ def initialize_meta_model(module: nn.Module, device: torch.device, *, skeleton: 
     retie(module, ties)  # to_empty allocates each module's parameters on their own: a tied head would come apart
     source = skeleton if skeleton is not None else module
     targets = _tensors_by_name(module)
+    # Every name of each tensor of the source: a shared block's or tied tensor's part here may be held under any.
+    names = {}
+    for name, tensors in _tensors_by_name(source).items():
+        for tensor in tensors:
+            names.setdefault(id(tensor), []).append(name)
     regrouped = regrouped_parameters(module)
     ordered = list(initializers(source))
     _refuse_uncovered(source, ordered)
@@ -105,9 +110,13 @@ def initialize_meta_model(module: nn.Module, device: torch.device, *, skeleton: 
     tied = {id(t): None for t in _tied_tensors(source)}
     with torch.no_grad():
         for initializer in ordered:
-            for name, value in _run_on_whole_tensors(initializer, device, tied):
-                for target in targets.get(name, ()):
-                    _write_part(target, value, regrouped.get(name))
+            for tensor, value in _run_on_whole_tensors(initializer, device, tied):
+                written: set[int] = set()
+                for name in names[id(tensor)]:
+                    for target in targets.get(name, ()):
+                        if id(target) not in written:
+                            written.add(id(target))
+                            _write_part(target, value, regrouped.get(name))
     return True
 
 
@@ -131,7 +140,7 @@ def _own_tensors(module: nn.Module) -> Iterator[tuple[str, str, Tensor]]:
 def initializers(root: nn.Module) -> Iterator[Initializer]:
     """The initialisers of ``root``, in the order one process runs them (see the module's docstring)."""
     covered: set[nn.Module] = set()
-    for path, sub in root.named_modules(remove_duplicate=False):
+    for path, sub in root.named_modules():  # a module several parents hold is initialised once, as one process does
         if sub in covered:
             continue
         if _is_hugging_face_model(sub):
@@ -141,7 +150,7 @@ def initializers(root: nn.Module) -> Iterator[Initializer]:
             prefix = f"{path}." if path else ""
             yield Initializer(f"{type(sub).__name__}.init_weights()",
                                tuple((f"{prefix}{p}" if p else path, m)
-                                     for p, m in sub.named_modules(remove_duplicate=False)), sub.init_weights)
+                                     for p, m in sub.named_modules()), sub.init_weights)
             covered.update(sub.modules())
         elif callable(getattr(sub, "reset_parameters", None)) and any(True for _ in _own_tensors(sub)):
             yield Initializer(f"{type(sub).__name__}.reset_parameters()", ((path, sub),), sub.reset_parameters)
@@ -170,10 +179,14 @@ def _hugging_face_initializers(model: nn.Module, path: str) -> Iterator[Initiali
     custom = bool(model.is_custom_code()) if callable(getattr(model, "is_custom_code", None)) else False
     takes_custom = len(inspect.signature(model._initialize_weights).parameters) > 1  # transformers 5 on
 
+    seen: set[int] = set()  # a module several parents hold is initialised once (transformers marks it done)
+
     def visit(module: nn.Module, name: str, owner: nn.Module) -> Iterator[Initializer]:
+        seen.add(id(module))
         for child_name, child in module.named_children():
-            inner = child if _is_hugging_face_model(child) else owner
-            yield from visit(child, f"{name}.{child_name}" if name else child_name, inner)
+            if id(child) not in seen:
+                inner = child if _is_hugging_face_model(child) else owner
+                yield from visit(child, f"{name}.{child_name}" if name else child_name, inner)
 
         def run(module: nn.Module = module, owner: nn.Module = owner) -> None:
             module._is_hf_initialized = False  # transformers skips a module it marked, and the marks are stale here
@@ -207,10 +220,10 @@ def _tied_tensors(module: nn.Module) -> list[Tensor]:
 
 
 def _run_on_whole_tensors(initializer: Initializer, device: torch.device,
-                          tied: dict[int, Tensor | None]) -> list[tuple[str, Tensor]]:
+                          tied: dict[int, Tensor | None]) -> list[tuple[Tensor, Tensor]]:
     """Run ``initializer`` with every tensor of its modules swapped for a whole one on ``device`` (a tied tensor's,
-    kept in ``tied``, for the whole walk); return the values under each of their names, and put the modules' own
-    tensors back."""
+    kept in ``tied``, for the whole walk); return (the module's own tensor, its whole value) pairs, and put the
+    modules' own tensors back."""
     whole: dict[int, Tensor] = {}  # one whole tensor per tensor, so that a tie stays a tie while the initialiser runs
     slots: list[tuple[nn.Module, str, str, str, Tensor]] = []
     for path, module in initializer.modules:
@@ -231,8 +244,8 @@ def _run_on_whole_tensors(initializer: Initializer, device: torch.device,
     try:
         initializer.run()
         # An initialiser may assign a new tensor (``self.cos = ...``): what the slot holds now is the value.
-        values = [(name, getattr(module, kind)[leaf].detach()) for module, kind, leaf, name, _ in slots]
-        unwritten = [name for (name, value), (module, kind, leaf, _, tensor) in zip(values, slots)
+        values = [(tensor, getattr(module, kind)[leaf].detach()) for module, kind, leaf, _, tensor in slots]
+        unwritten = [name for (_, value), (module, kind, leaf, name, tensor) in zip(values, slots)
                      if _computed_by_the_model(module, kind, leaf, tensor) and bool(value.isnan().any())]
         if unwritten:
             raise ValueError(
