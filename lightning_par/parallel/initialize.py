@@ -200,13 +200,13 @@ def _hugging_face_initializers(model: nn.Module, path: str) -> Iterator[Initiali
 
 def _refuse_uncovered(root: nn.Module, ordered: list[Initializer]) -> None:
     covered = {id(module) for initializer in ordered for _, module in initializer.modules}
-    missing = [f"{path or type(root).__name__} ({type(sub).__name__}: {', '.join(leaf for _, leaf, _ in _own_tensors(sub))})"
-               for path, sub in root.named_modules() if id(sub) not in covered and any(True for _ in _own_tensors(sub))]
+    missing = [f"{path or type(root).__name__} ({type(sub).__name__}: {', '.join(leaf for _, leaf, _ in own)})"
+               for path, sub in root.named_modules() if id(sub) not in covered and (own := list(_own_tensors(sub)))]
     if missing:
         raise ValueError(
-            f"the model was built on the meta device (empty_init=True), and nothing initialises {'; '.join(missing[:4])}"
-            f"{' ...' if len(missing) > 4 else ''}: they would start as whatever memory held. Give "
-            f"{'these modules' if len(missing) > 1 else 'that module'} a reset_parameters() that sets its tensors "
+            "the model was built on the meta device (empty_init=True), and nothing initialises "
+            f"{'; '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}: they would start as whatever memory held. "
+            f"Give {'these modules' if len(missing) > 1 else 'that module'} a reset_parameters() that sets its tensors "
             "(PyTorch's and Lightning's convention), or an init_weights() on a module above them, or build the model "
             "off the meta device (empty_init=False)")
 
@@ -250,8 +250,8 @@ def _run_on_whole_tensors(initializer: Initializer, device: torch.device,
         if unwritten:
             raise ValueError(
                 f"the model was built on the meta device (empty_init=True), and {initializer.name} leaves "
-                f"{', '.join(repr(n) for n in unwritten)} unset: a buffer the model computes (kept out of checkpoints, so "
-                "nothing loads it) would start as whatever memory held. Compute it in that initialiser (as a rotary "
+                f"{', '.join(repr(n) for n in unwritten)} unset: a buffer the model computes (kept out of checkpoints, "
+                "so nothing loads it) would start as whatever memory held. Compute it in that initialiser (as a rotary "
                 "table is computed in reset_parameters()), or build the model off the meta device (empty_init=False)")
         return values
     finally:

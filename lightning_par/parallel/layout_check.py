@@ -227,5 +227,5 @@ def draws_in_training(model: nn.Module, mesh: ParallelMesh, model_map: ModelMap,
         return not all(torch.equal(b, a) for b, a in zip(before, states()))
 
 
-__all__ = ["agree_and_refuse", "check_layout_forward", "check_routing_draws", "draws_in_training", "small_copy_and_sample",
-           "track_running"]
+__all__ = ["agree_and_refuse", "check_layout_forward", "check_routing_draws", "draws_in_training",
+           "small_copy_and_sample", "track_running"]

@@ -69,9 +69,9 @@ def _check_pipeline_contract(module: LightningModule) -> None:
     described = [{"forward": "forward(inputs)", "split_batch": "split_batch()", "loss_fn": "loss_fn()"}[name]
                  for name in missing]
     listed = described[0] if len(described) == 1 else f"{', '.join(described[:-1])} and {described[-1]}"
-    raise TypeError(f"pipeline parallel needs {type(module).__name__} to define {listed}; the schedule runs split_batch(batch) -> "
-                    "(inputs, targets), forward(inputs) -> logits and loss_fn(logits, targets) itself, never "
-                    f"training_step. Add to {type(module).__name__}, for example:\n{lines}\n"
+    raise TypeError(f"pipeline parallel needs {type(module).__name__} to define {listed}; the schedule runs "
+                    "split_batch(batch) -> (inputs, targets), forward(inputs) -> logits and loss_fn(logits, targets) "
+                    f"itself, never training_step. Add to {type(module).__name__}, for example:\n{lines}\n"
                     "(see docs/models.md, \"Bring your own module\")")
 
 
