@@ -134,10 +134,10 @@ def parallelize(
         raise ValueError(f"this module was parallelized for {applied[1].named_sizes()} already and cannot be "
                          f"re-laid out as {config.named_sizes()}; build a new module (or load a checkpoint into one)")
     stages = None
-    # A model built on the meta device is initialised as one process would (parallel/initialize.py); a pipeline stage
-    # runs the initialisers of the model as built, of which the split leaves it a part.
-    skeleton = (meta_skeleton(model) if dry_run is None and applied is None and config.pp > 1
-                and has_meta_tensors(model) else None)
+    # A model built on the meta device is initialised as one process would (parallel/initialize.py), by the
+    # initialisers of the model as built: a pipeline stage holds a part of it, and the layout swaps some modules' class
+    # (a vocabulary-parallel embedding, float8 linear layers).
+    skeleton = meta_skeleton(model) if dry_run is None and applied is None and has_meta_tensors(model) else None
     random_state = RandomState(device)  # the set-up's runs of small copies must not move the user's random stream
     allocate = dry_run or functools.partial(initialize_meta_model, skeleton=skeleton)
     if dry_run is not None and sample_batch is not None:  # shapes are all a dry run's set-up needs of the data

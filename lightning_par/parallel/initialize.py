@@ -55,8 +55,8 @@ def has_meta_tensors(module: nn.Module) -> bool:
 
 def meta_skeleton(module: nn.Module) -> nn.Module:
     """A copy of ``module`` whose every tensor is on the meta device (nothing copied): its initialisers, in its order,
-    for the parts a layout will take off this rank (other pipeline stages'). Taken before the layout changes
-    ``module``."""
+    as built, for the parts a layout takes off this rank (other pipeline stages') or swaps for modules of another class
+    (a vocabulary-parallel embedding, float8 linear layers). Taken before the layout changes ``module``."""
     memo: dict[int, object] = {}
     for sub in module.modules():
         for value in vars(sub).values():
@@ -82,8 +82,8 @@ class Initializer:
 def initialize_meta_model(module: nn.Module, device: torch.device, *, skeleton: nn.Module | None = None,
                           group: dist.ProcessGroup | None = None) -> bool:
     """Allocate ``module``'s meta-device tensors on ``device`` and initialise them as one process would: the
-    initialisers of ``skeleton`` (the model as built, from :func:`meta_skeleton`, where the layout took parts of it
-    off this rank) or of ``module`` itself run on whole tensors, and each of ``module``'s tensors receives its part of
+    initialisers of ``skeleton`` (the model as built, from :func:`meta_skeleton`, taken before a layout changed it) or
+    of ``module`` itself (a model that laid itself out) run on whole tensors, and each of ``module``'s tensors receives its part of
     the whole under its name. Returns whether there was anything to allocate.
 
     Every rank must start from the same random state; where the ranks of ``group`` (by default every rank) do not, the

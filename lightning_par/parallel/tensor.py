@@ -200,13 +200,13 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class VocabParallel(Rowwise):
-    """The ``vocab`` style: PyTorch's row-wise split of an embedding's weight (``Shard(0)``), a plain ``nn.Embedding``
-    becoming a :class:`VocabParallelEmbedding`. A subclass of ``nn.Embedding`` with a forward of its own (Gemma's
-    scaled embedding) and one with ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` keep DTensor's lookup."""
+    """The ``vocab`` style: PyTorch's row-wise split of an embedding's weight (``Shard(0)``), an ``nn.Embedding`` that
+    looks up as ``nn.Embedding`` does becoming a :class:`VocabParallelEmbedding`. A subclass with a forward of its own
+    (Gemma's scaled embedding) and one with ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` keep DTensor's lookup."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = super()._apply(module, device_mesh)
-        if (type(module) is nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq
+        if (type(module).forward is nn.Embedding.forward and module.max_norm is None and not module.scale_grad_by_freq
                 and not module.sparse):
             module.__class__ = VocabParallelEmbedding
         return module

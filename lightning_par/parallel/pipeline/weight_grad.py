@@ -174,8 +174,9 @@ class DeferredWeightGradients:
 
 
 def _deferrable(module: nn.Module) -> bool:
-    return (type(module) is nn.Linear and "forward" not in module.__dict__
-            and not isinstance(module.weight, DTensor) and module.weight.requires_grad)
+    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+            and "forward" not in module.__dict__ and not isinstance(module.weight, DTensor)
+            and module.weight.requires_grad)
 
 
 def _keeps_own_backward(module: nn.Module) -> bool:
