@@ -5,11 +5,11 @@ FSDP2 gathers a unit's parameters when the unit's forward starts and frees them 
 runs: a part of a block called outside the block, a parameter two units hold, a unit whose forward the step never
 calls. Here a small copy (:func:`~lightning_par.parallel.small_copy.small_copy`, float64 where the model runs in it) is
 cut into the run's units over its real sharding ranks and runs one sample forward and backward as the training step
-calls it; its logits and every gradient (gathered whole) must be the whole copy's. It runs in float32 (a unit that
-cannot run fails by an error or by O(1), not by rounding), the whole copy freed before the sharded one is built; with
-one sharding rank there is nothing to check. Every rank runs the same sample, so
-the gradients FSDP2 averages over the ranks are the whole copy's. What raises or differs is refused at set-up, with
-the module that ran when it did.
+calls it; its logits must be the whole copy's on that rank, and every gradient (gathered whole) the whole copy's
+averaged over the sharding ranks, as FSDP2 averages them (each rank runs the first row of its own batch). It runs in
+float32 (a unit that cannot run fails by an error or by O(1), not by rounding), the whole copy freed before the
+sharded one is built; with one sharding rank there is nothing to check. What raises or differs is refused at set-up,
+with the module that ran when it did.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -47,13 +48,17 @@ def check_sharded_units(model: nn.Module, mesh: ParallelMesh, config: ParallelCo
     copy = functools.partial(small_copy_and_sample, model, model_map, inputs, 1, device, min_blocks=2,
                              dtype=torch.float32)
     whole_copy, sample = copy()
+    shapes = {clean_name(name): parameter.shape for name, parameter in whole_copy.named_parameters()}
     reason = None
     try:
         whole_logits, whole_gradients = _forward_and_backward(whole_copy, sample)
     except Exception:  # noqa: BLE001 - the model's own failure is not the layout's: training will report it
-        whole_logits = None
+        whole_logits, whole_gradients = None, {}
     del whole_copy  # its gradients are kept; the sharded copy is built in its place
-    if whole_logits is not None:
+    ran_everywhere = torch.tensor([int(whole_logits is not None)], device=device)
+    dist.all_reduce(ran_everywhere, op=dist.ReduceOp.MIN)
+    if ran_everywhere.item():
+        whole_gradients = _average_over(whole_gradients, shapes, mesh.group("dp_cp"), device)
         model_copy, _ = copy()
         stack: list[str] = []
         handles = track_running(model_copy, stack)
@@ -71,6 +76,20 @@ def check_sharded_units(model: nn.Module, mesh: ParallelMesh, config: ParallelCo
             for handle in handles:
                 handle.remove()
     agree_and_refuse(reason, config, model, what=f"{config.name('zero_stage')}=3's units")
+
+
+def _average_over(gradients: dict[str, Tensor], shapes: dict[str, torch.Size], group: dist.ProcessGroup,
+                  device: torch.device) -> dict[str, Tensor]:
+    """The average over ``group`` of each rank's ``gradients`` (a parameter of ``shapes`` without one counts as zero),
+    of the parameters that got a gradient on some rank; one all-reduce (gloo has no AVG: a sum, divided)."""
+    flat = torch.cat([gradients[name].reshape(-1).float() if name in gradients else torch.zeros(shape.numel(),
+                      device=device) for name, shape in shapes.items()] + [torch.tensor(
+                      [float(name in gradients) for name in shapes], device=device)])
+    dist.all_reduce(flat, group=group)
+    *averages, got = flat.split([shape.numel() for shape in shapes.values()] + [len(shapes)])
+    size = dist.get_world_size(group)
+    return {name: (average / size).view(shape) for (name, shape), average, some in zip(shapes.items(), averages, got)
+            if some > 0}
 
 
 def _sharding_ranks(mesh: ParallelMesh) -> int:
