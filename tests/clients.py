@@ -204,17 +204,7 @@ def litgpt_pretraining(fabric: L.Fabric, steps: int, batch_size: int, *, example
     if example_input:
         model.example_input_array = tokens[:batch_size, :-1]
     model = fabric.setup(model)
-    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    loader = fabric.setup_dataloaders(DataLoader(TensorDataset(tokens), batch_size=batch_size))
-    losses = []
-    for step, (batch,) in zip(range(steps), loader):
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
-    return losses, model
+    return _train(fabric, model, tokens, steps, batch_size, lambda batch: model(batch))
 
 
 def two_inputs_loop(fabric: L.Fabric, steps: int, batch_size: int, *, example_input: bool) -> tuple[list[float], Any]:
@@ -228,12 +218,19 @@ def two_inputs_loop(fabric: L.Fabric, steps: int, batch_size: int, *, example_in
     if example_input:
         model.example_input_array = (tokens[:batch_size, :-1], positions)
     model = fabric.setup(model)
+    return _train(fabric, model, tokens, steps, batch_size,
+                  lambda batch: model(batch, positions.to(batch.device)))
+
+
+def _train(fabric: L.Fabric, model: Any, tokens: torch.Tensor, steps: int, batch_size: int,
+           logits_of: Any) -> tuple[list[float], Any]:
+    """A plain Fabric loop of ``steps`` SGD steps over ``tokens`` (next-token loss on ``logits_of(inputs)``); each
+    step's loss (the mean over the data-parallel ranks) and the model."""
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     loader = fabric.setup_dataloaders(DataLoader(TensorDataset(tokens), batch_size=batch_size))
     losses = []
     for step, (batch,) in zip(range(steps), loader):
-        logits = model(batch[:, :-1], positions.to(batch.device))
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        loss = F.cross_entropy(logits_of(batch[:, :-1]).reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()

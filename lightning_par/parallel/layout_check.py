@@ -68,12 +68,8 @@ def check_layout_forward(model: nn.Module, mesh: ParallelMesh, config: ParallelC
                     error = float((laid_out - whole).abs().max()) / max(float(whole.abs().max()), 1e-30)
                     if not error <= _RTOL[whole.dtype]:
                         reason = f"its logits differ from the whole model's by {error:.1e} relative on a sample"
-            except ValueError as refusal:  # a refusal of the layout's own, which names the value and what fits
-                reason = f"!{refusal}"
             except Exception as error:  # noqa: BLE001 - what the laid-out copy raises is the reason it is refused
-                first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-                where = f" in {stack[-1]!r} ({type(model_copy.get_submodule(stack[-1])).__name__})" if stack else ""
-                reason = f"it raises{where} {type(error).__name__}: {first_line}"
+                reason = raised_reason(error, model_copy, stack)
             finally:
                 for handle in handles:
                     handle.remove()
@@ -96,6 +92,17 @@ def agree_and_refuse(reason: str | None, config: ParallelConfig, model: nn.Modul
     raise ValueError(f"{what or config.named_sizes()} {'do' if what else 'does'} not compute what "
                      f"{type(model).__name__} computes: {reason}. Checked on a small copy of the model before training "
                      "(docs/models.md)")
+
+
+def raised_reason(error: Exception, model_copy: nn.Module, stack: list[str]) -> str:
+    """The reason a laid-out copy is refused when it raised ``error`` while the modules of ``stack`` ran
+    (:func:`track_running`): a ``ValueError`` is a refusal of the layout's own, which names the value and what fits,
+    raised as it is (:func:`agree_and_refuse`); anything else, with the innermost module that ran."""
+    if isinstance(error, ValueError):
+        return f"!{error}"
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    where = f" in {stack[-1]!r} ({type(model_copy.get_submodule(stack[-1])).__name__})" if stack else ""
+    return f"it raises{where} {type(error).__name__}: {first_line}"
 
 
 def small_copy_and_sample(model: nn.Module, model_map: ModelMap, inputs: Tensor, tp: int, device: torch.device, *,
@@ -228,4 +235,4 @@ def draws_in_training(model: nn.Module, mesh: ParallelMesh, model_map: ModelMap,
 
 
 __all__ = ["agree_and_refuse", "check_layout_forward", "check_routing_draws", "draws_in_training",
-           "small_copy_and_sample", "track_running"]
+           "raised_reason", "small_copy_and_sample", "track_running"]

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_par.layout.config import ParallelConfig
-from lightning_par.parallel.layout_check import agree_and_refuse, small_copy_and_sample, track_running
+from lightning_par.parallel.layout_check import agree_and_refuse, raised_reason, small_copy_and_sample, track_running
 from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.model_call import current_call, run_model
 from lightning_par.parallel.model_map import ModelMap
@@ -66,12 +66,8 @@ def check_sharded_units(model: nn.Module, mesh: ParallelMesh, config: ParallelCo
             shard(model_copy)
             logits, gradients = _forward_and_backward(model_copy, sample)
             reason = _difference(logits, gradients, whole_logits, whole_gradients, model_copy)
-        except ValueError as refusal:  # a refusal of the layout's own, which names the value and what fits
-            reason = f"!{refusal}"
         except Exception as error:  # noqa: BLE001 - what the sharded copy raises is the reason it is refused
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            where = f" in {stack[-1]!r} ({type(model_copy.get_submodule(stack[-1])).__name__})" if stack else ""
-            reason = f"it raises{where} {type(error).__name__}: {first_line}"
+            reason = raised_reason(error, model_copy, stack)
         finally:
             for handle in handles:
                 handle.remove()
