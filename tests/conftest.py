@@ -1,10 +1,12 @@
 """Every test runs in a directory of its own, so that what a run writes where it stands (Lightning's
 ``checkpoints/`` and ``lightning_logs/`` when a test gives no ``default_root_dir``) never lands in the repository.
-Ranks a test starts inherit it. Every test also leaves the thread settings as it found them."""
+Ranks a test starts inherit it. Every test also leaves the thread settings as it found them, and the ranks it starts
+stop before its pytest timeout."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -28,3 +30,19 @@ def _threads_as_they_were() -> Iterator[None]:
     else:
         os.environ["OMP_NUM_THREADS"] = variable
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _ranks_stop_before_pytest_does(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tell the harness this test's pytest timeout (tests/harness.py stops its ranks before it, with their stacks)."""
+    import harness
+
+    try:
+        from pytest_timeout import _get_item_settings
+        limit = _get_item_settings(request.node).timeout
+    except (ImportError, AttributeError):  # pytest-timeout absent or changed: no deadline to keep
+        limit = None
+    harness.TEST_LIMIT = limit or None
+    harness.TEST_DEADLINE = time.monotonic() + limit if limit else None
+    yield
+    harness.TEST_LIMIT = harness.TEST_DEADLINE = None

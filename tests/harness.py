@@ -96,14 +96,27 @@ class RanksKilledBySignal(AssertionError):
     """Ranks died of a signal (a crash in native code: SIGSEGV, SIGABRT) without reporting a result."""
 
 
+# When pytest-timeout stops the running test (set by tests/conftest.py): the harness stops its ranks before, so that a
+# hang fails with every rank's stack instead of pytest's bare timeout.
+TEST_LIMIT: float | None = None
+TEST_DEADLINE: float | None = None
+_STACKS_MARGIN = 30.0  # seconds kept before pytest's deadline to dump the ranks' stacks and stop them
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
                     **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return results by rank.
+
+    ``timeout`` must lie below the test's own pytest timeout (``ValueError`` otherwise); a launch also stops short of
+    the test's deadline, whatever time earlier launches of the test took.
 
     A launch whose ranks die of a signal runs once more. Such deaths come from native code (torch 2.13's gloo and
     DTensor on 2 loaded cores: a SIGSEGV or SIGABRT in about one full suite run in three, at a different case each
     time, never twice in a row); the code under test raises Python errors, which fail at once. A second death fails
     the test with both reports."""
+    if TEST_LIMIT is not None and timeout >= TEST_LIMIT:
+        raise ValueError(f"the ranks' timeout of {timeout:.0f} s is not below this test's pytest timeout of "
+                         f"{TEST_LIMIT:.0f} s: lower it, or raise the test's with @pytest.mark.timeout")
     try:
         return _launch(fn, world_size, args, kwargs, timeout)
     except RanksKilledBySignal as first:
@@ -127,6 +140,9 @@ def _launch(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, 
         proc.start()
     outcomes: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout
+    if TEST_DEADLINE is not None and TEST_DEADLINE - _STACKS_MARGIN < deadline:
+        deadline = TEST_DEADLINE - _STACKS_MARGIN
+        timeout = max(deadline - time.monotonic(), 0.0)
     try:
         while len(outcomes) < world_size:
             remaining = deadline - time.monotonic()

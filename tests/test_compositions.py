@@ -174,7 +174,19 @@ def test_holders_lists_every_layout_of_each_pair(capsys: pytest.CaptureFixture[s
     assert len(lines) == len(matrix.matrix())
     proofs = matrix.proofs()
     assert f"tp x ZeRO-1: {', '.join(proofs[('tp', 'ZeRO-1')])}" in lines
-    assert "tp x async TP: CUDA" in lines
+    assert "tp x async TP: unproven on CPU" in lines
+    assert "ZeRO-3 x CPU offload: unproven on CPU" in lines
+
+
+def test_no_layout_is_credited_with_an_option_a_cpu_run_drops() -> None:
+    """CPU offload is dropped on a CPU run (``lightning_par.parallel.zero``) and async TP refused there: though the
+    layouts set the former, no pair with either is held by a CPU layout."""
+    matrix = _composition_matrix()
+    assert set(matrix.NOT_ON_CPU) == {"async TP", "CPU offload"}
+    assert any(matrix.LAYOUTS[name].get("cpu_offload") for name in matrix.LAYOUTS)
+    credited = {pair: layouts for pair, layouts in matrix.proofs().items()
+                if layouts and set(pair) & matrix.NOT_ON_CPU.keys()}
+    assert not credited, credited
 
 
 @functools.cache

@@ -18,7 +18,6 @@ PURE_COMMANDS = ["lightning_par.cli.plan"]
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
 # The layers that may import Lightning (docs/architecture.md).
 LIGHTNING_LAYERS = ("lightning_par.strategies", "lightning_par.callbacks", "lightning_par.cli")
-MAX_TOP_LEVEL_MODULES = 6
 
 
 def _run(code: str) -> str:
@@ -68,14 +67,23 @@ def test_layout_imports_nothing_of_the_package_and_nothing_below_cli_imports_it(
     assert not {module: cli for module, cli in below_cli.items() if cli}, below_cli
 
 
-def test_the_package_has_a_short_top_level() -> None:
+def test_the_top_level_holds_the_packages_the_architecture_names_and_nothing_else() -> None:
+    """Every module lives in one of the layers of docs/architecture.md's map, and every layer there exists."""
+    import re
     from pathlib import Path
 
     import lightning_par
 
     root = Path(lightning_par.__file__).parent
     modules = sorted(path.name for path in root.glob("*.py") if path.name != "__init__.py")
-    assert len(modules) <= MAX_TOP_LEVEL_MODULES, modules
+    assert not modules, f"modules outside the layers of docs/architecture.md: {modules}"
+    packages = {path.parent.name for path in root.glob("*/__init__.py")}
+    architecture = (root.parent / "docs" / "architecture.md").read_text()
+    map_block = architecture.split("```")[1]
+    named = set(re.findall(r"^([a-z_]+)/", map_block, flags=re.MULTILINE))
+    named |= set(re.findall(r"^[a-z_]+/, ([a-z_]+)/", map_block, flags=re.MULTILINE))
+    assert packages == named, f"packages {sorted(packages - named)} missing from docs/architecture.md's map; " \
+                              f"named there but absent: {sorted(named - packages)}"
 
 
 def test_strategy_names_resolve_whatever_the_import_order() -> None:
