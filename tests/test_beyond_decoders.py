@@ -135,7 +135,7 @@ def _reference(name: str, dp: int) -> ParityRun:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_models_beyond_decoders_train_like_one_process_or_are_refused(layout: str) -> None:
     world_size, dp = LAYOUTS[layout]
-    per_rank = run_distributed(_train_every_model, world_size, layout, timeout=900)
+    per_rank = run_distributed(_train_every_model, world_size, layout, timeout=540)
     failures, table = [], []
     for name in MODELS:
         outcomes = [rank[name] for rank in per_rank]

@@ -149,7 +149,7 @@ def trainer_runs() -> dict[tuple[str, str], tuple[torch.Tensor, dict]]:
             cases.setdefault(world_size, []).append((client, layout, dp))
     results = {}
     for world_size, listed in sorted(cases.items()):
-        per_rank = run_distributed(_runs, world_size, listed, timeout=600)
+        per_rank = run_distributed(_runs, world_size, listed, timeout=540)
         for client, layout, dp in listed:
             key = (client, layout)
             results[key if layout != "lightning" else (client, f"lightning dp{world_size}")] = (
@@ -175,7 +175,7 @@ def test_a_client_trains_as_under_lightnings_ddp(trainer_runs: dict, client: str
 
 
 def test_a_client_a_layout_cannot_train_is_refused_before_step_0_with_the_line_to_add() -> None:
-    per_rank = run_distributed(_refusals, 2, list(REFUSED), timeout=600)
+    per_rank = run_distributed(_refusals, 2, list(REFUSED), timeout=540)
     for case, shown in REFUSED.items():
         messages = {ranks[case] for ranks in per_rank}
         assert len(messages) == 1, (case, messages)  # the same refusal on every rank
@@ -237,7 +237,7 @@ def fabric_runs() -> dict[tuple[str, str], tuple[torch.Tensor, dict]]:
                 cases[dp].append((client, "lightning", dp))
     results = {}
     for world_size, listed in sorted(cases.items()):
-        per_rank = run_distributed(_fabric_runs, world_size, listed, timeout=600)
+        per_rank = run_distributed(_fabric_runs, world_size, listed, timeout=540)
         for key in per_rank[0]:
             results[key] = (torch.tensor([ranks[key][0] for ranks in per_rank], dtype=torch.float64).mean(0),
                             per_rank[0][key][1])

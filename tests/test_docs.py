@@ -148,7 +148,7 @@ def test_training_command_runs_as_written(chain: list[str], tmp_path: Path) -> N
         (tmp_path / shipped).symlink_to(REPO / shipped)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     result = subprocess.run(["bash", "-c", " && ".join(chain)], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=600, env=env)
+                            timeout=540, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     (run,) = [path.parent for path in (tmp_path / "lightning_logs").rglob("events.out.tfevents.*")]
     events = EventAccumulator(str(run))

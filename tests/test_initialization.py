@@ -142,8 +142,8 @@ FOUR_RANKS = [("llama", "tp2 x zero3"), ("llama", "pp2 x tp2"), ("splits_itself"
 
 @pytest.fixture(scope="module")
 def initialised() -> dict[tuple[str, str], dict[str, torch.Tensor]]:
-    results = run_distributed(_initialised, 2, TWO_RANKS, timeout=600)[0]
-    results.update(run_distributed(_initialised, 4, FOUR_RANKS, timeout=600)[0])
+    results = run_distributed(_initialised, 2, TWO_RANKS, timeout=540)[0]
+    results.update(run_distributed(_initialised, 4, FOUR_RANKS, timeout=540)[0])
     return results
 
 

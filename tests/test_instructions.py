@@ -139,7 +139,7 @@ def test_fine_tuning_on_instructions_matches_one_process(workspace: dict[str, st
                                  functools.partial(_unset_data, workspace, name, 4 // dp),
                                  functools.partial(_strategy, sizes))
             for layout, (dp, sizes) in layouts.items() for name in ("instructions", "chats")}
-    results = layout_runs(runs, world_size=2, steps=STEPS, timeout=900)
+    results = layout_runs(runs, world_size=2, steps=STEPS, timeout=540)
     for label, result in results.items():
         layout, name = label.split()
         dp = layouts[layout][0]

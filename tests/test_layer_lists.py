@@ -161,7 +161,7 @@ def test_hybrid_layer_lists_shared_blocks_and_tied_names_train_like_one_process(
     runs = {f"{model} {layout}": (functools.partial(_model, model), make_datamodule,
                                   functools.partial(make_strategy, layout))
             for model, layout in CELLS}
-    actual = layout_runs(runs, world_size=2, steps=STEPS, timeout=900)
+    actual = layout_runs(runs, world_size=2, steps=STEPS, timeout=540)
     for (model, layout), dp in CELLS.items():
         expected = reference_run(functools.partial(_model, model), make_datamodule, dp=dp, steps=STEPS)
         loss_error, weight_error = assert_parity(actual[f"{model} {layout}"], expected, rtol=PARITY_RTOL)
@@ -175,7 +175,7 @@ def test_zamba2_trains_under_zero3_like_one_process_and_is_refused_by_a_pipeline
     require("transformers")
     make = functools.partial(zoo.make_model, "zamba2")
     actual = layout_runs({"zero3": (make, make_datamodule, functools.partial(make_strategy, "zero3"))},
-                         world_size=2, steps=STEPS, timeout=900)["zero3"]
+                         world_size=2, steps=STEPS, timeout=540)["zero3"]
     loss_error, weight_error = assert_parity(actual, reference_run(make, make_datamodule, dp=2, steps=STEPS),
                                              rtol=PARITY_RTOL)
     print(f"zamba2 zero3: losses {loss_error:.1e}, weights {weight_error:.1e} relative")

@@ -103,7 +103,7 @@ def test_lora_and_frozen_models_train_like_one_process(workspace: dict[str, str]
     runs = {name: (functools.partial(_module, name, workspace),
                    functools.partial(_data, workspace, GLOBAL_BATCH // dp),
                    functools.partial(_strategy, sizes)) for name in MODELS}
-    results = layout_runs(runs, world_size=world_size, steps=STEPS, timeout=900)
+    results = layout_runs(runs, world_size=world_size, steps=STEPS, timeout=540)
     for name in MODELS:
         expected = _reference(name, workspace, dp)
         loss_error, weight_error = assert_parity(results[name], expected, rtol=PARITY_RTOL, weight_atol=WEIGHT_ATOL)
@@ -131,7 +131,7 @@ def test_lora_and_frozen_models_train_like_one_process_in_more_layouts(workspace
                                  functools.partial(_data, workspace, GLOBAL_BATCH // dp),
                                  functools.partial(_strategy, sizes))
             for layout, (dp, sizes, names) in MORE_LAYOUTS.items() for name in names}
-    results = layout_runs(runs, world_size=2, steps=STEPS, timeout=900)
+    results = layout_runs(runs, world_size=2, steps=STEPS, timeout=540)
     for label, result in results.items():
         layout, name = label.split()
         expected = _reference(name, workspace, MORE_LAYOUTS[layout][0])

@@ -99,7 +99,7 @@ def _every_case(rank: int, world_size: int, workspace: dict[str, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def per_rank(workspace: dict[str, str]) -> list[dict]:
-    return run_distributed(_every_case, 2, workspace, timeout=900)
+    return run_distributed(_every_case, 2, workspace, timeout=540)
 
 
 @pytest.fixture(scope="module")

@@ -148,7 +148,7 @@ def test_training_on_packed_documents_matches_one_process(workspace: dict[str, s
                    functools.partial(_strategy, sizes)) for name, sizes in LAYOUTS.items()}
     runs["dp2"] = (functools.partial(_module, workspace["model"]), functools.partial(_data, workspace, 2),
                    functools.partial(_strategy, dict(data_parallel_size=2)))
-    results = layout_runs(runs, world_size=2, steps=STEPS, timeout=900)
+    results = layout_runs(runs, world_size=2, steps=STEPS, timeout=540)
     for name, result in results.items():
         dp = 2 if name == "dp2" else 1
         expected = reference_run(functools.partial(_module, workspace["model"]),

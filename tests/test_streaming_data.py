@@ -484,7 +484,7 @@ def test_training_on_streamed_shards_matches_one_process_on_the_same_tokens_in_m
     cases = {name: case for name, case in LAYOUTS.items() if case[0] == world_size}
     runs = {name: (models[model], functools.partial(_streamed, corpora[source]), functools.partial(_hybrid, **sizes))
             for name, (_, source, model, sizes) in cases.items()}
-    results = layout_runs(runs, world_size=world_size, steps=STEPS, timeout=900)
+    results = layout_runs(runs, world_size=world_size, steps=STEPS, timeout=540)
     for name, (_, source, model, sizes) in cases.items():
         replicas = sizes.get("data_parallel_size", 1)
         memory = _in_memory(corpora[source], _training_documents(corpora, source),

@@ -190,7 +190,7 @@ def test_families_with_their_own_traits_train_like_one_process_or_are_refused(la
 
 def _assert_cells(layout: str, models: tuple[str, ...]) -> None:
     world_size, dp = LAYOUTS[layout]
-    per_rank = run_distributed(_train_every_model, world_size, layout, models, timeout=1500)
+    per_rank = run_distributed(_train_every_model, world_size, layout, models, timeout=540)
     failures, table = [], []
     for name in models:
         outcomes = [rank[name] for rank in per_rank]
