@@ -97,7 +97,7 @@ def test_docs_tables_are_the_predictions(held: HoldOut) -> None:
     docs = (REPO / "docs" / "planner.md").read_text()
     for table in (runs_table(held=held), constants_table(), choices_table()):
         for line in table.splitlines():
-            assert line in docs, f"docs/planner.md is out of date; regenerate with lightning-par plan --published:\n{line}"
+            assert line in docs, f"docs/planner.md is out of date (lightning-par plan --published):\n{line}"
 
 
 def test_405b_on_512_h100_pipelines_across_nodes() -> None:

@@ -30,6 +30,7 @@ from lightning_par.planner.model import MODEL_PRESETS, ModelSpec, parameter_coun
 from lightning_par.planner.report import explain, format_table
 from lightning_par.planner.runtime import plan_for_run
 from lightning_par.planner.search import TrainingSpec, normalize_fixed, plan_layouts
+from lightning_par.planner.sensitivity import cluster_sensitivity, residual_sensitivity
 
 # Strategy arguments that fix a size or the ZeRO stage.
 FIXED_ARGUMENTS = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
@@ -74,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--check", type=_positive, nargs="?", const=3, metavar="K",
                         help="dry-run the first K layouts that fit (default 3) with the config's model and data, and "
                              "print each pipeline rank's planned memory beside the dry run's (lightning-par check)")
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="plan again with each rough cluster figure (NVLink bus efficiency, attention efficiency, "
+                             "usable memory) a quarter lower and higher, and print the pick each time")
     parser.add_argument("--published", action="store_true",
                         help="print the published runs the model is held to: each row's ratio in sample, left out "
                              "alone and left out with its source, the fitted constants, and the spread over each "
@@ -219,6 +223,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"lightning-par plan: {error}") from None
     print(format_table(candidates, top=options.top))
     print(explain(candidates))
+    hinge = residual_sensitivity(candidates)
+    if hinge:
+        print(hinge)
+    if options.sensitivity and not loader_batch:
+        print(cluster_sensitivity(lambda changed: plan_layouts(model, changed, training, fixed=fixed,
+                                                               composable=composable), cluster))
     if options.check:
         from lightning_par.cli.plan_check import check_candidates  # runs the strategies: Lightning's layer
 

@@ -82,7 +82,8 @@ def choices_table(runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> str:
             lines.append(f"| {run.name} | {options}{' (costed)' if chosen else ''} | {ratio:.2f} | "
                          f"{candidate.memory.total / GiB:.1f} / {candidate.memory_limit / GiB:.1f} | "
                          f"{'yes' if candidate.fits else 'no'} |")
-        spreads.append(f"- {run.name}: {min(fitting):.2f} to {max(fitting):.2f} over the {len(fitting)} options that fit")
+        spreads.append(f"- {run.name}: {min(fitting):.2f} to {max(fitting):.2f} over the {len(fitting)} options "
+                       "that fit")
     return "\n".join([*lines, "", *spreads])
 
 
