@@ -269,7 +269,9 @@ def test_70b_on_64_h100_keeps_tp_in_the_node_and_spans_nodes_with_pp_or_zero3(ev
         across_nodes = (c.config.pp > 1 and span["pp"] > cluster.devices_per_node) or (
             c.config.zero_stage == 3 and span["dp_shard_cp"] > cluster.devices_per_node)
         assert across_nodes, _top(candidates)
-    assert candidates[0].mfu == pytest.approx(0.4, abs=0.1)  # the 35-45% MFU large runs report on H100
+    # At least the 35% MFU large runs report on H100, and below the matmuls' own share of peak (the fitted
+    # H100_MATMUL_EFFICIENCY): attention and element-wise work run slower, the bubble and exposed collectives add.
+    assert 0.35 <= candidates[0].mfu < cluster.compute_efficiency
 
 
 def test_1b_on_one_node_of_8_h100_is_plain_data_parallel() -> None:

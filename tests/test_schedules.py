@@ -7,11 +7,9 @@ Each test iterates the table, so a new schedule is held to the same checks by ad
 
 from __future__ import annotations
 
-from typing import get_args
-
 import pytest
 
-from lightning_par.layout.config import PP_SCHEDULES, ParallelConfig, PipelineSchedule
+from lightning_par.layout.config import ParallelConfig
 from lightning_par.layout.schedules import (SCHEDULES, fewest_microbatches, stage_indices, stages_per_rank,
                                             too_few_microbatches)
 
@@ -24,8 +22,9 @@ AT_P4_V2 = {
     "gpipe": ([0], 1, 16.0, 3 / 8),  # all 16 forwards first; (p-1)/m
     "1f1b": ([0], 4, 4.0, 3 / 8),  # p - r ahead
     "interleaved_1f1b": ([0, 4], 4, 5.5, 3 / 16),  # (2(p-1) + (v-1)p + 1) / v chunks; (p-1)/(v·m)
-    "zbv": ([0, 7], 4, 4.0, 3 / 8 * 0.1),  # 2p chunks of half the rank; the residual of 1F1B's bubble
-    "dualpipev": ([0, 7], 8, 4.0, 3 / 8 * 0.1),  # one micro-batch per stage
+    # 2p chunks of half the rank; the last rank waits p - 1 = 3 chunk forwards of its 6m = 48 equal passes
+    "zbv": ([0, 7], 4, 4.0, 3 / 48),
+    "dualpipev": ([0, 7], 8, 4.0, 3 / 48),  # one micro-batch per stage; ZB-V's bubble (tests/test_pipeline_parallel.py)
 }
 
 
@@ -127,15 +126,54 @@ def test_torch_runs_each_row_with_the_class_it_names(name: str) -> None:
     assert single or issubclass(cls, torch_schedules.PipelineScheduleMulti), cls
 
 
-def test_the_config_and_the_command_line_offer_the_table() -> None:
-    """LightningCLI reads the Literal's values: they are the rows, in order; each validates, others are refused."""
-    assert get_args(PipelineSchedule) == PP_SCHEDULES == tuple(SCHEDULES)
+def test_every_row_is_accepted_by_the_config_the_command_line_and_the_planner() -> None:
+    """Each row's name validates as a ``ParallelConfig`` schedule with the row's split backward, is offered by
+    ``lightning-par plan --pp-schedule``, and is costed by the planner with its row's bubble; other names are
+    refused."""
+    from lightning_par.cli.plan import _parser
+    from lightning_par.planner import ClusterSpec, ModelSpec, estimate_step_time
+
+    model = ModelSpec(vocab_size=256, hidden=128, layers=8, heads=4, kv_heads=2, ffn_hidden=512)
+    cluster = ClusterSpec.from_preset("h100-80gb", nodes=1, devices_per_node=4)
     for name, spec in SCHEDULES.items():
-        assert spec.name == name
-        config = ParallelConfig(pp=2, dp_shard=1, pp_schedule=name, microbatches=fewest_microbatches(name, 2, 2))
-        assert config.validate(2).splits_backward == spec.splits_backward
+        m = max(8, fewest_microbatches(name, 4, 2))
+        config = ParallelConfig(pp=4, dp_shard=1, pp_schedule=name, microbatches=m)
+        assert config.validate(4).splits_backward == spec.splits_backward, name
+        assert _parser().parse_args(["--pp-schedule", name]).pp_schedule == name
+        time = estimate_step_time(model, config, cluster, seq_len=64, microbatch_size=1, microbatches=m)
+        assert time.bubble > 0 and time.bubble == pytest.approx(spec.bubble(4, m, 2) * (time.compute + time.recompute))
     with pytest.raises(ValueError, match=r"pp_schedule='dualpipe' is not one of \('gpipe', '1f1b'"):
         ParallelConfig(pp=2, dp_shard=1, pp_schedule="dualpipe").validate(2)
+
+
+def _torch_zbv_order(p: int, m: int) -> dict[int, list[tuple[int, str, int]]]:
+    """The order torch's ``ScheduleZBVZeroBubble`` gives each of ``p`` ranks for ``m`` micro-batches, as
+    ``BubbleMeter`` records actions, without processes: the schedule computes every rank's order from these fields
+    alone (a private method, so a torch that changes it fails here rather than silently)."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    schedule = object.__new__(torch_schedules.ScheduleZBVZeroBubble)
+    schedule.pp_group_size, schedule.n_local_stages, schedule._n_microbatches = p, 2, m
+    schedule.num_stages = schedule._num_stages = 2 * p
+    schedule.stage_index_to_group_rank = torch_schedules.generate_stage_to_rank_mapping(p, 2 * p, style="v")
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B"}
+    return {rank: [(action.stage_index, kinds[action.computation_type.name], action.microbatch_index)
+                   for action in schedule._calculate_single_rank_operations(rank) if action is not None]
+            for rank in range(p)}
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zbv_bubble_is_the_replay_of_torchs_order_and_below_1f1b(p: int) -> None:
+    """ZB-V's row against the order torch runs it in, replayed with equal forward, input- and weight-gradient passes
+    (``simulated_bubble``; Qi et al. 2024 count the bubble in such units): for every micro-batch count from the
+    fewest (one per rank) up, the row's bubble is the replay's, and below 1F1B's fill and drain."""
+    from lightning_par.parallel.pipeline.bubble import simulated_bubble
+
+    for m in (*range(p, 2 * p + 2), 4 * p, 8 * p):
+        idle = max(simulated_bubble(_torch_zbv_order(p, m), 2 * p).values())
+        bubble = SCHEDULES["zbv"].bubble(p, m, 2)
+        assert bubble / (1 + bubble) == pytest.approx(idle, abs=1e-12), (p, m, idle, bubble)
+        assert bubble < SCHEDULES["1f1b"].bubble(p, m, 2), (p, m)
 
 
 def test_labels_and_search_order_tell_the_rows_apart() -> None:

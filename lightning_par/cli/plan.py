@@ -4,6 +4,7 @@
         --model llama3-70b --global-batch-size 1024 --seq-len 4096
     lightning-par plan --model llama3-70b --nodes 8 --device h100-80gb --global-batch-size 1024 --seq-len 4096 \\
         --tp 8 --pp 4 --zero-stage 1
+    lightning-par plan --published
 
 The YAML gives the model (``model.init_args``: the reference ``LlamaLM`` arguments, read as a
 ``LlamaConfig``), the batch (``data.init_args.batch_size`` sequences per data-parallel rank and ``seq_len``),
@@ -29,6 +30,7 @@ from lightning_par.planner.model import MODEL_PRESETS, ModelSpec, parameter_coun
 from lightning_par.planner.report import explain, format_table
 from lightning_par.planner.runtime import plan_for_run
 from lightning_par.planner.search import TrainingSpec, normalize_fixed, plan_layouts
+from lightning_par.planner.sensitivity import cluster_sensitivity, residual_sensitivity
 
 # Strategy arguments that fix a size or the ZeRO stage.
 FIXED_ARGUMENTS = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
@@ -73,6 +75,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--check", type=_positive, nargs="?", const=3, metavar="K",
                         help="dry-run the first K layouts that fit (default 3) with the config's model and data, and "
                              "print each pipeline rank's planned memory beside the dry run's (lightning-par check)")
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="plan again with each rough cluster figure (NVLink bus efficiency, attention efficiency, "
+                             "usable memory) a quarter lower and higher, and print the pick each time")
+    parser.add_argument("--published", action="store_true",
+                        help="print the published runs the model is held to: each row's ratio in sample, left out "
+                             "alone and left out with its source, the fitted constants, and the spread over each "
+                             "row's open choices (docs/planner.md, Published runs), then exit")
     parser.add_argument("--all", action="store_true", help="rank every layout the cost model understands, not only "
                         "those this version of lightning_par composes")
     return parser
@@ -146,6 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["plan"]:
         argv = argv[1:]
     options = _parser().parse_args(argv)
+    if options.published:
+        from lightning_par.planner.published_report import published_report
+
+        print(published_report())
+        return
     config: dict = {}
     if options.config is not None:
         import yaml
@@ -209,6 +223,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"lightning-par plan: {error}") from None
     print(format_table(candidates, top=options.top))
     print(explain(candidates))
+    hinge = residual_sensitivity(candidates)
+    if hinge:
+        print(hinge)
+    if options.sensitivity and not loader_batch:
+        print(cluster_sensitivity(lambda changed: plan_layouts(model, changed, training, fixed=fixed,
+                                                               composable=composable), cluster))
     if options.check:
         from lightning_par.cli.plan_check import check_candidates  # runs the strategies: Lightning's layer
 

@@ -31,9 +31,16 @@ from lightning_par.layout.dimensions import FIELD_NAMES
 #: or one per stage (DualPipeV feeds micro-batches from both ends of the V).
 MicrobatchFloor = Literal["any", "one per rank", "one per stage"]
 
-#: Of the fill-and-drain bubble, what a zero-bubble schedule leaves: its bubble is zero only when forward, input- and
-#: weight-gradient passes take equal time (Qi et al. 2024), which real blocks do not.
-ZERO_BUBBLE_RESIDUAL = 0.1
+#: The idle unit of ZB-V and DualPipeV, one chunk's forward, as a share of 1F1B's idle slot (a whole rank's forward and
+#: backward of one micro-batch): a chunk is half the rank, and its forward a third of its forward, input- and
+#: weight-gradient passes when the three take equal time. Derived from the order the runtime runs ZB-V in (torch's
+#: ``ScheduleZBVZeroBubble``), not fitted: replayed with equal passes
+#: (``lightning_par.parallel.pipeline.bubble.simulated_bubble``), a rank idles ``max(p - 1, 2(2p - 1 - m))`` such
+#: units of its ``6m`` (tests/test_schedules.py replays torch's order at several p and m); docs/performance.md's
+#: benchmark records the same idle shares from running ranks (0.020 at p=2, 0.059 at p=4, m=8: 1/49 and 3/51).
+#: Unequal passes change it: with full recomputation inside the input-gradient pass (I twice F) the replay gives 1/4,
+#: with I three times W 1/3 (the planner prints a plan's sensitivity to it).
+ZERO_BUBBLE_RESIDUAL = 1 / 6
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,9 @@ def _fill_and_drain_of_chunks(p: int, m: int, v: int) -> float:
 
 
 def _filled_with_weight_passes(p: int, m: int, v: int) -> float:
-    return (p - 1) / m * ZERO_BUBBLE_RESIDUAL
+    # The last rank waits p - 1 chunk forwards to start; with fewer than (3p - 1)/2 micro-batches the V is not full
+    # either, and each missing micro-batch leaves two more units (the replay of torch's order, ZERO_BUBBLE_RESIDUAL).
+    return max(p - 1, 2 * (2 * p - 1 - m)) / m * ZERO_BUBBLE_RESIDUAL
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in (

@@ -8,39 +8,50 @@ preset describing the hardware the figure came from. The throughput is compared 
   and peak memory (GiB, the maximum over ranks). Runs there use FSDP2 with bf16 parameters and fp32
   reductions; pipeline runs use torchtitan's defaults of that version: as many micro-batches as stages
   (``pipeline_parallel_microbatches`` unset) and two stages per rank for the interleaved schedule
-  (``generate_split_points``), FSDP not resharding after forward.
+  (``generate_split_points``), FSDP not resharding after forward. The 8B rows ran torchtitan's per-op selective
+  checkpointing, which this runtime does not have: they are costed at full recomputation (their ``OpenChoice``).
 * Megatron-LM (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
   Megatron-LM", table 2): TFLOP/s per GPU counted by their eq. 3, ``96·B·s·l·h²(1 + s/6h + V/16lh)`` per
   iteration, which includes the recomputed forward. GPT models: vocabulary 51,200, sequence 2,048, tied
   embeddings, 4h GeLU MLP, full recomputation, A100 80 GB (Selene: 8 x 200 Gb/s HDR per node).
 * Megatron-Core's MoE README (MCore v0.8): Mixtral 8x7B model TFLOP/s per GPU (the ``6N + 12·L·h·s`` model
-  FLOPs, :attr:`StepTime.model_flops`) on 64 H100 SXM.
+  FLOPs, :attr:`StepTime.model_flops`) on 64 H100 SXM; the recomputation is not published (selective here, the
+  least that fits).
 * Llama 3 (Dubey et al. 2024, "The Llama 3 Herd of Models", table 4): Llama 3 405B, BF16 TFLOP/s per GPU on
   H100 SXM (80 GB, 400 Gb/s per GPU) with 16M tokens per batch, at 8K context on 8,192 and 16,384 GPUs and at 128K
-  on 16,384 with context parallel. FSDP keeps parameters gathered between micro-batches; the interleaved
-  schedule's virtual stages are not published (two here, torchtitan's default). The paper trains 8K sequences
-  without activation checkpointing; with cp = 16 each rank of the 128K run holds as many tokens as there, so it is
-  costed without recomputation too (this project's sequence parallel keeps the gathered input of each region,
-  which Llama 3's implementation does not, so here such a layout would need recomputation to fit).
+  on 16,384 with context parallel. FSDP keeps parameters gathered between micro-batches. The paper trains without
+  activation checkpointing; this runtime keeps more activations (its sequence parallel keeps the gathered input of
+  each region) and fits these layouts only with full recomputation. The interleaved schedule's virtual stages are
+  not published (two here, torchtitan's default).
 
+Every setting a source leaves open, or states in a form this runtime cannot run, is an :class:`OpenChoice` of its
+row: the options, the one costed and why (``lightning_par.planner.published_report.choices_table`` costs them all).
 ``ratio`` is predicted over published throughput: above 1 the model is optimistic.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_par.layout.config import ParallelConfig
 from lightning_par.planner.cluster import ClusterSpec, GiB
 from lightning_par.planner.model import ModelSpec
-from lightning_par.planner.search import Candidate, TrainingSpec, evaluate
+from lightning_par.planner.refit import cluster_overrides
+from lightning_par.planner.memory import MemoryBreakdown
+from lightning_par.planner.search import Candidate, TrainingSpec, evaluate, layout_memory
 
 TORCHTITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 MEGATRON = "Narayanan et al. 2021, table 2"
 MCORE_MOE = "Megatron-LM megatron/core/transformer/moe/README.md (MCore v0.8)"
 LLAMA3 = "Dubey et al. 2024, table 4"
-TORCHTITAN_OP_SAC = 1 / 6  # half the forward matmuls (torchtitan's selective_ac_option="op" saves every other mm)
+# The sources a leave-one-source-out pass removes together. Megatron-Core's MoE benchmark is a source of its own: other
+# hardware (H100 SXM), other code (Megatron-Core and Transformer Engine, 2024) and other authors than the 2021 paper.
+FAMILIES = {TORCHTITAN: "torchtitan", MEGATRON: "Megatron-LM 2021", MCORE_MOE: "Megatron-Core MoE",
+            LLAMA3: "Llama 3"}
 
 
 def gpt(hidden: int, layers: int, heads: int) -> ModelSpec:
@@ -53,6 +64,20 @@ def megatron_flops(model: ModelSpec, batch: int, seq_len: int) -> float:
     """FLOPs of one iteration by Narayanan et al. 2021, eq. 3 (forward, backward and the recomputed forward)."""
     h, layers = model.hidden, model.layers
     return 96 * batch * seq_len * layers * h**2 * (1 + seq_len / (6 * h) + model.vocab_size / (16 * layers * h))
+
+
+@dataclass(frozen=True)
+class OpenChoice:
+    """A setting the source leaves open, or states in a form this runtime cannot run: the ``options`` it could be
+    (a label each, with the ``ParallelConfig`` fields that make it), the one the table costs (``chosen``) and why."""
+
+    setting: str
+    options: tuple[tuple[str, dict[str, Any]], ...]
+    chosen: str
+    reason: str
+
+    def fields(self, label: str) -> dict[str, Any]:
+        return dict(self.options)[label]
 
 
 @dataclass(frozen=True)
@@ -76,35 +101,48 @@ class PublishedRun:
     float8: bool = False
     notes: str = ""
     overrides: dict[str, Any] = field(default_factory=dict)
-    # Forward matmul work recomputed beyond what ``config.activation_checkpointing`` reruns, as a fraction of the
-    # blocks' linear-layer time (forward + backward): torchtitan's selective "op" policy saves only every
-    # second matmul output, so half the forward matmuls (1/6 of forward + backward) run again.
-    extra_linear_recompute: float = 0.0
-    # The calibration constants (lightning_par/planner/cluster.py, time.py) whose value was read off this row's
-    # figure; a row that fits none is held out: nothing in the model was chosen to match it.
+    # The calibration constants (lightning_par.planner.refit.FITTED) fitted to this row's figure; a row that names
+    # none is held out: lightning_par.planner.refit.fit never reads it.
     fits: tuple[str, ...] = ()
+    open_choices: tuple[OpenChoice, ...] = ()
 
     @property
     def held_out(self) -> bool:
         return not self.fits
 
     @property
-    def cluster(self) -> ClusterSpec:
-        return ClusterSpec.from_preset(self.device, nodes=self.nodes, devices_per_node=8, **self.overrides)
+    def family(self) -> str:
+        """The source, as a leave-one-source-out pass groups rows."""
+        return next(family for source, family in FAMILIES.items() if self.source.startswith(source))
+
+    def cluster(self, constants: Mapping[str, float] | None = None) -> ClusterSpec:
+        """The preset of the run's hardware; ``constants``: fitted values to cost it with instead of the code's."""
+        fitted = cluster_overrides(constants, self.device) if constants else {}
+        return ClusterSpec.from_preset(self.device, nodes=self.nodes, devices_per_node=8,
+                                       **{**fitted, **self.overrides})
 
     @property
     def global_batch(self) -> int:
         return self.config.dp * self.microbatch_size * self.microbatches
 
-    def candidate(self) -> Candidate:
+    @property
+    def training(self) -> TrainingSpec:
+        return TrainingSpec(global_batch_size=self.global_batch, seq_len=self.seq_len,
+                            microbatch_size=self.microbatch_size, compiled=self.compiled, float8=self.float8)
+
+    @functools.cached_property
+    def memory(self) -> MemoryBreakdown:
+        """The layout's memory: no fitted constant changes it, so a refit costs it once."""
+        return layout_memory(self.model, self.training, self.config, self.microbatches, self.microbatch_size)
+
+    def candidate(self, constants: Mapping[str, float] | None = None) -> Candidate:
         """The run's own layout, costed (never the planner's favourite)."""
-        training = TrainingSpec(global_batch_size=self.global_batch, seq_len=self.seq_len,
-                                microbatch_size=self.microbatch_size, compiled=self.compiled, float8=self.float8)
-        return evaluate(self.model, self.cluster, training, self.config, self.microbatches, self.microbatch_size)
+        return evaluate(self.model, self.cluster(constants), self.training, self.config, self.microbatches,
+                        self.microbatch_size, memory=self.memory)
 
     def throughput(self, step_seconds: float) -> float:
         """A step time in the run's published unit."""
-        world = self.cluster.world_size
+        world = self.nodes * 8
         if self.unit == "tokens/s/GPU":
             return self.global_batch * self.seq_len / step_seconds / world
         if self.unit == "TFLOP/s/GPU (eq. 3)":
@@ -112,19 +150,21 @@ class PublishedRun:
         tokens = self.global_batch * self.seq_len
         return self.model.flops_per_token(self.seq_len) * tokens / step_seconds / world / 1e12
 
-    def step_time(self) -> float:
-        """Predicted seconds per step of the run's own layout."""
-        time = self.candidate().time
-        return time.total + self.extra_linear_recompute * time.work.get("linear", 0.0)
+    def predicted(self, constants: Mapping[str, float] | None = None) -> float:
+        return self.throughput(self.candidate(constants).time.total)
 
-    def predicted(self) -> float:
-        return self.throughput(self.step_time())
-
-    def ratio(self) -> float:
-        return self.predicted() / self.published
+    def ratio(self, constants: Mapping[str, float] | None = None) -> float:
+        return self.predicted(constants) / self.published
 
     def predicted_memory_gib(self) -> float:
         return self.candidate().memory.total / GiB
+
+    def with_choices(self, labels: Mapping[str, str]) -> PublishedRun:
+        """This run with some open choices set to other options (``{setting: label}``)."""
+        changes: dict[str, Any] = {}
+        for choice in self.open_choices:
+            changes.update(choice.fields(labels.get(choice.setting, choice.chosen)))
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, **changes))
 
 
 def _fsdp(**sizes: Any) -> dict[str, Any]:
@@ -132,6 +172,28 @@ def _fsdp(**sizes: Any) -> dict[str, Any]:
     tp = sizes.get("tp", 1)
     return dict(zero_stage=3, param_dtype="bf16", reduce_dtype="fp32", sequence_parallel=tp > 1, loss_parallel=tp > 1,
                 **sizes)
+
+
+def _recomputation(chosen: str, reason: str) -> OpenChoice:
+    return OpenChoice("activation checkpointing", tuple((mode, {"activation_checkpointing": mode})
+                                                        for mode in ("none", "selective", "full")), chosen, reason)
+
+
+# torchtitan's 8B rows ran its per-op selective checkpointing, which keeps every second matmul output; this runtime's
+# selective mode keeps them all (88.8 GiB a rank at FSDP 8, over the 86.4 usable of 96 GB), so the three 8B layouts are
+# costed alike at full recomputation, the mode of this runtime that fits them all.
+_TORCHTITAN_8B_RECOMPUTATION = _recomputation(
+    "full", "torchtitan's per-op selective checkpointing is no mode of this runtime; its selective mode does not fit "
+    "FSDP 8 (88.8 GiB of 86.4 usable), full fits every 8B layout")
+
+
+def _torchtitan_8b(name: str, table: int, nodes: int, published: float, memory: float, *, compiled: bool = False,
+                   float8: bool = False, notes: str, fits: tuple[str, ...] = ()) -> PublishedRun:
+    # FSDP over every GPU, local batch 2 of 8,192 tokens (tables 1 and 3).
+    config = ParallelConfig(dp_shard=8 * nodes, activation_checkpointing="full", **_fsdp())
+    return PublishedRun(name, f"{TORCHTITAN}, table {table}", ModelSpec.preset("llama3-8b"), "h100-96gb-500w", nodes,
+                        config, 8192, 2, 1, "tokens/s/GPU", published, memory, compiled=compiled, float8=float8,
+                        notes=notes, fits=fits, open_choices=(_TORCHTITAN_8B_RECOMPUTATION,))
 
 
 def _torchtitan_405b(schedule: str, published: float, memory: float) -> PublishedRun:
@@ -157,36 +219,41 @@ def _megatron(model: ModelSpec, *, pp: int, dp: int, tp: int, batch: int, publis
                         fits=fits)
 
 
+_LLAMA3_CHOICES = (
+    _recomputation("full", "the paper trains without activation checkpointing; this runtime keeps more activations "
+                   "(its sequence parallel keeps each region's gathered input) and fits only with full recomputation"),
+    OpenChoice("virtual stages", (("1 (1F1B)", {"pp_schedule": "1f1b"}),
+                                  *((str(v), {"pp_schedule": "interleaved_1f1b", "pp_virtual_stages": v})
+                                    for v in (2, 3, 4))),
+               "2", "not published: two, torchtitan's default and the planner's"),
+)
+
+
 def _llama3_405b(gpus: int, seq_len: int, *, dp: int, cp: int, published: float) -> PublishedRun:
     # TP 8 x CP x PP 16 x DP, 16M tokens per batch in micro-batches of one sequence.
     microbatches = 2**24 // seq_len // dp
     config = ParallelConfig(pp=16, dp_shard=dp, cp=cp, cp_method="ring", pp_schedule="interleaved_1f1b",
                             microbatches=microbatches, pp_virtual_stages=2, reshard_after_forward=False,
-                            **_fsdp(tp=8))
+                            activation_checkpointing="full", **_fsdp(tp=8))
     layout = f"TP 8{f' CP {cp}' if cp > 1 else ''} PP 16 DP {dp}"
     return PublishedRun(f"Llama 3 405B, {gpus:,} GPUs, {layout}, {seq_len // 1024}K", LLAMA3,
                         ModelSpec.preset("llama3-405b"), "h100-80gb", gpus // 8, config, seq_len, 1, microbatches,
                         "model TFLOP/s/GPU", published, compiled=True,
-                        notes="no recomputation; FSDP gathered between micro-batches; fused kernels as compile")
+                        notes="full recomputation; FSDP gathered between micro-batches; fused kernels as compile",
+                        open_choices=_LLAMA3_CHOICES)
 
 
 GPT_175B = gpt(12288, 96, 96)  # table 2's 174.6B
 GPT_530B = gpt(20480, 105, 128)  # table 2's 529.6B
 
 PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
-    PublishedRun("Llama 3.1 8B, 8 GPUs, FSDP 8", f"{TORCHTITAN}, table 1", ModelSpec.preset("llama3-8b"),
-                 "h100-96gb-500w", 1, ParallelConfig(dp_shard=8, activation_checkpointing="selective", **_fsdp()),
-                 8192, 2, 1, "tokens/s/GPU", 5762, 82.4, notes="eager", extra_linear_recompute=TORCHTITAN_OP_SAC,
-                 fits=("H100_500W_MATMUL_EFFICIENCY", "ELEMENTWISE_PASSES_H", "ELEMENTWISE_PASSES_F")),
-    PublishedRun("Llama 3.1 8B, 8 GPUs, FSDP 8, compile + Float8", f"{TORCHTITAN}, table 1",
-                 ModelSpec.preset("llama3-8b"), "h100-96gb-500w", 1,
-                 ParallelConfig(dp_shard=8, activation_checkpointing="selective", **_fsdp()), 8192, 2, 1,
-                 "tokens/s/GPU", 8532, 76.8, compiled=True, float8=True, notes="torch.compile, Float8",
-                 extra_linear_recompute=TORCHTITAN_OP_SAC,
-                 fits=("COMPILED_ELEMENTWISE_FRACTION", "FLOAT8_MATMUL_EFFICIENCY")),
-    PublishedRun("Llama 3.1 8B, 128 GPUs, FSDP 128", f"{TORCHTITAN}, table 3", ModelSpec.preset("llama3-8b"),
-                 "h100-96gb-500w", 16, ParallelConfig(dp_shard=128, activation_checkpointing="selective", **_fsdp()),
-                 8192, 2, 1, "tokens/s/GPU", 5605, 67.0, notes="eager", extra_linear_recompute=TORCHTITAN_OP_SAC),
+    _torchtitan_8b("Llama 3.1 8B, 8 GPUs, FSDP 8", 1, 1, 5762, 82.4, notes="eager",
+                   fits=("H100_500W_MATMUL_EFFICIENCY",)),
+    _torchtitan_8b("Llama 3.1 8B, 8 GPUs, FSDP 8, compile", 1, 1, 6667, 77.0, compiled=True, notes="torch.compile",
+                   fits=("COMPILED_ELEMENTWISE_FRACTION",)),
+    _torchtitan_8b("Llama 3.1 8B, 8 GPUs, FSDP 8, compile + Float8", 1, 1, 8532, 76.8, compiled=True, float8=True,
+                   notes="torch.compile, Float8", fits=("FLOAT8_MATMUL_EFFICIENCY",)),
+    _torchtitan_8b("Llama 3.1 8B, 128 GPUs, FSDP 128", 3, 16, 5605, 67.0, notes="eager"),
     PublishedRun("Llama 3.1 70B, 256 GPUs, FSDP 32 TP 8", f"{TORCHTITAN}, table 4", ModelSpec.preset("llama3-70b"),
                  "h100-96gb-500w", 32, ParallelConfig(dp_shard=32, activation_checkpointing="full", **_fsdp(tp=8)),
                  8192, 16, 1, "tokens/s/GPU", 829, 71.9, compiled=True, float8=True, notes="torch.compile, Float8"),
@@ -205,46 +272,17 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
               fits=("INFINIBAND_BUS_EFFICIENCY", "COLLECTIVE_OVERLAP")),
     PublishedRun("Mixtral 8x7B, 64 GPUs, EP 8 PP 4 (VP 8) DP 16", MCORE_MOE, ModelSpec.preset("mixtral-8x7b"),
                  "h100-80gb", 8, ParallelConfig(pp=4, dp_shard=16, ep=8, zero_stage=1, pp_schedule="interleaved_1f1b",
-                                                microbatches=16, pp_virtual_stages=8),
+                                                microbatches=16, pp_virtual_stages=8,
+                                                activation_checkpointing="selective"),
                  4096, 1, 16, "model TFLOP/s/GPU", 438, compiled=True,
                  notes="distributed optimizer (ZeRO-1); Transformer Engine's fused kernels stand for torch.compile",
-                 fits=("H100_MATMUL_EFFICIENCY",)),
+                 fits=("H100_MATMUL_EFFICIENCY",),
+                 open_choices=(_recomputation("selective", "not published: the least recomputation that fits this "
+                                              "runtime (none needs 95.7 GiB of 72 usable)"),)),
     _llama3_405b(8192, 8192, dp=64, cp=1, published=430),
     _llama3_405b(16384, 8192, dp=128, cp=1, published=400),
     _llama3_405b(16384, 131072, dp=8, cp=16, published=380),
 )
 
 
-def published_table(runs: tuple[PublishedRun, ...] = PUBLISHED_RUNS) -> str:
-    """The markdown table of docs/planner.md: each run, its source, published and predicted figures, and the
-    constants fitted to it (or "held out"), then the error of the fitted and of the held-out rows."""
-    lines = ["| run | source | unit | published | predicted | ratio | memory GiB published / predicted | fits |",
-             "|---|---|---|---:|---:|---:|---|---|"]
-    for run in runs:
-        memory = f"{run.memory_gib:.1f} / {run.predicted_memory_gib():.1f}" if run.memory_gib else "-"
-        fits = ", ".join(f"`{name}`" for name in run.fits) or "held out"
-        lines.append(f"| {run.name} | {run.source} | {run.unit} | {run.published:,.0f} | {run.predicted():,.0f} | "
-                     f"{run.ratio():.2f} | {memory} | {fits} |")
-    lines.append("")
-    for label, held_out in (("fitted", False), ("held out", True)):
-        error = throughput_error([run for run in runs if run.held_out == held_out])
-        lines.append(f"- {label}: {error.rows} rows, mean |ratio - 1| {error.mean:.3f}, largest {error.largest:.3f}")
-    return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class ThroughputError:
-    """How far the predictions of some rows are from their published figures: ``|ratio - 1|``."""
-
-    rows: int
-    mean: float
-    largest: float
-
-
-def throughput_error(runs: list[PublishedRun]) -> ThroughputError:
-    errors = [abs(run.ratio() - 1) for run in runs]
-    return ThroughputError(len(errors), sum(errors) / max(len(errors), 1), max(errors, default=0.0))
-
-
-__all__ = ["PublishedRun", "PUBLISHED_RUNS", "ThroughputError", "gpt", "megatron_flops", "published_table",
-           "throughput_error"]
+__all__ = ["FAMILIES", "OpenChoice", "PublishedRun", "PUBLISHED_RUNS", "gpt", "megatron_flops"]

@@ -59,24 +59,26 @@ from lightning_par.planner.model import ModelSpec
 
 SELECTIVE_RECOMPUTE_OVERHEAD = 0.03  # of the blocks' compute: element-wise ops rerun (Korthikanti, table 4)
 
-# ---- calibration against published runs (lightning_par.planner.published; docs/planner.md has the table)
 # HBM traffic of a block's element-wise ops in eager PyTorch, forward + backward, in reads and writes of an
-# activation-sized tensor per token: two RMSNorms with their fp32 casts, rotary on q and k, the layout copies
-# around attention, two residual adds (about 60 h-wide passes forward, twice that backward), and SwiGLU's silu
-# and product (about 5 f-wide passes forward). torchtitan's Llama 3.1 8B on 8 H100s runs at 5,762 tokens/s/GPU
-# eager and 6,667 compiled: 24 µs per token, what these passes cost at 2.4 TB/s less what a compiled block keeps.
+# activation-sized tensor per token, counted from the block's ops (not fitted): two RMSNorms with their fp32 casts,
+# rotary on q and k, the layout copies around attention, two residual adds (about 60 h-wide passes forward, twice that
+# backward), and SwiGLU's silu and product (about 5 f-wide passes forward, twice that backward).
 ELEMENTWISE_PASSES_H = 180
 ELEMENTWISE_PASSES_F = 15
-COMPILED_ELEMENTWISE_FRACTION = 0.35  # of the eager traffic left once torch.compile (Inductor) fuses the chains
-# Float8 linears (torchao, dynamic tensorwise scaling) against bf16, casts and scaling included: torchtitan's 8B
-# goes from 6,667 to 8,532 tokens/s/GPU compiled; with the other work unchanged, its linears ran 1.4x faster, i.e.
-# at 0.7 of what the doubled float8 peak would give (the casts and amax reductions around each GEMM, and GEMMs
-# too small to fill the tensor cores at twice the rate).
-FLOAT8_MATMUL_EFFICIENCY = 0.7
+
+# ---- calibration against published runs (lightning_par.planner.published; docs/planner.md has the table), fitted by
+# code (lightning_par.planner.refit.fit) to the rows that name each; tests/test_planner_published.py holds them to it.
+# Of the eager element-wise traffic, what is left once torch.compile (Inductor) fuses the chains: torchtitan's
+# Llama 3.1 8B on 8 H100s, 5,762 tokens/s/GPU eager and 6,667 compiled.
+COMPILED_ELEMENTWISE_FRACTION = 0.304
+# Float8 linears (torchao, dynamic tensorwise scaling), as a share of the doubled float8 peak against bf16's share of
+# the bf16 peak, casts and scaling included: torchtitan's 8B from 6,667 tokens/s/GPU compiled to 8,532 with Float8
+# (the casts and amax reductions around each GEMM, and GEMMs too small to fill the tensor cores at twice the rate).
+FLOAT8_MATMUL_EFFICIENCY = 0.729
 # Collectives overlapped with compute slow it (NCCL kernels take SMs and memory bandwidth) and wait for their
 # inputs: at most this fraction of the compute they run under hides them. Megatron's ZeRO-3 comparison
-# (Narayanan et al. 2021, table 2: 144 TFLOP/s at 384 A100s, 44 at 1,536) is gather-bound beyond that.
-COLLECTIVE_OVERLAP = 0.75
+# (Narayanan et al. 2021, table 2: 144 TFLOP/s at 384 A100s, 44 at 1,536), with INFINIBAND_BUS_EFFICIENCY.
+COLLECTIVE_OVERLAP = 0.676
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,12 @@ def _exposed(comm: float, overlap_with: float, units: int, overlap: float = COLL
     return max(comm - overlap * overlap_with, comm / max(units, 1))
 
 
+def _compiled_fraction(cluster: ClusterSpec) -> float:
+    if cluster.compiled_elementwise_fraction is None:
+        return COMPILED_ELEMENTWISE_FRACTION
+    return cluster.compiled_elementwise_fraction
+
+
 @functools.lru_cache(maxsize=4096)
 def _block_seconds(model: ModelSpec, cluster: ClusterSpec, moe: bool, *, tp: int, cp: int, sequence_parallel: bool,
                    seq_len: int, precision: str, compiled: bool, float8: bool) -> dict[str, float]:
@@ -157,7 +165,9 @@ def _block_seconds(model: ModelSpec, cluster: ClusterSpec, moe: bool, *, tp: int
         if cluster.peak_flops_fp8 is None:
             raise ValueError(f"float8 on {cluster.name}: the device has no float8 tensor cores (peak_flops_fp8 is "
                              "None); plan without float8, or give the cluster's float8 peak")
-        linear_rate = cluster.peak_flops_fp8 * cluster.compute_efficiency * FLOAT8_MATMUL_EFFICIENCY
+        float8_share = FLOAT8_MATMUL_EFFICIENCY if cluster.float8_matmul_efficiency is None \
+            else cluster.float8_matmul_efficiency
+        linear_rate = cluster.peak_flops_fp8 * cluster.compute_efficiency * float8_share
     seconds = {"linear": linear / linear_rate,
                "attention": attention / (peak * cluster.attention_rate_fraction)}
     seconds = {kind: value / (tp * cp) for kind, value in seconds.items()}
@@ -167,7 +177,7 @@ def _block_seconds(model: ModelSpec, cluster: ClusterSpec, moe: bool, *, tp: int
         h = model.hidden / (tp if sequence_parallel else 1)  # norms, residual adds: split by tp only under SP
         passes = ELEMENTWISE_PASSES_H * h + ELEMENTWISE_PASSES_F * ffn / tp
         seconds["elementwise"] = passes * matmul_activation_bytes(precision) / cluster.memory_bandwidth / cp \
-            * (COMPILED_ELEMENTWISE_FRACTION if compiled else 1.0)
+            * (_compiled_fraction(cluster) if compiled else 1.0)
     return seconds
 
 
