@@ -6,6 +6,8 @@ files litdata writes and the order it reads them in are held to these in tests/t
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -84,3 +86,14 @@ def test_the_share_check_names_the_first_sample_no_share_holds() -> None:
     assert first_misread(shifted, [0, 0], replicas=2, accumulate=1, index=index) == (
         1, "replica 1 trained at step 2 on a sample that is not a window of the shard files (seq_len + 1 tokens cut "
            "from a shard file's start, without overlap: docs/data.md, 'Samples')")
+
+
+def test_the_reference_shares_no_code_with_the_loader() -> None:
+    """With litdata unimportable the reference's modules import, and they import neither of the loader's modules."""
+    code = ("import sys\n"
+            "sys.modules['litdata'] = None  # as if not installed\n"
+            "import lightning_par.data.shard_windows, lightning_par.data.share_check\n"
+            "print(sorted(name for name in sys.modules if name in ('lightning_par.data.shards', "
+            "'lightning_par.data.streaming')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
