@@ -126,8 +126,9 @@ def test_a_streamed_share_that_overlaps_or_skips_a_window_fails_at_the_first_ste
         return
     assert not result["passed"] and result["parted_at"] == 1, verdict
     if data == "OverlappingShares":
-        assert re.fullmatch(r"FAIL at step 1: replica 1 read at step 1 window \d+ of \S+, which replica 0 read at step "
-                            r"1 of this epoch: the replicas' shares overlap \(docs/data.md, 'Shares'\)", verdict), verdict
+        overlap = (r"FAIL at step 1: replica 1 read at step 1 window \d+ of \S+, which replica 0 read at step 1 of "
+                   r"this epoch: the replicas' shares overlap \(docs/data.md, 'Shares'\)")
+        assert re.fullmatch(overlap, verdict), verdict
         return
     read, given = re.fullmatch(r"FAIL at step 1: replica 1 read at step 1 windows \[(\d+), .*\] of the shard files "
                                r"where their documented order gives it windows \[(\d+), .*\] \(docs/data.md, "

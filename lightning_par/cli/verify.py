@@ -11,12 +11,17 @@ Two runs of ``--steps`` optimizer steps from the config's seed:
 - the reference is Lightning's own single-device loop in this process, with the config's model, optimizer, schedule,
   accumulation, clipping and precision, fed the global batches it draws itself from the config's data module: the
   data module read at world size 1, its order dealt to the layout run's data-parallel replicas as Lightning's
-  ``DistributedSampler`` deals it (:mod:`lightning_par.data.drawn`), each step's replica batches joined.
+  ``DistributedSampler`` deals it (:mod:`lightning_par.data.drawn`), each step's replica batches joined; streamed
+  token shards read without shuffling, from the shard files themselves in their documented order, by code that
+  shares nothing with the loader (:mod:`lightning_par.data.shard_windows`).
 
 Each step's samples, loss, whole-model gradient norm and weights are compared. PASS when the layout run trained on
 the samples one process drew and all figures stay within ``--tolerance`` (relative; 1e-5 holds in fp32 on CPU),
 else the first step where the runs part, and why: the data (replicas that read the same samples, or other samples
-than one process draws), or the parameter that differs most. A model too large for this machine is shrunk with fit
+than one process draws), or the parameter that differs most. The samples of streamed token shards are also checked
+against the shard files whatever their order (:mod:`lightning_par.data.share_check`: each a window of the files, none
+read more often in an epoch than the files hold it), which is what stands for the order where it is litdata's own
+(shuffled, loader workers, a mixture). A model too large for this machine is shrunk with fit
 options (``--model.init_args.n_layers=2``); the report names every option given on top of the config. Exits 1 when
 the runs part.
 """

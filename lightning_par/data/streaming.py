@@ -196,8 +196,8 @@ class StreamingTokenDataModule(pl.LightningDataModule):
 
     def replica_dataloader(self, replica: int, replicas: int) -> Any:
         """The training loader of data-parallel replica ``replica`` of ``replicas``, in any process: how this module
-        deals its shards to the replicas, which ``lightning-par verify``'s one-process reference reads
-        (lightning_par/data/drawn.py)."""
+        deals its shards to the replicas, which ``lightning-par verify``'s one-process reference reads where the
+        order is litdata's own (shuffled, loader workers, a mixture; lightning_par/data/drawn.py)."""
         return self._loader("train", shuffle=self.shuffle, world=(replicas, replica))
 
     def streamed_training(self) -> StreamedTraining:
