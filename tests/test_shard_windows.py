@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from lightning_par.data.shard_windows import ShardWindows, documented_order, read_windows
-from lightning_par.data.share_check import WindowIndex, first_misread
+from lightning_par.data.share_check import first_misread
 
 
 def _write_split(root: Path, files: list[list[list[int]]], dtype: str = "uint16") -> None:
@@ -66,25 +66,32 @@ def test_the_documented_order_deals_each_replica_a_contiguous_range() -> None:
 def test_the_share_check_names_the_first_sample_no_share_holds() -> None:
     """Windows 0-7 of one file, two of them with the same tokens (1 and 5): a share read in the documented order
     passes, and again in the next epoch; a window read by two replicas, a window read twice where the file holds its
-    tokens once, and a sample cut off a window boundary each fail at their step, naming the replica."""
+    tokens once, a sample cut off a window boundary and one that begins as a window does but ends otherwise each
+    fail at their step, naming the replica."""
     tokens = np.arange(16).reshape(8, 2)
     tokens[5] = tokens[1]
-    index = WindowIndex({"corpus": ShardWindows((tokens,))})
+    sources = {"corpus": ShardWindows((tokens,))}
     batches = [tokens[[0, 1, 4, 5]], tokens[[2, 3, 6, 7]]]
-    assert first_misread(batches, [0, 0], replicas=2, accumulate=1, index=index) is None
-    assert first_misread(batches * 2, [0, 0, 1, 1], replicas=2, accumulate=1, index=index) is None
+    assert first_misread(batches, [0, 0], replicas=2, accumulate=1, sources=sources) is None
+    assert first_misread(batches * 2, [0, 0, 1, 1], replicas=2, accumulate=1, sources=sources) is None
     overlap = [batches[0], tokens[[2, 3, 2, 3]]]
-    assert first_misread(overlap, [0, 0], replicas=2, accumulate=1, index=index) == (
+    assert first_misread(overlap, [0, 0], replicas=2, accumulate=1, sources=sources) == (
         1, "replica 1 read at step 2 window 2 of corpus, which replica 0 read at step 2 of this epoch: the replicas' "
            "shares overlap (docs/data.md, 'Shares')")
     thrice = [tokens[[1, 0, 5, 4]], tokens[[1, 3, 6, 7]]]  # tokens[1] is held twice, read three times
-    reason = first_misread(thrice, [0, 0], replicas=2, accumulate=2, index=index)
+    reason = first_misread(thrice, [0, 0], replicas=2, accumulate=2, sources=sources)
     assert reason is not None and reason[0] == 1
     assert reason[1].startswith("replica 0 read at step 1 window 1 of corpus, which replica 0 read at step 1")
     assert reason[1].endswith("(2 windows of the files hold its tokens)")
     shifted = [batches[0], np.stack([tokens[2], tokens[3], tokens[6], np.r_[tokens[6][1], tokens[7][0]]])]
-    assert first_misread(shifted, [0, 0], replicas=2, accumulate=1, index=index) == (
+    assert first_misread(shifted, [0, 0], replicas=2, accumulate=1, sources=sources) == (
         1, "replica 1 trained at step 2 on a sample that is not a window of the shard files (seq_len + 1 tokens cut "
+           "from a shard file's start, without overlap: docs/data.md, 'Samples')")
+    long_windows = {"corpus": ShardWindows((np.arange(40).reshape(4, 10),))}
+    last_token_off = np.arange(40).reshape(4, 10)[[2, 3]]
+    last_token_off[1, -1] += 1  # begins as window 3 does
+    assert first_misread([last_token_off], [0], replicas=2, accumulate=1, sources=long_windows) == (
+        0, "replica 1 trained at step 1 on a sample that is not a window of the shard files (seq_len + 1 tokens cut "
            "from a shard file's start, without overlap: docs/data.md, 'Samples')")
 
 

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from lightning_par.cli.lightning_cli import quiet_lightning
 from lightning_par.data.drawn import OneProcessData, join_batches, samples_of, streamed_training_of
-from lightning_par.data.shard_windows import StreamedTraining
+from lightning_par.data.shard_windows import ShardWindows, StreamedTraining
 from lightning_par.data.share_check import WindowIndex, first_misread
 
 __all__ = ["Comparison", "Run", "VerifyCommand", "compare", "format_comparison", "main", "read_command",
@@ -120,10 +120,10 @@ def read_layout_run(folder: Path) -> Run:
 def _data_parted(layout: Run, reference: Run) -> tuple[int, str] | None:
     """The first optimizer step whose global batches hold other samples in the two runs, or (streamed token shards)
     samples that are no share of the shard files, and why."""
-    index = WindowIndex(reference.streamed.windows()) if reference.streamed is not None else None
-    if index is not None:
+    sources = reference.streamed.windows() if reference.streamed is not None else None
+    if sources is not None:
         misread = first_misread([batch.numpy() for batch in layout.batches], layout.epochs, layout.replicas,
-                                reference.accumulate, index)
+                                reference.accumulate, sources)
         if misread is not None:
             return misread[0] // reference.accumulate + 1, misread[1]
     for m, (trained, drawn) in enumerate(zip(layout.batches, reference.batches)):
@@ -131,8 +131,8 @@ def _data_parted(layout: Run, reference: Run) -> tuple[int, str] | None:
         if trained_samples == drawn_samples:
             continue
         step = m // reference.accumulate + 1
-        if index is not None and reference.streamed.in_documented_order:
-            return step, _out_of_order(trained, drawn, layout.replicas, step, index)
+        if sources is not None and reference.streamed.in_documented_order:
+            return step, _out_of_order(trained, drawn, layout.replicas, step, sources)
         if layout.same_samples is not None and layout.same_samples[0] <= m:
             _, a, b = layout.same_samples
             return step, (f"data-parallel replicas {a} and {b} read the same samples (the data module does not split "
@@ -146,9 +146,11 @@ def _data_parted(layout: Run, reference: Run) -> tuple[int, str] | None:
     return None
 
 
-def _out_of_order(trained: Tensor, drawn: Tensor, replicas: int, step: int, index: WindowIndex) -> str:
+def _out_of_order(trained: Tensor, drawn: Tensor, replicas: int, step: int,
+                  sources: dict[str, ShardWindows]) -> str:
     """Which replica read which windows where the documented order gives it others (every sample is a window)."""
     per_replica = len(drawn) // replicas
+    index = WindowIndex(sources, [*trained.numpy(), *drawn.numpy()])
     for replica in range(replicas):
         rows = slice(replica * per_replica, (replica + 1) * per_replica)
         if samples_of(trained[rows]) != samples_of(drawn[rows]):
