@@ -16,14 +16,14 @@ Two runs of ``--steps`` optimizer steps from the config's seed:
   shares nothing with the loader (:mod:`lightning_par.data.shard_windows`).
 
 Each step's samples, loss, whole-model gradient norm and weights are compared. PASS when the layout run trained on
-the samples one process drew and all figures stay within ``--tolerance`` (relative; 1e-5 holds in fp32 on CPU),
-else the first step where the runs part, and why: the data (replicas that read the same samples, or other samples
-than one process draws), or the parameter that differs most. The samples of streamed token shards are also checked
-against the shard files whatever their order (:mod:`lightning_par.data.share_check`: each a window of the files, none
-read more often in an epoch than the files hold it), which is what stands for the order where it is litdata's own
-(shuffled, loader workers, a mixture). A model too large for this machine is shrunk with fit
-options (``--model.init_args.n_layers=2``); the report names every option given on top of the config. Exits 1 when
-the runs part.
+the samples one process drew and all figures stay within ``--tolerance`` (relative; 1e-5 holds in fp32 on CPU), else
+the first step where the runs part, and why: the data (replicas that read the same samples, or other samples than
+one process draws), or the parameter that differs most. The samples of streamed token shards are also checked
+against the shard files whatever their order (:mod:`lightning_par.data.share_check`: each a window of the files,
+none read more often in an epoch than the files hold it), which is what stands for the order where it is litdata's
+own (shuffled, loader workers, a mixture). A model too large for this machine is shrunk with fit options
+(``--model.init_args.n_layers=2``); the report names every option given on top of the config. Exits 1 when the runs
+part.
 """
 
 from __future__ import annotations
@@ -148,16 +148,16 @@ def _data_parted(layout: Run, reference: Run) -> tuple[int, str] | None:
 
 def _out_of_order(trained: Tensor, drawn: Tensor, replicas: int, step: int,
                   sources: dict[str, ShardWindows]) -> str:
-    """Which replica read which windows where the documented order gives it others (every sample is a window)."""
+    """The first replica whose samples differ from the documented order's, the windows it read and those the order
+    gives it (every sample is a window of the files: checked before)."""
     per_replica = len(drawn) // replicas
+    blocks = [slice(replica * per_replica, (replica + 1) * per_replica) for replica in range(replicas)]
+    blocks[-1] = slice(blocks[-1].start, None)  # a layout batch longer than the order's differs in its last block
+    replica = next(r for r, rows in enumerate(blocks) if samples_of(trained[rows]) != samples_of(drawn[rows]))
     index = WindowIndex(sources, [*trained.numpy(), *drawn.numpy()])
-    for replica in range(replicas):
-        rows = slice(replica * per_replica, (replica + 1) * per_replica)
-        if samples_of(trained[rows]) != samples_of(drawn[rows]):
-            read, given = ([index.places_of(row.numpy())[0][1] for row in batch[rows]] for batch in (trained, drawn))
-            return (f"replica {replica} read at step {step} windows {read} of the shard files where their documented "
-                    f"order gives it windows {given} (docs/data.md, 'Shares')")
-    return "the replicas' samples are the documented order's, dealt to other replicas (docs/data.md, 'Shares')"
+    read, given = ([index.places_of(row)[0][1] for row in batch[blocks[replica]].numpy()] for batch in (trained, drawn))
+    return (f"replica {replica} read at step {step} windows {read} of the shard files where their documented order "
+            f"gives it windows {given} (docs/data.md, 'Shares')")
 
 
 def compare(layout: Run, reference: Run, tolerance: float) -> Comparison:

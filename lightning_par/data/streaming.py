@@ -202,7 +202,9 @@ class StreamingTokenDataModule(pl.LightningDataModule):
 
     def streamed_training(self) -> StreamedTraining:
         """How this module streams its training split, for a reader of the shard files that shares no code with
-        its loader (``lightning-par verify``'s reference, lightning_par/data/shard_windows.py); once set up."""
+        its loader (``lightning-par verify``'s reference, lightning_par/data/shard_windows.py)."""
+        if not self.prepared:
+            self.setup(None)
         sources = {data.directory: weight for data, weight in zip(self.prepared, self.sources.values())
                    if "train" in data.splits}
         return StreamedTraining(sources, self.seq_len, self.batch_size, in_documented_order=(
