@@ -12,7 +12,7 @@ PURE_PACKAGES = ("lightning_par.layout", "lightning_par.parallel", "lightning_pa
 # And the pure parts of the model and data packages.
 PURE_MODULES = ["lightning_par.models.llama", "lightning_par.data.corpus", "lightning_par.data.resumable",
                 "lightning_par.data.text", "lightning_par.data.documents", "lightning_par.data.prepare",
-                "lightning_par.data.shards"]
+                "lightning_par.data.shards", "lightning_par.data.shard_windows", "lightning_par.data.share_check"]
 # Commands that run without Lightning too (their Lightning parts are imported where an option needs them).
 PURE_COMMANDS = ["lightning_par.cli.plan"]
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")

@@ -234,18 +234,46 @@ def test_each_replica_reads_its_own_share_and_together_the_corpus(corpora: dict[
         assert total - union.total() == total % (replicas * BATCH), replicas
 
 
-def test_one_process_draws_what_the_replicas_read_epoch_after_epoch(corpora: dict[str, str]) -> None:
-    """``lightning-par verify``'s reference (lightning_par/data/drawn.py) over two shuffled epochs: each global batch is
-    the 2 replicas' batches joined, as each replica's own loader reads them in a run, the second epoch in its own
-    order."""
-    from lightning_par.data.drawn import OneProcessData
+def _documented_batches(split_dir: str, replicas: int) -> list[torch.Tensor]:
+    """One epoch's global batches in the documented order (docs/data.md, "Shares"), the windows read from the shard
+    files by this test's own parser."""
+    from lightning_par.data.shard_windows import documented_order
 
-    loaders = [_replica(corpora["bytes"], 2, rank).train_dataloader() for rank in range(2)]
-    expected = [torch.cat(batches) for _ in range(2) for batches in zip(*loaders)]
-    drawn = OneProcessData(_replica(corpora["bytes"]), replicas=2, seed=0).train_dataloader()
+    windows = _all_windows(split_dir)
+    return [torch.from_numpy(np.stack([np.frombuffer(windows[number], dtype=np.uint16) for number in numbers])
+                             .astype(np.int64)) for numbers in documented_order(len(windows), replicas, BATCH)]
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_one_process_draws_what_the_replicas_read_epoch_after_epoch(corpora: dict[str, str], replicas: int) -> None:
+    """Without shuffling, over two epochs: each replica's loader reads its rows of the documented order (the windows
+    in file order, cut to whole global batches, replica r the r-th contiguous range), and ``lightning-par verify``'s
+    reference (lightning_par/data/drawn.py) draws those global batches from the shard files without the loader.
+    Shuffled, the reference draws each epoch a share of the files (every window at most once, all but the last
+    partial global batch), the second epoch in another order."""
+    from lightning_par.data.drawn import OneProcessData
+    from lightning_par.data.shard_windows import read_windows
+
+    split = os.path.join(corpora["bytes"], "train")
+    assert [window.tobytes() for window in read_windows(corpora["bytes"], "train", SEQ_LEN)] == _all_windows(split)
+    expected = _documented_batches(split, replicas)
+    for rank in range(replicas):
+        loader = _replica(corpora["bytes"], replicas, rank, shuffle=False).train_dataloader()
+        rows = slice(rank * BATCH, (rank + 1) * BATCH)
+        for epoch in range(2):
+            read = list(loader)
+            assert len(read) == len(expected), (rank, epoch)
+            assert all(torch.equal(a, b[rows]) for a, b in zip(read, expected)), (rank, epoch)
+    drawn = OneProcessData(_replica(corpora["bytes"], shuffle=False), replicas, seed=0).train_dataloader()
     batches = [batch for _ in range(2) for batch in drawn]
-    assert len(batches) == len(expected) and all(torch.equal(a, b) for a, b in zip(batches, expected))
-    assert not torch.equal(batches[0], batches[len(batches) // 2])
+    assert len(batches) == 2 * len(expected) and all(torch.equal(a, b) for a, b in zip(batches, expected * 2))
+
+    windows = Counter(_all_windows(split))
+    shuffled = OneProcessData(_replica(corpora["bytes"]), replicas, seed=0).train_dataloader()
+    epochs = [_samples(shuffled) for _ in range(2)]
+    for samples in epochs:
+        assert Counter(samples) <= windows and len(samples) == len(expected) * replicas * BATCH
+    assert epochs[0] != epochs[1]
 
 
 def _resumed(data_dir: str, replicas: int, state: dict | None, workers: int, batches: int | None = None,
@@ -400,8 +428,8 @@ def test_bad_inputs_are_refused_with_the_file_or_value(corpora: dict[str, str], 
 
 # ------------------------------------------------------------------------------------------------ training
 class InMemoryWindows(lightning.LightningDataModule):
-    """The reference's data: the windows the replicas stream, each taken from the corpus tokenized in memory (found
-    there by its tokens), in the order of the global batches: step by step, replica by replica."""
+    """The reference's data: the windows of the documented order, each taken from the corpus tokenized in memory
+    (found there by its tokens), in the order of the global batches: step by step, replica by replica."""
 
     def __init__(self, samples: list[torch.Tensor], batch_size: int, separator: int) -> None:
         super().__init__()
@@ -412,23 +440,24 @@ class InMemoryWindows(lightning.LightningDataModule):
 
 
 def _in_memory(data_dir: str, documents: list[str], tokenizer: str, replicas: int, steps: int) -> InMemoryWindows:
-    """The replicas' first ``steps`` batches, each sample found in the tokens of ``documents`` (the training split's,
-    in their order) encoded in memory, and taken from there."""
+    """The first ``steps`` global batches of the documented order (the shard files read by this test, not by the
+    loader), each sample found in the tokens of ``documents`` (the training split's, in their order) encoded in
+    memory, and taken from there."""
     encoder = load_document_tokenizer(tokenizer)
     stream = np.asarray([token for ids in encoder.encode(documents) for token in ids], dtype=np.uint16).tobytes()
-    loaders = [iter(_replica(data_dir, replicas, rank).train_dataloader()) for rank in range(replicas)]
+    batches = _documented_batches(os.path.join(data_dir, "train"), replicas)
+    assert len(batches) >= steps, "the epoch is shorter than the run"
     samples = []
-    for _ in range(steps):
-        for loader in loaders:
-            for row in next(loader):
-                window = row.numpy().astype(np.uint16).tobytes()
-                offset = stream.find(window)
-                while offset >= 0 and offset % 2:  # a match must start on a token
-                    offset = stream.find(window, offset + 1)
-                assert offset >= 0, "a streamed window is not in the corpus tokenized in memory"
-                start = offset // 2
-                samples.append(torch.from_numpy(np.frombuffer(stream, dtype=np.uint16)[start:start + SEQ_LEN + 1]
-                                                .astype(np.int64)))
+    for batch in batches[:steps]:
+        for row in batch:
+            window = row.numpy().astype(np.uint16).tobytes()
+            offset = stream.find(window)
+            while offset >= 0 and offset % 2:  # a match must start on a token
+                offset = stream.find(window, offset + 1)
+            assert offset >= 0, "a window of the shard files is not in the corpus tokenized in memory"
+            start = offset // 2
+            samples.append(torch.from_numpy(np.frombuffer(stream, dtype=np.uint16)[start:start + SEQ_LEN + 1]
+                                            .astype(np.int64)))
     return InMemoryWindows(samples, BATCH, encoder.eos_token_id)
 
 
@@ -474,15 +503,17 @@ LAYOUTS = {
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_training_on_streamed_shards_matches_one_process_on_the_same_tokens_in_memory(corpora: dict[str, str],
                                                                                      world_size: int) -> None:
-    """20 AdamW steps of each layout on streamed shards against one process on the same windows of the corpus
-    tokenized in memory, in the global batches the replicas' shares make: the reference model on byte shards
+    """20 AdamW steps of each layout on shards streamed without shuffling against one process on the windows of the
+    corpus tokenized in memory, in the documented order's global batches (docs/data.md, "Shares": placed by this
+    test, not read from the loader): the reference model on byte shards
     under dp2 and pp2 x dp2, a Hugging Face Llama with packed documents (its masks from the shards' EOS) under tp2
     with sequence parallel and under cp2 (ring attention)."""
     from parity import layout_runs
 
     models = {"llama": _llama, "hf": functools.partial(_hf_model, corpora["model"])}
     cases = {name: case for name, case in LAYOUTS.items() if case[0] == world_size}
-    runs = {name: (models[model], functools.partial(_streamed, corpora[source]), functools.partial(_hybrid, **sizes))
+    runs = {name: (models[model], functools.partial(_streamed, corpora[source], shuffle=False),
+                   functools.partial(_hybrid, **sizes))
             for name, (_, source, model, sizes) in cases.items()}
     results = layout_runs(runs, world_size=world_size, steps=STEPS, timeout=540)
     for name, (_, source, model, sizes) in cases.items():

@@ -1,13 +1,14 @@
 """``lightning-par verify``: a shipped config's layout against one process over 20 steps of the global batches one
 process draws from the config's data module, PASS within 1e-5; a run that trains something else (replicas that read
-the same samples, an untied head, a dropped gradient average) FAILs at the step where the runs part, naming the data
-or the parameter; a model too large for the machine is refused with the way to shrink it, before any process
-starts."""
+the same samples, an untied head, a dropped gradient average, a streamed share that overlaps another or skips a
+window) FAILs at the step where the runs part, naming the data or the parameter; a model too large for the machine is
+refused with the way to shrink it, before any process starts."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from hf_directories import make_model_directory, write_corpus, write_instructions
 
 from lightning_par.cli.verify import Run, compare, main
+from lightning_par.data.shard_windows import read_windows
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -81,6 +83,58 @@ def test_replicas_that_read_the_same_samples_fail_at_the_first_step(tmp_path: Pa
     out = capsys.readouterr().out
     assert not result["passed"] and result["parted_at"] == 1, out
     assert "FAIL at step 1: data-parallel replicas 0 and 1 read the same samples" in out
+
+
+@pytest.fixture(scope="module")
+def byte_shards(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Byte shards of 60 KB of the standard library's sources, in documents of 1,000 characters, over several shard
+    files: 464 windows of 129 tokens in 12 files, 29 global batches of 2 replicas x 8."""
+    from installed import require
+
+    require("litdata")
+    from lightning_par.data.corpus import list_stdlib_documents
+    from lightning_par.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("shards")
+    text = "".join(path.read_text(errors="replace") for _, path in list_stdlib_documents()[:10])[:60_000]
+    documents = [text[start:start + 1000].replace("\0", " ") for start in range(0, len(text), 1000)]
+    (root / "documents.jsonl").write_text("".join(json.dumps({"text": document}) + "\n" for document in documents))
+    prepare(str(root / "documents.jsonl"), str(root / "bytes"), "bytes", num_workers=1, chunk_bytes="16KB",
+            verbose=False)
+    return str(root / "bytes")
+
+
+@pytest.mark.parametrize("data, shuffle", [("StreamingTokenDataModule", False), ("OverlappingShares", False),
+                                           ("OverlappingShares", True), ("SkipsAWindow", False)])
+def test_a_streamed_share_that_overlaps_or_skips_a_window_fails_at_the_first_step(
+        tmp_path: Path, faults_importable: None, capsys: pytest.CaptureFixture, byte_shards: str, data: str,
+        shuffle: bool) -> None:
+    """The streaming config at dp2 (2 processes, 2 steps) on byte shards. Without shuffling, the reference reads the
+    shard files itself in the documented order and PASSes against the streaming loader; a loader fault is in the
+    run and in every read of the loader (tests/verify_faults.py): every replica reading replica 0's windows FAILs on
+    the share check, shuffled too (the order is then litdata's, the share still checked from the files), and the last
+    replica starting one window late FAILs on the order, naming the windows."""
+    module = "lightning_par.data" if data == "StreamingTokenDataModule" else "verify_faults"
+    result = _verify(tmp_path, "pretrain_streaming.yaml", f"--data={module}.{data}",
+                     f"--data.init_args.data_dir={byte_shards}", "--data.init_args.prepare_from=null",
+                     f"--data.init_args.shuffle={str(shuffle).lower()}", "--model.init_args.n_layers=2",
+                     *(f"--trainer.strategy.init_args.{size}_parallel_size=1" for size in ("tensor", "pipeline")),
+                     "--world-size", "2", "--steps", "2")
+    verdict = capsys.readouterr().out.strip().splitlines()[-1]
+    if data == "StreamingTokenDataModule":
+        assert result["passed"], verdict
+        return
+    assert not result["passed"] and result["parted_at"] == 1, verdict
+    if data == "OverlappingShares":
+        overlap = (r"FAIL at step 1: replica 1 read at step 1 window \d+ of \S+, which replica 0 read at step 1 of "
+                   r"this epoch: the replicas' shares overlap \(docs/data.md, 'Shares'\)")
+        assert re.fullmatch(overlap, verdict), verdict
+        return
+    read, given = re.fullmatch(r"FAIL at step 1: replica 1 read at step 1 windows \[(\d+), .*\] of the shard files "
+                               r"where their documented order gives it windows \[(\d+), .*\] \(docs/data.md, "
+                               r"'Shares'\)", verdict).groups()
+    windows = len(read_windows(byte_shards, "train", seq_len=128))
+    assert int(read) == int(given) + 1 == windows // 16 * 8 + 1, verdict  # replica 1's range starts at the half
 
 
 def test_an_untied_head_fails_at_the_first_step_naming_the_embedding(tmp_path: Path, faults_importable: None,

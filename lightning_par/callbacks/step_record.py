@@ -18,11 +18,12 @@ __all__ = ["StepRecord"]
 
 
 class StepRecord(Callback):
-    """Records, on every rank, the batches it trained on and the loss of each (as the whole global batch's mean:
-    Lightning's loss times ``accumulate_grad_batches``), the whole model's gradient norm before each optimizer step
-    (:func:`~lightning_par.callbacks.gradient_norm.whole_gradient_norm`) and, on global rank 0, the whole model's
-    weights before the first step and after each (``consolidated_state_dict`` under a lightning_par strategy). At the
-    end of training each rank writes ``folder/rank{global_rank}.pt``, with its data-parallel replica's index.
+    """Records, on every rank, the batches it trained on with the epoch of each, and the loss of each (as the whole
+    global batch's mean: Lightning's loss times ``accumulate_grad_batches``), the whole model's gradient norm before
+    each optimizer step (:func:`~lightning_par.callbacks.gradient_norm.whole_gradient_norm`) and, on global rank 0,
+    the whole model's weights before the first step and after each (``consolidated_state_dict`` under a lightning_par
+    strategy). At the end of training each rank writes ``folder/rank{global_rank}.pt``, with its data-parallel
+    replica's index.
 
     Each step's weights are whole tensors on rank 0: for the models that ``lightning-par verify`` runs (what one CPU
     process holds), not for a run at scale."""
@@ -30,6 +31,7 @@ class StepRecord(Callback):
     def __init__(self, folder: str) -> None:
         self.folder = Path(folder)
         self.batches: list[Any] = []
+        self.epochs: list[int] = []  # each batch's: a new epoch may read every sample again
         self.losses: list[float] = []
         self.gradient_norms: list[float] = []
         self.weights: list[dict[str, torch.Tensor]] = []
@@ -42,6 +44,7 @@ class StepRecord(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._keep_weights_after_a_step(trainer, pl_module)
         self.batches.append(tree_map(lambda x: x.detach().cpu().clone() if isinstance(x, torch.Tensor) else x, batch))
+        self.epochs.append(trainer.current_epoch)
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
@@ -58,7 +61,7 @@ class StepRecord(Callback):
         self._keep_weights_after_a_step(trainer, pl_module)
         replicas, replica = data_parallel_world(trainer)
         self.folder.mkdir(parents=True, exist_ok=True)
-        torch.save({"replica": replica, "replicas": replicas, "batches": self.batches,
+        torch.save({"replica": replica, "replicas": replicas, "batches": self.batches, "epochs": self.epochs,
                     "losses": self.losses, "gradient_norms": self.gradient_norms, "weights": self.weights,
                     "accumulate": trainer.accumulate_grad_batches, "layout": _layout(trainer)}, self.folder / f"rank{trainer.global_rank}.pt")
 

@@ -11,14 +11,19 @@ Two runs of ``--steps`` optimizer steps from the config's seed:
 - the reference is Lightning's own single-device loop in this process, with the config's model, optimizer, schedule,
   accumulation, clipping and precision, fed the global batches it draws itself from the config's data module: the
   data module read at world size 1, its order dealt to the layout run's data-parallel replicas as Lightning's
-  ``DistributedSampler`` deals it (:mod:`lightning_par.data.drawn`), each step's replica batches joined.
+  ``DistributedSampler`` deals it (:mod:`lightning_par.data.drawn`), each step's replica batches joined; streamed
+  token shards read without shuffling, from the shard files themselves in their documented order, by code that
+  shares nothing with the loader (:mod:`lightning_par.data.shard_windows`).
 
 Each step's samples, loss, whole-model gradient norm and weights are compared. PASS when the layout run trained on
-the samples one process drew and all figures stay within ``--tolerance`` (relative; 1e-5 holds in fp32 on CPU),
-else the first step where the runs part, and why: the data (replicas that read the same samples, or other samples
-than one process draws), or the parameter that differs most. A model too large for this machine is shrunk with fit
-options (``--model.init_args.n_layers=2``); the report names every option given on top of the config. Exits 1 when
-the runs part.
+the samples one process drew and all figures stay within ``--tolerance`` (relative; 1e-5 holds in fp32 on CPU), else
+the first step where the runs part, and why: the data (replicas that read the same samples, or other samples than
+one process draws), or the parameter that differs most. The samples of streamed token shards are also checked
+against the shard files whatever their order (:mod:`lightning_par.data.share_check`: each a window of the files,
+none read more often in an epoch than the files hold it), which is what stands for the order where it is litdata's
+own (shuffled, loader workers, a mixture). A model too large for this machine is shrunk with fit options
+(``--model.init_args.n_layers=2``); the report names every option given on top of the config. Exits 1 when the runs
+part.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -41,7 +46,9 @@ import torch
 from torch import Tensor
 
 from lightning_par.cli.lightning_cli import quiet_lightning
-from lightning_par.data.drawn import OneProcessData, join_batches, samples_of
+from lightning_par.data.drawn import OneProcessData, join_batches, samples_of, streamed_training_of
+from lightning_par.data.shard_windows import ShardWindows, StreamedTraining
+from lightning_par.data.share_check import WindowIndex, first_misread
 
 __all__ = ["Comparison", "Run", "VerifyCommand", "compare", "format_comparison", "main", "read_command",
            "read_layout_run", "record_callback", "reference_run"]
@@ -61,7 +68,9 @@ def _parser() -> argparse.ArgumentParser:
 class Run:
     """What a run trained: one global batch per micro-batch, the loss of each, one gradient norm per optimizer step
     and the whole model's weights before the first step and after each; ``replicas``: its data-parallel replicas,
-    ``same_samples``: the first micro-batch and two replicas that read the same samples in it, if any."""
+    ``same_samples``: the first micro-batch and two replicas that read the same samples in it, if any; ``epochs``:
+    each micro-batch's epoch; ``streamed``: how the data module streams token shards, if it does (the reference's:
+    what the layout's samples are checked against)."""
 
     batches: list[Any]
     losses: list[float]
@@ -71,6 +80,8 @@ class Run:
     layout: str
     replicas: int = 1
     same_samples: tuple[int, int, int] | None = None
+    epochs: list[int] = field(default_factory=list)
+    streamed: StreamedTraining | None = None
 
 
 @dataclass
@@ -103,16 +114,25 @@ def read_layout_run(folder: Path) -> Run:
     same = next(((m, a, b) for m in microbatches for a in range(len(replicas)) for b in range(a + 1, len(replicas))
                  if samples_of(replicas[a]["batches"][m]) == samples_of(replicas[b]["batches"][m])), None)
     return Run(batches, losses, rank0["gradient_norms"], rank0["weights"], rank0["accumulate"], rank0["layout"],
-               len(replicas), same)
+               len(replicas), same, replicas[0]["epochs"])
 
 
 def _data_parted(layout: Run, reference: Run) -> tuple[int, str] | None:
-    """The first optimizer step whose global batches hold other samples in the two runs, and why."""
+    """The first optimizer step whose global batches hold other samples in the two runs, or (streamed token shards)
+    samples that are no share of the shard files, and why."""
+    sources = reference.streamed.windows() if reference.streamed is not None else None
+    if sources is not None:
+        misread = first_misread([batch.numpy() for batch in layout.batches], layout.epochs, layout.replicas,
+                                reference.accumulate, sources)
+        if misread is not None:
+            return misread[0] // reference.accumulate + 1, misread[1]
     for m, (trained, drawn) in enumerate(zip(layout.batches, reference.batches)):
         trained_samples, drawn_samples = samples_of(trained), samples_of(drawn)
         if trained_samples == drawn_samples:
             continue
         step = m // reference.accumulate + 1
+        if sources is not None and reference.streamed.in_documented_order:
+            return step, _out_of_order(trained, drawn, layout.replicas, step, sources)
         if layout.same_samples is not None and layout.same_samples[0] <= m:
             _, a, b = layout.same_samples
             return step, (f"data-parallel replicas {a} and {b} read the same samples (the data module does not split "
@@ -124,6 +144,20 @@ def _data_parted(layout: Run, reference: Run) -> tuple[int, str] | None:
                       f"{common} of the {sum(drawn_samples.values())} samples of micro-batch {m} are the same "
                       f"(lightning_par.data.drawn says how the reference draws them)")
     return None
+
+
+def _out_of_order(trained: Tensor, drawn: Tensor, replicas: int, step: int,
+                  sources: dict[str, ShardWindows]) -> str:
+    """The first replica whose samples differ from the documented order's, the windows it read and those the order
+    gives it (every sample is a window of the files: checked before)."""
+    per_replica = len(drawn) // replicas
+    blocks = [slice(replica * per_replica, (replica + 1) * per_replica) for replica in range(replicas)]
+    blocks[-1] = slice(blocks[-1].start, None)  # a layout batch longer than the order's differs in its last block
+    replica = next(r for r, rows in enumerate(blocks) if samples_of(trained[rows]) != samples_of(drawn[rows]))
+    index = WindowIndex(sources, [*trained.numpy(), *drawn.numpy()])
+    read, given = ([index.places_of(row)[0][1] for row in batch[blocks[replica]].numpy()] for batch in (trained, drawn))
+    return (f"replica {replica} read at step {step} windows {read} of the shard files where their documented order "
+            f"gives it windows {given} (docs/data.md, 'Shares')")
 
 
 def compare(layout: Run, reference: Run, tolerance: float) -> Comparison:
@@ -353,7 +387,7 @@ def reference_run(cli_args: list[str], seed: int, steps: int, replicas: int, fol
         cli.trainer.fit(cli.model, datamodule=data)
     record = torch.load(folder / "rank0.pt", weights_only=False)
     return Run(record["batches"], record["losses"], record["gradient_norms"], record["weights"], record["accumulate"],
-               record["layout"])
+               record["layout"], epochs=record["epochs"], streamed=streamed_training_of(cli.datamodule))
 
 
 def _load_pretrained(module: Any, data: Any) -> None:

@@ -11,8 +11,13 @@ replica ``i % replicas``; the order is cut, or padded by its first samples, to a
   of any other sampler as it iterates; each replica's samples are batched and collated by the loader's own
   ``batch_size``, ``drop_last`` and ``collate_fn``;
 - an iterable loader: its batches in turn, one to each replica;
-- a data module that deals its data itself (a streaming one, whose replicas read their own ranges of the shards)
-  says how with ``replica_dataloader(replica, replicas)``: each replica's loader is read in this one process.
+- a data module that streams token shards (``streamed_training()``, lightning_par/data/shard_windows.py) and
+  reads them in the documented order (no shuffle, one source, no loader workers): the windows read from the shard
+  files themselves and placed in that order (docs/data.md, "Shares"), by code that shares nothing with its loader;
+- any other data module that deals its data itself (a shuffled stream, a mixture) says how with
+  ``replica_dataloader(replica, replicas)``: each replica's loader is read in this one process (its order is the
+  loader's own; ``lightning-par verify`` checks the run's samples against the shard files instead,
+  lightning_par/data/share_check.py).
 
 Each micro-batch of the run is the replicas' batches joined in replica order.
 """
@@ -29,7 +34,9 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-__all__ = ["OneProcessData", "dealt", "join_batches", "samples_of"]
+from lightning_par.data.shard_windows import StreamedTraining, documented_order, read_windows
+
+__all__ = ["OneProcessData", "dealt", "join_batches", "samples_of", "streamed_training_of"]
 
 
 class OneProcessData(LightningDataModule):
@@ -73,6 +80,10 @@ class _GlobalBatches(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         epoch, self.epoch = self.epoch, self.epoch + 1
+        streamed = streamed_training_of(self.original)
+        if streamed is not None and streamed.in_documented_order:
+            yield from _documented_batches(streamed, self.replicas)
+            return
         if self.deals_itself:
             self.loaders = self.loaders or [self.original.replica_dataloader(replica, self.replicas)
                                             for replica in range(self.replicas)]
@@ -91,6 +102,20 @@ class _GlobalBatches(IterableDataset):
                   for replica in range(self.replicas)]
         for batches in zip(*shares):
             yield join_batches(list(batches))
+
+
+def streamed_training_of(original: LightningDataModule) -> StreamedTraining | None:
+    """How ``original`` streams token shards, if it does (once set up)."""
+    streamed_training = getattr(original, "streamed_training", None)
+    return streamed_training() if callable(streamed_training) else None
+
+
+def _documented_batches(streamed: StreamedTraining, replicas: int) -> Iterator[Tensor]:
+    """One epoch of ``streamed``'s global batches, read from its shard files in the documented order."""
+    (directory,) = streamed.sources
+    windows = read_windows(directory, "train", streamed.seq_len)
+    for numbers in documented_order(len(windows), replicas, streamed.batch_size):
+        yield torch.from_numpy(windows.take(numbers))
 
 
 def _one_process_order(loader: DataLoader, epoch: int, seed: int) -> tuple[list[int], bool]:

@@ -23,6 +23,7 @@ from typing_extensions import override
 from lightning_par.data.datamodule import check_window_arguments, data_parallel_world
 from lightning_par.data.documents import BYTES, load_document_tokenizer
 from lightning_par.data.prepare import PreparedData, is_prepared, read_prepared
+from lightning_par.data.shard_windows import StreamedTraining
 from lightning_par.data.text import model_vocab_size, pretrained_directory
 
 __all__ = ["StreamingTokenDataModule"]
@@ -195,9 +196,19 @@ class StreamingTokenDataModule(pl.LightningDataModule):
 
     def replica_dataloader(self, replica: int, replicas: int) -> Any:
         """The training loader of data-parallel replica ``replica`` of ``replicas``, in any process: how this module
-        deals its shards to the replicas, which ``lightning-par verify``'s one-process reference reads
-        (lightning_par/data/drawn.py)."""
+        deals its shards to the replicas, which ``lightning-par verify``'s one-process reference reads where the
+        order is litdata's own (shuffled, loader workers, a mixture; lightning_par/data/drawn.py)."""
         return self._loader("train", shuffle=self.shuffle, world=(replicas, replica))
+
+    def streamed_training(self) -> StreamedTraining:
+        """How this module streams its training split, for a reader of the shard files that shares no code with
+        its loader (``lightning-par verify``'s reference, lightning_par/data/shard_windows.py)."""
+        if not self.prepared:
+            self.setup(None)
+        sources = {data.directory: weight for data, weight in zip(self.prepared, self.sources.values())
+                   if "train" in data.splits}
+        return StreamedTraining(sources, self.seq_len, self.batch_size, in_documented_order=(
+            not self.shuffle and len(sources) == 1 and self.num_workers == 0))
 
     @override
     def val_dataloader(self) -> Any:
