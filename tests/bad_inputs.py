@@ -507,7 +507,9 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("`StreamingTokenDataModule(data_dir='corpus')`, never prepared", "'corpus' holds no prepared data (no "
              "prepared.json): prepare it with `lightning-par prepare", _streamed("corpus")),
     BadInput("`StreamingTokenDataModule(data_dir={'code': 0.7, 'prose': 0})`", "the weight of 'prose' is 0; weights "
-             "must be positive numbers", _streamed({"code": 0.7, "prose": 0})),
+             "must be positive finite numbers", _streamed({"code": 0.7, "prose": 0})),
+    BadInput("`StreamingTokenDataModule(data_dir={'shards': 1, 'shards/': 1})`", "data_dir names one directory "
+             "twice, as 'shards' and 'shards/'", _streamed({"shards": 1, "shards/": 1})),
     BadInput("a shard file cut short", "the shard 'shards/train/chunk-0-0.bin' holds 10 bytes where its index.json "
              "records", _streamed(truncate=True)),
     BadInput("shards prepared with another tokenizer than the model's", "'shards' was prepared with the tokenizer "

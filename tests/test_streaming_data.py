@@ -391,8 +391,9 @@ def _llama(vocab_size: int = 256):
 
 def test_bad_inputs_are_refused_with_the_file_or_value(corpora: dict[str, str], tmp_path: Path) -> None:
     """A missing or truncated shard, an unprepared directory, shards of another tokenizer than the model's, a
-    vocabulary larger than the model's, a mixture of two tokenizers, a weight that is not positive, a mixture read
-    by workers, too little text: each refused with the file or value, in set-up, before any batch."""
+    vocabulary larger than the model's, a mixture of two tokenizers, a weight that is not positive and finite, one
+    directory named twice in a mixture, a mixture read by workers, too little text: each refused with the file or
+    value, in set-up, before any batch."""
     from lightning_par.data import StreamingTokenDataModule
 
     copy = _copy(corpora["bytes"], tmp_path / "copy")
@@ -416,9 +417,13 @@ def test_bad_inputs_are_refused_with_the_file_or_value(corpora: dict[str, str], 
         _replica(corpora["bytes"], module=_llama(vocab_size=128))
     with pytest.raises(ValueError, match="the sources of the mixture were prepared with different tokenizers"):
         _replica({corpora["bytes"]: 1.0, corpora["proverbs"]: 1.0})
-    for weight in (0, -1.0, "x"):
-        with pytest.raises(ValueError, match=f"the weight of 'b' is {weight!r}; weights must be positive"):
+    for weight in (0, -1.0, "x", float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=f"the weight of 'b' is {weight!r}; weights must be positive finite"):
             StreamingTokenDataModule({"a": 1.0, "b": weight})
+    with pytest.raises(ValueError, match="names one directory twice, as '.*source-a' and '.*source-a/'"):
+        StreamingTokenDataModule({corpora["a"]: 1.0, corpora["a"] + "/": 1.0})
+    with pytest.raises(ValueError, match="names one directory twice"):
+        StreamingTokenDataModule({"s3://bucket/a": 1.0, "s3://bucket/a/": 2.0})
     with pytest.raises(ValueError, match="num_workers=2 with a mixture of 2 sources"):
         StreamingTokenDataModule({corpora["a"]: 1.0, corpora["b"]: 1.0}, num_workers=2)
     with pytest.raises(ValueError, match="holds 2.* training tokens: fewer than one batch of 4 samples of seq_len "

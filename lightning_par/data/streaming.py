@@ -11,6 +11,7 @@ error before any collective.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -231,8 +232,21 @@ def _sources(data_dir: Union[str, Dict[str, float]]) -> dict[str, float]:
         return {str(data_dir): 1.0}
     if not isinstance(data_dir, dict) or not data_dir:
         raise ValueError(f"data_dir={data_dir!r} must be a prepared directory or a mixture {{directory: weight, ...}}")
+    seen: dict[str, str] = {}
     for directory, weight in data_dir.items():
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-            raise ValueError(f"data_dir: the weight of {directory!r} is {weight!r}; weights must be positive numbers "
-                             "(they are normalised to sum to 1)")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+            raise ValueError(f"data_dir: the weight of {directory!r} is {weight!r}; weights must be positive finite "
+                             "numbers (they are normalised to sum to 1)")
+        same = seen.setdefault(_source_identity(str(directory)), str(directory))
+        if same != str(directory):
+            raise ValueError(f"data_dir names one directory twice, as {same!r} and {str(directory)!r}: the mixture "
+                             "would read it twice; name it once, with the sum of the two weights")
     return {str(directory): float(weight) for directory, weight in data_dir.items()}
+
+
+def _source_identity(directory: str) -> str:
+    """What ``directory`` is, whatever its spelling: a local path resolved (``a``, ``./a/`` and a link to it are one),
+    a URL without its trailing slashes."""
+    if "://" in directory and not directory.startswith("local:"):
+        return directory.rstrip("/")
+    return os.path.realpath(directory.removeprefix("local:"))
