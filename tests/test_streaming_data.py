@@ -148,6 +148,22 @@ def test_parquet_files_and_saved_datasets_give_the_documents_of_json_lines(corpo
         assert sorted(_split_documents(tokens, eos)) == expected, name
 
 
+@pytest.mark.parametrize("tokenizer", ["bytes", "model"])
+def test_text_that_is_not_utf8_is_refused_naming_the_file_and_byte(corpora: dict[str, str], tmp_path: Path,
+                                                                   tokenizer: str) -> None:
+    """A latin-1 text file, a UTF-16 one, a binary file named .txt and a JSON line with a latin-1 byte: each refused
+    with the file and the byte's offset, with either tokenizer, where a lenient decode would tokenize other text."""
+    name = corpora["model"] if tokenizer == "model" else tokenizer
+    cases = {"latin1.txt": ("café crème\n".encode("latin-1"), 3),
+             "utf16.txt": ("text in UTF-16\n".encode("utf-16"), 0),
+             "binary.txt": (bytes(range(200, 256)) * 4, 0),
+             "records.jsonl": (b'{"text": "fine"}\n{"text": "caf\xe9"}\n', 17 + 13)}
+    for file, (data, offset) in cases.items():
+        (tmp_path / file).write_bytes(data)
+        with pytest.raises(ValueError, match=f"{file}: the byte at offset {offset} .* is not UTF-8"):
+            prepare(str(tmp_path / file), str(tmp_path / f"out-{file}"), name, num_workers=1, verbose=False)
+
+
 def test_prepare_resumes_a_stopped_run_and_refuses_to_overwrite(corpora: dict[str, str], tmp_path: Path) -> None:
     """A record that is not JSON stops a prepare in its third part with the file and byte; once it is mended, the
     prepare run again keeps the two parts it finished (their shards untouched) and ends with every document once,

@@ -18,8 +18,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BYTES", "ByteTokenizer", "DocumentTokenizer", "documents_of", "is_validation", "load_document_tokenizer",
-           "work_items"]
+__all__ = ["BYTES", "ByteTokenizer", "DocumentTokenizer", "decoded", "documents_of", "is_validation",
+           "load_document_tokenizer", "work_items"]
 
 BYTES = "bytes"  # the byte tokenizer's name (the reference model's vocabulary of 256)
 TEXT_SUFFIXES = (".txt", ".text", ".md")
@@ -75,7 +75,7 @@ class _HuggingFaceTokenizer(DocumentTokenizer):
         self.fingerprint = _fingerprint(self.tokenizer)
 
     def encode(self, documents: Sequence[str | bytes]) -> list[list[int]]:
-        texts = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d for d in documents]
+        texts = [d.decode("utf-8") if isinstance(d, bytes) else d for d in documents]  # checked by documents_of
         eos = self.eos_token_id
         return [ids if ids and ids[-1] == eos else [*ids, eos]
                 for ids in self.tokenizer(texts, add_special_tokens=True)["input_ids"]]
@@ -182,7 +182,7 @@ def documents_of(item: Sequence[Any], text_field: str) -> Iterator[tuple[str, st
 
         yield Path(path).relative_to(stdlib_dir()).as_posix(), Path(path).read_bytes()
     elif kind == "text":
-        yield path, Path(path).read_bytes()
+        yield path, decoded(Path(path).read_bytes(), path)
     elif kind == "jsonl":
         yield from _json_lines(path, start, stop, text_field)
     elif kind == "parquet":
@@ -212,12 +212,24 @@ def _json_lines(path: str, start: int, stop: int, text_field: str) -> Iterator[t
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(decoded(line, path, offset=where))
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}: the line at byte {where} is not JSON: {error}") from error
             if not isinstance(record, dict) or text_field not in record:
                 raise ValueError(f"{path}: the record at byte {where} has no field text_field={text_field!r}")
             yield f"{path}:{where}", _text(record[text_field], text_field, f"{path} byte {where}")
+
+
+def decoded(data: bytes, path: str, *, offset: int = 0) -> str:
+    """``data`` (read at byte ``offset`` of ``path``) as UTF-8 text; ``ValueError`` naming the file and the byte
+    where it is not: text in another encoding (latin-1, UTF-16) or a binary file would be tokenized as other text."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        at = offset + error.start
+        raise ValueError(f"{path}: the byte at offset {at} ({data[error.start]:#04x}) is not UTF-8 ({error.reason}): "
+                         "give text files in UTF-8 (convert one in another encoding first, e.g. `iconv -f latin1 -t "
+                         "utf-8`)") from None
 
 
 def _text(value: Any, text_field: str, where: str) -> str:
