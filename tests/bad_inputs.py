@@ -92,6 +92,7 @@ def good_checkpoints(directory: Path) -> None:
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory / "hf-model")
     save_tokenizer(directory / "hf-model")
     (directory / "notes.jsonl").write_text('{"title": "a", "body": "the quick brown fox"}\n')
+    (directory / "latin1.txt").write_bytes("café crème\n".encode("latin-1"))
     module = _module()
     optimizer = torch.optim.AdamW(module.parameters())
     module(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
@@ -502,6 +503,8 @@ BAD_INPUTS: list[BadInput] = [
     # ------------------------------------------------------------------ pretraining data (docs/data.md)
     BadInput("`lightning-par prepare --input missing.jsonl ...`", "input 'missing.jsonl' does not exist",
              _prepare("missing.jsonl", "out")),
+    BadInput("`lightning-par prepare --input latin1.txt ...`, text in latin-1", "latin1.txt: the byte at offset 3 "
+             "(0xe9) is not UTF-8", _prepare("latin1.txt", "out")),
     BadInput("`lightning-par prepare --output .` into a directory of other files", "'.' is not empty and holds no "
              "prepare: give a new or empty output directory", _prepare("notes.jsonl", ".")),
     BadInput("`StreamingTokenDataModule(data_dir='corpus')`, never prepared", "'corpus' holds no prepared data (no "
