@@ -504,7 +504,8 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("`lightning-par prepare --input missing.jsonl ...`", "input 'missing.jsonl' does not exist",
              _prepare("missing.jsonl", "out")),
     BadInput("`lightning-par prepare --input latin1.txt ...`, text in latin-1", "latin1.txt: the byte at offset 3 "
-             "(0xe9) is not UTF-8", _prepare("latin1.txt", "out")),
+             "(0xe9) is not utf-8 (invalid continuation byte): name the file's encoding (--encoding latin-1)",
+             _prepare("latin1.txt", "out")),
     BadInput("`lightning-par prepare --output .` into a directory of other files", "'.' is not empty and holds no "
              "prepare: give a new or empty output directory", _prepare("notes.jsonl", ".")),
     BadInput("`StreamingTokenDataModule(data_dir='corpus')`, never prepared", "'corpus' holds no prepared data (no "

@@ -152,7 +152,8 @@ def test_parquet_files_and_saved_datasets_give_the_documents_of_json_lines(corpo
 def test_text_that_is_not_utf8_is_refused_naming_the_file_and_byte(corpora: dict[str, str], tmp_path: Path,
                                                                    tokenizer: str) -> None:
     """A latin-1 text file, a UTF-16 one, a binary file named .txt and a JSON line with a latin-1 byte: each refused
-    with the file and the byte's offset, with either tokenizer, where a lenient decode would tokenize other text."""
+    with the file and the byte's offset, with either tokenizer, where a lenient decode would tokenize other text.
+    With the encoding named, or a policy for bad bytes, each is read as told; an unknown one is refused."""
     name = corpora["model"] if tokenizer == "model" else tokenizer
     cases = {"latin1.txt": ("café crème\n".encode("latin-1"), 3),
              "utf16.txt": ("text in UTF-16\n".encode("utf-16"), 0),
@@ -160,8 +161,22 @@ def test_text_that_is_not_utf8_is_refused_naming_the_file_and_byte(corpora: dict
              "records.jsonl": (b'{"text": "fine"}\n{"text": "caf\xe9"}\n', 17 + 13)}
     for file, (data, offset) in cases.items():
         (tmp_path / file).write_bytes(data)
-        with pytest.raises(ValueError, match=f"{file}: the byte at offset {offset} .* is not UTF-8"):
+        with pytest.raises(ValueError, match=f"{file}: the byte at offset {offset} .* is not utf-8"):
             prepare(str(tmp_path / file), str(tmp_path / f"out-{file}"), name, num_workers=1, verbose=False)
+    # Named, the encoding decodes the text; a policy for bad bytes is applied as named.
+    encoder = load_document_tokenizer(name)
+    latin1 = prepare(str(tmp_path / "latin1.txt"), str(tmp_path / "latin1"), name, num_workers=1, verbose=False,
+                     encoding="latin-1")
+    assert _shard_tokens(latin1.split_url("train")).tolist() == encoder.encode(["café crème\n"])[0]
+    assert latin1.settings["encoding"] == "iso8859-1"
+    replaced = prepare(str(tmp_path / "records.jsonl"), str(tmp_path / "replaced"), name, num_workers=1,
+                       verbose=False, decode_errors="replace")
+    expected = [token for ids in encoder.encode(["fine", "caf\ufffd"]) for token in ids]
+    assert _shard_tokens(replaced.split_url("train")).tolist() == expected
+    for bad, message in (({"encoding": "klingon"}, "encoding='klingon' is not an encoding Python knows"),
+                         ({"decode_errors": "shrug"}, "decode_errors='shrug' is not a policy Python knows")):
+        with pytest.raises(ValueError, match=message):
+            prepare(str(tmp_path / "latin1.txt"), str(tmp_path / "never"), name, num_workers=1, verbose=False, **bad)
 
 
 def test_prepare_resumes_a_stopped_run_and_refuses_to_overwrite(corpora: dict[str, str], tmp_path: Path) -> None:

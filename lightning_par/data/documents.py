@@ -174,17 +174,19 @@ def _load_dataset(path: Path) -> Any:
     return dataset
 
 
-def documents_of(item: Sequence[Any], text_field: str) -> Iterator[tuple[str, str | bytes]]:
-    """``(where, text)`` of every document of a work item; ``where`` (file and offset) decides its split."""
+def documents_of(item: Sequence[Any], text_field: str, *, encoding: str = "utf-8",
+                 decode_errors: str = "strict") -> Iterator[tuple[str, str | bytes]]:
+    """``(where, text)`` of every document of a work item; ``where`` (file and offset) decides its split. Text files
+    and JSON lines are decoded from ``encoding`` with ``decode_errors`` (:func:`decoded`)."""
     kind, path, start, stop = item
     if kind == "stdlib":
         from lightning_par.data.corpus import stdlib_dir
 
         yield Path(path).relative_to(stdlib_dir()).as_posix(), Path(path).read_bytes()
     elif kind == "text":
-        yield path, decoded(Path(path).read_bytes(), path)
+        yield path, decoded(Path(path).read_bytes(), path, encoding=encoding, errors=decode_errors)
     elif kind == "jsonl":
-        yield from _json_lines(path, start, stop, text_field)
+        yield from _json_lines(path, start, stop, text_field, encoding, decode_errors)
     elif kind == "parquet":
         import pyarrow.parquet as pq
 
@@ -197,7 +199,8 @@ def documents_of(item: Sequence[Any], text_field: str) -> Iterator[tuple[str, st
             yield f"{path}:{row}", _text(text, text_field, f"{path} row {row}")
 
 
-def _json_lines(path: str, start: int, stop: int, text_field: str) -> Iterator[tuple[str, str]]:
+def _json_lines(path: str, start: int, stop: int, text_field: str, encoding: str,
+                decode_errors: str) -> Iterator[tuple[str, str]]:
     """The records whose line begins in ``[start, stop)``: a line that straddles ``start`` is the piece before's."""
     with open(path, "rb") as file:
         position = start
@@ -212,7 +215,7 @@ def _json_lines(path: str, start: int, stop: int, text_field: str) -> Iterator[t
             if not line.strip():
                 continue
             try:
-                record = json.loads(decoded(line, path, offset=where))
+                record = json.loads(decoded(line, path, offset=where, encoding=encoding, errors=decode_errors))
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}: the line at byte {where} is not JSON: {error}") from error
             if not isinstance(record, dict) or text_field not in record:
@@ -220,16 +223,17 @@ def _json_lines(path: str, start: int, stop: int, text_field: str) -> Iterator[t
             yield f"{path}:{where}", _text(record[text_field], text_field, f"{path} byte {where}")
 
 
-def decoded(data: bytes, path: str, *, offset: int = 0) -> str:
-    """``data`` (read at byte ``offset`` of ``path``) as UTF-8 text; ``ValueError`` naming the file and the byte
-    where it is not: text in another encoding (latin-1, UTF-16) or a binary file would be tokenized as other text."""
+def decoded(data: bytes, path: str, *, offset: int = 0, encoding: str = "utf-8", errors: str = "strict") -> str:
+    """``data`` (read at byte ``offset`` of ``path``) decoded from ``encoding``. With ``errors="strict"``, a byte that
+    does not decode raises ``ValueError`` naming the file and its offset: text in another encoding, or a binary file,
+    would be tokenized as other text. Another policy of Python's (``replace``, ``ignore``) is the user's choice."""
     try:
-        return data.decode("utf-8")
+        return data.decode(encoding, errors=errors)
     except UnicodeDecodeError as error:
         at = offset + error.start
-        raise ValueError(f"{path}: the byte at offset {at} ({data[error.start]:#04x}) is not UTF-8 ({error.reason}): "
-                         "give text files in UTF-8 (convert one in another encoding first, e.g. `iconv -f latin1 -t "
-                         "utf-8`)") from None
+        raise ValueError(f"{path}: the byte at offset {at} ({data[error.start]:#04x}) is not {error.encoding} "
+                         f"({error.reason}): name the file's encoding (--encoding latin-1) or what to do with such "
+                         "bytes (--decode-errors replace)") from None
 
 
 def _text(value: Any, text_field: str, where: str) -> str:

@@ -72,8 +72,10 @@ class _TokenizeItem:
     input is written to ``errors`` (a folder) instead of raised: litdata leaves worker processes behind when its
     ``fn`` raises; the driver reads the folder once the workers are done."""
 
-    def __init__(self, tokenizer: str, split: str, val_fraction: float, text_field: str, *, errors: str) -> None:
+    def __init__(self, tokenizer: str, split: str, val_fraction: float, text_field: str, decoding: dict[str, str], *,
+                 errors: str) -> None:
         self.tokenizer_name, self.split, self.val_fraction, self.text_field = tokenizer, split, val_fraction, text_field
+        self.decoding = decoding  # documents_of's encoding and decode_errors
         self.errors = errors
         self._tokenizer: DocumentTokenizer | None = None
 
@@ -90,7 +92,7 @@ class _TokenizeItem:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers are the parallelism
             self._tokenizer = load_document_tokenizer(self.tokenizer_name)
         want_val = self.split == "val"
-        documents = [text for where, text in documents_of(item, self.text_field)
+        documents = [text for where, text in documents_of(item, self.text_field, **self.decoding)
                      if text and (self.val_fraction > 0 and is_validation(where, self.val_fraction)) == want_val]
         if not documents:
             return None  # litdata writes nothing for it
@@ -100,10 +102,34 @@ class _TokenizeItem:
 
 
 # ----------------------------------------------------------------------------------------------- prepare
+_DEFAULT_DECODING = {"encoding": "utf-8", "decode_errors": "strict"}
+
+
+def _decoding(encoding: str, decode_errors: str) -> dict[str, str]:
+    """``documents_of``'s decoding arguments, each checked to be one Python knows."""
+    import codecs
+
+    try:
+        encoding = codecs.lookup(encoding).name
+    except LookupError:
+        raise ValueError(f"encoding={encoding!r} is not an encoding Python knows (e.g. utf-8, latin-1, "
+                         "utf-16)") from None
+    try:
+        codecs.lookup_error(decode_errors)
+    except LookupError:
+        raise ValueError(f"decode_errors={decode_errors!r} is not a policy Python knows: strict (refuse), replace or "
+                         "ignore") from None
+    return {"encoding": encoding, "decode_errors": decode_errors}
+
+
 def prepare(inputs: Sequence[str] | str, output_dir: str, tokenizer: str, *, val_fraction: float = 0.0,
             text_field: str = "text", num_workers: int | None = None, chunk_bytes: str = "64MB",
-            items_per_part: int = _ITEMS_PER_WORKER_PART, verbose: bool = True) -> "PreparedData":
+            encoding: str = "utf-8", decode_errors: str = "strict", items_per_part: int = _ITEMS_PER_WORKER_PART,
+            verbose: bool = True) -> "PreparedData":
     """Tokenize ``inputs`` into token shards in ``output_dir`` (module docstring), and return what it holds.
+
+    Text files and JSON lines are read in ``encoding``; a byte that does not decode is refused with its file and
+    offset, unless ``decode_errors`` names another of Python's policies (``replace``, ``ignore``).
 
     The work is done in parts of ``items_per_part`` pieces per worker, each appended to the shards whole (litdata's
     ``optimize`` with ``mode="append"``) and recorded in ``prepare.progress.json``. A prepare that stopped (killed,
@@ -116,6 +142,7 @@ def prepare(inputs: Sequence[str] | str, output_dir: str, tokenizer: str, *, val
         raise ValueError(f"val_fraction={val_fraction!r} must be in [0, 1)")
     if num_workers is not None and num_workers < 1:
         raise ValueError(f"num_workers={num_workers!r} must be at least 1")
+    decoding = _decoding(encoding, decode_errors)
     from litdata.utilities.format import _convert_bytes_to_int
 
     document_tokenizer = load_document_tokenizer(tokenizer)
@@ -123,6 +150,8 @@ def prepare(inputs: Sequence[str] | str, output_dir: str, tokenizer: str, *, val
                        piece_bytes=max(1, _convert_bytes_to_int(chunk_bytes) // _TEXT_PER_SHARD))
     settings = {"inputs": [str(entry) for entry in ([inputs] if isinstance(inputs, str) else inputs)],
                 "val_fraction": val_fraction, "text_field": text_field}
+    if decoding != _DEFAULT_DECODING:  # recorded where it changes the tokens (shards of before hold the default)
+        settings.update(decoding)
     store = _Store(output_dir)
     if store.exists(METADATA):
         prepared = read_prepared(output_dir)
@@ -140,7 +169,7 @@ def prepare(inputs: Sequence[str] | str, output_dir: str, tokenizer: str, *, val
             if part < progress.parts[split]:
                 continue
             _keep_chunks(store, split, progress.chunks[split])  # drop what an interrupted part wrote
-            tokenize = functools.partial(_TokenizeItem, tokenizer, split, val_fraction, text_field)
+            tokenize = functools.partial(_TokenizeItem, tokenizer, split, val_fraction, text_field, decoding)
             _tokenize_part(store, split, items[first:first + step], workers, chunk_bytes, verbose, tokenize,
                            kept=progress.chunks[split])
             progress.done(split, _chunks_of(store, split))
@@ -356,6 +385,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--text-field", default="text", help="the JSON field or column holding the text")
     parser.add_argument("--workers", type=int, help="worker processes (default: one per CPU)")
     parser.add_argument("--chunk-bytes", default="64MB", help="size of a shard file (default 64MB)")
+    parser.add_argument("--encoding", default="utf-8", help="the encoding of text files and JSON lines (default utf-8)")
+    parser.add_argument("--decode-errors", default="strict", help="what to do with a byte that does not decode: strict "
+                        "(refuse it, naming the file and offset; the default), replace or ignore")
     return parser
 
 
@@ -363,7 +395,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``lightning-par prepare``: tokenize once (module docstring), print what was written."""
     args = _parser().parse_args(argv)
     prepared = prepare(args.input, args.output, args.tokenizer, val_fraction=args.val_fraction,
-                       text_field=args.text_field, num_workers=args.workers, chunk_bytes=args.chunk_bytes)
+                       text_field=args.text_field, num_workers=args.workers, chunk_bytes=args.chunk_bytes,
+                       encoding=args.encoding, decode_errors=args.decode_errors)
     counts = ", ".join(f"{split} {tokens:,} tokens" for split, tokens in prepared.tokens.items())
     print(f"prepared {args.output}: {counts} ({prepared.dtype}, tokenizer {prepared.tokenizer['name']})")
 
