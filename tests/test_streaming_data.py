@@ -179,6 +179,20 @@ def test_text_that_is_not_utf8_is_refused_naming_the_file_and_byte(corpora: dict
             prepare(str(tmp_path / "latin1.txt"), str(tmp_path / "never"), name, num_workers=1, verbose=False, **bad)
 
 
+def test_a_prepare_refused_for_no_training_text_runs_again_once_mended(tmp_path: Path) -> None:
+    """Inputs without training text are refused after every part ran: nothing is left that a run with the inputs
+    mended would trust (each part was recorded as done, and that run refused again)."""
+    source = tmp_path / "records.jsonl"
+    source.write_text('{"text": ""}\n{"text": null}\n')
+    output = tmp_path / "out"
+    with pytest.raises(ValueError, match="hold no training text"):
+        prepare(str(source), str(output), "bytes", num_workers=1, verbose=False)
+    assert not output.exists() or not any(output.iterdir())
+    source.write_text('{"text": "now some text"}\n{"text": null}\n')
+    prepared = prepare(str(source), str(output), "bytes", num_workers=1, verbose=False)
+    assert prepared.tokens == {"train": len("now some text") + 1}
+
+
 def test_prepare_resumes_a_stopped_run_and_refuses_to_overwrite(corpora: dict[str, str], tmp_path: Path) -> None:
     """A record that is not JSON stops a prepare in its third part with the file and byte; once it is mended, the
     prepare run again keeps the two parts it finished (their shards untouched) and ends with every document once,

@@ -35,6 +35,7 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -175,6 +176,12 @@ def prepare(inputs: Sequence[str] | str, output_dir: str, tokenizer: str, *, val
             progress.done(split, _chunks_of(store, split))
     counts = {split: _tokens_of(store, split) for split in splits}
     if counts["train"] == 0:
+        # Nothing here is worth keeping, and every part is recorded as done: without this, a run with the inputs mended
+        # would find the same empty shards and refuse again.
+        for split in splits:
+            if store.exists(split):
+                store.remove(split)
+        progress.remove()
         raise ValueError(f"inputs {settings['inputs']} hold no training text (val_fraction={val_fraction})")
     metadata = {"format": FORMAT, "settings": settings,
                 "tokenizer": {"name": document_tokenizer.name, "fingerprint": document_tokenizer.fingerprint,
@@ -362,8 +369,13 @@ class _Store:
             self._provider().upload_file(local, self.url(name))
 
     def remove(self, name: str) -> None:
+        """A file, or a directory with what it holds."""
         if not self.remote:
-            os.remove(self.url(name))
+            path = self.url(name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
         else:
             self._provider().delete_file_or_directory(self.url(name))
 
