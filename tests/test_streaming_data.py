@@ -381,7 +381,8 @@ def test_resuming_on_another_data_parallel_size_reads_the_rest_of_the_epoch(corp
     """2 replicas stop after 3 batches each (24 samples); 4 replicas (a global batch of 16) resume after the last
     whole global batch, 16: 8 samples are read again, none is skipped, and it says so; at 32 samples (a whole number
     of global batches) nothing is read again. The samples of the epoch are those of an uninterrupted one, less the
-    remainder that does not fill a global batch."""
+    remainder that does not fill a global batch. Another batch_size is rounded and said alike; another seq_len is
+    refused."""
     data_dir = corpora["small"]
     windows = Counter(_all_windows(os.path.join(data_dir, "train")))
     for batches, repeated in ((3, 8), (4, 0)):
@@ -396,6 +397,21 @@ def test_resuming_on_another_data_parallel_size_reads_the_rest_of_the_epoch(corp
         assert resumed <= windows
         assert ((consumed + resumed) - windows).total() == repeated
         assert (windows - consumed - resumed).total() < 4 * BATCH
+    # Another batch_size rounds alike, to the new global batch (2 x 5: 4 of the 24 samples read again), and says so;
+    # another seq_len would read other windows from the saved position: refused, with both lengths.
+    before, states = _resumed(data_dir, 2, None, 0, batches=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        after, _ = _resumed(data_dir, 2, states, 0, batch_size=5)
+    said = [str(w.message) for w in caught if "read again" in str(w.message)]
+    assert "24 samples into its epoch on 2 data-parallel replicas of batch_size 4" in said[0], said
+    assert "4 samples are read again" in said[0], said
+    consumed = Counter(sample for share in before for sample in share)
+    resumed = Counter(sample for share in after for sample in share)
+    assert ((consumed + resumed) - windows).total() == 4
+    with pytest.raises(ValueError, match=rf"seq_len \+ 1 = {SEQ_LEN + 1} tokens, and this run's are {2 * SEQ_LEN + 1} "
+                                         rf"\(seq_len={2 * SEQ_LEN}\): resume with seq_len={SEQ_LEN}"):
+        _resumed(data_dir, 2, states, 0, seq_len=2 * SEQ_LEN)
 
 
 def test_a_mixture_follows_its_weights_and_resumes_exactly(corpora: dict[str, str]) -> None:

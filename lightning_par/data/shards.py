@@ -108,6 +108,7 @@ class ReplicaLoader(StreamingDataLoader):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = copy.deepcopy(state)  # litdata keeps the dict it is given, and changes it
+        self._refuse_another_seq_len(state)
         self._refuse_a_mixture_resized(state)
         self._warn_of_a_rounded_resume(state)
         with _litdata_sees(self.replica_world):
@@ -116,6 +117,18 @@ class ReplicaLoader(StreamingDataLoader):
             self.dataset.current_epoch = state["dataset"]["current_epoch"]
         self._loaded_state = state
         self._resume_pending = True
+
+    def _refuse_another_seq_len(self, state: dict[str, Any]) -> None:
+        """Samples of another length would be read from the saved position in other windows (litdata says so only at
+        the first batch, in its own words)."""
+        saved = state.get("dataset") or {}
+        sources = [source for source in (saved.values() if self.is_mixture else [saved]) if isinstance(source, dict)]
+        datasets = self.dataset._datasets if self.is_mixture else [self.dataset]
+        now = datasets[0].item_loader._block_size
+        for was in {source.get("item_loader", {}).get("block_size") for source in sources} - {None, now}:
+            raise ValueError(f"this checkpoint's data was read in samples of seq_len + 1 = {was} tokens, and this "
+                             f"run's are {now} (seq_len={now - 1}): resume with seq_len={was - 1}, or start the data "
+                             "afresh (docs/data.md, 'Resume')")
 
     def _refuse_a_mixture_resized(self, state: dict[str, Any]) -> None:
         if not self.is_mixture:
@@ -130,18 +143,19 @@ class ReplicaLoader(StreamingDataLoader):
                              "Resume with those, or start the data afresh (docs/data.md, 'Resume')")
 
     def _warn_of_a_rounded_resume(self, state: dict[str, Any]) -> None:
-        """litdata resumes on another data-parallel size at the last whole global batch of the new size: say how many
-        samples are read again."""
+        """litdata resumes on another data-parallel size or batch size at the last whole global batch of the new
+        size: say how many samples are read again."""
         dataset_state = state.get("dataset", {})
-        if self.is_mixture or dataset_state.get("world_size") in (None, self.replica_world.world_size):
+        was = (dataset_state.get("world_size"), dataset_state.get("batch_size"))
+        if self.is_mixture or None in was or was == (self.replica_world.world_size, self.batch_size):
             return
         from litdata.streaming.elastic import sample_in_epoch_from_state
 
         consumed = sample_in_epoch_from_state(dataset_state)
         global_batch = self.replica_world.world_size * self.batch_size
         if consumed % global_batch:
-            warnings.warn(f"the checkpoint stopped {consumed} samples into its epoch on {dataset_state['world_size']} "
-                          f"data-parallel replicas, which is not a whole number of this run's global batch "
+            warnings.warn(f"the checkpoint stopped {consumed} samples into its epoch on {was[0]} data-parallel "
+                          f"replicas of batch_size {was[1]}, which is not a whole number of this run's global batch "
                           f"({self.replica_world.world_size} x {self.batch_size}); resuming after "
                           f"{consumed - consumed % global_batch}: {consumed % global_batch} samples are read again",
                           stacklevel=3)
