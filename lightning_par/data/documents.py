@@ -75,7 +75,7 @@ class _HuggingFaceTokenizer(DocumentTokenizer):
         self.fingerprint = _fingerprint(self.tokenizer)
 
     def encode(self, documents: Sequence[str | bytes]) -> list[list[int]]:
-        texts = [d.decode("utf-8") if isinstance(d, bytes) else d for d in documents]  # checked by documents_of
+        texts = [d.decode("utf-8") if isinstance(d, bytes) else d for d in documents]
         eos = self.eos_token_id
         return [ids if ids and ids[-1] == eos else [*ids, eos]
                 for ids in self.tokenizer(texts, add_special_tokens=True)["input_ids"]]
@@ -175,14 +175,14 @@ def _load_dataset(path: Path) -> Any:
 
 
 def documents_of(item: Sequence[Any], text_field: str, *, encoding: str = "utf-8",
-                 decode_errors: str = "strict") -> Iterator[tuple[str, str | bytes]]:
+                 decode_errors: str = "strict") -> Iterator[tuple[str, str]]:
     """``(where, text)`` of every document of a work item; ``where`` (file and offset) decides its split. Text files
     and JSON lines are decoded from ``encoding`` with ``decode_errors`` (:func:`decoded`)."""
     kind, path, start, stop = item
     if kind == "stdlib":
         from lightning_par.data.corpus import stdlib_dir
 
-        yield Path(path).relative_to(stdlib_dir()).as_posix(), Path(path).read_bytes()
+        yield Path(path).relative_to(stdlib_dir()).as_posix(), decoded(Path(path).read_bytes(), path)
     elif kind == "text":
         yield path, decoded(Path(path).read_bytes(), path, encoding=encoding, errors=decode_errors)
     elif kind == "jsonl":

@@ -78,9 +78,10 @@ def _average_over(gradients: dict[str, Tensor], shapes: dict[str, torch.Size], g
                   device: torch.device) -> dict[str, Tensor]:
     """The average over ``group`` of each rank's ``gradients`` (a parameter of ``shapes`` without one counts as zero),
     of the parameters that got a gradient on some rank; one all-reduce (gloo has no AVG: a sum, divided)."""
-    flat = torch.cat([gradients[name].reshape(-1).float() if name in gradients else torch.zeros(shape.numel(),
-                      device=device) for name, shape in shapes.items()] + [torch.tensor(
-                      [float(name in gradients) for name in shapes], device=device)])
+    parts = [gradients[name].reshape(-1).float() if name in gradients else torch.zeros(shape.numel(), device=device)
+             for name, shape in shapes.items()]
+    got_one = torch.tensor([float(name in gradients) for name in shapes], device=device)
+    flat = torch.cat([*parts, got_one])
     dist.all_reduce(flat, group=group)
     *averages, got = flat.split([shape.numel() for shape in shapes.values()] + [len(shapes)])
     size = dist.get_world_size(group)
