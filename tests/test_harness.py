@@ -3,6 +3,7 @@ with every rank's stack (pytest-timeout's own stop shows the test process only).
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -16,10 +17,11 @@ def _sleep(rank: int, world_size: int, seconds: float) -> int:
 
 @pytest.mark.timeout(40)
 def test_a_launch_stops_before_the_tests_deadline_with_the_ranks_stacks() -> None:
-    start = time.monotonic()
     with pytest.raises(TimeoutError, match="did not finish") as error:
         run_distributed(_sleep, 2, 300, timeout=35)  # below the test's timeout, but the deadline comes first
-    assert time.monotonic() - start < 40 - 5
+    # The launch was given what was left before the deadline less the margin for the stacks (40 - 30 s), not its 35 s:
+    # read from the message, not the clock. (Without the stop, pytest itself ends the test at 40 s: it fails.)
+    assert int(re.search(r"within (\d+) s", str(error.value)).group(1)) <= 10
     assert "_sleep" in str(error.value)  # the ranks' stacks, where each was
 
 
