@@ -3,6 +3,10 @@
 run.
 
     python benchmarks/data_scale.py [--sizes-mb 4 40 400] [--text-sizes-mb 4 40] [--ranks 2] [--workers 2] [--repeats 3]
+                                    [--throughput-mb 40]
+
+First, ``prepare``'s MB per CPU-second beside a plain ``tokenizers`` ``encode_batch`` and litdata's ``optimize`` on
+one ``--throughput-mb`` corpus (``benchmarks/prepare_throughput.py``, which also measures memory per worker).
 
 Corpora of JSON lines (the Python standard library's sources, repeated to the size) are tokenized with the tiny BPE
 tokenizer of ``examples/make_tiny_pretrained.py``. For each size:
@@ -46,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--loader-batches", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3, help="starts of each module; the median is reported")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/lightning-par-data-scale"))
+    parser.add_argument("--throughput-mb", type=int, default=40, help="corpus of the throughput table (0: none)")
     return parser
 
 
@@ -142,6 +147,7 @@ def training_rate(seq_len: int = 128, batch: int = 8, steps: int = 20) -> float:
 def main() -> None:
     args = build_parser().parse_args()
     sys.path.insert(0, str(REPO / "examples"))
+    sys.path.insert(0, str(REPO / "benchmarks"))
     from make_tiny_pretrained import save_tokenizer
 
     from lightning_par.data.prepare import prepare
@@ -150,6 +156,12 @@ def main() -> None:
     tokenizer = args.workdir / "tokenizer"
     if not (tokenizer / "tokenizer.json").exists():
         save_tokenizer(tokenizer)
+    if args.throughput_mb:
+        from prepare_throughput import throughput_table
+
+        corpus = args.workdir / f"corpus-{args.throughput_mb}mb.jsonl"
+        make_corpus(corpus, args.throughput_mb)
+        print(throughput_table(corpus, tokenizer, args.workdir, args.workers, args.repeats) + "\n", flush=True)
     rows = []
     for size in args.sizes_mb:
         corpus = args.workdir / f"corpus-{size}mb.jsonl"

@@ -13,6 +13,7 @@ tests/test_bad_inputs.py also runs the set-up ones in real processes.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import sys
@@ -246,9 +247,11 @@ def _text_data(prepare: Callable[[], Any] | None = None, **kwargs: Any) -> Calla
     return make
 
 
-def _streamed(data_dir: Any = "shards", module: Any = None, truncate: bool = False, **kwargs: Any) -> Callable[[], Any]:
+def _streamed(data_dir: Any = "shards", module: Any = None, truncate: bool = False,
+              edit_index: Callable[[list], list] | None = None, **kwargs: Any) -> Callable[[], Any]:
     """StreamingTokenDataModule(data_dir, **kwargs) set up under ``module``, on byte shards of notes.jsonl prepared
-    into ``shards`` first (with the shard file cut short: ``truncate``)."""
+    into ``shards`` first (with the shard file cut short: ``truncate``; with the index's shard list edited:
+    ``edit_index``)."""
 
     def make() -> Any:
         from types import SimpleNamespace
@@ -260,6 +263,11 @@ def _streamed(data_dir: Any = "shards", module: Any = None, truncate: bool = Fal
         if truncate:
             shard = Path("shards/train/chunk-0-0.bin")
             shard.write_bytes(shard.read_bytes()[:10])
+        if edit_index is not None:
+            index_path = Path("shards/train/index.json")
+            index = json.loads(index_path.read_text())
+            index["chunks"] = edit_index(index["chunks"])
+            index_path.write_text(json.dumps(index))
         data = StreamingTokenDataModule(data_dir, **{"seq_len": 4, "batch_size": 1, **kwargs})
         data.trainer = SimpleNamespace(strategy=None, lightning_module=module)
         data.setup("fit")
@@ -516,6 +524,12 @@ BAD_INPUTS: list[BadInput] = [
              "twice, as 'shards' and 'shards/'", _streamed({"shards": 1, "shards/": 1})),
     BadInput("a shard file cut short", "the shard 'shards/train/chunk-0-0.bin' holds 10 bytes where its index.json "
              "records", _streamed(truncate=True)),
+    BadInput("shards whose `index.json` lost an entry", "'shards/train/index.json' does not list the shard "
+             "'chunk-0-0.bin' that prepared.json records (0 shards listed, 1 made)",
+             _streamed(edit_index=lambda chunks: chunks[1:])),
+    BadInput("an `index.json` whose token count was edited", "'shards/train/index.json' lists the shard 'chunk-0-0.bin' "
+             "with tokens 120 where prepared.json records 20",
+             _streamed(edit_index=lambda chunks: [{**chunk, "dim": chunk["dim"] + 100} for chunk in chunks])),
     BadInput("shards prepared with another tokenizer than the model's", "'shards' was prepared with the tokenizer "
              "'bytes', which gives other ids than the model's ('hf-model'): prepare it again with --tokenizer hf-model",
              _streamed(tokenizer="hf-model")),

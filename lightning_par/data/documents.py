@@ -7,6 +7,10 @@ document each: ``.txt``, ``.text``, ``.md``), JSON lines (a record's ``text_fiel
 ``.jsonl``), parquet files (a row's ``text_field``), a directory written by ``datasets``' ``save_to_disk`` (its
 ``train`` split when it holds several), or a directory of such files. Pure Python plus the tokenizer's and the
 formats' libraries: no lightning import.
+
+Memory stays that of a piece whatever the shape of the input: a text file larger than a piece is read in parts cut
+by :func:`part_end` (still one document: the tokenizer's leading special tokens before the first part, the
+end-of-sequence token after the last), and so is any document longer than the tokenizer is given at once.
 """
 
 from __future__ import annotations
@@ -16,16 +20,54 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["BYTES", "ByteTokenizer", "DocumentTokenizer", "decoded", "documents_of", "is_validation",
-           "load_document_tokenizer", "work_items"]
+__all__ = ["BYTES", "ByteTokenizer", "DocumentPart", "DocumentTokenizer", "decoded", "documents_of", "is_validation",
+           "load_document_tokenizer", "part_end", "piece_bytes", "work_items"]
 
 BYTES = "bytes"  # the byte tokenizer's name (the reference model's vocabulary of 256)
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSON_SUFFIXES = (".json", ".jsonl")
 PARQUET_SUFFIXES = (".parquet",)
 _PIECE_ROWS = 20_000  # a datasets piece
+# Pieces per worker a corpus is cut into at least (pieces no smaller than _SMALLEST_PIECE): enough for litdata to
+# even out the workers' loads.
+_PIECES_PER_WORKER = 4
+_SMALLEST_PIECE = 1 << 20
+
+
+class DocumentPart(NamedTuple):
+    """A document, or a part of one cut by :func:`part_end`: ``opens`` when it is the document's start (the
+    tokenizer's leading special tokens go before it), ``closes`` when it is its end (the end-of-sequence token goes
+    after it). ``where`` (file and offset of the document) decides its split."""
+
+    where: str
+    text: str
+    opens: bool = True
+    closes: bool = True
+
+
+def part_end(text: str | bytes, limit: int) -> int:
+    """Where the first part of ``text`` ends when it is longer than ``limit``: at the start of the last run of
+    whitespace that begins inside the first ``limit`` characters (bytes), so that the run goes whole with the word
+    after it and tokenizers that split text at whitespace give the same ids as to the whole text; without
+    whitespace, at ``limit`` (for bytes, moved back to the start of a UTF-8 character). ``len(text)`` when it fits."""
+    if len(text) <= limit:
+        return len(text)
+    window = text[:limit + 1]
+    blank = " \t\n\r\f\v"
+    spaces = [window.rfind(mark) for mark in (blank if isinstance(text, str) else [c.encode() for c in blank])]
+    end = max(spaces)
+    if end > 0:
+        while end > 0 and text[end - 1:end].isspace():
+            end -= 1
+        if end > 0:
+            return end
+    end = limit
+    if isinstance(text, bytes):
+        while end > 0 and text[end] & 0xC0 == 0x80:  # a UTF-8 continuation byte
+            end -= 1
+    return end or limit
 
 
 # ----------------------------------------------------------------------------------------------- tokenizers
@@ -39,6 +81,11 @@ class DocumentTokenizer:
     fingerprint: str
 
     def encode(self, documents: Sequence[str | bytes]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def encode_parts(self, parts: Sequence[DocumentPart]) -> list[list[int]]:
+        """The ids of each part: a whole document's as :meth:`encode` gives them; a part that does not open its
+        document without the leading special tokens, one that does not close it without the trailing ones and EOS."""
         raise NotImplementedError
 
 
@@ -61,6 +108,10 @@ class ByteTokenizer(DocumentTokenizer):
             encoded.append([*data, 0])
         return encoded
 
+    def encode_parts(self, parts: Sequence[DocumentPart]) -> list[list[int]]:
+        whole = self.encode([part.text for part in parts])
+        return [ids if part.closes else ids[:-1] for ids, part in zip(whole, parts)]
+
 
 class _HuggingFaceTokenizer(DocumentTokenizer):
     """A tokenizer saved with ``save_pretrained`` (a model directory), as ``TextDataModule`` packs documents."""
@@ -73,12 +124,48 @@ class _HuggingFaceTokenizer(DocumentTokenizer):
         self.vocab_size = len(self.tokenizer)
         self.eos_token_id = int(self.tokenizer.eos_token_id)
         self.fingerprint = _fingerprint(self.tokenizer)
+        # A fast tokenizer's Rust core, called directly: the ids transformers' call gives (it calls the same
+        # encode_batch with truncation and padding off), without its per-document conversions (~15% of the time).
+        self.core = getattr(self.tokenizer, "backend_tokenizer", None)
+        if self.core is not None:
+            from tokenizers import Tokenizer
+
+            self.core = Tokenizer.from_str(self.core.to_str())
+            self.core.no_truncation()
+            self.core.no_padding()
+
+    def _ids(self, texts: list[str], *, special_tokens: bool) -> list[list[int]]:
+        if self.core is None:
+            return self.tokenizer(texts, add_special_tokens=special_tokens)["input_ids"]
+        return [encoding.ids for encoding in self.core.encode_batch(texts, add_special_tokens=special_tokens)]
 
     def encode(self, documents: Sequence[str | bytes]) -> list[list[int]]:
         texts = [d.decode("utf-8") if isinstance(d, bytes) else d for d in documents]
-        eos = self.eos_token_id
-        return [ids if ids and ids[-1] == eos else [*ids, eos]
-                for ids in self.tokenizer(texts, add_special_tokens=True)["input_ids"]]
+        return [self._closed(ids) for ids in self._ids(texts, special_tokens=True)]
+
+    def _closed(self, ids: list[int]) -> list[int]:
+        return ids if ids and ids[-1] == self.eos_token_id else [*ids, self.eos_token_id]
+
+    def encode_parts(self, parts: Sequence[DocumentPart]) -> list[list[int]]:
+        if all(part.opens and part.closes for part in parts):
+            return self.encode([part.text for part in parts])
+        prefix, suffix = self._special_tokens_around()
+        bodies = self._ids([part.text for part in parts], special_tokens=False)
+        return [(prefix if part.opens else []) + ids + (self._closed(suffix) if part.closes else [])
+                for ids, part in zip(bodies, parts)]
+
+    def _special_tokens_around(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer's template puts before and after a text's own (a BOS for Llama's)."""
+        if not hasattr(self, "_around"):
+            probe = "probe"
+            plain, special = (self._ids([probe], special_tokens=flag)[0] for flag in (False, True))
+            start = next((i for i in range(len(special) - len(plain) + 1) if special[i:i + len(plain)] == plain), None)
+            if not plain or start is None:
+                raise ValueError(f"the tokenizer {self.name!r} adds special tokens inside a text "
+                                 f"({special} for {probe!r}, {plain} without): prepare cannot cut a long document "
+                                 "into parts for it")
+            self._around = (special[:start], special[start + len(plain):])
+        return self._around
 
 
 def _fingerprint(tokenizer: Any) -> str:
@@ -98,25 +185,57 @@ def load_document_tokenizer(tokenizer: str) -> DocumentTokenizer:
 
 
 # ----------------------------------------------------------------------------------------------- inputs
-def work_items(inputs: Sequence[str], *, text_field: str = "text", piece_bytes: int = 16 << 20) -> list[list[Any]]:
-    """The pieces of work the inputs make, each ``[kind, path, start, stop]``: ``stdlib`` documents, a text file, a
-    byte range of a JSON-lines file, a parquet row group, a row range of a ``save_to_disk`` dataset. Plain lists, as
-    litdata keeps them in its checkpoint to resume an interrupted run. Raises ``ValueError`` naming a missing or
-    unreadable input."""
+def piece_bytes(inputs: Sequence[str] | str, *, workers: int, largest: int) -> int:
+    """The bytes of text a piece of work holds: the corpus's text and JSON-lines bytes shared into
+    ``_PIECES_PER_WORKER`` pieces per worker, so that every worker has work, but no more than ``largest`` (what a
+    shard holds: litdata starts a shard file between two pieces only) and no less than 1 MiB."""
+    total = 0
+    for entry in [inputs] if isinstance(inputs, str) else inputs:
+        path = Path(entry)
+        files = [path] if path.is_file() else sorted(path.rglob("*")) if path.is_dir() else []
+        total += sum(file.stat().st_size for file in files
+                     if file.is_file() and file.suffix in TEXT_SUFFIXES + JSON_SUFFIXES)
+    return max(1, min(largest, max(_SMALLEST_PIECE, total // (workers * _PIECES_PER_WORKER))))
+
+
+def work_items(inputs: Sequence[str], *, text_field: str = "text", piece_bytes: int = 16 << 20,
+               encoding: str = "utf-8") -> list[list[Any]]:
+    """The pieces of work the inputs make, each ``[kind, path, start, stop]``: ``stdlib`` documents, a byte range of
+    a text file (cut by :func:`part_end` where the file is larger than ``piece_bytes`` and ``encoding`` writes
+    whitespace as ASCII does), a byte range of a JSON-lines file, a parquet row group, a row range of a
+    ``save_to_disk`` dataset. Plain lists, as litdata keeps them in its checkpoint to resume an interrupted run.
+    Raises ``ValueError`` naming a missing or unreadable input."""
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [str(inputs)]
     if not inputs:
         raise ValueError("inputs is empty: give 'stdlib', files (.txt, .jsonl, .parquet), a directory of them or a "
                          "directory written by datasets' save_to_disk")
+    cut_text = all(character.encode(encoding) == character.encode("ascii") for character in " \t\n\r")
     items: list[list[Any]] = []
     for entry in inputs:
-        items.extend(_items_of(str(entry), text_field, piece_bytes))
+        items.extend(_items_of(str(entry), text_field, piece_bytes, cut_text))
     if not items:
         raise ValueError(f"inputs {list(inputs)} hold no documents")
     return items
 
 
-def _items_of(entry: str, text_field: str, piece_bytes: int) -> list[list[Any]]:
+def _text_items(path: Path, piece_bytes: int, cut: bool) -> list[list[Any]]:
+    """A text file's byte ranges of at most ``piece_bytes``, each ending where :func:`part_end` cuts (the whole file
+    where it fits, or ``cut`` is off)."""
+    size = path.stat().st_size
+    if not cut or size <= piece_bytes:
+        return [["text", str(path), 0, size]]
+    items, start = [], 0
+    with open(path, "rb") as file:
+        while start < size:
+            file.seek(start)
+            end = start + part_end(file.read(piece_bytes + 1), piece_bytes)
+            items.append(["text", str(path), start, end])
+            start = end
+    return items
+
+
+def _items_of(entry: str, text_field: str, piece_bytes: int, cut_text: bool) -> list[list[Any]]:
     if entry == "stdlib":
         from lightning_par.data.corpus import list_stdlib_documents
 
@@ -132,9 +251,9 @@ def _items_of(entry: str, text_field: str, piece_bytes: int) -> list[list[Any]]:
         if not files:
             raise ValueError(f"input directory {entry!r} holds no {', '.join(TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES)} "
                              "file and was not written by datasets' save_to_disk")
-        return [item for file in files for item in _items_of(str(file), text_field, piece_bytes)]
+        return [item for file in files for item in _items_of(str(file), text_field, piece_bytes, cut_text)]
     if path.suffix in TEXT_SUFFIXES:
-        return [["text", str(path), 0, 0]]
+        return _text_items(path, piece_bytes, cut_text)
     if path.suffix in JSON_SUFFIXES:
         size = path.stat().st_size
         return [["jsonl", str(path), start, min(start + piece_bytes, size)] for start in range(0, size, piece_bytes)]
@@ -175,16 +294,21 @@ def _load_dataset(path: Path) -> Any:
 
 
 def documents_of(item: Sequence[Any], text_field: str, *, encoding: str = "utf-8",
-                 decode_errors: str = "strict") -> Iterator[tuple[str, str]]:
-    """``(where, text)`` of every document of a work item; ``where`` (file and offset) decides its split. Text files
-    and JSON lines are decoded from ``encoding`` with ``decode_errors`` (:func:`decoded`)."""
+                 decode_errors: str = "strict") -> Iterator[DocumentPart]:
+    """Every document of a work item (a part of one, for a piece of a large text file), with where it is (file and
+    offset), which decides its split. Text files and JSON lines are decoded from ``encoding`` with ``decode_errors``
+    (:func:`decoded`)."""
     kind, path, start, stop = item
     if kind == "stdlib":
         from lightning_par.data.corpus import stdlib_dir
 
-        yield Path(path).relative_to(stdlib_dir()).as_posix(), decoded(Path(path).read_bytes(), path)
+        yield DocumentPart(Path(path).relative_to(stdlib_dir()).as_posix(), decoded(Path(path).read_bytes(), path))
     elif kind == "text":
-        yield path, decoded(Path(path).read_bytes(), path, encoding=encoding, errors=decode_errors)
+        with open(path, "rb") as file:
+            file.seek(start)
+            data = file.read(stop - start)
+        yield DocumentPart(path, decoded(data, path, offset=start, encoding=encoding, errors=decode_errors),
+                           opens=start == 0, closes=stop >= os.path.getsize(path))
     elif kind == "jsonl":
         yield from _json_lines(path, start, stop, text_field, encoding, decode_errors)
     elif kind == "parquet":
@@ -192,15 +316,15 @@ def documents_of(item: Sequence[Any], text_field: str, *, encoding: str = "utf-8
 
         column = pq.ParquetFile(path).read_row_group(start, columns=[text_field]).column(0).to_pylist()
         for row, text in enumerate(column):
-            yield f"{path}:{start}:{row}", _text(text, text_field, f"{path} row group {start} row {row}")
+            yield DocumentPart(f"{path}:{start}:{row}", _text(text, text_field, f"{path} row group {start} row {row}"))
     else:
         rows = _load_dataset(Path(path)).select(range(start, stop))[text_field]
         for row, text in enumerate(rows, start):
-            yield f"{path}:{row}", _text(text, text_field, f"{path} row {row}")
+            yield DocumentPart(f"{path}:{row}", _text(text, text_field, f"{path} row {row}"))
 
 
 def _json_lines(path: str, start: int, stop: int, text_field: str, encoding: str,
-                decode_errors: str) -> Iterator[tuple[str, str]]:
+                decode_errors: str) -> Iterator[DocumentPart]:
     """The records whose line begins in ``[start, stop)``: a line that straddles ``start`` is the piece before's."""
     with open(path, "rb") as file:
         position = start
@@ -220,7 +344,7 @@ def _json_lines(path: str, start: int, stop: int, text_field: str, encoding: str
                 raise ValueError(f"{path}: the line at byte {where} is not JSON: {error}") from error
             if not isinstance(record, dict) or text_field not in record:
                 raise ValueError(f"{path}: the record at byte {where} has no field text_field={text_field!r}")
-            yield f"{path}:{where}", _text(record[text_field], text_field, f"{path} byte {where}")
+            yield DocumentPart(f"{path}:{where}", _text(record[text_field], text_field, f"{path} byte {where}"))
 
 
 def decoded(data: bytes, path: str, *, offset: int = 0, encoding: str = "utf-8", errors: str = "strict") -> str:

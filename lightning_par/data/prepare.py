@@ -33,32 +33,36 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from lightning_par.data.documents import (DocumentTokenizer, documents_of, is_validation, load_document_tokenizer,
-                                          work_items)
+from lightning_par.data.documents import (DocumentPart, DocumentTokenizer, documents_of, is_validation,
+                                          load_document_tokenizer, part_end, piece_bytes, work_items)
 
-__all__ = ["METADATA", "SPLITS", "PreparedData", "is_prepared", "main", "prepare", "read_prepared", "token_dtype"]
+__all__ = ["METADATA", "SPLITS", "PreparedData", "decoding_arguments", "is_prepared", "main", "prepare",
+           "read_prepared", "token_dtype", "verify_prepared"]
 
 METADATA = "prepared.json"
 SPLITS = ("train", "val")
-FORMAT = 1  # of prepared.json
+FORMAT = 2  # of prepared.json: 2 records every shard file (1, without, is still read)
 # A JSON-lines piece is a quarter of a shard's bytes of text: litdata starts a shard file only between two items (a
 # piece's tokens), so shards stay near their size and a big file spreads over the workers and over many shards.
 _TEXT_PER_SHARD = 4
 # A part of the work is this many pieces per worker, appended whole: what a stopped prepare may do again.
 _ITEMS_PER_WORKER_PART = 16
-_ENCODE_BATCH = 1024  # documents per tokenizer call
+# Characters the tokenizer is given at once (documents batched up to it, longer ones cut into parts): a fast
+# tokenizer holds about 100 bytes per character while it works.
+_ENCODE_CHARACTERS = 1 << 20
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -93,20 +97,47 @@ class _TokenizeItem:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers are the parallelism
             self._tokenizer = load_document_tokenizer(self.tokenizer_name)
         want_val = self.split == "val"
-        documents = [text for where, text in documents_of(item, self.text_field, **self.decoding)
-                     if text and (self.val_fraction > 0 and is_validation(where, self.val_fraction)) == want_val]
-        if not documents:
+        parts = [part for document in documents_of(item, self.text_field, **self.decoding)
+                 if document.text and (self.val_fraction > 0 and is_validation(document.where,
+                                                                               self.val_fraction)) == want_val
+                 for part in _parts(document, _ENCODE_CHARACTERS)]
+        if not parts:
             return None  # litdata writes nothing for it
-        ids = [token for start in range(0, len(documents), _ENCODE_BATCH)
-               for document in self._tokenizer.encode(documents[start:start + _ENCODE_BATCH]) for token in document]
-        return torch.from_numpy(np.asarray(ids, dtype=token_dtype(self._tokenizer.vocab_size)))
+        dtype = token_dtype(self._tokenizer.vocab_size)
+        tokens = [np.asarray(ids, dtype=dtype) for batch in _batches(parts, _ENCODE_CHARACTERS)
+                  for ids in self._tokenizer.encode_parts(batch)]
+        return torch.from_numpy(np.concatenate(tokens))
+
+
+def _parts(document: DocumentPart, limit: int) -> Iterator[DocumentPart]:
+    """``document`` cut into parts of at most ``limit`` characters where ``part_end`` cuts (itself when it fits)."""
+    text, start = document.text, 0
+    while start < len(text):
+        end = start + part_end(text[start:start + limit + 1], limit)
+        yield document._replace(text=text[start:end], opens=document.opens and start == 0,
+                                closes=document.closes and end == len(text))
+        start = end
+
+
+def _batches(parts: list[DocumentPart], characters: int) -> Iterator[list[DocumentPart]]:
+    """``parts`` in runs of about ``characters`` characters: one tokenizer call each."""
+    batch: list[DocumentPart] = []
+    size = 0
+    for part in parts:
+        if batch and size + len(part.text) > characters:
+            yield batch
+            batch, size = [], 0
+        batch.append(part)
+        size += len(part.text)
+    if batch:
+        yield batch
 
 
 # ----------------------------------------------------------------------------------------------- prepare
 _DEFAULT_DECODING = {"encoding": "utf-8", "decode_errors": "strict"}
 
 
-def _decoding(encoding: str, decode_errors: str) -> dict[str, str]:
+def decoding_arguments(encoding: str, decode_errors: str) -> dict[str, str]:
     """``documents_of``'s decoding arguments, each checked to be one Python knows."""
     import codecs
 
@@ -143,12 +174,10 @@ def prepare(inputs: Sequence[str] | str, output_dir: str, tokenizer: str, *, val
         raise ValueError(f"val_fraction={val_fraction!r} must be in [0, 1)")
     if num_workers is not None and num_workers < 1:
         raise ValueError(f"num_workers={num_workers!r} must be at least 1")
-    decoding = _decoding(encoding, decode_errors)
+    decoding = decoding_arguments(encoding, decode_errors)
     from litdata.utilities.format import _convert_bytes_to_int
 
     document_tokenizer = load_document_tokenizer(tokenizer)
-    items = work_items(inputs, text_field=text_field,
-                       piece_bytes=max(1, _convert_bytes_to_int(chunk_bytes) // _TEXT_PER_SHARD))
     settings = {"inputs": [str(entry) for entry in ([inputs] if isinstance(inputs, str) else inputs)],
                 "val_fraction": val_fraction, "text_field": text_field}
     if decoding != _DEFAULT_DECODING:  # recorded where it changes the tokens (shards of before hold the default)
@@ -161,9 +190,14 @@ def prepare(inputs: Sequence[str] | str, output_dir: str, tokenizer: str, *, val
                              f"{prepared.tokenizer['name']!r}, not from {settings} with {tokenizer!r}: give another "
                              "output directory, or remove it to prepare it again")
         return prepared
-    workers = min(num_workers or os.cpu_count() or 1, len(items))
+    requested_workers = num_workers or os.cpu_count() or 1
+    # A resumed prepare cuts the inputs as the stopped one did, whatever its workers now.
+    piece = _Progress.recorded_piece_bytes(store) or piece_bytes(
+        inputs, workers=requested_workers, largest=max(1, _convert_bytes_to_int(chunk_bytes) // _TEXT_PER_SHARD))
+    items = work_items(inputs, text_field=text_field, piece_bytes=piece, encoding=decoding["encoding"])
+    workers = min(requested_workers, len(items))
     splits = ["train", "val"] if val_fraction > 0 else ["train"]
-    progress = _Progress.start(store, settings, document_tokenizer.fingerprint, splits, len(items))
+    progress = _Progress.start(store, settings, document_tokenizer.fingerprint, splits, len(items), piece)
     step = workers * items_per_part
     for split in splits:
         for part, first in enumerate(range(0, len(items), step)):
@@ -173,8 +207,8 @@ def prepare(inputs: Sequence[str] | str, output_dir: str, tokenizer: str, *, val
             tokenize = functools.partial(_TokenizeItem, tokenizer, split, val_fraction, text_field, decoding)
             _tokenize_part(store, split, items[first:first + step], workers, chunk_bytes, verbose, tokenize,
                            kept=progress.chunks[split])
-            progress.done(split, _chunks_of(store, split))
-    counts = {split: _tokens_of(store, split) for split in splits}
+            progress.done(split, _part_shards(store, split, progress.chunks[split]))
+    counts = {split: sum(shard["tokens"] for shard in progress.shards[split]) for split in splits}
     if counts["train"] == 0:
         # Nothing here is worth keeping, and every part is recorded as done: without this, a run with the inputs mended
         # would find the same empty shards and refuse again.
@@ -188,7 +222,7 @@ def prepare(inputs: Sequence[str] | str, output_dir: str, tokenizer: str, *, val
                               "vocab_size": document_tokenizer.vocab_size,
                               "eos_token_id": document_tokenizer.eos_token_id},
                 "dtype": token_dtype(document_tokenizer.vocab_size),
-                "tokens": counts}
+                "tokens": counts, "shards": progress.shards}
     store.write_text(METADATA, json.dumps(metadata, indent=2))  # last: the mark of a finished prepare
     progress.remove()
     return read_prepared(output_dir)
@@ -201,7 +235,8 @@ def _tokenize_part(store: "_Store", split: str, items: list[list[Any]], workers:
     from litdata import TokensLoader, optimize
 
     with tempfile.TemporaryDirectory() as errors:
-        optimize(fn=tokenize(errors=errors), inputs=items, output_dir=store.url(split), chunk_bytes=chunk_bytes, item_loader=TokensLoader(),
+        optimize(fn=tokenize(errors=errors), inputs=items, output_dir=store.url(split), chunk_bytes=chunk_bytes,
+                 item_loader=TokensLoader(),
                  num_workers=min(workers, len(items)), mode="append" if store.exists(f"{split}/index.json") else None,
                  start_method="fork", weights=[_item_size(item) for item in items], keep_data_ordered=True,
                  verbose=verbose)
@@ -211,20 +246,46 @@ def _tokenize_part(store: "_Store", split: str, items: list[list[Any]], workers:
             raise ValueError(found[0].read_text().splitlines()[0])
 
 
+def _part_shards(store: "_Store", split: str, kept: int) -> list[dict[str, Any]]:
+    """The records of the shard files a part just added to ``split`` (those after the first ``kept``), once each is
+    found whole: listed by the index, on disk at the size the index records. A part whose files are not all there
+    (a worker killed, a disk full) raises here and is not recorded as done; the next run does it again."""
+    from lightning_par.data.shard_record import check_shard_files, shard_checksum, shard_record
+
+    if not store.exists(f"{split}/index.json"):
+        return []  # no part held a document of this split yet
+    chunks = json.loads(store.read_text(f"{split}/index.json"))["chunks"][kept:]
+    if store.remote:  # no checksum: it would mean downloading every shard again
+        return [shard_record(chunk, None) for chunk in chunks]
+    check_shard_files(store.url(split))
+    return [shard_record(chunk, shard_checksum(os.path.join(store.url(split), chunk["filename"])))
+            for chunk in chunks]
+
+
 class _Progress:
     """``prepare.progress.json``: the settings of an unfinished prepare, and per split the parts appended whole and
-    the shard files they made."""
+    the records of the shard files they made."""
 
     NAME = "prepare.progress.json"
 
     def __init__(self, store: "_Store", record: dict[str, Any]) -> None:
         self.store, self.record = store, record
         self.parts: dict[str, int] = record["parts"]
-        self.chunks: dict[str, int] = record["chunks"]
+        self.shards: dict[str, list[dict[str, Any]]] = record["shards"]
+
+    @property
+    def chunks(self) -> dict[str, int]:
+        """Per split, the shard files the recorded parts made."""
+        return {split: len(shards) for split, shards in self.shards.items()}
+
+    @classmethod
+    def recorded_piece_bytes(cls, store: "_Store") -> int | None:
+        """The bytes of a piece of work an unfinished prepare in ``store`` cut its inputs into."""
+        return json.loads(store.read_text(cls.NAME)).get("piece_bytes") if store.exists(cls.NAME) else None
 
     @classmethod
     def start(cls, store: "_Store", settings: dict[str, Any], fingerprint: str, splits: list[str],
-              items: int) -> "_Progress":
+              items: int, piece: int) -> "_Progress":
         """The progress of the prepare started earlier with these settings, or a new one in an empty directory."""
         identity = {"settings": settings, "tokenizer": fingerprint, "items": items}
         if store.exists(cls.NAME):
@@ -233,27 +294,25 @@ class _Progress:
                 raise ValueError(f"{store.root!r} holds an unfinished prepare of {record.get('settings')} with "
                                  "another tokenizer or other inputs: run that one again to finish it, or give "
                                  "another output directory")
+            if "shards" not in record:  # written by a version that counted the shard files only
+                for split, count in record.pop("chunks").items():
+                    _keep_chunks(store, split, count)
+                record["shards"] = {split: _part_shards(store, split, 0) for split in record["parts"]}
             return cls(store, record)
         if not store.remote and os.path.isdir(store.root) and os.listdir(store.root):
             raise ValueError(f"{store.root!r} is not empty and holds no prepare: give a new or empty output directory")
-        progress = cls(store, {**identity, "parts": {split: 0 for split in splits},
-                               "chunks": {split: 0 for split in splits}})
+        progress = cls(store, {**identity, "piece_bytes": piece, "parts": {split: 0 for split in splits},
+                               "shards": {split: [] for split in splits}})
         progress.store.write_text(cls.NAME, json.dumps(progress.record))
         return progress
 
-    def done(self, split: str, chunks: int) -> None:
+    def done(self, split: str, shards: list[dict[str, Any]]) -> None:
         self.parts[split] += 1
-        self.chunks[split] = chunks
+        self.shards[split].extend(shards)
         self.store.write_text(self.NAME, json.dumps(self.record))
 
     def remove(self) -> None:
         self.store.remove(self.NAME)
-
-
-def _chunks_of(store: "_Store", split: str) -> int:
-    if not store.exists(f"{split}/index.json"):
-        return 0
-    return len(json.loads(store.read_text(f"{split}/index.json"))["chunks"])
 
 
 def _keep_chunks(store: "_Store", split: str, count: int) -> None:
@@ -276,20 +335,16 @@ def _keep_chunks(store: "_Store", split: str, count: int) -> None:
 def _item_size(item: Sequence[Any]) -> int:
     """How much work an item is, for litdata to balance its workers: bytes of text, or rows."""
     kind, path, start, stop = item
-    if kind in ("jsonl", "dataset"):
+    if kind in ("jsonl", "dataset", "text"):
         return stop - start
     return os.path.getsize(path) if kind != "parquet" else 1
-
-
-def _tokens_of(store: "_Store", split: str) -> int:
-    index = json.loads(store.read_text(f"{split}/index.json"))
-    return sum(int(chunk["dim"] or 0) for chunk in index["chunks"])
 
 
 # ----------------------------------------------------------------------------------------------- reading
 class PreparedData:
     """What a finished ``prepare`` wrote in ``directory`` (``prepared.json``): the tokenizer, the token dtype,
-    the tokens of each split and the settings it was prepared with."""
+    the tokens of each split, the settings it was prepared with, and the record of each split's shard files
+    (``lightning_par.data.shard_record``; ``None`` for data prepared before shards were recorded)."""
 
     def __init__(self, directory: str, metadata: dict[str, Any]) -> None:
         self.directory = directory
@@ -297,6 +352,16 @@ class PreparedData:
         self.dtype: str = metadata["dtype"]
         self.tokens: dict[str, int] = metadata["tokens"]
         self.settings: dict[str, Any] = metadata["settings"]
+        self.shards: dict[str, list[dict[str, Any]]] | None = metadata.get("shards")
+
+    @property
+    def identity(self) -> str:
+        """A hash of what the training split holds: its tokenizer's fingerprint, its token dtype and its shard
+        files (names, sizes, tokens, checksums). The same data copied or moved elsewhere keeps it; the same
+        directory prepared again from other text or with another tokenizer does not."""
+        what = {"tokenizer": self.tokenizer["fingerprint"], "dtype": self.dtype,
+                "train": (self.shards or {}).get("train", self.tokens["train"])}
+        return "sha256:" + hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
     @property
     def splits(self) -> list[str]:
@@ -325,10 +390,26 @@ def read_prepared(directory: str) -> PreparedData:
         metadata = json.loads(store.read_text(METADATA))
     except json.JSONDecodeError as error:
         raise ValueError(f"{directory!r}: {METADATA} is not JSON ({error}): prepare it again") from error
-    if metadata.get("format") != FORMAT:
+    if metadata.get("format") not in (1, FORMAT):
         raise ValueError(f"{directory!r} was prepared in format {metadata.get('format')!r}; this version reads "
-                         f"format {FORMAT}: prepare it again")
+                         f"formats 1 to {FORMAT}: prepare it again")
     return PreparedData(directory, metadata)
+
+
+def verify_prepared(directory: str) -> list[str]:
+    """``lightning-par prepare --verify``: every problem of a local prepared directory against its ``prepared.json``
+    (an index entry removed or edited, a shard missing, truncated or corrupted at the same size: each names the
+    file). Empty when every byte is the one the prepare wrote."""
+    from lightning_par.data.shard_record import verify_split
+
+    prepared = read_prepared(directory)
+    if _Store(directory).remote:
+        raise ValueError(f"{directory!r} is in an object store: verify a local copy (its checksums are local)")
+    if prepared.shards is None:
+        raise ValueError(f"{directory!r} was prepared in format 1, which records no shard files: prepare it again "
+                         "to verify it")
+    return [problem for split in prepared.splits
+            for problem in verify_split(prepared.split_url(split), prepared.shards[split])]
 
 
 class _Store:
@@ -388,10 +469,12 @@ class _Store:
 # ----------------------------------------------------------------------------------------------- command
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-par prepare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", nargs="+", required=True, help="'stdlib', files (.txt .md .json .jsonl .parquet), "
+    parser.add_argument("--verify", metavar="DIR", help="check every shard file of a prepared directory against "
+                        "prepared.json (index entries, sizes, sha256 checksums) and exit; nothing else is needed")
+    parser.add_argument("--input", nargs="+", help="'stdlib', files (.txt .md .json .jsonl .parquet), "
                         "directories of them, or a directory written by datasets' save_to_disk")
-    parser.add_argument("--output", required=True, help="a local directory or an object-store URL litdata writes")
-    parser.add_argument("--tokenizer", required=True, help="a directory with a tokenizer saved by save_pretrained "
+    parser.add_argument("--output", help="a local directory or an object-store URL litdata writes")
+    parser.add_argument("--tokenizer", help="a directory with a tokenizer saved by save_pretrained "
                         "(the model's), or 'bytes'")
     parser.add_argument("--val-fraction", type=float, default=0.0, help="share of documents held out (default 0)")
     parser.add_argument("--text-field", default="text", help="the JSON field or column holding the text")
@@ -405,12 +488,32 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``lightning-par prepare``: tokenize once (module docstring), print what was written."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.verify is not None:
+        _verify_command(args.verify)
+        return
+    missing = [f"--{name}" for name in ("input", "output", "tokenizer") if getattr(args, name) is None]
+    if missing:
+        parser.error(f"the following arguments are required: {', '.join(missing)} (or --verify DIR alone)")
     prepared = prepare(args.input, args.output, args.tokenizer, val_fraction=args.val_fraction,
                        text_field=args.text_field, num_workers=args.workers, chunk_bytes=args.chunk_bytes,
                        encoding=args.encoding, decode_errors=args.decode_errors)
     counts = ", ".join(f"{split} {tokens:,} tokens" for split, tokens in prepared.tokens.items())
     print(f"prepared {args.output}: {counts} ({prepared.dtype}, tokenizer {prepared.tokenizer['name']})")
+
+
+def _verify_command(directory: str) -> None:
+    try:
+        problems = verify_prepared(directory)
+    except ValueError as error:
+        sys.exit(f"lightning-par prepare --verify: {error}")
+    if problems:
+        sys.exit("\n".join(problems))
+    prepared = read_prepared(directory)
+    shards = sum(len(prepared.shards[split]) for split in prepared.splits)
+    counts = ", ".join(f"{split} {tokens:,} tokens" for split, tokens in prepared.tokens.items())
+    print(f"verified {directory}: {shards} shard files whole ({counts})")
 
 
 if __name__ == "__main__":

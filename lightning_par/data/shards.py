@@ -36,7 +36,7 @@ import torch
 from litdata import CombinedStreamingDataset, StreamingDataLoader, StreamingDataset, TokensLoader
 from litdata.utilities.env import _DistributedEnv
 
-__all__ = ["ReplicaLoader", "check_shard_files", "collate_tokens", "token_dataset", "token_mixture"]
+__all__ = ["ReplicaLoader", "collate_tokens", "token_dataset", "token_mixture"]
 
 
 def token_dataset(url: str, *, seq_len: int, num_replicas: int, rank: int, shuffle: bool, seed: int,
@@ -69,13 +69,20 @@ def _replica_world(num_replicas: int, rank: int) -> _DistributedEnv:
 
 
 class ReplicaLoader(StreamingDataLoader):
-    """litdata's ``StreamingDataLoader`` for one data-parallel replica, resumed exactly (module docstring)."""
+    """litdata's ``StreamingDataLoader`` for one data-parallel replica, resumed exactly (module docstring).
+
+    ``sources`` describes what each dataset reads, one dict per dataset (``directory``, ``identity``: a hash of the
+    prepared data, ``tokenizer``, ``fingerprint``: the tokenizer's): it is saved with the position, so that a resume
+    on other data is refused and one on the same data moved elsewhere is taken."""
+
+    SOURCES = "lightning_par_sources"  # the key of ``sources`` in the state
 
     def __init__(self, dataset: StreamingDataset | CombinedStreamingDataset, *, batch_size: int, num_workers: int,
-                 num_replicas: int, rank: int) -> None:
+                 num_replicas: int, rank: int, sources: list[dict[str, str]] | None = None) -> None:
         super().__init__(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_tokens,
                          persistent_workers=False)
         self.replica_world = _replica_world(num_replicas, rank)
+        self.sources = sources
         self._loaded_state: dict[str, Any] | None = None  # until a batch is drawn after load_state_dict
         self._resume_pending = False  # the next iteration continues the loaded state
 
@@ -104,28 +111,67 @@ class ReplicaLoader(StreamingDataLoader):
     def state_dict(self) -> dict[str, Any]:
         if self._loaded_state is not None:
             return copy.deepcopy(self._loaded_state)
-        return copy.deepcopy(super().state_dict())  # litdata goes on changing the dict it returns
+        state = copy.deepcopy(super().state_dict())  # litdata goes on changing the dict it returns
+        if self.sources is not None:
+            state[self.SOURCES] = copy.deepcopy(self.sources)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = copy.deepcopy(state)  # litdata keeps the dict it is given, and changes it
+        self._take_the_same_data(state)
         self._refuse_another_seq_len(state)
         self._refuse_a_mixture_resized(state)
         self._warn_of_a_rounded_resume(state)
         with _litdata_sees(self.replica_world):
-            super().load_state_dict(copy.deepcopy(state))
+            super().load_state_dict({key: copy.deepcopy(value) for key, value in state.items() if key != self.SOURCES})
         if isinstance(self.dataset, StreamingDataset):
             self.dataset.current_epoch = state["dataset"]["current_epoch"]
         self._loaded_state = state
         self._resume_pending = True
 
+    def _datasets(self) -> list[StreamingDataset]:
+        return list(self.dataset._datasets) if self.is_mixture else [self.dataset]
+
+    def _saved_datasets(self, state: dict[str, Any]) -> list[dict[str, Any]]:
+        saved = state.get("dataset") or {}
+        if not self.is_mixture:
+            return [saved] if saved else []
+        return [saved[key] for key in sorted(saved, key=int) if isinstance(saved[key], dict)]
+
+    def _take_the_same_data(self, state: dict[str, Any]) -> None:
+        """Refuse a checkpoint whose data was other than this run's (prepared again from other text, or with
+        another tokenizer: the saved position would be read in other tokens), naming both; where it is the same data
+        in another directory (moved, copied), read it there: litdata's state names the directory it was read from
+        and refuses any other. A checkpoint saved without ``sources`` is taken as litdata takes it."""
+        saved = state.get(self.SOURCES)
+        if saved is None or self.sources is None:
+            return
+        if len(saved) != len(self.sources):
+            raise ValueError(f"this checkpoint's data was read from {[s['directory'] for s in saved]} and this run's "
+                             f"is {[s['directory'] for s in self.sources]}: resume on the same sources, or start the "
+                             "data afresh (docs/data.md, 'Resume')")
+        for was, now in zip(saved, self.sources):
+            if was["fingerprint"] != now["fingerprint"]:
+                raise ValueError(f"this checkpoint's data {was['directory']!r} was tokenized with {was['tokenizer']!r} "
+                                 f"and this run's {now['directory']!r} with {now['tokenizer']!r}, which gives other "
+                                 "ids: the saved position would be read in other tokens. Resume with the data of the "
+                                 "checkpoint, or start the data afresh (docs/data.md, 'Resume')")
+            if was["identity"] != now["identity"]:
+                raise ValueError(f"this checkpoint's data {was['directory']!r} ({was['identity']}) is not this run's "
+                                 f"{now['directory']!r} ({now['identity']}): it was prepared again from other text or "
+                                 "in other shards, and the saved position would be read in other samples. Resume with "
+                                 "the data of the checkpoint, or start the data afresh (docs/data.md, 'Resume')")
+        for dataset, dataset_state in zip(self._datasets(), self._saved_datasets(state)):
+            dataset_state["input_dir_path"] = dataset.input_dir.path
+            dataset_state["input_dir_url"] = dataset.input_dir.url
+        state[self.SOURCES] = copy.deepcopy(self.sources)
+
     def _refuse_another_seq_len(self, state: dict[str, Any]) -> None:
         """Samples of another length would be read from the saved position in other windows (litdata says so only at
         the first batch, in its own words)."""
-        saved = state.get("dataset") or {}
-        sources = [source for source in (saved.values() if self.is_mixture else [saved]) if isinstance(source, dict)]
-        datasets = self.dataset._datasets if self.is_mixture else [self.dataset]
-        now = datasets[0].item_loader._block_size
-        for was in {source.get("item_loader", {}).get("block_size") for source in sources} - {None, now}:
+        now = self._datasets()[0].item_loader._block_size
+        saved = {source.get("item_loader", {}).get("block_size") for source in self._saved_datasets(state)}
+        for was in saved - {None, now}:
             raise ValueError(f"this checkpoint's data was read in samples of seq_len + 1 = {was} tokens, and this "
                              f"run's are {now} (seq_len={now - 1}): resume with seq_len={was - 1}, or start the data "
                              "afresh (docs/data.md, 'Resume')")
@@ -172,31 +218,3 @@ def _litdata_sees(world: _DistributedEnv) -> Iterator[None]:
         yield
     finally:
         loader_module._DistributedEnv.detect = detect  # type: ignore[method-assign]
-
-
-def check_shard_files(url: str) -> None:
-    """Raise ``ValueError`` naming a shard file of ``url`` (a local split directory) that is missing or whose size is
-    not the one its ``index.json`` records (truncated, or written by another prepare): litdata would find out only
-    when it reaches the file, mid-run, on one rank. An object store's files are checked by litdata as it reads."""
-    if "://" in url and not url.startswith("local:"):
-        return
-    index_path = os.path.join(url, "index.json")
-    try:
-        with open(index_path) as file:
-            index = json.load(file)
-    except FileNotFoundError:
-        raise ValueError(f"{index_path!r} is missing: the shards of {url!r} were not prepared to the end; prepare "
-                         "them again") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{index_path!r} is not JSON ({error}): prepare the data again") from error
-    for chunk in index["chunks"]:
-        path = os.path.join(url, chunk["filename"])
-        try:
-            size = os.path.getsize(path)
-        except FileNotFoundError:
-            raise ValueError(f"the shard {path!r} is missing (its index.json lists it): prepare the data again, or "
-                             "copy the whole directory") from None
-        if size != chunk["chunk_bytes"]:
-            raise ValueError(f"the shard {path!r} holds {size} bytes where its index.json records "
-                             f"{chunk['chunk_bytes']}: it is truncated or from another prepare; prepare the data "
-                             "again, or copy the whole directory")

@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from lightning_par.data.datamodule import check_window_arguments, data_parallel_world
 from lightning_par.data.documents import BYTES, load_document_tokenizer
-from lightning_par.data.prepare import PreparedData, is_prepared, read_prepared
+from lightning_par.data.prepare import PreparedData, decoding_arguments, is_prepared, read_prepared
 from lightning_par.data.shard_windows import StreamedTraining
 from lightning_par.data.text import model_vocab_size, pretrained_directory
 
@@ -52,6 +52,8 @@ class StreamingTokenDataModule(pl.LightningDataModule):
             directories, as ``lightning-par prepare --input``), on global rank 0 while the other ranks wait.
         val_fraction: with ``prepare_from``: the share of documents held out for validation.
         text_field: with ``prepare_from``: the JSON field or column holding the text.
+        encoding, decode_errors: with ``prepare_from``: how its text files and JSON lines are decoded (as
+            ``lightning-par prepare --encoding/--decode-errors``: UTF-8, a byte that is not refused by default).
         cache_dir: where litdata keeps the shards it downloads from an object store.
     """
 
@@ -67,11 +69,14 @@ class StreamingTokenDataModule(pl.LightningDataModule):
         prepare_from: Optional[Union[str, List[str]]] = None,
         val_fraction: float = 0.0,
         text_field: str = "text",
+        encoding: str = "utf-8",
+        decode_errors: str = "strict",
         cache_dir: Optional[str] = None,
     ) -> None:
         check_window_arguments(seq_len=seq_len, batch_size=batch_size, val_fraction=val_fraction,
                                num_workers=num_workers)
         self.sources = _sources(data_dir)
+        decoding_arguments(encoding, decode_errors)  # refused here, before a prepare is started
         if prepare_from is not None and len(self.sources) > 1:
             raise ValueError(f"prepare_from prepares one directory, and data_dir is a mixture of {len(self.sources)}: "
                              "prepare each source with `lightning-par prepare` (docs/data.md)")
@@ -86,6 +91,7 @@ class StreamingTokenDataModule(pl.LightningDataModule):
         self.seq_len, self.batch_size = seq_len, batch_size
         self.tokenizer, self.shuffle, self.seed, self.num_workers = tokenizer, shuffle, seed, num_workers
         self.prepare_from, self.val_fraction, self.text_field = prepare_from, val_fraction, text_field
+        self.encoding, self.decode_errors = encoding, decode_errors
         self.cache_dir = cache_dir
         self.prepared: list[PreparedData] = []
 
@@ -102,7 +108,7 @@ class StreamingTokenDataModule(pl.LightningDataModule):
         inputs = [self.prepare_from] if isinstance(self.prepare_from, str) else list(self.prepare_from)
         command = [sys.executable, "-m", "lightning_par.data.prepare", "--input", *inputs, "--output", directory,
                    "--tokenizer", self._tokenizer_name(), "--val-fraction", str(self.val_fraction),
-                   "--text-field", self.text_field]
+                   "--text-field", self.text_field, "--encoding", self.encoding, "--decode-errors", self.decode_errors]
         environment = {name: value for name, value in os.environ.items() if name not in _LITDATA_WORLD_VARIABLES}
         rank_zero_info(f"Preparing {directory} from {inputs} once: later runs stream it (docs/data.md)")
         result = subprocess.run(command, env=environment, capture_output=True, text=True)
@@ -125,12 +131,12 @@ class StreamingTokenDataModule(pl.LightningDataModule):
         """Read and check every source (module docstring)."""
         if self.prepared:
             return
-        from lightning_par.data.shards import check_shard_files
+        from lightning_par.data.shard_record import check_shard_files
 
         prepared = [read_prepared(directory) for directory in self.sources]
         for data in prepared:
             for split in data.splits:
-                check_shard_files(data.split_url(split))
+                check_shard_files(data.split_url(split), data.shards[split] if data.shards else None)
         self._check_one_tokenizer(prepared)
         self._check_the_models_tokenizer(prepared[0])
         self._check_vocabulary(prepared[0])
@@ -188,8 +194,10 @@ class StreamingTokenDataModule(pl.LightningDataModule):
                                   shuffle=shuffle, seed=self.seed, cache_dir=self.cache_dir) for data, _ in sources]
         weights = [weight for _, weight in sources] if split == "train" else None  # validation: every source whole
         dataset = datasets[0] if len(datasets) == 1 else token_mixture(datasets, weights, seed=self.seed)
+        described = [{"directory": data.directory, "identity": data.identity, "tokenizer": data.tokenizer["name"],
+                      "fingerprint": data.tokenizer["fingerprint"]} for data, _ in sources]
         return ReplicaLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers,
-                             num_replicas=replicas, rank=rank)
+                             num_replicas=replicas, rank=rank, sources=described if split == "train" else None)
 
     @override
     def train_dataloader(self) -> Any:
