@@ -38,31 +38,45 @@ def _config(name: str) -> dict:
     return yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
 
 
-def _run_configs(rank: int, world_size: int, names: list[str], root: str) -> dict[str, str | None]:
+# Warnings a correct run may print, each with why it is left: (category, words of the message).
+ALLOWED_WARNINGS: list[tuple[str, str]] = [
+    # Lightning's, where a `srun` command exists (this machine has one): a user on a SLURM login node who meant to
+    # run under SLURM needs it, and on a machine without SLURM it is not said.
+    ("PossibleUserWarning", "The `srun` command is available on your system but is not used"),
+]
+
+
+def _run_configs(rank: int, world_size: int, names: list[str],
+                 root: str) -> dict[str, tuple[str | None, list[str]]]:
     """Each config in turn through the command's entry point (``lightning-par fit``), on these ranks, each in a
     directory of its own, recording what it trained for ``lightning-par verify``'s comparison in ``record/``: None for
-    a run that ended well, else what it raised."""
+    a run that ended well, else what it raised; and the warnings it gave (as the process's filters show them, the
+    first time at each place in the code)."""
     import traceback
+    import warnings
 
     from lightning_par.cli.main import main
     from lightning_par.cli.verify import record_callback
 
-    outcomes: dict[str, str | None] = {}
+    sys.argv = ["lightning-par"]  # as the command runs: LightningCLI warns of arguments given twice otherwise
+    outcomes: dict[str, tuple[str | None, list[str]]] = {}
     for name in names:
         directory = Path(root, name)
         directory.mkdir(parents=True, exist_ok=True)
         os.chdir(directory)
-        try:
-            main(["fit", "--config", str(REPO / "configs" / f"{name}.yaml"), *_shortened(name),
-                  record_callback(directory / "record", append=True)])
-            outcomes[name] = None
-        except BaseException:  # noqa: BLE001 - SystemExit too: the command's way to fail
-            outcomes[name] = traceback.format_exc()
+        with warnings.catch_warnings(record=True) as caught:
+            try:
+                main(["fit", "--config", str(REPO / "configs" / f"{name}.yaml"), *_shortened(name),
+                      record_callback(directory / "record", append=True)])
+                error = None
+            except BaseException:  # noqa: BLE001 - SystemExit too: the command's way to fail
+                error = traceback.format_exc()
+        outcomes[name] = (error, [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught])
     return outcomes
 
 
 @pytest.fixture(scope="module")
-def shipped_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str | None]]:
+def shipped_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str | None], dict[str, set[str]]]:
     """Every shipped config trained once, the configs of one process count in one launch: the ranks start once, the
     runs follow each other on them (Lightning sees ranks launched outside it, as under torchrun or SLURM; the
     command's own launcher is run as written by tests/test_docs.py and by the test of a user's module below)."""
@@ -70,19 +84,21 @@ def shipped_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[s
 
     root = tmp_path_factory.mktemp("shipped")
     outcomes: dict[str, str | None] = {}
+    warned: dict[str, set[str]] = {}
     for devices in sorted({_devices(name) for name in CONFIGS}):
         names = [name for name in CONFIGS if _devices(name) == devices]
         per_rank = run_distributed(_run_configs, devices, names, str(root), timeout=300 * len(names))
         for name in names:
-            failures = [f"--- rank {r} ---\n{o[name]}" for r, o in enumerate(per_rank) if o[name] is not None]
+            failures = [f"--- rank {r} ---\n{o[name][0]}" for r, o in enumerate(per_rank) if o[name][0] is not None]
             outcomes[name] = "\n".join(failures) or None
-    return root, outcomes
+            warned[name] = {warning for o in per_rank for warning in o[name][1]}
+    return root, outcomes, warned
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_shipped_config_trains_and_logs_to_tensorboard(shipped_runs: tuple[Path, dict[str, str | None]],
                                                        name: str) -> None:
-    root, outcomes = shipped_runs
+    root, outcomes, _ = shipped_runs
     assert outcomes[name] is None, outcomes[name][-8000:]
     (run_dir,) = (root / name / "lightning_logs" / name).iterdir()
     events = EventAccumulator(str(run_dir))
@@ -97,6 +113,19 @@ def test_shipped_config_trains_and_logs_to_tensorboard(shipped_runs: tuple[Path,
 
 
 @pytest.mark.parametrize("name", CONFIGS)
+def test_a_shipped_configs_run_gives_no_warning(shipped_runs: tuple[Path, dict[str, str | None], dict[str, set[str]]],
+                                                name: str) -> None:
+    """A correct run says nothing a user would have to look into: every warning any rank gave is one of
+    ALLOWED_WARNINGS, each left for the reason written beside it."""
+    _, outcomes, warned = shipped_runs
+    assert outcomes[name] is None, outcomes[name][-8000:]
+    unexpected = sorted(warning for warning in warned[name]
+                        if not any(warning.startswith(category) and words in warning
+                                   for category, words in ALLOWED_WARNINGS))
+    assert not unexpected, "\n".join(unexpected)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
 def test_shipped_config_trains_what_one_process_trains(shipped_runs: tuple[Path, dict[str, str | None]], name: str,
                                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``lightning-par verify``'s comparison of the run above: one process draws the global batches from the config's
@@ -105,7 +134,7 @@ def test_shipped_config_trains_what_one_process_trains(shipped_runs: tuple[Path,
     fine-tuning configs are verified in tests/test_verify.py)."""
     from lightning_par.cli.verify import compare, format_comparison, read_layout_run, reference_run
 
-    root, outcomes = shipped_runs
+    root, outcomes, _ = shipped_runs
     assert outcomes[name] is None, outcomes[name][-8000:]
     monkeypatch.chdir(root / name)  # where the run found its data (the streaming config's prepared shards)
     layout = read_layout_run(root / name / "record")

@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from typing import Any, Dict, List, Optional, Union
 
 import lightning.pytorch as pl
@@ -86,6 +87,10 @@ class StreamingTokenDataModule(pl.LightningDataModule):
                              "(the shards are memory-mapped, docs/data.md 'Loader throughput')")
         super().__init__()
         self.save_hyperparameters()
+        # Lightning warns of any IterableDataset with a length read by loader workers, which could each read the
+        # whole dataset: litdata gives each worker its own share of the shard files, so the length is right.
+        warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined",
+                                module=r"lightning\.pytorch\.utilities\.data")
         # Global rank 0 prepares into a directory every node sees (a shared file system or an object store).
         self.prepare_data_per_node = False
         self.seq_len, self.batch_size = seq_len, batch_size

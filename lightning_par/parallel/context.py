@@ -37,6 +37,8 @@ over the whole sequence through :class:`SequenceSplit`.
 
 from __future__ import annotations
 
+import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -55,6 +57,11 @@ from lightning_par.parallel.model_map import ModelMap, why_no_blocks
 from lightning_par.parallel.modules import first_tensor
 from lightning_par.parallel.small_copy import small_copy
 from lightning_par.parallel.model_call import run_model
+
+# Ulysses' all-to-all is the one expert parallel uses, whose deprecation says nothing a user could act on
+# (lightning_par/parallel/experts.py says why it is kept).
+warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_to_all_single is deprecated",
+                        module=re.escape(__name__))
 
 Method = ContextParallelMethod  # ulysses or ring, as config.py names them
 

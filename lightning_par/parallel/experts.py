@@ -10,6 +10,8 @@ model's part and lives in ``lightning_par.models.moe``.
 """
 from __future__ import annotations
 
+import re
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -22,6 +24,13 @@ from lightning_par.layout.config import divisors
 from lightning_par.layout.dimensions import FIELD_NAMES, Spelling
 from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.model_map import ModelMap
+
+# The differentiable all-to-all of torch.distributed.nn is deprecated in favour of the functional collectives,
+# which the flight recorder reads alike but whose backward runs outside Python; this module keeps the one
+# whose forward and backward go through torch.distributed (tests/test_experts.py counts each). Its deprecation
+# says nothing a user of lightning-par could act on.
+warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_to_all_single is deprecated",
+                        module=re.escape(__name__))
 
 
 def dispatch_and_combine(tokens: Tensor, experts_of_tokens: Tensor, experts: Callable[[Tensor, list[int]], Tensor],

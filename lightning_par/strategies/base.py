@@ -12,6 +12,8 @@ plans the sizes left ``"auto"``, in ``_choose_layout``). The layers below hold t
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -40,6 +42,11 @@ from lightning_par.strategies.setup_checks import check_module, sample_for_layou
 from lightning_par.strategies.steps import StepsThroughTheHandle
 from lightning_par.strategies.resilience import share_rng_states
 from lightning_par.strategies.unit_controls import resolve_units, split_auto
+
+# Lightning 2.6 asks torch 2.13's pytree with a check torch has deprecated, at every step of every run: nothing a
+# user could act on (Lightning's own code), so not said.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                        module=r"lightning\.pytorch\.utilities\._pytree")
 
 
 class MeshStrategy(StepsThroughTheHandle):
@@ -237,7 +244,7 @@ class MeshStrategy(StepsThroughTheHandle):
             # Schedulers hold the optimizer they were built with; point them at its sharded replacement.
             for original, replacement in zip(self.optimizers, sharded):
                 if config.scheduler.optimizer is original:
-                    config.scheduler.optimizer = replacement
+                    point_scheduler_at(config.scheduler, replacement)
         self.optimizers = sharded
 
     @override
@@ -296,6 +303,25 @@ def _kept_in_place(module: nn.Module) -> Generator[None, None, None]:
         yield
     finally:
         del module.cpu
+
+
+def point_scheduler_at(scheduler: Any, optimizer: Optimizer) -> None:
+    """Make ``scheduler`` (built on another optimizer) schedule ``optimizer``, its replacement by the layout (a
+    ZeroRedundancyOptimizer, an optimizer over the new parameters). torch's ``LRScheduler`` marks the ``step`` of the
+    optimizer it was built with, and warns at its first step that ``optimizer.step()`` "has been overridden" when
+    the step it finds is unmarked: the replacement's step is marked the same way, so a correct run says nothing."""
+    scheduler.optimizer = optimizer
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+
+    @functools.wraps(step)
+    def counted_step(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # what the scheduler reads to say it was stepped before the optimizer
+        return step(*args, **kwargs)
+
+    counted_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = counted_step  # type: ignore[method-assign]
 
 
 def _parameters(optimizer: Optimizer) -> list[Tensor]:

@@ -35,7 +35,7 @@ from lightning_par.parallel.model_call import ModelCall
 from lightning_par.parallel.model_map import ModelMap
 from lightning_par.parallel.modules import clean_name, tied_aliases
 from lightning_par.parallel.parallelized import Parallelized
-from lightning_par.strategies.base import MeshStrategy
+from lightning_par.strategies.base import MeshStrategy, point_scheduler_at
 from lightning_par.strategies.processes import DevicesOfTheRun, launched_ranks_grace, start_ranks
 
 
@@ -158,7 +158,7 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
         if scheduler is not None:
             for original, replacement in zip(optimizers, set_up):
                 if scheduler.optimizer is original:
-                    scheduler.optimizer = replacement
+                    point_scheduler_at(scheduler, replacement)
         return module, set_up, scheduler
 
     @override

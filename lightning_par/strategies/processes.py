@@ -39,7 +39,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
@@ -142,7 +142,7 @@ class MeshProcesses(DevicesOfTheRun, ParallelStrategy):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         if self.root_device.type == "cpu" and self.num_processes > cores:
-            rank_zero_warn(f"{self.num_processes} processes on a machine with {cores} CPU cores: they take turns on "
+            rank_zero_info(f"{self.num_processes} processes on a machine with {cores} CPU cores: they take turns on "
                            "the cores, so a step is slower than with fewer processes (right for checking a layout, "
                            "not for speed)")
         reset_seed()
