@@ -72,6 +72,18 @@ def make_corpus(path: Path, megabytes: int) -> None:
     staging.rename(path)
 
 
+def tiny_tokenizer(workdir: Path) -> Path:
+    """The tiny BPE tokenizer of ``examples/make_tiny_pretrained.py``, saved in ``workdir`` once."""
+    sys.path.insert(0, str(REPO / "examples"))
+    from make_tiny_pretrained import save_tokenizer
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    tokenizer = workdir / "tokenizer"
+    if not (tokenizer / "tokenizer.json").exists():
+        save_tokenizer(tokenizer)
+    return tokenizer
+
+
 # What a rank runs, in a fresh interpreter: the data module to its first batch, then its loader's rate.
 RANK = r"""
 import json, resource, sys, time
@@ -146,16 +158,10 @@ def training_rate(seq_len: int = 128, batch: int = 8, steps: int = 20) -> float:
 
 def main() -> None:
     args = build_parser().parse_args()
-    sys.path.insert(0, str(REPO / "examples"))
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from make_tiny_pretrained import save_tokenizer
-
     from lightning_par.data.prepare import prepare
 
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    tokenizer = args.workdir / "tokenizer"
-    if not (tokenizer / "tokenizer.json").exists():
-        save_tokenizer(tokenizer)
+    tokenizer = tiny_tokenizer(args.workdir)
     if args.throughput_mb:
         from prepare_throughput import throughput_table
 

@@ -190,15 +190,10 @@ def main() -> None:
     parser.add_argument("--memory-mb", type=int, nargs="*", default=[20, 100, 1000])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/lightning-par-data-scale"))
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO / "examples"))
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from data_scale import make_corpus
-    from make_tiny_pretrained import save_tokenizer
+    from data_scale import make_corpus, tiny_tokenizer
 
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    tokenizer = args.workdir / "tokenizer"
-    if not (tokenizer / "tokenizer.json").exists():
-        save_tokenizer(tokenizer)
+    tokenizer = tiny_tokenizer(args.workdir)
     corpus = args.workdir / f"corpus-{args.size_mb}mb.jsonl"
     make_corpus(corpus, args.size_mb)
     print(throughput_table(corpus, tokenizer, args.workdir, args.workers, args.repeats))

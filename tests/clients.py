@@ -113,6 +113,27 @@ class TwoInputs(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class PlainPairs(L.LightningModule):
+    """A plain module: ``forward(inputs) -> logits``, batches of ``(inputs, targets)`` and the loss written in its
+    step, as Lightning's docs write one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Decoder()
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        loss = F.cross_entropy(self(inputs).reshape(-1, VOCAB), targets.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
 class HuggingFaceByHand(L.LightningModule):
     """A Hugging Face model in a LightningModule written by hand, as its users write one: the step gives the model its
     labels and returns the loss the model computes (the output's first item)."""
@@ -166,7 +187,8 @@ def demo_boring() -> L.LightningModule:
 
 TRAINER_CLIENTS = {"demo_transformer": demo_transformer, "demo_transformer_without_dropout":
                    lambda: demo_transformer(dropout=0.0), "demo_lstm": demo_lstm, "demo_boring": demo_boring,
-                   "calls_its_model": CallsItsModel, "two_inputs": TwoInputs, "hf_by_hand": HuggingFaceByHand}
+                   "calls_its_model": CallsItsModel, "two_inputs": TwoInputs, "hf_by_hand": HuggingFaceByHand,
+                   "plain_pairs": PlainPairs}
 
 
 def client_data(name: str, batch_size: int) -> DataLoader:
@@ -175,7 +197,7 @@ def client_data(name: str, batch_size: int) -> DataLoader:
     if name == "demo_boring":  # RandomDataset(32, ...): one vector per sample
         return DataLoader(torch.randn(SAMPLES, 32, generator=generator), batch_size=batch_size)
     tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ + 1), generator=generator)
-    if name.startswith("demo_"):  # WikiText2: (inputs, target) pairs
+    if name.startswith(("demo_", "plain_pairs")):  # WikiText2: (inputs, target) pairs
         return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size)
     return DataLoader(TensorDataset(tokens), batch_size=batch_size)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,3 +47,13 @@ def _ranks_stop_before_pytest_does(request: pytest.FixtureRequest) -> Iterator[N
     harness.TEST_DEADLINE = time.monotonic() + limit if limit else None
     yield
     harness.TEST_LIMIT = harness.TEST_DEADLINE = None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``slow`` the tests and modules tests/slow_tests.txt lists (made by tests/tiers.py from a measured run): the
+    fast tier for day-to-day work is ``pytest -m "not slow"``."""
+    listed = Path(__file__).with_name("slow_tests.txt")
+    slow = set(listed.read_text().splitlines()) if listed.is_file() else set()
+    for item in items:
+        if item.nodeid in slow or item.nodeid.split("::")[0] in slow:
+            item.add_marker(pytest.mark.slow)

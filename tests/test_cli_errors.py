@@ -2,7 +2,7 @@
 
 Each bad input below is given to the command as a user would; the first line of stderr must name the key or flag,
 the value and what would fit, with no jsonargparse union report and no advice to unpickle an untrusted file (the
-traceback comes with --verbose). A run that fails after its processes started prints one traceback, not one per rank.
+traceback comes with --verbose). A run that fails after its processes started says it once, in one line.
 """
 
 from __future__ import annotations
@@ -111,19 +111,26 @@ def test_the_command_says_the_mistake_first_and_the_traceback_only_when_asked(tm
         assert verbose.returncode == 1 and "Traceback (most recent call last)" in verbose.stderr
 
 
-def test_a_failure_after_start_up_on_4_ranks_prints_one_traceback(tmp_path: Path) -> None:
+def test_a_failure_after_start_up_on_4_ranks_is_said_once_in_one_line(tmp_path: Path) -> None:
     """A model without the pipeline's methods, found by every one of 4 ranks after the process group started: the
-    first rank to fail prints its traceback (which names the missing methods), every other rank one line."""
-    result = _command("fit", "--config", str(REPO / "configs" / "pipeline_parallel.yaml"), "--trainer.devices=4",
-                      f"{PP}=4", "--trainer.strategy.init_args.microbatches=4", "--model.init_args.n_layers=4",
-                      "--model.class_path=cli_callbacks.LlamaWithoutPipelineContract", "--trainer.logger=false",
-                      "--trainer.enable_checkpointing=false", cwd=tmp_path)
+    first rank to fail says it in one line (which names the missing methods), no rank prints a traceback or a line of
+    its own; with --verbose the first prints its traceback and every other rank one line."""
+    arguments = ["fit", "--config", str(REPO / "configs" / "pipeline_parallel.yaml"), "--trainer.devices=4",
+                 f"{PP}=4", "--trainer.strategy.init_args.microbatches=4", "--model.init_args.n_layers=4",
+                 "--model.class_path=cli_callbacks.LlamaWithoutPipelineContract", "--trainer.logger=false",
+                 "--trainer.enable_checkpointing=false"]
+    result = _command(*arguments, cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-3000:]
-    assert result.stderr.count("Traceback (most recent call last)") == 1, result.stderr[-6000:]
-    assert "needs LlamaWithoutPipelineContract to define split_batch() and loss_fn()" in result.stderr
-    # the first failure's own line closes its traceback; the other ranks' lines follow as they get to print them
-    # (Lightning ends every rank once one has exited)
-    summaries = [line for line in result.stderr.splitlines() if line.startswith("lightning-par: rank ")]
+    said = [line for line in result.stderr.splitlines() if line.startswith("lightning-par: ")]
+    assert len(said) == 2 and said[1].startswith("lightning-par: (run again with --verbose"), result.stderr[-6000:]
+    assert said[0].startswith("lightning-par: error: ") and \
+        "needs LlamaWithoutPipelineContract to define split_batch() and loss_fn()" in said[0], said
+    assert "Traceback" not in result.stderr, result.stderr[-6000:]
+    verbose = _command(*arguments, "--verbose", cwd=tmp_path)
+    assert verbose.returncode == 1 and verbose.stderr.count("Traceback (most recent call last)") == 1, \
+        verbose.stderr[-6000:]
+    # the other ranks' lines follow as they get to print them (Lightning ends every rank once one has exited)
+    summaries = [line for line in verbose.stderr.splitlines() if line.startswith("lightning-par: rank ")]
     assert summaries and all("failed in set-up with TypeError" in line for line in summaries), summaries
 
 

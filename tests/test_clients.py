@@ -42,6 +42,7 @@ TRAINS = {  # client -> the layouts it trains in like Lightning's ddp
     "demo_transformer_without_dropout": ("tensor_parallel", "hybrid3d"),
     "calls_its_model": DATA_PARALLEL + MODEL_PARALLEL, "two_inputs": DATA_PARALLEL + MODEL_PARALLEL,
     "hf_by_hand": ("zero3", "tensor_parallel", "hybrid3d"),
+    "plain_pairs": ("data_parallel", "pipeline_parallel"),  # its split and loss derived under pipeline parallel
 }
 REFUSED = {  # (client, layout) -> what the refusal shows
     ("demo_boring", "tensor_parallel"): "model_map: {blocks: ..., styles: {...}}",

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from lightning_par.layout.config import ParallelConfig
 
@@ -62,12 +63,15 @@ def run_dry_runs(cli_args: list[str], world_size: int, ranks: list[int], pp: int
         pipelines.setdefault(rank % per_stage, []).append(rank)
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     reports = []
-    with tempfile.TemporaryDirectory(prefix="lightning-par-check-") as folder:
+    # Ranks done of all, the time so far and what is left (a 405B model's 128 ranks take minutes), on a terminal.
+    progress = tqdm(total=len(ranks), desc="dry runs", unit="rank", file=sys.stderr, disable=None, leave=False)
+    with progress, tempfile.TemporaryDirectory(prefix="lightning-par-check-") as folder:
         for members in pipelines.values():
             processes = {rank: _start(rank, world_size, store.port, Path(folder), cli_args) for rank in members}
             failures = []
             for rank, process in processes.items():
                 process.join()
+                progress.update()
                 if process.exitcode != 0:
                     failures.append((rank, _errors_of(Path(folder) / f"{rank}.stderr")))
                 else:

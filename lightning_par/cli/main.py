@@ -19,9 +19,9 @@ from typing import Any
 from lightning_par.checkpoint.validation import CheckpointError
 from lightning_par.cli.lightning_cli import ParallelCLI, Parser, check_strategy_name
 from lightning_par.cli.errors import CommandLineError
-from lightning_par.strategies.processes import ONE_TRACEBACK_VARIABLE
+from lightning_par.strategies.processes import ONE_TRACEBACK_VARIABLE, VERBOSE_VARIABLE
 
-VERBOSE_FLAG, VERBOSE_VARIABLE = "--verbose", "LIGHTNING_PAR_VERBOSE"
+VERBOSE_FLAG = "--verbose"
 
 
 def main(args: Any = None) -> None:
@@ -30,8 +30,8 @@ def main(args: Any = None) -> None:
 
     A mistake is said in one line on stderr, led by the key and value at fault, and the command exits with 2 (a
     command line or config the parser refused) or 1; the traceback comes with ``--verbose`` or
-    ``LIGHTNING_PAR_VERBOSE=1``. A run that fails after its processes started prints the traceback of its first
-    failure once, and one line for each rank."""
+    ``LIGHTNING_PAR_VERBOSE=1``. A run that fails after its processes started says its first failure once, in one
+    line (with ``--verbose``: its traceback, and one line for each other rank)."""
     argv = list(sys.argv[1:] if args is None else args)
     verbose = VERBOSE_FLAG in argv or os.environ.get(VERBOSE_VARIABLE, "") not in ("", "0")
     if VERBOSE_FLAG in argv:
@@ -86,17 +86,19 @@ def _one_line_errors(command: Any, argv: list[str], verbose: bool) -> None:
 
 
 def _report(error: BaseException, verbose: bool) -> None:
-    """Print ``error`` for the user: the traceback when asked for, nothing more for the run's first failure (printed
-    whole when it happened), the one-line summary of a rank of a run that failed elsewhere first, else one line."""
-    if getattr(error, "lightning_par_traceback_printed", False):
-        return  # the run's first failure, printed whole when it happened (strategies/processes.py)
-    if verbose:
-        traceback.print_exception(error, file=sys.stderr)
-        return
+    """Print ``error`` for the user: nothing more for the run's first failure (said when it happened), the one-line
+    summary of a rank of a run that failed elsewhere first when asked for (nothing otherwise), the traceback of any
+    other error when asked for, else one line."""
+    if getattr(error, "lightning_par_reported", False):
+        return  # the run's first failure, said when it happened (strategies/processes.py)
     notes = getattr(error, "__notes__", None) or []
     summary = next((note for note in notes if note.startswith("lightning-par: rank ")), None)
-    if summary:  # a rank of a run whose first failure another rank printed
-        print(summary, file=sys.stderr)
+    if summary:  # a rank of a run whose first failure another rank said
+        if verbose:
+            print(summary, file=sys.stderr)
+        return
+    if verbose:
+        traceback.print_exception(error, file=sys.stderr)
         return
     text = str(error) if isinstance(error, CommandLineError) else _one_line(error)
     print(f"lightning-par: error: {text}", file=sys.stderr)

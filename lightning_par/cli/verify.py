@@ -34,6 +34,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -250,8 +251,10 @@ def main(argv: list[str]) -> None:
     options, cli_args, seed, world_size, given = (command.options, command.cli_args, command.seed,
                                                   command.world_size, command.given)
     with tempfile.TemporaryDirectory(prefix="lightning-par-verify-") as folder:
-        layout = _layout_run(cli_args, seed, world_size, options.steps, Path(folder) / "layout")
-        reference = reference_run(cli_args, seed, options.steps, layout.replicas, Path(folder) / "reference")
+        with _phase(f"the layout run: {world_size} processes, {options.steps} steps"):
+            layout = _layout_run(cli_args, seed, world_size, options.steps, Path(folder) / "layout")
+        with _phase(f"one process on the same global batches, {options.steps} steps"):
+            reference = reference_run(cli_args, seed, options.steps, layout.replicas, Path(folder) / "reference")
     comparison = compare(layout, reference, options.tolerance)
     header = (f"lightning-par verify: {layout.layout} on {world_size} CPU processes against one process, "
               f"{options.steps} steps from seed {seed}, on global batches it draws from the data module"
@@ -369,6 +372,15 @@ def _on_this_machine() -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@contextmanager
+def _phase(what: str) -> Iterator[None]:
+    """Say on stderr what verify is running, then how long it took: each run takes a minute or more."""
+    print(f"lightning-par verify: {what} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    yield
+    print(f"lightning-par verify: {what}: done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
 def reference_run(cli_args: list[str], seed: int, steps: int, replicas: int, folder: Path) -> Run:

@@ -199,15 +199,20 @@ def prepare(inputs: Sequence[str] | str, output_dir: str, tokenizer: str, *, val
     splits = ["train", "val"] if val_fraction > 0 else ["train"]
     progress = _Progress.start(store, settings, document_tokenizer.fingerprint, splits, len(items), piece)
     step = workers * items_per_part
+    bar, text_bytes = _progress_bar(items, splits, output_dir, enabled=verbose), 0
     for split in splits:
         for part, first in enumerate(range(0, len(items), step)):
-            if part < progress.parts[split]:
-                continue
-            _keep_chunks(store, split, progress.chunks[split])  # drop what an interrupted part wrote
-            tokenize = functools.partial(_TokenizeItem, tokenizer, split, val_fraction, text_field, decoding)
-            _tokenize_part(store, split, items[first:first + step], workers, chunk_bytes, verbose, tokenize,
-                           kept=progress.chunks[split])
-            progress.done(split, _part_shards(store, split, progress.chunks[split]))
+            if part >= progress.parts[split]:
+                _keep_chunks(store, split, progress.chunks[split])  # drop what an interrupted part wrote
+                tokenize = functools.partial(_TokenizeItem, tokenizer, split, val_fraction, text_field, decoding)
+                _tokenize_part(store, split, items[first:first + step], workers, chunk_bytes, tokenize,
+                               kept=progress.chunks[split])
+                progress.done(split, _part_shards(store, split, progress.chunks[split]))
+            done = items[first:first + step]
+            bar.update(len(done))
+            text_bytes += sum(_item_size(item) for item in done if item[0] in ("text", "jsonl", "stdlib"))
+            bar.set_postfix_str(f"{text_bytes / 1e6:,.0f} MB of text", refresh=False)
+    bar.close()
     counts = {split: sum(shard["tokens"] for shard in progress.shards[split]) for split in splits}
     if counts["train"] == 0:
         # Nothing here is worth keeping, and every part is recorded as done: without this, a run with the inputs mended
@@ -228,8 +233,19 @@ def prepare(inputs: Sequence[str] | str, output_dir: str, tokenizer: str, *, val
     return read_prepared(output_dir)
 
 
+def _progress_bar(items: list[list[Any]], splits: list[str], output_dir: str, *, enabled: bool) -> Any:
+    """A bar of the pieces of work done (each split reads every piece), the MB of text read, the time so far and
+    what is left: on a terminal, when ``enabled``."""
+    from tqdm import tqdm
+
+    files = len({item[1] for item in items})
+    return tqdm(total=len(items) * len(splits), unit="piece",
+                desc=f"prepare {output_dir} from {files} file{'s' if files != 1 else ''}",
+                file=sys.stderr, disable=None if enabled else True, leave=False)
+
+
 def _tokenize_part(store: "_Store", split: str, items: list[list[Any]], workers: int, chunk_bytes: str,
-                   verbose: bool, tokenize: Callable[..., _TokenizeItem], *, kept: int) -> None:
+                   tokenize: Callable[..., _TokenizeItem], *, kept: int) -> None:
     """Append the tokens of ``items`` to ``split``'s shards, which hold ``kept`` shard files; on a bad input, leave
     them as they were and raise ``ValueError`` with what the input did wrong."""
     from litdata import TokensLoader, optimize
@@ -239,7 +255,7 @@ def _tokenize_part(store: "_Store", split: str, items: list[list[Any]], workers:
                  item_loader=TokensLoader(),
                  num_workers=min(workers, len(items)), mode="append" if store.exists(f"{split}/index.json") else None,
                  start_method="fork", weights=[_item_size(item) for item in items], keep_data_ordered=True,
-                 verbose=verbose)
+                 verbose=False)
         found = sorted(Path(errors).glob("*.txt"))
         if found:
             _keep_chunks(store, split, kept)

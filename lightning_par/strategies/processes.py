@@ -44,7 +44,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_par.health.fault_monitor import FLIGHT_RECORDER_ENTRIES, FaultMonitor, heartbeat_interval, stop_processes
+from lightning_par.health.fault_monitor import (FLIGHT_RECORDER_ENTRIES, FaultMonitor, heartbeat_interval,
+                                             is_communication_error, stop_processes)
 from lightning_par.parallel.mesh import ParallelMesh
 
 # Metrics logged with sync_dist are averaged over the ranks that saw different data. Ranks in the same
@@ -53,8 +54,10 @@ METRIC_GROUP = "dp_cp"
 
 # Set when a run raised: the exit handlers then leave the process group alone instead of waiting for peers.
 _RUN_FAILED = False
-# Set by the lightning-par command (cli.main): print the run's first failure here, once, with its traceback.
+# Set by the lightning-par command (cli.main): say the run's first failure here, once, in one line (with its
+# traceback under VERBOSE_VARIABLE, which the command's --verbose sets).
 ONE_TRACEBACK_VARIABLE = "LIGHTNING_PAR_ONE_TRACEBACK"
+VERBOSE_VARIABLE = "LIGHTNING_PAR_VERBOSE"
 _STOPPING_LAUNCHED_RANKS = False  # the exit handler that stops launched ranks is registered
 
 
@@ -184,13 +187,14 @@ class MeshProcesses(DevicesOfTheRun, ParallelStrategy):
         self._failed_with = exception
         if self._fault_monitor is not None:
             # Name the rank and the collective; from here this rank exits within the timeout.
-            exception.add_note(self._fault_monitor.report(exception))
+            report = self._fault_monitor.report(exception)
+            exception.add_note(report)
             if os.environ.get(ONE_TRACEBACK_VARIABLE) and self._fault_monitor.failed_first:
-                # Under the command line the run's first failure is printed whole, at once (before tearing down:
-                # Lightning ends every rank when one exits), the other ranks print one line (cli.main).
-                traceback.print_exception(exception, file=sys.stderr)
-                sys.stderr.flush()
-                exception.lightning_par_traceback_printed = True
+                # Under the command line the run's first failure is said at once (before tearing down: Lightning
+                # ends every rank when one exits), in one line, or whole when asked; the other ranks say theirs
+                # only when asked (cli.main).
+                _say_first_failure(exception, report, verbose=os.environ.get(VERBOSE_VARIABLE, "") not in ("", "0"))
+                exception.lightning_par_reported = True
         super().on_exception(exception)
 
     def stop_watching(self) -> None:
@@ -345,3 +349,21 @@ def _stop_launched_ranks_at_failed_exit(processes: list[Any], grace: float) -> N
             stop_processes(processes, grace=grace)
 
     atexit.register(stop)
+
+
+def _say_first_failure(exception: BaseException, report: str, *, verbose: bool) -> None:
+    """The run's first failure on stderr: its traceback when ``verbose``, else one line: the fault monitor's
+    ``report`` for a failed collective (which rank died or hangs, in which collective), else the error's message (a
+    refusal's own words; the type's name before any other error's); then how to see the traceback."""
+    if verbose:
+        traceback.print_exception(exception, file=sys.stderr)
+    elif is_communication_error(exception):
+        print(report, file=sys.stderr)
+    else:
+        message = " ".join(str(exception).split())
+        said = message if isinstance(exception, ValueError) else f"{type(exception).__name__}: {message}"
+        print(f"lightning-par: error: {said}", file=sys.stderr)
+    if not verbose:
+        print("lightning-par: (run again with --verbose or LIGHTNING_PAR_VERBOSE=1 for the traceback)",
+              file=sys.stderr)
+    sys.stderr.flush()

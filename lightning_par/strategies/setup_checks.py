@@ -25,15 +25,16 @@ from lightning_par.parallel.initialize import RandomState
 from lightning_par.parallel.model_call import ModelCall
 from lightning_par.parallel.model_map import ModelMap, network_prefix
 from lightning_par.parallel.small_copy import model_dtype, small_copy
+from lightning_par.strategies.pipeline_contract import complete_pipeline_contract
 
 __all__ = ["check_module", "data_of_this_run", "layout_sample", "sample_for_layout", "step_call"]
 
 
 def check_module(module: LightningModule, config: ParallelConfig, trainer: Trainer, *, fitting: bool) -> None:
-    """Raise when ``module`` cannot be trained or run in ``config``'s layout (the pipeline's contract, something to
-    train); warn about settings that cost what the user may not expect."""
+    """Raise when ``module`` cannot be trained or run in ``config``'s layout (the pipeline's contract, completed where
+    it can be derived; something to train); warn about settings that cost what the user may not expect."""
     if config.pp > 1:
-        _check_pipeline_contract(module)
+        complete_pipeline_contract(module)
         check_microbatches(config)
     if fitting and not any(p.requires_grad for p in module.parameters()):
         raise ValueError(f"{type(module).__name__} has no trainable parameters (it has none, or every one has "
@@ -42,37 +43,6 @@ def check_module(module: LightningModule, config: ParallelConfig, trainer: Train
     if fitting and config.ddp_static_graph and trainer.accumulate_grad_batches > 1:
         rank_zero_warn("static_graph=True with accumulate_grad_batches > 1: gradients are all-reduced on every "
                        "micro-batch, because PyTorch's DDP cannot skip the all-reduce (no_sync) under a static graph")
-
-
-# What a LightningModule adds for pipeline parallel, one line each: the schedule runs them itself.
-_PIPELINE_LINES = {
-    "split_batch": "def split_batch(self, batch): return batch[:, :-1], batch[:, 1:]  # -> (inputs, targets)",
-    "forward": "def forward(self, inputs): return self.model(inputs)  # inputs -> logits, one tensor in",
-    "loss_fn": "def loss_fn(self, logits, targets): return F.cross_entropy(logits.flatten(0, 1), targets.flatten())",
-}
-
-
-def _check_pipeline_contract(module: LightningModule) -> None:
-    """Pipeline stages run ``split_batch(batch) -> (inputs, targets)``, ``forward(inputs) -> logits`` (one tensor from
-    stage to stage) and ``loss_fn(logits, targets)`` themselves, never ``training_step``: raise ``TypeError`` showing,
-    as code, what ``module`` lacks of them."""
-    missing = [name for name in ("split_batch", "loss_fn") if not callable(getattr(module, name, None))]
-    forward = type(module).forward
-    required = [p for p in inspect.signature(forward).parameters.values()][1:] \
-        if forward is not LightningModule.forward else None
-    if required is None or sum(p.default is inspect.Parameter.empty and p.kind in
-                               (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in required) != 1:
-        missing.insert(1 if "split_batch" in missing else 0, "forward")
-    if not missing:
-        return
-    lines = "\n".join(f"    {_PIPELINE_LINES[name]}" for name in missing)
-    described = [{"forward": "forward(inputs)", "split_batch": "split_batch()", "loss_fn": "loss_fn()"}[name]
-                 for name in missing]
-    listed = described[0] if len(described) == 1 else f"{', '.join(described[:-1])} and {described[-1]}"
-    raise TypeError(f"pipeline parallel needs {type(module).__name__} to define {listed}; the schedule runs "
-                    "split_batch(batch) -> (inputs, targets), forward(inputs) -> logits and loss_fn(logits, targets) "
-                    f"itself, never training_step. Add to {type(module).__name__}, for example:\n{lines}\n"
-                    "(see docs/models.md, \"Bring your own module\")")
 
 
 def data_of_this_run(trainer: Trainer) -> Any:
