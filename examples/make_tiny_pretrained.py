@@ -3,8 +3,9 @@
     python examples/make_tiny_pretrained.py tiny-pretrained
     lightning-par fit --config configs/finetune_hf.yaml
 
-writes ``tiny-pretrained/model`` (a small randomly initialised Llama saved with ``save_pretrained``, and a BPE
-tokenizer trained by ``tokenizers`` on a few proverbs, with a chat template), ``tiny-pretrained/train.jsonl`` (records
+writes ``tiny-pretrained/model`` (a small Llama pretrained here for a few seconds on a few proverbs and saved with
+``save_pretrained``, and a BPE tokenizer trained by ``tokenizers`` on them, with a chat template), so that fine-tuning
+it visibly learns; ``tiny-pretrained/train.jsonl`` (records
 with a ``text`` field), which is where ``configs/finetune_hf.yaml`` looks, and ``tiny-pretrained/instructions.jsonl``
 (prompt/response records) and ``chats.jsonl``, where ``configs/finetune_lora.yaml`` looks. With a real model,
 change the config's two paths instead. The tests make their model directories with these functions too.
@@ -108,6 +109,27 @@ def write_instructions(directory: Path, repeats: int = 6) -> dict[str, Path]:
     return {"instructions": instructions, "chats": chats}
 
 
+def pretrain(directory: Path, steps: int = 200, learning_rate: float = 1e-2) -> float:
+    """Train the model in ``directory`` on :data:`LINES` (each with its tokenizer's BOS and EOS) for ``steps`` full-batch
+    AdamW steps, save it back, and return the last loss: a base that knows the proverbs, as a real pretrained model
+    knows its language, so that fine-tuning it on instructions learns the format rather than the words."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    batch = tokenizer([f"{line}{tokenizer.eos_token}" for line in LINES], return_tensors="pt", padding=True)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        loss = model(**batch, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(directory)
+    return float(loss.detach())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output", type=Path, nargs="?", default=Path("tiny-pretrained"))
@@ -118,9 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = build_parser().parse_args()
     make_model_directory(args.output / "model", args.family)
+    loss = pretrain(args.output / "model")
     write_corpus(args.output, repeats=40)["jsonl"].rename(args.output / "train.jsonl")
     write_instructions(args.output, repeats=40)
-    print(f"wrote {args.output / 'model'}, {args.output / 'train.jsonl'} (text), {args.output / 'instructions.jsonl'} "
+    print(f"wrote {args.output / 'model'} (pretrained to a loss of {loss:.2f}), {args.output / 'train.jsonl'} (text), "
+          f"{args.output / 'instructions.jsonl'} "
           f"(prompt/response) and {args.output / 'chats.jsonl'} (chats)")
 
 

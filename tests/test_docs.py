@@ -160,6 +160,8 @@ def test_training_command_runs_as_written(chain: list[str], tmp_path: Path) -> N
 
         scalars = set(events.Tags()["scalars"])
         assert {"val_loss", "perf/mfu", "memory/peak_gib_max", "train/grad_norm"} <= scalars, scalars
+        losses = [event.value for event in events.Scalars("train_loss")]
+        assert losses[-1] <= 0.75 * losses[0], losses  # the demo visibly learns: its last loss 25% or more lower
     if "finetune_hf.yaml" in chain[-1]:
         assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "finetuned") is not None
     if "finetune_lora.yaml" in chain[-1]:  # the adapters, for peft; the checkpoint without the frozen base
