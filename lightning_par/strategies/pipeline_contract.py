@@ -48,7 +48,8 @@ def complete_pipeline_contract(module: LightningModule) -> None:
         raise TypeError(_refusal(module, missing))
     if has_split:
         return
-    # Both derived: the loss from the step needs the step's own batches, which are the pairs the split cuts.
+    # The split derived, and the loss unless the module has one: a loss taken from the step needs the step's own
+    # batches, the pairs the split cuts.
     module.split_batch = _PairSplit(module, derive_loss=not has_loss)
     if not has_loss:
         module.loss_fn = _StepLoss(module)
