@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_par.models.lightning_module import ContractModule
+from lightning_par.models.lightning_module import ContractModule, check_optimizer_hparams
 
 
 class DiTDenoiser(ContractModule):
@@ -36,6 +36,7 @@ class DiTDenoiser(ContractModule):
                  warmup_steps: int = 0, min_lr_ratio: float = 0.1, max_steps: int | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
+        check_optimizer_hparams(self.hparams)
         try:
             from diffusers import DiTTransformer2DModel
         except ImportError as missing:

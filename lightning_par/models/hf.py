@@ -25,7 +25,7 @@ from typing_extensions import override
 from lightning_par.data.text import TOKENIZER_MARKERS, load_tokenizer
 from lightning_par.checkpoint.huggingface import config_from_arguments, load_huggingface_weights
 from lightning_par.checkpoint.adapters import FROZEN_BASE_KEY, LORA_DEFAULTS, lora_settings, with_lora
-from lightning_par.models.lightning_module import ContractModule
+from lightning_par.models.lightning_module import ContractModule, check_optimizer_hparams
 from lightning_par.models.packing import DocumentPositions, check_document_masking, cross_document_targets
 from lightning_par.parallel.adapters import initialize_lora
 
@@ -76,6 +76,7 @@ class HFCausalLM(ContractModule):
         # Checked, with every default filled in (LightningCLI saves the hyper-parameters as the config gave them).
         self.lora = lora_settings(lora)
         self.save_hyperparameters()
+        check_optimizer_hparams(self.hparams)
         self.model_config = (_pretrained_config(Path(pretrained)) if pretrained is not None
                              else config_from_arguments(config))
         self.model: torch.nn.Module | None = None

@@ -40,6 +40,31 @@ class WarmupCosine:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def check_optimizer_hparams(hparams: Any) -> None:
+    """Raise ``ValueError`` naming the AdamW or schedule hyper-parameter (:func:`adamw_warmup_cosine`'s) that torch
+    would refuse only once the processes started (``Invalid learning rate``, naming no argument), or that would train
+    nothing; called by the models' constructors, so the command says it before any process starts."""
+    rate = hparams.get("learning_rate")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
+        raise ValueError(f"learning_rate={rate!r} must be a positive number (AdamW's step size, e.g. 3e-4)")
+    decay = hparams.get("weight_decay", 0.0)
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < math.inf:
+        raise ValueError(f"weight_decay={decay!r} must be a number >= 0 (e.g. 0.1)")
+    betas = hparams.get("betas", (0.9, 0.999))
+    if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(
+            isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        raise ValueError(f"betas={betas!r} must be two numbers in [0, 1) (AdamW's moment decays, e.g. [0.9, 0.95])")
+    warmup = hparams.get("warmup_steps", 0)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup_steps={warmup!r} must be an integer >= 0")
+    ratio = hparams.get("min_lr_ratio", 0.0)
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        raise ValueError(f"min_lr_ratio={ratio!r} must be in [0, 1] (the cosine's floor, a share of learning_rate)")
+    steps = hparams.get("max_steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"max_steps={steps!r} must be a positive integer, or None for the trainer's estimate")
+
+
 def adamw_warmup_cosine(module: pl.LightningModule) -> dict[str, Any]:
     """AdamW (Loshchilov & Hutter 2019) with warmup + cosine decay, stepped every optimizer step, from the module's
     ``learning_rate``, ``weight_decay``, ``betas``, ``warmup_steps``, ``min_lr_ratio`` and ``max_steps``
@@ -149,6 +174,7 @@ class LlamaLM(ContractModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        check_optimizer_hparams(self.hparams)
         self.config = LlamaConfig(
             vocab_size=vocab_size,
             dim=dim,

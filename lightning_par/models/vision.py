@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_par.models.lightning_module import ContractModule
+from lightning_par.models.lightning_module import ContractModule, check_optimizer_hparams
 
 
 class PatchEmbedding(nn.Module):
@@ -102,6 +102,7 @@ class ViTClassifier(ContractModule):
                  min_lr_ratio: float = 0.1, max_steps: int | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
+        check_optimizer_hparams(self.hparams)
         self.model = VisionTransformer(image_size, patch_size, channels, classes, dim, depth, heads, mlp_ratio)
         self.example_input_array = torch.zeros(2, channels, image_size, image_size)
 
