@@ -16,10 +16,9 @@ import sys
 import traceback
 from typing import Any
 
-from lightning_par.checkpoint.validation import CheckpointError
 from lightning_par.cli.lightning_cli import ParallelCLI, Parser, check_strategy_name
 from lightning_par.cli.errors import CommandLineError
-from lightning_par.strategies.processes import ONE_TRACEBACK_VARIABLE, VERBOSE_VARIABLE
+from lightning_par.strategies.processes import ONE_TRACEBACK_VARIABLE, VERBOSE_HINT, VERBOSE_VARIABLE, one_line
 
 VERBOSE_FLAG = "--verbose"
 
@@ -103,15 +102,14 @@ def _report(error: BaseException, verbose: bool) -> None:
     text = str(error) if isinstance(error, CommandLineError) else _one_line(error)
     print(f"lightning-par: error: {text}", file=sys.stderr)
     if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":  # once, not from every rank Lightning started
-        print(f"lightning-par: (run again with {VERBOSE_FLAG} or {VERBOSE_VARIABLE}=1 for the traceback)",
-              file=sys.stderr)
+        print(VERBOSE_HINT, file=sys.stderr)
 
 
 def _one_line(error: BaseException) -> str:
     from lightning_par.cli.errors import explain
 
-    message = explain(str(error))  # a class's refusal of its arguments comes wrapped in jsonargparse's union text
-    return message if isinstance(error, (ValueError, CheckpointError)) else f"{type(error).__name__}: {message}"
+    # A class's refusal of its arguments comes wrapped in jsonargparse's union text.
+    return one_line(error, explain(str(error)))
 
 
 __all__ = ["ParallelCLI", "check_strategy_name", "main"]

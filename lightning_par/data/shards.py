@@ -179,7 +179,7 @@ class ReplicaLoader(StreamingDataLoader):
     def _refuse_a_mixture_resized(self, state: dict[str, Any]) -> None:
         if not self.is_mixture:
             return
-        saved = next(iter(state["dataset"].values()), {}) if state.get("dataset") else {}
+        saved = next(iter(self._saved_datasets(state)), {})
         was = (saved.get("world_size"), saved.get("num_workers"), saved.get("batch_size"))
         now = (self.replica_world.world_size, self.num_workers or 1, self.batch_size)
         if saved and was != now:

@@ -44,21 +44,23 @@ def check_optimizer_hparams(hparams: Any) -> None:
     """Raise ``ValueError`` naming the AdamW or schedule hyper-parameter (:func:`adamw_warmup_cosine`'s) that torch
     would refuse only once the processes started (``Invalid learning rate``, naming no argument), or that would train
     nothing; called by the models' constructors, so the command says it before any process starts."""
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
     rate = hparams.get("learning_rate")
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
+    if not number(rate) or rate <= 0:
         raise ValueError(f"learning_rate={rate!r} must be a positive number (AdamW's step size, e.g. 3e-4)")
     decay = hparams.get("weight_decay", 0.0)
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < math.inf:
+    if not number(decay) or decay < 0:
         raise ValueError(f"weight_decay={decay!r} must be a number >= 0 (e.g. 0.1)")
     betas = hparams.get("betas", (0.9, 0.999))
-    if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(
-            isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+    if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(number(b) and 0 <= b < 1 for b in betas):
         raise ValueError(f"betas={betas!r} must be two numbers in [0, 1) (AdamW's moment decays, e.g. [0.9, 0.95])")
     warmup = hparams.get("warmup_steps", 0)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup_steps={warmup!r} must be an integer >= 0")
     ratio = hparams.get("min_lr_ratio", 0.0)
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+    if not number(ratio) or not 0 <= ratio <= 1:
         raise ValueError(f"min_lr_ratio={ratio!r} must be in [0, 1] (the cosine's floor, a share of learning_rate)")
     steps = hparams.get("max_steps")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):

@@ -58,6 +58,7 @@ _RUN_FAILED = False
 # traceback under VERBOSE_VARIABLE, which the command's --verbose sets).
 ONE_TRACEBACK_VARIABLE = "LIGHTNING_PAR_ONE_TRACEBACK"
 VERBOSE_VARIABLE = "LIGHTNING_PAR_VERBOSE"
+VERBOSE_HINT = f"lightning-par: (run again with --verbose or {VERBOSE_VARIABLE}=1 for the traceback)"
 _STOPPING_LAUNCHED_RANKS = False  # the exit handler that stops launched ranks is registered
 
 
@@ -360,10 +361,13 @@ def _say_first_failure(exception: BaseException, report: str, *, verbose: bool) 
     elif is_communication_error(exception):
         print(report, file=sys.stderr)
     else:
-        message = " ".join(str(exception).split())
-        said = message if isinstance(exception, ValueError) else f"{type(exception).__name__}: {message}"
-        print(f"lightning-par: error: {said}", file=sys.stderr)
+        print(f"lightning-par: error: {one_line(exception, ' '.join(str(exception).split()))}", file=sys.stderr)
     if not verbose:
-        print("lightning-par: (run again with --verbose or LIGHTNING_PAR_VERBOSE=1 for the traceback)",
-              file=sys.stderr)
+        print(VERBOSE_HINT, file=sys.stderr)
     sys.stderr.flush()
+
+
+def one_line(error: BaseException, message: str) -> str:
+    """``error``'s ``message`` as the command says it: a refusal's (a ``ValueError``'s) own words, any other error's
+    after its type's name."""
+    return message if isinstance(error, ValueError) else f"{type(error).__name__}: {message}"
