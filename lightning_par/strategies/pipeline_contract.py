@@ -7,10 +7,10 @@ they can be derived they are:
 - ``loss_fn``: the module's own ``training_step``, run on ``(inputs, targets)`` with the last stage's logits standing
   for what ``self(inputs)`` returns (logging muted: the strategy logs the step's loss once). That is the loss the step
   computes, whatever it is written with (``F.cross_entropy``, a ``criterion`` attribute, a mask of its own), as long
-  as the step reaches the network through ``self(inputs)`` and uses its inputs for nothing else. A step that reads
-  its inputs otherwise, or reaches the network another way (``self.model(inputs)``), is handed a stand-in for the
-  inputs and fails on the last stage at the first step, saying what to define (the fault monitor then stops the
-  other ranks).
+  as the step reaches the network through ``self(inputs)`` once and uses its inputs for nothing else. The inputs it
+  is handed are a stand-in: a step that reads them otherwise, reaches the network another way
+  (``self.model(inputs)``) or calls ``self`` twice (R-drop, a consistency loss) fails on the last stage at the first
+  step, saying what to define (the fault monitor then stops the other ranks), instead of training on other values.
 
 What cannot be derived is refused before step 0, with the lines to add as code (docs/models.md, "Bring your own
 module"). Lightning side: it reads and sets attributes of a LightningModule.
@@ -113,8 +113,12 @@ class _StepLoss:
         self.module = module
 
     def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
-        with _calls_return(self.module, logits), _logging_muted(self.module):
+        with _calls_return(self.module, logits) as calls, _logging_muted(self.module):
             output = type(self.module).training_step(self.module, (_NotTheInputs(self.module), targets), 0)
+        if len(calls) != 1:  # two passes (R-drop, a consistency loss) would each get the one pass's logits
+            raise TypeError(f"{type(self.module).__name__}.training_step calls self(...) {len(calls)} times: pipeline "
+                            "parallel runs the network once a micro-batch and takes the loss from a step that calls it "
+                            f"once. Define {_PIPELINE_LINES['loss_fn']}")
         loss = output["loss"] if isinstance(output, dict) else output
         if not isinstance(loss, Tensor):
             raise TypeError(f"{type(self.module).__name__}.training_step returned {type(output).__name__}, not a loss: "
@@ -123,13 +127,17 @@ class _StepLoss:
 
 
 @contextmanager
-def _calls_return(module: LightningModule, logits: Tensor) -> Iterator[None]:
+def _calls_return(module: LightningModule, logits: Tensor) -> Iterator[list[None]]:
+    """``self(...)`` returns ``logits`` until the step returns; yields the list of the calls made."""
+    calls: list[None] = []
+
     def forward(*args: Any, **kwargs: Any) -> Tensor:
+        calls.append(None)
         return logits
 
-    module.forward = forward  # an instance attribute: what self(...) calls, until the step returns
+    module.forward = forward  # an instance attribute: what self(...) calls
     try:
-        yield
+        yield calls
     finally:
         del module.forward
 
