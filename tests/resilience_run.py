@@ -13,7 +13,12 @@ given way:
   all-reduce runs;
 - ``--disk-full STEP``: writing this rank's part of the checkpoint of ``STEP`` fails with ENOSPC;
 - ``--loader-fails-at STEP``: this rank's dataset raises when the batches after ``STEP`` are read;
-- ``--fail-setup-rank R``: rank ``R`` (any rank) raises during set-up, after the process group is up.
+- ``--fail-setup-rank R``: rank ``R`` (any rank) raises during set-up, after the process group is up;
+- ``--kill-in-replace STEP``: rank 0 SIGKILLs itself while it puts the checkpoint of ``STEP`` in the place of the
+  ``last.ckpt`` before it, right after the old copy has left that name (with ``--no-swap``: as on a filesystem that
+  cannot swap, between its two renames).
+
+``--only-last`` keeps ``last.ckpt`` alone (``save_top_k=0``).
 
 Every rank writes its process id to ``pid<N>`` in ``--out`` at start, the time of an injected fault to ``fault``,
 and ``rank<N>.pt`` at the end (losses, one RNG draw per step, final weights, last step).
@@ -81,6 +86,10 @@ class Misbehave(lightning.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.draws.append(torch.rand(1).item())  # continues exactly only if the RNG state was restored
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if self.rank == 0 and trainer.global_step == self.args.kill_in_replace and first_attempt:
+            _die_in_replace(swap=not self.args.no_swap)  # before ModelCheckpoint saves, which Lightning runs last
+
 
 
 def _die_while_writing() -> None:
@@ -93,6 +102,29 @@ def _die_while_writing() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     FileSystemWriter.write_data = write_half_and_die
+
+
+def _die_in_replace(swap: bool) -> None:
+    """The next checkpoint put in place kills this process as soon as the old copy has left its name."""
+    from lightning_par.checkpoint import atomic
+
+    def die() -> None:
+        _note_fault()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if swap:
+        exchange = atomic.exchange
+        atomic.exchange = lambda first, second: exchange(first, second) and die()
+        return
+    atomic.exchange = lambda first, second: False
+    replace = os.replace
+
+    def replace_and_die(source, target):
+        replace(source, target)
+        if str(target).endswith(atomic.RETIRED_SUFFIX):
+            die()
+
+    os.replace = replace_and_die
 
 
 def _note_fault() -> None:
@@ -133,6 +165,9 @@ def main() -> None:
     parser.add_argument("--disk-full", type=int, default=-1)
     parser.add_argument("--loader-fails-at", type=int, default=-1)
     parser.add_argument("--fail-setup-rank", type=int, default=-1)
+    parser.add_argument("--kill-in-replace", type=int, default=-1)
+    parser.add_argument("--no-swap", action="store_true")
+    parser.add_argument("--only-last", action="store_true")
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--devices", type=int, default=None)
     args = parser.parse_args()
@@ -145,7 +180,8 @@ def main() -> None:
     Path(args.out, f"pid{rank}").write_text(str(os.getpid()))
     devices = args.devices or int(os.environ.get("SLURM_NTASKS_PER_NODE", os.environ.get("WORLD_SIZE", 1)))
     recorder, misbehave = RecordLoss(), Misbehave(args, rank)
-    checkpoints = ModelCheckpoint(dirpath=args.dir, every_n_train_steps=3, save_top_k=-1, save_last=True)
+    checkpoints = ModelCheckpoint(dirpath=args.dir, every_n_train_steps=3, save_top_k=0 if args.only_last else -1,
+                                  save_last=True)
     trainer = lightning.Trainer(
         accelerator="cpu", devices=devices, plugins=[AsyncCheckpointIO()] if args.async_save else None,
         strategy=DataParallelStrategy(timeout=timedelta(seconds=args.timeout)), max_epochs=2,

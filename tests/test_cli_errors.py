@@ -125,6 +125,11 @@ def test_a_failure_after_start_up_on_4_ranks_is_said_once_in_one_line(tmp_path: 
                  "--trainer.enable_checkpointing=false"]
     result = _command(*arguments, cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-3000:]
+    # Lightning's notes went to stdout: the mistake is stderr's first line, but for Lightning's hint to use srun
+    # where SLURM is installed (allowed in tests/test_cli.py).
+    first = next(line for line in result.stderr.splitlines() if "prepend your python command with `srun`" not in line)
+    assert first.startswith("lightning-par: error: "), result.stderr[-3000:]
+    assert "GPU available:" in result.stdout, result.stdout[-3000:]
     said = [line for line in result.stderr.splitlines() if line.startswith("lightning-par: ")]
     assert len(said) == 2 and said[1].startswith("lightning-par: (run again with --verbose"), result.stderr[-6000:]
     assert said[0].startswith("lightning-par: error: ") and \

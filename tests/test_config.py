@@ -84,6 +84,37 @@ def _mesh_coordinates(rank: int, world_size: int, sizes: dict) -> dict:
         dist.destroy_process_group()
 
 
+def _groups_made(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from lightning_par.layout.dimensions import Spelling
+
+    def groups() -> int:
+        return len(dist.distributed_c10d._world.pg_map)
+
+    dist.init_process_group("gloo")
+    try:
+        before = groups()
+        first = build_mesh(ParallelConfig(dp_shard=2, tp=2), "cpu")
+        made = groups() - before
+        again = build_mesh(ParallelConfig(dp_shard=2, tp=2, spelling=Spelling({"tp": "tensor_parallel_size"})), "cpu")
+        made_again = groups() - before - made
+        other = build_mesh(ParallelConfig(dp_shard=4), "cpu")
+        return {"first": made, "again": made_again, "shared": again.root is first.root,
+                "spelling": again.spelling.name("tp"), "other": other.root is not first.root}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_layout_built_again_makes_no_new_process_group() -> None:
+    """A process that fits several models, or fits then tests, builds the mesh of a layout once: each process group
+    keeps a gloo thread per rank that wakes 100 times a second for the rest of the process. Another spelling shares
+    the groups; another shape gets its own."""
+    for result in run_distributed(_groups_made, 4):
+        assert result["first"] > 0 and result["again"] == 0 and result["shared"] and result["other"], result
+        assert result["spelling"] == "tensor_parallel_size", result
+
+
 def test_mesh_order_and_flattened_dims() -> None:
     """pp outermost, tp innermost: tensor-parallel peers are neighbouring ranks (same node)."""
     results = run_distributed(_mesh_coordinates, 8, dict(pp=2, dp_shard=2, tp=2))

@@ -274,6 +274,25 @@ def test_resumable_loader_continues_mid_epoch(num_workers: int) -> None:
     assert len([batch for batch in resumed]) == len(epoch)  # the next epoch is whole again
 
 
+def test_a_loader_left_mid_epoch_is_freed_at_once_and_its_workers_stop() -> None:
+    """No reference cycle keeps a loader with worker processes alive after its last use: in one, the garbage collector
+    closes the pool's queues before the workers are told to stop, and each is then waited for 5 s."""
+    import gc
+    import weakref
+
+    loader = _indices_loader(2, 1, 2, num_workers=2, persistent_workers=True)
+    iterator = iter(loader)
+    next(iterator)
+    workers, freed = list(loader._iterator._workers), weakref.ref(loader)
+    gc.disable()
+    try:
+        del iterator, loader
+        assert freed() is None
+    finally:
+        gc.enable()
+    assert not any(worker.is_alive() for worker in workers)
+
+
 def test_resumable_loader_after_an_ended_epoch_and_under_another_data_parallel_size() -> None:
     loader = _indices_loader(2, 0, 2)
     list(loader)

@@ -354,17 +354,22 @@ def test_1f1b_keeps_fewer_activations_than_gpipe() -> None:
 
 def test_profile_balancing_beats_parameter_counts_on_uneven_blocks() -> None:
     """A large vocabulary makes the embedding heavy in parameters but cheap to run, and the head expensive
-    to run: counting parameters starves the first stage, timing the blocks does not."""
+    to run: counting parameters starves the first stage, profiling the blocks does not. The profile's clock counts
+    floating-point operations, as seconds on an unloaded machine would, so that the load cannot decide the test."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     from lightning_par.parallel.pipeline.split import parameter_costs, profile_costs
     from lightning_par.parallel.model_map import derive_model_map
 
     torch.manual_seed(0)
-    module = SGDLlamaLM(**{**MODEL, "n_layers": 24, "vocab_size": 8192})
+    module = SGDLlamaLM(**{**MODEL, "n_layers": 24, "vocab_size": 2048})
     model_map = derive_model_map(module)
-    inputs, targets = module.split_batch(torch.randint(0, 8192, (4, 17)))
-    measured = profile_costs(module, model_map, module, module.loss_fn, inputs, targets)
+    inputs, targets = module.split_batch(torch.randint(0, 2048, (4, 17)))
+    with FlopCounterMode(display=False) as flops:
+        measured = profile_costs(module, model_map, module, module.loss_fn, inputs, targets,
+                                 clock=flops.get_total_flops)
 
-    def slowest_stage(sizes: list[int]) -> float:  # in measured seconds
+    def slowest_stage(sizes: list[int]) -> float:  # in operations
         blocks, first, last = measured
         starts = [sum(sizes[:s]) for s in range(len(sizes))]
         return max(sum(blocks[a:a + n]) + (first if s == 0 else 0.0) + (last if s == len(sizes) - 1 else 0.0)
@@ -375,8 +380,8 @@ def test_profile_balancing_beats_parameter_counts_on_uneven_blocks() -> None:
     by_profile = balance(measured[0], 4, first=measured[1], last=measured[2])
     ratio = slowest_stage(by_profile) / slowest_stage(by_parameters)
     print(f"slowest stage, profile / parameters: {ratio:.2f} ({by_profile} vs {by_parameters} blocks)")
-    assert by_parameters[0] == 1 and by_profile[0] > 1
-    assert ratio < 0.9
+    assert by_profile[0] > 2 * by_parameters[0], (by_profile, by_parameters)
+    assert ratio < 0.9  # 0.89: [7, 7, 8, 2] blocks against [3, 9, 9, 3]
 
 
 def _half_size_validation_batches(datamodule):

@@ -83,6 +83,26 @@ def test_torchrun_restart_resumes_by_itself(tmp_path: Path, uninterrupted: list[
     assert_continues([outcome(tmp_path / "out", rank) for rank in range(WORLD_SIZE)], uninterrupted, 3)
 
 
+@pytest.mark.parametrize("swap", [True, False], ids=["swapped", "renamed-twice"])
+def test_a_kill_while_last_ckpt_is_replaced_resumes_from_the_newest_save(tmp_path: Path, uninterrupted: list[dict],
+                                                                        swap: bool) -> None:
+    """Only ``last.ckpt`` is kept. Rank 0 is SIGKILLed while it puts the step-6 checkpoint in the place of step 3's,
+    just after the old copy left the name; torchrun restarts the group with ``ckpt_path="auto"``, which resumes from
+    step 6, bit for bit. Swapped (the default where the filesystem can), ``last.ckpt`` already is step 6's; renamed
+    twice (a filesystem that cannot swap), the name is empty and both copies wait in the staging folder."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD_SIZE),
+               "--max-restarts", "1", str(SCRIPT), "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
+               "--ckpt-path", "auto", "--only-last", "--kill-in-replace", "6", "--timeout", "20",
+               *([] if swap else ["--no-swap"])]
+    result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "out" / "fault").is_file()  # the kill happened
+    newest = tmp_path / "ckpt" / ("last.ckpt" if swap else f"{STAGING_DIR}/last.ckpt")
+    assert f'ckpt_path="auto": resuming from {newest}' in result.stdout + result.stderr, result.stderr[-3000:]
+    assert_continues([outcome(tmp_path / "out", rank) for rank in range(WORLD_SIZE)], uninterrupted, 6)
+
+
 def test_hung_rank(tmp_path: Path) -> None:
     """Rank 1 stops inside step 2 without dying. Rank 0's collective times out and it names rank 1 as stuck;
     rank 1, alive but lost, leaves too once rank 0 has reported, instead of waiting forever."""

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from lightning_par.checkpoint import validation
-from lightning_par.checkpoint.format import FROZEN_BASE_KEY, consolidated_weights, move_into_place, staging_path
+from lightning_par.checkpoint.atomic import move_into_place, staging_path
+from lightning_par.checkpoint.format import FROZEN_BASE_KEY, consolidated_weights
 from lightning_par.checkpoint.huggingface import directory_fingerprint, model_config, save_huggingface
 from lightning_par.parallel.adapters import adapted_layers, base_layer, checkpoint_name, unused_lora_weights
 from lightning_par.parallel.modules import tied_aliases

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -41,6 +40,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from lightning_par.checkpoint import validation
+from lightning_par.checkpoint.atomic import STAGING_DIR, move_into_place, remove, staging_path
 from lightning_par.checkpoint import safe_dcp
 from lightning_par.parallel.modules import clean_name, tied_aliases
 from lightning_par.parallel.regroup import optimizer_to_stored_order, optimizer_to_training_order
@@ -202,7 +202,7 @@ def save_checkpoint(
 
     def prepare() -> None:
         staging.parent.mkdir(parents=True, exist_ok=True)
-        _remove(staging)  # left behind by an earlier crash: never complete, never loaded
+        remove(staging)  # left behind by an earlier crash: never complete, never loaded
         if sharded:
             staging.mkdir()
             torch.save(checkpoint, staging / META_FILE)
@@ -454,7 +454,7 @@ def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike
 
 def remove_checkpoint(path: str | os.PathLike) -> None:
     """Delete a checkpoint of either format (call on one rank)."""
-    _remove(Path(path))
+    remove(Path(path))
 
 
 def read_metadata(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
@@ -477,39 +477,6 @@ def read_metadata(path: str | os.PathLike, weights_only: bool | None = None) -> 
     except (RuntimeError, EOFError, OSError) as error:  # torch's zip reader: a member cut short or damaged
         raise validation.CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupt: {validation.one_line(error)}; "
                                     "load an earlier checkpoint") from None
-
-
-# Beside the checkpoints, under a name no checkpoint scanner matches: ModelCheckpoint looks for ``last*.ckpt``
-# and Lightning's SLURM resume for any name containing ``hpc_ckpt_``, so ``.hpc_ckpt_3.ckpt.partial`` would
-# be taken for version 3. Same directory, same filesystem: the final rename stays atomic.
-STAGING_DIR = ".lightning_par-staging"
-
-
-def staging_path(final: Path) -> Path:
-    """Where ``final`` is written before it is renamed into place (never loaded, cleaned by the next save)."""
-    return final.parent / STAGING_DIR / final.name
-
-
-def move_into_place(staging: Path, final: Path) -> None:
-    if final.is_dir():
-        retired = staging.with_name(f"{final.name}.old")
-        _remove(retired)
-        os.replace(final, retired)
-        os.replace(staging, final)
-        _remove(retired)
-    else:
-        os.replace(staging, final)  # atomic over an existing file on POSIX
-    try:
-        staging.parent.rmdir()  # only when no other save is staged there
-    except OSError:
-        pass
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
 
 
 def _rank() -> int:

@@ -25,7 +25,8 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from lightning_par.checkpoint import validation
-from lightning_par.checkpoint.format import FROZEN_BASE_KEY, consolidated_weights, move_into_place, staging_path, with_aliases
+from lightning_par.checkpoint.atomic import move_into_place, staging_path
+from lightning_par.checkpoint.format import FROZEN_BASE_KEY, consolidated_weights, with_aliases
 from lightning_par.parallel.adapters import adapter_parameter_names, checkpoint_name, is_peft_model
 from lightning_par.parallel.modules import clean_name, materialize_meta_parameters, tied_aliases
 

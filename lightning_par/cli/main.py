@@ -55,6 +55,7 @@ def main(args: Any = None) -> None:
 
         _one_line_errors(verify, argv[1:], verbose)
         return
+    _notes_to_stdout()
     # For the ranks Lightning starts (they run this command again), and only for the command's own run.
     saved = {name: os.environ.get(name) for name in (VERBOSE_VARIABLE, ONE_TRACEBACK_VARIABLE)}
     os.environ[ONE_TRACEBACK_VARIABLE] = "1"
@@ -73,6 +74,22 @@ def main(args: Any = None) -> None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _notes_to_stdout() -> None:
+    """Lightning's and lightning_par's notes (devices, layout, plan) on stdout, their warnings and errors on stderr:
+    so that stderr holds the problems only, and a run's mistake is its first line."""
+    import logging
+
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_par"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler) is logging.StreamHandler and handler.stream is sys.stderr:
+                notes = logging.StreamHandler(sys.stdout)
+                notes.setFormatter(handler.formatter)
+                notes.addFilter(lambda record: record.levelno < logging.WARNING)
+                handler.setLevel(max(handler.level, logging.WARNING))
+                logger.addHandler(notes)
 
 
 def _one_line_errors(command: Any, argv: list[str], verbose: bool) -> None:

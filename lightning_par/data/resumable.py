@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -96,10 +97,14 @@ class _SkipFirstBatches:
     """
 
     def __init__(self, loader: ResumableDataLoader, sampler: Any) -> None:
-        self.loader, self.sampler = loader, sampler
+        # Weakly: a worker pool holds this sampler and its loader holds the pool, and a loader left in such a
+        # cycle waits for the garbage collector, which closes the pool's queues before telling its workers to stop
+        # (they are then waited for 5 s each).
+        self._loader, self.sampler = weakref.ref(loader), sampler
 
     def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(iter(self.sampler), self.loader._batches_to_skip, None)
+        loader = self._loader()
+        return itertools.islice(iter(self.sampler), loader._batches_to_skip if loader is not None else 0, None)
 
     def __len__(self) -> int:
         return len(self.sampler)

@@ -17,6 +17,7 @@ Flattened views (kept here, as PyTorch asks callers to keep them rather than re-
 
 from __future__ import annotations
 
+import copy
 from typing import NamedTuple
 
 from torch.distributed import ProcessGroup
@@ -78,6 +79,14 @@ class ParallelMesh:
                                              replicas=experts[names[:2]]._flatten("ep_replicas"))
         return self._experts[ep]
 
+    def spelled(self, spelling: Spelling) -> ParallelMesh:
+        """This mesh, sharing its groups and sub-meshes, with messages in ``spelling``."""
+        if spelling == self.spelling:
+            return self
+        spelled = copy.copy(self)
+        spelled.spelling = spelling
+        return spelled
+
     def size(self, name: str) -> int:
         return self[name].size()
 
@@ -118,7 +127,26 @@ def build_mesh(config: ParallelConfig, device_type: str = "cpu") -> ParallelMesh
     return build_device_mesh(device_type, dict(zip(MESH_DIM_NAMES, config.mesh_shape())), config.spelling)
 
 
+# The meshes built over the current default process group, by device type and shape (see build_device_mesh).
+_BUILT: dict[tuple[str, tuple[int, ...]], ParallelMesh] = {}
+_BUILT_IN: object = None  # the default group _BUILT's meshes belong to
+
+
 def build_device_mesh(device_type: str, sizes: dict[str, int], spelling: Spelling = FIELD_NAMES) -> ParallelMesh:
-    """Initialize the root mesh with ``sizes`` given for every name of :data:`MESH_DIM_NAMES`."""
+    """The root mesh with ``sizes`` given for every name of :data:`MESH_DIM_NAMES`.
+
+    Built once per shape and default process group, then shared: a mesh holds nothing of a run but its process
+    groups, and every new group keeps a gloo transport thread per rank that wakes 100 times a second until the
+    process ends (torch has no way to retire a mesh). A process that fits, validates and tests, or fits several
+    models in turn, would otherwise pay for every earlier mesh's threads in each later step."""
+    import torch.distributed as dist
+
+    global _BUILT_IN
+    if _BUILT_IN is not dist.group.WORLD:  # a new default group (a restart in place, a fake world): new groups
+        _BUILT.clear()
+        _BUILT_IN = dist.group.WORLD
     shape = tuple(sizes[name] for name in MESH_DIM_NAMES)
-    return ParallelMesh(init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES), spelling)
+    key = (device_type, shape)
+    if key not in _BUILT:
+        _BUILT[key] = ParallelMesh(init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES))
+    return _BUILT[key].spelled(spelling)

@@ -6,7 +6,10 @@ Lightning's ``"last"`` looks only at ``last*.ckpt``; ``"auto"`` takes any checkp
 callbacks write (``epoch=E-step=S.ckpt``, ``last.ckpt``) and Lightning's HPC checkpoints (``hpc_ckpt_N.ckpt``), and
 passes over one that cannot be loaded (``lightning_par.checkpoint.format.checkpoint_problem``): a save that was cut off
 leaves only its staging directory, which is not looked at, and a file truncated by other means is skipped with a
-warning. Newest is the latest written. With a logger that numbers its versions, the run's checkpoint directory
+warning. A checkpoint is replaced in one atomic swap; on a filesystem that cannot swap, a crash between the two renames
+that replace it leaves both copies in the staging directory, and ``"auto"`` takes them
+(``lightning_par.checkpoint.atomic.interrupted_replacements``). Newest is the latest written. With a logger that
+numbers its versions, the run's checkpoint directory
 moves to a new ``version_N`` at each start, so the earlier versions' ``checkpoints`` directories are looked in
 too. Every rank decides by itself, before the processes connect, so the checkpoint directory must be one that every
 node sees (as for any resume).
@@ -28,6 +31,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_par.checkpoint.atomic import interrupted_replacements
 from lightning_par.checkpoint.format import checkpoint_problem
 
 AUTO = "auto"
@@ -46,7 +50,7 @@ def newest_checkpoint(trainer: Trainer) -> str | None:
         if callback.dirpath is None and trainer.loggers and not isinstance(trainer.loggers[0].version, str):
             folders += directory.parent.parent.glob("version_*/checkpoints")  # the run's earlier starts
         for folder in folders:
-            candidates |= set(folder.glob(f"*{callback.FILE_EXTENSION}"))
+            candidates |= set(folder.glob(f"*{callback.FILE_EXTENSION}")) | set(interrupted_replacements(folder))
     hpc = trainer._checkpoint_connector._hpc_resume_path
     if hpc is not None:
         candidates.add(Path(hpc))

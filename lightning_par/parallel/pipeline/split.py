@@ -125,8 +125,10 @@ def parameter_costs(module: nn.Module, model_map: ModelMap) -> tuple[list[float]
 
 def profile_costs(module: nn.Module, model_map: ModelMap, forward: Callable[[Tensor], Tensor],
                   loss_fn: Callable[[Tensor, Tensor], Tensor], inputs: Tensor, targets: Tensor,
-                  *, repeats: int = 3) -> tuple[list[float], float, float]:
-    """(per-block, first-stage extra, last-stage extra) costs as measured forward + backward seconds.
+                  *, repeats: int = 3, clock: Callable[[], float] = time.perf_counter,
+                  ) -> tuple[list[float], float, float]:
+    """(per-block, first-stage extra, last-stage extra) costs as measured forward + backward seconds (or as whatever
+    ``clock`` counts: the floating-point operations counted so far, for a measure that does not depend on the load).
 
     Runs ``loss_fn(forward(inputs), targets)`` on a sample batch with timing hooks around the
     embedding, every block and the head (the loss is charged to the head), keeping the fastest of
@@ -138,7 +140,7 @@ def profile_costs(module: nn.Module, model_map: ModelMap, forward: Callable[[Ten
     handles = []
     for key, name in names.items():
         if name is not None:
-            handles += _time_forward_and_backward(module.get_submodule(name), key, timings)
+            handles += _time_forward_and_backward(module.get_submodule(name), key, timings, clock)
     best: dict[str, float] = {}
     with warnings.catch_warnings():
         # The embedding's input (token ids) needs no gradient; its backward hook still times its backward.
@@ -146,9 +148,9 @@ def profile_costs(module: nn.Module, model_map: ModelMap, forward: Callable[[Ten
         try:
             for _ in range(repeats):
                 timings.clear()
-                started = time.perf_counter()
+                started = clock()
                 loss_fn(forward(inputs), targets).backward()
-                total = time.perf_counter() - started
+                total = clock() - started
                 timings["head"] = timings.get("head", 0.0) + total - sum(timings.values())  # loss and the rest
                 for key, value in timings.items():
                     best[key] = min(best.get(key, float("inf")), value)
@@ -160,20 +162,21 @@ def profile_costs(module: nn.Module, model_map: ModelMap, forward: Callable[[Ten
     return blocks, best.get("embedding", 0.0), best.get("head", 0.0)
 
 
-def _time_forward_and_backward(module: nn.Module, key: str, timings: dict[str, float]) -> list[Any]:
+def _time_forward_and_backward(module: nn.Module, key: str, timings: dict[str, float],
+                               clock: Callable[[], float]) -> list[Any]:
     started: dict[str, float] = {}
 
     def before_forward(*_: Any) -> None:
-        started["forward"] = time.perf_counter()
+        started["forward"] = clock()
 
     def after_forward(*_: Any) -> None:
-        timings[key] = timings.get(key, 0.0) + time.perf_counter() - started["forward"]
+        timings[key] = timings.get(key, 0.0) + clock() - started["forward"]
 
     def before_backward(*_: Any) -> None:
-        started["backward"] = time.perf_counter()
+        started["backward"] = clock()
 
     def after_backward(*_: Any) -> None:
-        timings[key] = timings.get(key, 0.0) + time.perf_counter() - started["backward"]
+        timings[key] = timings.get(key, 0.0) + clock() - started["backward"]
 
     return [module.register_forward_pre_hook(before_forward), module.register_forward_hook(after_forward),
             module.register_full_backward_pre_hook(before_backward),
