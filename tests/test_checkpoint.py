@@ -539,3 +539,26 @@ def test_auto_is_lightnings_error_again_once_uninstalled() -> None:
     finally:
         auto_resume.install()
     assert parse(trainer) is None
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged-copy", "old-copy-only"])
+def test_a_replacement_cut_between_its_renames_is_finished_before_the_name_is_written_again(tmp_path: Path,
+                                                                                            staged: bool) -> None:
+    """On a filesystem that cannot swap, a crash between the two renames leaves ``last.ckpt`` only in the staging
+    folder (the new copy, and the old one moved aside). The next save of ``last.ckpt`` puts the newest in place before
+    it clears the folder, so a crash while that save is written still leaves a complete ``last.ckpt``."""
+    from lightning_par.checkpoint.atomic import RETIRED_SUFFIX, clear_staging, interrupted_replacements, staging_path
+
+    final = tmp_path / "last.ckpt"
+    staging = staging_path(final)
+    retired = staging.with_name(final.name + RETIRED_SUFFIX)
+    retired.mkdir(parents=True)
+    (retired / "step").write_text("3")
+    if staged:
+        staging.mkdir()
+        (staging / "step").write_text("6")
+    assert interrupted_replacements(tmp_path) == ([staging] if staged else []) + [retired]
+    clear_staging(final)
+    assert (final / "step").read_text() == ("6" if staged else "3")
+    assert not staging.exists() and not retired.exists() and interrupted_replacements(tmp_path) == []
+

@@ -143,6 +143,24 @@ def test_a_failure_after_start_up_on_4_ranks_is_said_once_in_one_line(tmp_path: 
     assert summaries and all("failed in set-up with TypeError" in line for line in summaries), summaries
 
 
+def test_notes_go_to_stdout_once_however_often_the_command_runs(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    """Lightning's notes on stdout and its warnings on stderr, each said once after the command ran twice in one
+    process (Lightning's launcher runs it again in each rank it starts; tests and notebooks call it in turn)."""
+    import logging
+
+    from lightning_par.cli.main import _notes_to_stdout
+
+    logger = logging.getLogger("lightning.pytorch")
+    monkeypatch.setattr(logger, "handlers", [logging.StreamHandler(sys.stderr)])
+    _notes_to_stdout()
+    _notes_to_stdout()
+    logger.info("GPU available: False")
+    logger.warning("a warning")
+    printed = capsys.readouterr()
+    assert printed.out == "GPU available: False\n" and printed.err == "a warning\n", printed
+
+
 def test_docs_errors_lists_every_bad_input() -> None:
     listed = (REPO / "docs" / "errors.md").read_text()
     assert [case for case, (_, _, expected) in BAD_INPUTS.items() if expected not in listed] == []

@@ -2,8 +2,10 @@
 
 A checkpoint is written under :data:`STAGING_DIR` beside its final name, then moved in by :func:`move_into_place`:
 one rename for a file, one ``renameat2(RENAME_EXCHANGE)`` swap for a sharded checkpoint's directory (a directory
-cannot be renamed over another). Where the filesystem cannot swap, the old copy is moved aside first and
-:func:`interrupted_replacements` finds both copies again if a crash comes between the two renames (docs/checkpoints.md, "Saving").
+cannot be renamed over another). Where the filesystem cannot swap, the old copy is moved aside first;
+:func:`interrupted_replacements` finds both copies again if a crash comes between the two renames, and
+:func:`clear_staging` finishes such a replacement before the name is written again (docs/checkpoints.md, "Atomic
+saves").
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import functools
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 # Beside the checkpoints, under a name no checkpoint scanner matches: ModelCheckpoint looks for ``last*.ckpt``
 # and Lightning's SLURM resume for any name containing ``hpc_ckpt_``, so ``.hpc_ckpt_3.ckpt.partial`` would
@@ -26,6 +29,18 @@ RETIRED_SUFFIX = ".old"  # an old copy moved aside by a save on a filesystem tha
 def staging_path(final: Path) -> Path:
     """Where ``final`` is written before it is renamed into place (never loaded, cleaned by the next save)."""
     return final.parent / STAGING_DIR / final.name
+
+
+def clear_staging(final: Path) -> None:
+    """Make room to write ``final`` again in the staging folder: a replacement a crash cut between its two renames is
+    finished first (the staged copy, complete, goes to ``final``; without one, the old copy goes back), so that what
+    :func:`interrupted_replacements` took stays the newest complete copy; then what is left staged is removed."""
+    staging = staging_path(final)
+    retired = staging.with_name(f"{final.name}{RETIRED_SUFFIX}")
+    if retired.exists() and not final.exists():
+        os.replace(staging if staging.exists() else retired, final)
+    remove(retired)
+    remove(staging)  # left behind by a crash while it was written: never complete, never loaded
 
 
 def move_into_place(staging: Path, final: Path) -> None:
@@ -75,10 +90,9 @@ _AT_FDCWD = -100  # paths relative to the working directory, as os.replace takes
 def exchange(first: Path, second: Path) -> bool:
     """Swap what the two paths name, atomically; False where the system or the filesystem cannot (not Linux, an old
     kernel or C library, a filesystem without ``RENAME_EXCHANGE``)."""
-    rename = getattr(_libc(), "renameat2", None)
+    rename = _renameat2()
     if rename is None:
         return False
-    rename.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     if rename(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
         return True
     code = ctypes.get_errno()
@@ -88,8 +102,12 @@ def exchange(first: Path, second: Path) -> bool:
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+def _renameat2() -> Any:
+    """The C library's ``renameat2``, or None where it has none."""
+    rename = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), "renameat2", None)
+    if rename is not None:
+        rename.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return rename
 
 
 def remove(path: Path) -> None:

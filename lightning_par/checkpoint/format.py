@@ -40,7 +40,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from lightning_par.checkpoint import validation
-from lightning_par.checkpoint.atomic import STAGING_DIR, move_into_place, remove, staging_path
+from lightning_par.checkpoint.atomic import STAGING_DIR, clear_staging, move_into_place, remove, staging_path
 from lightning_par.checkpoint import safe_dcp
 from lightning_par.parallel.modules import clean_name, tied_aliases
 from lightning_par.parallel.regroup import optimizer_to_stored_order, optimizer_to_training_order
@@ -202,7 +202,7 @@ def save_checkpoint(
 
     def prepare() -> None:
         staging.parent.mkdir(parents=True, exist_ok=True)
-        remove(staging)  # left behind by an earlier crash: never complete, never loaded
+        clear_staging(final)
         if sharded:
             staging.mkdir()
             torch.save(checkpoint, staging / META_FILE)

@@ -84,11 +84,13 @@ def _notes_to_stdout() -> None:
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_par"):
         logger = logging.getLogger(name)
         for handler in list(logger.handlers):
-            if type(handler) is logging.StreamHandler and handler.stream is sys.stderr:
+            # Below WARNING: not split yet (a process that runs the command again keeps one handler for its notes).
+            split = handler.level >= logging.WARNING
+            if type(handler) is logging.StreamHandler and handler.stream is sys.stderr and not split:
                 notes = logging.StreamHandler(sys.stdout)
                 notes.setFormatter(handler.formatter)
                 notes.addFilter(lambda record: record.levelno < logging.WARNING)
-                handler.setLevel(max(handler.level, logging.WARNING))
+                handler.setLevel(logging.WARNING)
                 logger.addHandler(notes)
 
 
