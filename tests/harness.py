@@ -1,16 +1,16 @@
 """Multi-process test harness: N CPU ranks with gloo on a free port.
 
-``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh processes, sets the environment a
-launcher would (MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK), calls ``fn(rank, world_size,
-*args)`` in each and returns the per-rank results in rank order. The processes fork from a server that has
-imported torch, Lightning and lightning_par once (multiprocessing's forkserver with preloaded modules): importing
-them takes about 5 s of CPU per process, which on 2 cores was most of the suite's time. Nothing else is shared:
-no process group, no state of a run. Starting the ranks of a case costs 0.03 s for 2 ranks and 0.1 s for 8
-(0.07-0.2 s with a process group; measured on 2 cores), so ranks are not kept between cases: each case gets
-fresh ones, and no case can see what another left behind. A rank's exception fails the test with every failing
-rank's traceback; a rank that does not finish within ``timeout`` seconds fails it too, with the stack of every
-thread of every rank still running (dumped by ``faulthandler`` on SIGUSR2) before all are killed, so a hang
-costs one test, not the CI run, and says where each rank was.
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh processes, gives them the launching test's
+environment with what a launcher sets (MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK), calls
+``fn(rank, world_size, *args)`` in each and returns the per-rank results in rank order. The processes fork from a
+server that has imported torch, Lightning and lightning_par once (multiprocessing's forkserver with preloaded
+modules): importing them takes about 5 s of CPU per process, which on 2 cores was most of the suite's time.
+Nothing else is shared: no process group, no state of a run. Starting the ranks of a case costs 0.03 s for 2
+ranks and 0.1 s for 8 (0.07-0.2 s with a process group; measured on 2 cores), so ranks are not kept between
+cases: each case gets fresh ones, and no case can see what another left behind. A rank's exception fails the test
+with every failing rank's traceback; a rank that does not finish within ``timeout`` seconds fails it too, with
+the stack of every thread of every rank still running (dumped by ``faulthandler`` on SIGUSR2) before all are
+killed, so a hang costs one test, not the CI run, and says where each rank was.
 
 Inside a rank, Lightning sees ``LOCAL_RANK`` and treats the process as launched externally (exactly what
 its own subprocess launcher does), so ``Trainer(devices=world_size)`` joins the group instead of
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import faulthandler
 import io
+import itertools
 import multiprocessing as mp
 import os
 import queue
@@ -36,8 +37,34 @@ from typing import Any, Callable
 import torch
 
 
+_NEXT_PORT = itertools.count()
+_LOWEST_PORT = 20000
+
+
+def _outgoing_ports_start() -> int:
+    """The first port of the range the system gives out for outgoing connections and port 0."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A port for a rendezvous that no other process is handed before the ranks listen on it: below the range the
+    system gives out for outgoing connections and port 0 (``ip_local_port_range``), where a port asked for with 0
+    could meanwhile become a gloo connection's local port in the other pytest-xdist worker's ranks; in a stretch of
+    its own for each worker, taken in turn (a port just closed may wait in TIME_WAIT)."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    span = (_outgoing_ports_start() - _LOWEST_PORT) // 8
+    for _ in range(max(span, 0)):
+        port = _LOWEST_PORT + worker % 8 * span + next(_NEXT_PORT) % span
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # no stretch below that range: any free port
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
@@ -65,12 +92,15 @@ def _context() -> Any:
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any, stacks: str,
-               args: tuple, kwargs: dict) -> None:
+               environment: dict[str, str], args: tuple, kwargs: dict) -> None:
     # Where this rank writes the stack of each of its threads when the harness gives up waiting for it, or when
     # the process dies of a signal (an abort in C++ leaves no Python traceback otherwise).
     stack_file = open(stacks, "w")  # noqa: SIM115 - kept open for the life of the rank
     faulthandler.register(signal.SIGUSR2, file=stack_file, all_threads=True)
     faulthandler.enable(file=stack_file, all_threads=True)
+    # The launching test's environment, not the fork server's (a copy of the one an earlier test started it in).
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -133,8 +163,8 @@ def _launch(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, 
     results = ctx.Queue()
     port = free_port()
     stacks = tempfile.mkdtemp(prefix="lightning_par-ranks-")
-    procs = [ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, results, f"{stacks}/{rank}", args,
-                                                  kwargs), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, results, f"{stacks}/{rank}",
+                                                  dict(os.environ), args, kwargs), daemon=True)
              for rank in range(world_size)]
     for proc in procs:
         proc.start()

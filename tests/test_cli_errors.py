@@ -143,6 +143,44 @@ def test_a_failure_after_start_up_on_4_ranks_is_said_once_in_one_line(tmp_path: 
     assert summaries and all("failed in set-up with TypeError" in line for line in summaries), summaries
 
 
+# Mistakes found only once the ranks have started (config, extra arguments, what the first line must say).
+FOUND_AFTER_START = {
+    "heads not divisible by tp": ("tensor_parallel", ["--model.init_args.n_heads=3", "--model.init_args.n_kv_heads=3",
+                                                      "--model.init_args.dim=96"],
+                                  "tensor_parallel_size=2 does not divide the 3 heads of "
+                                  "'model.layers.0.attention.q_proj'; ...: [1, 3]"),
+    "microbatches larger than the batch": ("pipeline_parallel", ["--trainer.strategy.init_args.microbatches=16"],
+                                           "a batch of 8 samples does not split into microbatches=16"),
+    "shard directory not prepared": ("pretrain_streaming", ["--data.init_args.data_dir=empty",
+                                                            "--data.init_args.prepare_from=null"],
+                                     "'empty' holds no prepared data (no prepared.json): prepare it with"),
+    "sequence length context parallel cannot cut": ("context_parallel", ["--data.init_args.seq_len=66",
+                                                                         "--model.init_args.max_seq_len=66"],
+                                                    "sequence length 66 is not divisible by 4 ...; nearest lengths "
+                                                    "that fit: [64, 68]"),
+}
+
+
+def test_mistakes_found_after_start_up_are_said_in_the_first_line(tmp_path: Path) -> None:
+    """Each command of FOUND_AFTER_START, all started at once: stderr's first line (but for Lightning's srun hint) is
+    the mistake, said once, then how to see the traceback."""
+    (tmp_path / "empty").mkdir()
+    environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    environment.pop("LIGHTNING_PAR_VERBOSE", None)
+    commands = {case: subprocess.Popen(
+        [sys.executable, "-m", "lightning_par.cli", "fit", "--config", str(REPO / "configs" / f"{config}.yaml"),
+         *arguments, "--trainer.max_steps=2", "--trainer.logger=false", "--trainer.enable_checkpointing=false"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=environment)
+        for case, (config, arguments, _) in FOUND_AFTER_START.items()}
+    for case, command in commands.items():
+        stderr = command.communicate(timeout=300)[1]
+        lines = [line for line in stderr.splitlines() if "prepend your python command with `srun`" not in line]
+        assert command.returncode == 1 and _says(lines[0], "lightning-par: error: " + FOUND_AFTER_START[case][2]), \
+            (case, stderr[-3000:])
+        assert lines[1].startswith("lightning-par: (run again with --verbose"), (case, stderr[-3000:])
+        assert sum(line.startswith("lightning-par: error:") for line in lines) == 1, (case, stderr[-3000:])
+
+
 def test_notes_go_to_stdout_once_however_often_the_command_runs(monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture) -> None:
     """Lightning's notes on stdout and its warnings on stderr, each said once after the command ran twice in one

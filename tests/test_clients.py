@@ -33,6 +33,8 @@ LAYOUTS = {
     "context_parallel": (2, 1, dict(context_parallel_size=2)), "pipeline_parallel": (2, 1, "pipeline_parallel"),
     "expert_parallel": (2, 2, "expert_parallel"),
     "hybrid3d": (4, 2, dict(tensor_parallel_size=2, zero_stage=3)),
+    "pp2xtp2": (4, 1, dict(pipeline_parallel_size=2, tensor_parallel_size=2)),
+    "pp2xzero3": (4, 2, dict(pipeline_parallel_size=2, zero_stage=3)),
 }
 WITH_DROPOUT = ("demo_transformer", "demo_lstm")
 DATA_PARALLEL = ("data_parallel", "zero1", "zero2", "zero3")
@@ -42,7 +44,8 @@ TRAINS = {  # client -> the layouts it trains in like Lightning's ddp
     "demo_transformer_without_dropout": ("tensor_parallel", "hybrid3d"),
     "calls_its_model": DATA_PARALLEL + MODEL_PARALLEL, "two_inputs": DATA_PARALLEL + MODEL_PARALLEL,
     "hf_by_hand": ("zero3", "tensor_parallel", "hybrid3d"),
-    "plain_pairs": ("data_parallel", "pipeline_parallel"),  # its split and loss derived under pipeline parallel
+    # its split and loss derived under pipeline parallel, alone and beside tensor parallel or ZeRO-3
+    "plain_pairs": ("data_parallel", "pipeline_parallel", "pp2xtp2", "pp2xzero3"),
 }
 REFUSED = {  # (client, layout) -> what the refusal shows
     ("demo_boring", "tensor_parallel"): "model_map: {blocks: ..., styles: {...}}",

@@ -220,3 +220,59 @@ def test_every_strategy_name_resolves_in_fabric_with_the_trainers_arguments() ->
     with pytest.raises(ValueError, match=r"AutoParallelStrategy: activation_checkpointing, .*, zero_stage left "
                                          r"'auto', and under Fabric the layout is fixed when the processes start"):
         L.Fabric(accelerator="cpu", devices=1, strategy="auto_parallel").launch()
+
+
+# ------------------------------------------------------------------------------------------ set-up checks
+# The checks parallelize() runs on a sample at set-up (lightning_par/parallel/compose.py), by the name it calls them.
+SET_UP_CHECKS = ("blocks_used_outside", "check_model_map", "head_follows_last_block", "_check_layout")
+# layout -> (Trainer strategy name, mixture-of-experts model)
+CHECKED_LAYOUTS = {"zero3": ("zero3", False), "tp2": ("tensor_parallel", False),
+                   "cp2": ("context_parallel", False), "pp2": ("pipeline_parallel", False),
+                   "ep2": ("expert_parallel", True), "moe-dp2": ("data_parallel", True)}
+
+
+def _set_up_checks(rank: int, world_size: int, layouts: dict[str, tuple[str, bool]]) -> dict[str, dict[str, list]]:
+    """Per layout, the set-up checks parallelize() ran when a Trainer set the model up, and when Fabric did."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_par.models import LlamaLM
+    from lightning_par.parallel import compose
+
+    ran: list[str] = []
+    for name in SET_UP_CHECKS:
+        def spy(*args: Any, _check: Any = getattr(compose, name), _name: str = name, **kwargs: Any) -> Any:
+            ran.append(_name)
+            return _check(*args, **kwargs)
+
+        setattr(compose, name, spy)
+
+    def module(moe: bool) -> Any:
+        torch.manual_seed(0)
+        return LlamaLM(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ,
+                       **(dict(moe_experts=4, moe_top_k=2) if moe else {}))
+
+    results: dict[str, dict[str, list]] = {}
+    for layout, (strategy, moe) in layouts.items():
+        ran.clear()
+        trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=0, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module(moe), train_dataloaders=DataLoader(list(_batches()[0]), batch_size=GLOBAL_BATCH))
+        under_trainer = sorted(set(ran))
+        ran.clear()
+        fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+        fabric.launch()
+        model = module(moe)
+        model.example_input_array = _batches()[0][:, :-1]
+        fabric.setup(model)
+        results[layout] = {"trainer": under_trainer, "fabric": sorted(set(ran))}
+    return results
+
+
+def test_fabric_runs_the_set_up_checks_the_trainer_runs() -> None:
+    """The same layout, under the Trainer (the first batch of its data) and under Fabric (the model's
+    ``example_input_array``), runs the same set-up checks: ZeRO-3's blocks used outside them and its units, a mixture
+    of experts' routing, tensor parallel's split, context parallel's head."""
+    results = run_distributed(_set_up_checks, 2, CHECKED_LAYOUTS, timeout=300)[0]
+    for layout, checks in results.items():
+        assert checks["trainer"] == checks["fabric"] and checks["trainer"], (layout, checks)

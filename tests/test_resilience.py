@@ -103,6 +103,7 @@ def test_a_kill_while_last_ckpt_is_replaced_resumes_from_the_newest_save(tmp_pat
     assert_continues([outcome(tmp_path / "out", rank) for rank in range(WORLD_SIZE)], uninterrupted, 6)
 
 
+@pytest.mark.alone  # a live rank must not look dead: its heartbeats must keep their pace
 def test_hung_rank(tmp_path: Path) -> None:
     """Rank 1 stops inside step 2 without dying. Rank 0's collective times out and it names rank 1 as stuck;
     rank 1, alive but lost, leaves too once rank 0 has reported, instead of waiting forever."""
@@ -139,3 +140,4 @@ def test_slurm_requeue(tmp_path: Path, uninterrupted: list[dict]) -> None:
                    extra_env={**env, "SLURM_RESTART_COUNT": "1"})
     assert all(r["code"] == 0 for r in ranks), [r["stderr"][-3000:] for r in ranks]
     assert_continues([outcome(tmp_path / "requeued", rank) for rank in range(WORLD_SIZE)], uninterrupted, 6)
+

@@ -23,11 +23,21 @@ TESTS = Path(__file__).resolve().parent
 
 
 def _verify(tmp_path: Path, config: str, *options: str) -> dict:
+    """verify's report. A layout run whose rank died without a word of its own (the fault monitor says it "is gone")
+    runs once more, as tests/harness.py runs again ranks that died of a signal: torch 2.13's gloo crashes in native
+    code now and then on 2 loaded cores; the code under test raises Python errors, which the report names."""
     report = tmp_path / "verify.json"
-    try:
-        main(["--config", str(REPO / "configs" / config), "--json", str(report), *options])
-    except SystemExit as exit_:
-        assert exit_.code == 1
+    for attempt in (1, 2):
+        try:
+            main(["--config", str(REPO / "configs" / config), "--json", str(report), *options])
+        except SystemExit as exit_:
+            assert exit_.code == 1
+        except RuntimeError as error:
+            if attempt == 2 or not re.search(r"rank \d+ (is gone|never sent a heartbeat)", str(error)):
+                raise
+            print(f"test_verify: a rank of the layout run died; running it once more: {error}")
+            continue
+        break
     return json.loads(report.read_text())
 
 

@@ -50,6 +50,7 @@ from lightning_par.cli.lightning_cli import quiet_lightning
 from lightning_par.data.drawn import OneProcessData, join_batches, samples_of, streamed_training_of
 from lightning_par.data.shard_windows import ShardWindows, StreamedTraining
 from lightning_par.data.share_check import WindowIndex, first_misread
+from lightning_par.strategies.processes import VERBOSE_HINT
 
 __all__ = ["Comparison", "Run", "VerifyCommand", "compare", "format_comparison", "main", "read_command",
            "read_layout_run", "record_callback", "reference_run"]
@@ -342,10 +343,16 @@ def _layout_run(cli_args: list[str], seed: int, world_size: int, steps: int, fol
     result = subprocess.run(command, capture_output=True, text=True,
                             env={**_environment_of_this_machine(), "PYTHONWARNINGS": "ignore"})
     if result.returncode != 0:
-        lines = [line for line in result.stderr.splitlines() if line.startswith("lightning-par: error:")]
-        last = lines[0] if lines else (result.stderr.strip().splitlines() or ["no message"])[-1]
-        raise RuntimeError(f"the layout run failed: {last.removeprefix('lightning-par: error: ')}")
+        raise RuntimeError(f"the layout run failed: {_first_failure(result.stderr)}")
     return read_layout_run(folder)
+
+
+def _first_failure(stderr: str) -> str:
+    """The run's failure as the command said it: its one line (a refusal, or the fault monitor's report of a failed
+    collective), else stderr's last line."""
+    lines = [line for line in stderr.splitlines() if line.strip() and line != VERBOSE_HINT]
+    said = next((line for line in lines if line.startswith("lightning-par: ")), None)
+    return (said or (lines or ["no message"])[-1]).removeprefix("lightning-par: ").removeprefix("error: ")
 
 
 # What makes Lightning join a launched or scheduled run instead of starting its own processes: a launcher's variables

@@ -17,6 +17,7 @@ from typing import Literal, Optional, Union, get_args
 
 from lightning_par.layout.dimensions import DIMENSIONS, FIELD_NAMES, MESH_DIM_NAMES, Spelling
 from lightning_par.layout.schedules import SCHEDULES, Schedule
+from lightning_par.layout.zero_stages import ZERO_STAGE_ROWS, ZERO_STAGES, ZeroStage
 
 Size = Union[int, Literal["auto"]]
 # ZeRO-3's gather controls when nothing is scheduled: one block a unit, resharded after forward, FSDP2's own
@@ -33,7 +34,6 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 Float8Recipe = Literal["tensorwise", "rowwise"]
 
 GRADIENT_COMPRESSIONS = get_args(GradientCompression)
-ZERO_STAGES = (0, 1, 2, 3)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 RECOMPUTE_MODES = get_args(Recompute)
 CP_METHODS = get_args(ContextParallelMethod)
@@ -179,11 +179,18 @@ class ParallelConfig:
                              f"{self.name('compile')}=True")
 
     @property
+    def zero(self) -> ZeroStage:
+        """The row of ``zero_stage`` (``layout/zero_stages.py``): what it shards and how it reduces gradients."""
+        return ZERO_STAGE_ROWS[self.zero_stage]
+
+    @property
     def reduces_gradients_after_backward(self) -> bool:
         """Whether the data-parallel gradient average runs after backward (``Parallelized.after_backward``) instead of
         in hooks during it: under pipeline parallel (a schedule calls stage views, never the module DDP wraps, and
         runs backward itself) and, for DDP, for tensor-parallel DTensors (DDP all-reduces plain tensors only)."""
-        return (self.zero_stage in (0, 1) and (self.pp > 1 or self.tp > 1)) or (self.zero_stage == 2 and self.pp > 1)
+        reduction = self.zero.gradient_reduction
+        return ((reduction == "all-reduce" and (self.pp > 1 or self.tp > 1))
+                or (reduction == "to owners" and self.pp > 1))
 
     @property
     def gathers_into_the_weight_pass(self) -> bool:
@@ -194,7 +201,7 @@ class ParallelConfig:
         gathered weights it saved, which resharding or the float8 gather has replaced by then: measured 0.1
         relative in the weights after 8 steps on float8 and MoE models. torchtitan keeps blocks gathered under
         every schedule."""
-        return self.zero_stage == 3 and self.splits_backward
+        return self.zero.shards_parameters and self.splits_backward
 
     @property
     def splits_backward(self) -> bool:
@@ -273,7 +280,7 @@ class ParallelConfig:
         stage3_only = {"param_dtype": self.param_dtype != "fp32",
                        "reduce_dtype": self.reduce_dtype not in (None, "fp32"), "cpu_offload": self.cpu_offload is True}
         for knob, asked in stage3_only.items():
-            if asked and self.zero_stage != 3:
+            if asked and not self.zero.shards_parameters:
                 raise ValueError(
                     f"{named(knob)} needs {name('zero_stage')}=3 (FSDP2 keeps fp32 shards and casts per block); "
                     f"with {named('zero_stage')} use Trainer(precision='bf16-mixed') instead"
@@ -288,7 +295,7 @@ class ParallelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name(knob)} must be an integer >= {least}, got {value!r}")
         for knob, default in ZERO3_UNIT_DEFAULTS.items():
-            if getattr(self, knob) != default and self.zero_stage != 3:
+            if getattr(self, knob) != default and not self.zero.shards_parameters:
                 raise ValueError(f"{named(knob)} schedules ZeRO-3's parameter all-gathers, and "
                                  f"{named('zero_stage')} keeps parameters whole; use {name('zero_stage')}=3 or "
                                  f"{name(knob)}={default}")
@@ -300,7 +307,7 @@ class ParallelConfig:
         every = self.activation_checkpointing_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"{name('activation_checkpointing_every')} must be a positive integer, got {every!r}")
-        if self.gradient_compression != "none" and self.zero_stage >= 2:
+        if self.gradient_compression != "none" and self.zero.gradient_reduction != "all-reduce":
             raise ValueError(f"{named('gradient_compression')} applies to DDP's all-reduce ({name('zero_stage')} 0 "
                              f"or 1); {named('zero_stage')} reduces gradients differently")
         if self.gradient_compression not in GRADIENT_COMPRESSIONS:

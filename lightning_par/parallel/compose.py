@@ -7,7 +7,7 @@ The order matters and is the same as torchtitan's, after a check of the model ma
    then float8           -- the blocks' linear layers become torchao's Float8Linear, before anything shards
                             them, so that tensor parallel splits and FSDP2 gathers float8 layers (float8);
 1. pipeline split        -- a stage must exist before its layers are sharded; what runs outside the blocks is
-                            placed from a traced forward (pipeline_trace);
+                            placed from a traced forward (pipeline/trace.py);
 2. tensor / sequence parallel -- swaps parameters for DTensors sharded over ``tp``;
 3. context parallel      -- wraps attention to exchange sequence chunks over ``cp``;
 4. expert parallel       -- places experts over ``dp_shard x cp`` and routes tokens with all-to-all;
@@ -30,6 +30,7 @@ collective runs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -64,6 +65,15 @@ from lightning_par.parallel.pipeline.ties import StageTies
 from lightning_par.parallel.initialize import RandomState, has_meta_tensors, initialize_meta_model, meta_skeleton
 from lightning_par.parallel.zero import fully_shard_model
 from lightning_par.parallel.zero_check import check_sharded_units
+
+
+def runs_on_a_sample(model: nn.Module, config: ParallelConfig, model_map: ModelMap | None) -> bool:
+    """Whether :func:`parallelize` runs ``model`` at set-up, given a ``sample_batch``: to check a tensor-parallel split,
+    trace a pipeline's code outside its blocks, cut the sequence for context parallel, check a mixture of experts'
+    routing, or find the blocks ZeRO-3 must not gather alone. The Trainer's and Fabric's strategies ask this one
+    question, so that both run the same set-up checks."""
+    return (config.tp > 1 or config.pp > 1 or config.cp > 1 or config.ep > 1 or config.zero.shards_parameters
+            or bool(moe_layers(model, model_map)))
 
 
 def check_batch_fits(config: ParallelConfig, *, batch_size: int | None, seq_len: int | None) -> None:
@@ -109,143 +119,188 @@ def parallelize(
     With ``training=False`` (validate/test/predict) no gradient machinery is installed; replicas are made
     equal by a broadcast instead (ZeRO-3 still shards: that is what lets the model fit). Parameters
     created on the meta device are allocated on ``device`` (after sharding, under ZeRO-3).
-    ``sample_batch`` (inputs, targets; one micro-batch of the data) is what the tensor-parallel split is checked
-    on (``model_map_check``), what pipeline parallel traces to place the code outside the blocks, and what balancing
-    by profile times the blocks on; without it the model map is applied unchecked. ``log`` receives what was split
-    and what the check changed. Under pipeline parallel, the handle's runner computes ``loss_fn(logits, targets)``
-    (the model's mean loss) for batches of which ``accumulate`` make one optimizer step, weighing micro-batches by
-    their ``loss_tokens(targets)`` where the model counts them. ``dry_run`` (``lightning_par.dry_run.FakeAllocation``) makes this a dry run: what
-    was built on the meta device is allocated by ``dry_run(model, device)`` (as fake tensors), the set-up's runs of a
-    small copy (pipeline trace, parts used outside blocks) run on the meta device, and the tensor-parallel split is
-    applied unchecked (on the fake backend its collectives move nothing to compare).
+    ``sample_batch`` (inputs, targets; one micro-batch of the data) is what the set-up's checks run on
+    (:func:`runs_on_a_sample`; the tensor-parallel split's: ``model_map_check``), what pipeline parallel traces to
+    place the code outside the blocks, and what balancing by profile times the blocks on; without it the model map
+    is applied unchecked. ``log`` receives what was split and what the check changed. Under pipeline parallel, the
+    handle's runner computes ``loss_fn(logits, targets)`` (the model's mean loss) for batches of which ``accumulate``
+    make one optimizer step, weighing micro-batches by their ``loss_tokens(targets)`` where the model counts them.
+    ``dry_run`` (``lightning_par.dry_run.FakeAllocation``) makes this a dry run: what was built on the meta device
+    is allocated by ``dry_run(model, device)`` (as fake tensors), the set-up's runs of a small copy (pipeline
+    trace, parts used outside blocks) run on the meta device, and the tensor-parallel split is applied unchecked
+    (on the fake backend its collectives move nothing to compare).
     """
     device = device if device is not None else torch.device(mesh.device_type)
-    config.check_composable()
-    if config.pp > 1:
-        check_weight_pass_with_zero3(config.pp_schedule, config.zero_stage)
-    if config.async_tp:  # refused off CUDA before any collective; on CUDA, the compiled blocks are rewritten
-        enable_async_tensor_parallel(device)
-    # Steps 1-6 change the module in place, once: fit and then validate/test/predict on the same module
-    # (the usual Lightning sequence) reuses them and only re-wraps for data parallelism.
-    layout = (mesh.sizes(), config)
-    record = layout_record(model)
-    applied = record.layout if record is not None else None
-    if applied is not None and applied != layout:
-        raise ValueError(f"this module was parallelized for {applied[1].named_sizes()} already and cannot be "
-                         f"re-laid out as {config.named_sizes()}; build a new module (or load a checkpoint into one)")
-    stages = None
+    _validate(config, device)
+    applied = _applied_layout(model, mesh, config)
     # A model built on the meta device is initialised as one process would (parallel/initialize.py), by the
     # initialisers of the model as built: a pipeline stage holds a part of it, and the layout swaps some modules' class
     # (a vocabulary-parallel embedding, float8 linear layers).
     skeleton = meta_skeleton(model) if dry_run is None and applied is None and has_meta_tensors(model) else None
-    random_state = RandomState(device)  # the set-up's runs of small copies must not move the user's random stream
     allocate = dry_run or functools.partial(initialize_meta_model, skeleton=skeleton)
-    if dry_run is not None and sample_batch is not None:  # shapes are all a dry run's set-up needs of the data
-        sample_batch = tuple(t if t is None else t.to("meta") for t in sample_batch)  # type: ignore[assignment]
+    random_state = RandomState(device)  # the set-up's runs of small copies must not move the user's random stream
+    # A dry run's set-up needs only the shapes of the data, and runs its small copies on the meta device.
     analysis_device = torch.device("meta") if dry_run is not None else device
-    if applied is None:
-        _check_fsdp_roots(model, config)
-        check_experts_found(model, model_map, config.ep, spelling=config.spelling)
-        # Before anything is split: blocks whose parts the network also runs outside them (ZeRO-3 keeps them whole).
-        used_outside = (blocks_used_outside(model, model_map, sample_batch[0], analysis_device)
-                        if config.zero_stage == 3 and config.pp == 1 and model_map is not None
-                        and sample_batch is not None else {})
-        if used_outside and log is not None:
-            log(f"zero_stage=3: the network also runs {', '.join(p for ps in used_outside.values() for p in ps)} "
-                f"outside {', '.join(used_outside)}: sharded with the root, gathered for the whole step")
-        # Before anything is split: whether the head can run on each context-parallel rank's tokens.
-        gather_at_head = (config.cp > 1 and model_map is not None and sample_batch is not None
-                          and head_follows_last_block(model, model_map, sample_batch[0].to(analysis_device)))
-        if config.tp > 1 and model_map is not None and sample_batch is not None and dry_run is None:  # 0
-            model_map, notes = check_model_map(model, mesh, model_map, sample_batch[0],
-                                               sequence_parallel=config.sequence_parallel,
-                                               loss_parallel=config.loss_parallel, apply=apply_tensor_parallel)
-            if log is not None:
-                log(f"tensor-parallel split ({model_map.source}) checked on a sample: "
-                    + ("; ".join(notes) or "as given"))
-        if model_map is not None and sample_batch is not None and dry_run is None:
-            _check_layout(model, mesh, config, model_map, sample_batch[0], gather_at_head, list(used_outside))
-        # Dropout streams only where the layout gives ranks different activations, and only for a model that draws:
-        # a model without dropout runs as it did, without the regions' bookkeeping (or graph breaks under compile).
-        # A dry run draws no numbers that matter.
-        random_streams = (dry_run is None and model_map is not None
-                          and (config.tp > 1 or config.cp > 1 or config.pp > 1)
-                          and (sample_batch is None or draws_in_training(model, mesh, model_map, sample_batch[0])))
-        if config.float8 is not None and not config.float8_emulate:
-            check_float8_device(device, config.float8, log=log)
-        weight_pass = config.gathers_into_the_weight_pass
-        float8_gather = config.zero_stage == 3 and not weight_pass
-        reshard_after_forward = config.reshard_after_forward and not weight_pass
-        if weight_pass and config.reshard_after_forward and log is not None:
-            log(f"pipeline_schedule={config.pp_schedule!r} with zero_stage=3: each block stays gathered from its "
-                "forward to its backward (ParallelConfig.gathers_into_the_weight_pass)")
-        converted = apply_float8(model, model_map, config.float8, emulate=config.float8_emulate,  # 0, float8
-                                 fsdp_all_gather=float8_gather)
-        if converted is not None and log is not None:
-            log(converted.describe())
-        if config.pp > 1:  # 1
-            stages = split_pipeline(model, mesh, model_map, schedule=config.pp_schedule,
-                                    virtual_stages=config.pp_virtual_stages, balance_by=config.pp_balance,
-                                    device=analysis_device, sample_batch=sample_batch)
-        apply_tensor_parallel(model, mesh, model_map, sequence_parallel=config.sequence_parallel,  # 2
-                              loss_parallel=config.loss_parallel)
-        if config.tp > 1 and log is not None and model_map is not None:
-            log(f"tensor parallel (tp={config.tp}) split, on this rank: {split_summary(model, model_map)}")
-        apply_context_parallel(model, mesh, model_map, method=config.cp_method, gather_at_head=gather_at_head)  # 3
-        apply_expert_parallel(model, mesh, config.ep, model_map, reduce_gradients=config.zero_stage != 3)  # 4
-        if random_streams:  # 4, then dropout streams
-            _apply_random_streams(model, mesh, config, model_map, gather_at_head)
-        apply_activation_checkpointing(model, model_map, mode=config.activation_checkpointing,  # 5
-                                       every=config.activation_checkpointing_every)
-        apply_compile(model, model_map, enabled=config.compile)  # 6
-        shard_root = None
-        if config.zero_stage == 3:  # 7: shard, then allocate only the shards of a meta-device model
-            # Under pipeline parallel each stage is a root, sharded when it is built.
-            shard_root = fully_shard_model(model, mesh, model_map, reshard_after_forward=reshard_after_forward,
-                                           param_dtype=_dtype(config.param_dtype),
-                                           reduce_dtype=_dtype(config.reduce_dtype), cpu_offload=config.cpu_offload,
-                                           root=stages is None, keep_gathered_blocks=config.keep_gathered_blocks,
-                                           prefetch_blocks=config.prefetch_blocks,
-                                           blocks_per_unit=config.blocks_per_unit,
-                                           stage_blocks=None if stages is None else _stage_blocks(model, stages),
-                                           blocks_used_outside=list(used_outside))
-        record = layout_record(model, create=True)
-        if stages is not None:  # 1, completed: each stage's view of the blocks as they now are
-            record.stages = build_stages(model, stages, mesh, device, sequence_parallel=config.sequence_parallel,
-                                         shard_root=shard_root)
-            if random_streams:  # each stage draws from its own stream
-                apply_stage_streams([stage.submod for stage in record.stages],
-                                    [stage.stage_index for stage in record.stages], mesh.device_type)
-        if converted is not None and float8_gather and config.float8 == "tensorwise":  # float8 all-gather
-            roots = ([(stage.submod, stage.submod) for stage in record.stages] if stages is not None
-                     else [(model, model.get_submodule(network_prefix(model_map).rstrip(".")))])
-            for root, network in roots:
-                precompute_scales_before_forward(root, network)
-        record.layout = layout
-        record.random_streams = random_streams
+    if dry_run is not None and sample_batch is not None:
+        sample_batch = tuple(t if t is None else t.to("meta") for t in sample_batch)  # type: ignore[assignment]
+    stages = None
+    if applied is None:  # steps 0-7 change the module in place, once: fit, then validate/test/predict, reuse them
+        found = _preflight(model, mesh, config, model_map, sample_batch, analysis_device, log, checked=dry_run is None)
+        stages = _apply_techniques(model, mesh, config, found, sample_batch, device, analysis_device, log)
+        layout_record(model).layout = (mesh.sizes(), config)
     random_state.restore()
     allocate(model, device)
-    if record.random_streams and config.tp > 1:
-        # After allocation, so that a meta-device model's initialisation draws as it did (dropout streams, above).
+    _after_allocation(model, mesh, config, stages)
+    pipeline = (PipelineRunner(layout_record(model).stages, mesh, config, loss_fn, accumulate=accumulate,
+                               device=device, loss_tokens=loss_tokens) if config.pp > 1 else None)
+    return _handle(model, mesh, config, pipeline, training=training, dry_run=dry_run is not None,
+                   device_ids=device_ids)
+
+
+def _validate(config: ParallelConfig, device: torch.device) -> None:
+    """What the layout refuses before anything runs: a combination this version does not compose, a schedule's
+    weight pass under ZeRO-3, async tensor parallel off CUDA (on CUDA, the compiled blocks are rewritten)."""
+    config.check_composable()
+    if config.pp > 1:
+        check_weight_pass_with_zero3(config.pp_schedule, config.zero_stage)
+    if config.async_tp:
+        enable_async_tensor_parallel(device)
+
+
+def _applied_layout(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> tuple | None:
+    """The layout ``model`` was parallelized for already (None: none yet), refused when it is another one."""
+    record = layout_record(model)
+    applied = record.layout if record is not None else None
+    if applied is not None and applied != (mesh.sizes(), config):
+        raise ValueError(f"this module was parallelized for {applied[1].named_sizes()} already and cannot be "
+                         f"re-laid out as {config.named_sizes()}; build a new module (or load a checkpoint into one)")
+    return applied
+
+
+@dataclasses.dataclass
+class _Preflight:
+    """What the set-up found on the model as built, before anything is split."""
+
+    model_map: ModelMap | None  # as checked (a derived tensor-parallel split may gather what it cannot compute alike)
+    used_outside: dict[str, list[str]]  # blocks whose parts the network also runs outside them (ZeRO-3 keeps whole)
+    gather_at_head: bool  # context parallel gathers the sequence before the head
+    random_streams: bool  # dropout streams per rank, where the layout gives ranks different activations
+
+
+def _preflight(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, model_map: ModelMap | None,
+               sample_batch: tuple[torch.Tensor, torch.Tensor | None] | None, analysis_device: torch.device,
+               log: Callable[[str], None] | None, *, checked: bool) -> _Preflight:
+    """Step 0: the checks run on the model as built, and on ``sample_batch`` where there is one (which ones:
+    :func:`runs_on_a_sample`); ``checked=False`` (a dry run) leaves out those that compare numbers."""
+    _check_fsdp_roots(model, config)
+    check_experts_found(model, model_map, config.ep, spelling=config.spelling)
+    inputs = sample_batch[0] if sample_batch is not None and model_map is not None else None
+    used_outside = (blocks_used_outside(model, model_map, inputs, analysis_device)
+                    if config.zero.shards_parameters and config.pp == 1 and inputs is not None else {})
+    if used_outside and log is not None:
+        log(f"zero_stage=3: the network also runs {', '.join(p for ps in used_outside.values() for p in ps)} "
+            f"outside {', '.join(used_outside)}: sharded with the root, gathered for the whole step")
+    gather_at_head = (config.cp > 1 and inputs is not None
+                      and head_follows_last_block(model, model_map, inputs.to(analysis_device)))
+    if config.tp > 1 and inputs is not None and checked:
+        model_map, notes = check_model_map(model, mesh, model_map, inputs, sequence_parallel=config.sequence_parallel,
+                                           loss_parallel=config.loss_parallel, apply=apply_tensor_parallel)
+        if log is not None:
+            log(f"tensor-parallel split ({model_map.source}) checked on a sample: " + ("; ".join(notes) or "as given"))
+    if inputs is not None and checked:
+        _check_layout(model, mesh, config, model_map, inputs, gather_at_head, list(used_outside))
+    # Dropout streams only where the layout gives ranks different activations, and only for a model that draws: a
+    # model without dropout runs as it did, without the regions' bookkeeping (or graph breaks under compile). A dry
+    # run draws no numbers that matter.
+    random_streams = (checked and model_map is not None and (config.tp > 1 or config.cp > 1 or config.pp > 1)
+                      and (inputs is None or draws_in_training(model, mesh, model_map, inputs)))
+    return _Preflight(model_map, used_outside, gather_at_head, random_streams)
+
+
+def _apply_techniques(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, found: _Preflight,
+                      sample_batch: tuple[torch.Tensor, torch.Tensor | None] | None, device: torch.device,
+                      analysis_device: torch.device, log: Callable[[str], None] | None) -> StageLayout | None:
+    """Steps 0 (float8) to 7 in order (module docstring); this rank's pipeline stages, where there are some."""
+    model_map = found.model_map
+    if config.float8 is not None and not config.float8_emulate:
+        check_float8_device(device, config.float8, log=log)
+    weight_pass = config.gathers_into_the_weight_pass
+    float8_gather = config.zero.shards_parameters and not weight_pass
+    if weight_pass and config.reshard_after_forward and log is not None:
+        log(f"pipeline_schedule={config.pp_schedule!r} with zero_stage=3: each block stays gathered from its "
+            "forward to its backward (ParallelConfig.gathers_into_the_weight_pass)")
+    converted = apply_float8(model, model_map, config.float8, emulate=config.float8_emulate,
+                             fsdp_all_gather=float8_gather)
+    if converted is not None and log is not None:
+        log(converted.describe())
+    stages = None
+    if config.pp > 1:  # 1
+        stages = split_pipeline(model, mesh, model_map, schedule=config.pp_schedule,
+                                virtual_stages=config.pp_virtual_stages, balance_by=config.pp_balance,
+                                device=analysis_device, sample_batch=sample_batch)
+    apply_tensor_parallel(model, mesh, model_map, sequence_parallel=config.sequence_parallel,  # 2
+                          loss_parallel=config.loss_parallel)
+    if config.tp > 1 and log is not None and model_map is not None:
+        log(f"tensor parallel (tp={config.tp}) split, on this rank: {split_summary(model, model_map)}")
+    apply_context_parallel(model, mesh, model_map, method=config.cp_method, gather_at_head=found.gather_at_head)  # 3
+    apply_expert_parallel(model, mesh, config.ep, model_map, reduce_gradients=not config.zero.shards_parameters)  # 4
+    if found.random_streams:  # 4, then dropout streams
+        _apply_random_streams(model, mesh, config, model_map, found.gather_at_head)
+    apply_activation_checkpointing(model, model_map, mode=config.activation_checkpointing,  # 5
+                                   every=config.activation_checkpointing_every)
+    apply_compile(model, model_map, enabled=config.compile)  # 6
+    shard_root = None
+    if config.zero.shards_parameters:  # 7: shard, then allocate only the shards of a meta-device model
+        # Under pipeline parallel each stage is a root, sharded when it is built.
+        shard_root = fully_shard_model(model, mesh, model_map,
+                                       reshard_after_forward=config.reshard_after_forward and not weight_pass,
+                                       param_dtype=_dtype(config.param_dtype), reduce_dtype=_dtype(config.reduce_dtype),
+                                       cpu_offload=config.cpu_offload, root=stages is None,
+                                       keep_gathered_blocks=config.keep_gathered_blocks,
+                                       prefetch_blocks=config.prefetch_blocks, blocks_per_unit=config.blocks_per_unit,
+                                       stage_blocks=None if stages is None else _stage_blocks(model, stages),
+                                       blocks_used_outside=list(found.used_outside))
+    record = layout_record(model, create=True)
+    if stages is not None:  # 1, completed: each stage's view of the blocks as they now are
+        record.stages = build_stages(model, stages, mesh, device, sequence_parallel=config.sequence_parallel,
+                                     shard_root=shard_root)
+        if found.random_streams:  # each stage draws from its own stream
+            apply_stage_streams([stage.submod for stage in record.stages],
+                                [stage.stage_index for stage in record.stages], mesh.device_type)
+    if converted is not None and float8_gather and config.float8 == "tensorwise":  # float8 all-gather
+        roots = ([(stage.submod, stage.submod) for stage in record.stages] if stages is not None
+                 else [(model, model.get_submodule(network_prefix(model_map).rstrip(".")))])
+        for root, network in roots:
+            precompute_scales_before_forward(root, network)
+    record.random_streams = found.random_streams
+    return stages
+
+
+def _after_allocation(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, stages: StageLayout | None) -> None:
+    """What needs the allocated parameters: the shard streams (after allocation, so that a meta-device model's
+    initialisation draws as it did), and the pipeline's copies of one tensor on several stages, made equal (a
+    model built on the meta device gets new parameter objects when allocated)."""
+    if layout_record(model).random_streams and config.tp > 1:
         install_shard_streams(mesh["tp"])
     if stages is not None:
-        # After allocation: a model built on the meta device gets new parameter objects there.
         by_name = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
         ties = StageTies({by_name[n]: ranks for n, ranks in stages.shared.items()
                           if n in by_name and by_name[n].requires_grad}, mesh)
         layout_record(model, create=True).ties = ties
-        ties.make_equal()  # copies of one tensor on several stages start equal
-    pipeline = None
-    if config.pp > 1:
-        pipeline = PipelineRunner(layout_record(model).stages, mesh, config, loss_fn, accumulate=accumulate,
-                                  device=device, loss_tokens=loss_tokens)
+        ties.make_equal()
+
+
+def _handle(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, pipeline: PipelineRunner | None, *,
+            training: bool, dry_run: bool, device_ids: list[int] | None) -> Parallelized:
+    """Step 7 for data parallelism, and the handle of the result: DDP wraps the model unless something else reduces
+    the gradients."""
     # DDP reduces in its C++ reducer, which takes no fake tensor: a dry run reduces the same gradients in the
     # handle's flattened all-reduces over dp x cp instead (the bytes DDP's buckets move; their copy is not held).
-    reduces_after_backward = training and (config.reduces_gradients_after_backward or dry_run is not None)
-    if config.zero_stage == 3 or not training or config.zero_stage == 2 or reduces_after_backward:
+    reduces_after_backward = training and (config.reduces_gradients_after_backward or dry_run)
+    if config.zero.gradient_reduction != "all-reduce" or not training or reduces_after_backward:
         # ZeRO-3 reduces gradients in FSDP2's hooks, stage 2 in hooks installed by Parallelized.shard_optimizer(),
         # the others listed in ParallelConfig.reduces_gradients_after_backward in Parallelized.after_backward().
-        if config.zero_stage != 3:
+        if not config.zero.shards_parameters:
             broadcast_replicas(model, mesh)
         return Parallelized(model, mesh, config, reduces_after_backward=reduces_after_backward, pipeline=pipeline)
     wrapped = apply_data_parallel(model, mesh, bucket_cap_mb=config.ddp_bucket_cap_mb,
@@ -263,7 +318,7 @@ def _check_layout(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, 
     check_routing_draws(model, mesh, config, model_map, inputs)
     if config.pp > 1:  # the stages, with what they send each other, against the whole model
         check_pipeline_split(model, mesh, config, model_map, inputs)
-    if config.zero_stage == 3 and config.pp == 1 and config.ep == 1:  # the units, gathered as the network runs them
+    if config.zero.shards_parameters and config.pp == 1 and config.ep == 1:  # units, gathered as the network runs
         check_sharded_units(model, mesh, config, model_map, inputs, shard=lambda model_copy: fully_shard_model(
             model_copy, mesh, model_map, reshard_after_forward=config.reshard_after_forward,
             keep_gathered_blocks=config.keep_gathered_blocks, blocks_per_unit=config.blocks_per_unit,
@@ -297,7 +352,8 @@ def _apply_random_streams(model: nn.Module, mesh: ParallelMesh, config: Parallel
 def _check_fsdp_roots(model: nn.Module, config: ParallelConfig) -> None:
     """Under ZeRO-3 each pipeline stage is an FSDP2 root over the parameters outside its blocks, and a parameter
     can belong to one root only: refuse stages of one rank that would share one (a tied embedding and head)."""
-    if config.zero_stage == 3 and config.pp > 1 and stages_per_rank(config.pp_schedule, config.pp_virtual_stages) > 1:
+    held = stages_per_rank(config.pp_schedule, config.pp_virtual_stages)  # pipeline stages per rank
+    if config.zero.shards_parameters and config.pp > 1 and held > 1:
         tied = tied_groups(model)
         if tied:
             stage, schedule = config.name("zero_stage"), config.name("pp_schedule")
@@ -317,4 +373,4 @@ def _stage_blocks(model: nn.Module, layout: StageLayout) -> list[list[nn.Module]
     return [[network.get_submodule(name) for name in owned] for _, (owned, _) in sorted(layout.stages.items())]
 
 
-__all__ = ["parallelize", "check_batch_fits"]
+__all__ = ["parallelize", "check_batch_fits", "runs_on_a_sample"]

@@ -233,7 +233,7 @@ def _dtensor_names(module: nn.Module) -> list[str]:
             if isinstance(tensor, DTensor)]
 
 
-def no_gradient_sync(module: nn.Module) -> AbstractContextManager:
+def no_allreduce(module: nn.Module) -> AbstractContextManager:
     """Skip the gradient all-reduce for backward passes inside the context (gradient accumulation).
 
     Gradients accumulate locally and are averaged once, on the last micro-batch before the optimizer
@@ -254,5 +254,5 @@ def unwrap(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-__all__ = ["apply_data_parallel", "broadcast_replicas", "compressed_allreduce_hook", "is_expert", "no_gradient_sync",
+__all__ = ["apply_data_parallel", "broadcast_replicas", "compressed_allreduce_hook", "is_expert", "no_allreduce",
            "reduce_gradients", "unwrap", "GRADIENT_GROUP"]

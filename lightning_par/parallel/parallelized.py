@@ -90,8 +90,8 @@ class Parallelized:
         ``sharded_accumulation`` (ZeRO-2/3), reduce as usual so that each rank keeps only its part."""
         inner = self.inner
         skip: AbstractContextManager = (
-            zero.no_gradient_sync(inner, sharded=self.config.sharded_accumulation) if zero.is_zero_module(inner)
-            else ddp.no_gradient_sync(self.module))
+            zero.no_reduction(inner, sharded=self.config.sharded_accumulation) if zero.is_zero_module(inner)
+            else ddp.no_allreduce(self.module))
         self._sync_blocked = True
         try:
             with skip:
@@ -105,7 +105,7 @@ class Parallelized:
         pipeline does so after every batch: each gradient goes to its owner, which keeps the batches' sum aside until
         the last, so that between batches no rank holds more than its part (the schedule holds a stage's whole
         gradients only while it runs, as it does FSDP2's)."""
-        every_batch = self._owners is not None and self.config.zero_stage == 2
+        every_batch = self._owners is not None and self.config.zero.gradient_reduction == "to owners"
         if self._sync_blocked and not every_batch:
             return
         if self.ties is not None:  # (summing the copies first or averaging over data-parallel ranks first is alike)
@@ -150,7 +150,7 @@ class Parallelized:
         ``stage_group``: under pipeline parallel, the ranks holding the other stages (every kind of gradient).
         DTensor gradients (tensor parallel, ZeRO-3, experts) know their own placements.
         """
-        owned = self.config.zero_stage == 2 or self._owners is not None
+        owned = self.config.zero.gradient_reduction == "to owners" or self._owners is not None
         partitioned = owned and self.mesh.size(zero.PARTITION_GROUP) > 1
         return {"partition_group": self.mesh.group(zero.PARTITION_GROUP) if partitioned else None,
                 "stage_group": self.mesh.group("pp") if self.mesh.size("pp") > 1 else None}

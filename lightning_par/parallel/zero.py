@@ -346,7 +346,7 @@ class _ZeroOverShards(ZeroRedundancyOptimizer):
 
 
 @contextmanager
-def no_gradient_sync(module: nn.Module, *, sharded: bool = False) -> Iterator[None]:
+def no_reduction(module: nn.Module, *, sharded: bool = False) -> Iterator[None]:
     """Backward passes inside the context accumulate gradients for a later step (ZeRO stages 2 and 3): whole, and
     reduced once after the context; or, ``sharded``, reduced on every backward so that they stay sharded
     (FSDP2 then reduce-scatters as usual and sums into the sharded gradients; stage 2's reducer keeps the sum)."""
@@ -383,6 +383,6 @@ __all__ = [
     "fully_shard_model",
     "shard_optimizer",
     "GradientReducer",
-    "no_gradient_sync",
+    "no_reduction",
     "is_zero_module",
 ]

@@ -8,7 +8,7 @@ so 2 + 2 + 4 = 8 bytes. ZeRO-1 divides the moments, ZeRO-2 the gradients too (bo
 :func:`zero_owner_params`), ZeRO-3 (FSDP2) all three, by the sharding ranks ``dp_shard x cp`` (context-parallel
 ranks hold the same weights and shard with the data-parallel ones, as in ``lightning_par.parallel.zero``); the HSDP
 replicate dimension does not shard. Under gradient accumulation this project skips the reduction of all but the
-last micro-batch (``no_gradient_sync``): ZeRO-2's reducer and FSDP2 then keep the whole local gradient
+last micro-batch (``Parallelized.no_sync``): ZeRO-2's reducer and FSDP2 then keep the whole local gradient
 until the last backward, so the gradient saving of stages 2 and 3 only holds with one micro-batch.
 
 Tensor parallel (Shoeybi et al. 2019, "Megatron-LM") divides the attention and MLP matrices and the
@@ -152,7 +152,7 @@ def computed_precision(precision: str, config: ParallelConfig) -> str:
     """The precision a layout's activations are in: ZeRO-3 gathering 16-bit parameters computes as ``bf16-true``
     does whatever Lightning's precision (FSDP2's ``MixedPrecisionPolicy`` casts every unit's floating inputs to its
     parameters' dtype, so the residual stream, the stage boundaries and the logits are 16-bit), else ``precision``."""
-    return "bf16-true" if config.zero_stage == 3 and config.param_dtype in ("bf16", "fp16") else precision
+    return "bf16-true" if config.zero.shards_parameters and config.param_dtype in ("bf16", "fp16") else precision
 
 
 def residual_bytes(precision: str) -> int:

@@ -19,7 +19,7 @@ def layout_name(candidate: Candidate) -> str:
     if c.pp > 1:
         parts.append(f"pp{c.pp}")
     rep, shard = int(c.dp_replicate), int(c.dp_shard)
-    if rep > 1 and c.zero_stage > 0:  # HSDP: replicas x shards (the shards may be only the cp ranks)
+    if rep > 1 and c.zero.shards_optimizer_states:  # HSDP: replicas x shards (the shards may be only the cp ranks)
         parts.append(f"dp{rep}x{shard}")
     elif rep * shard > 1:
         parts.append(f"dp{rep * shard}")
@@ -125,11 +125,12 @@ def explain(candidates: Sequence[Candidate]) -> str:
         reasons.append(f"pp={c.pp} {'over nodes' if span['pp'] > node else 'inside the node'}: point-to-point "
                        f"only ({_seconds(t.exposed.get('pp', 0))}), bubble {_seconds(t.bubble)} with {best.microbatches} "
                        f"micro-batches ({c.pp_schedule})")
-    if c.dp > 1 or c.zero_stage == 3:
-        kind = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3/FSDP2"}[c.zero_stage]
-        group = span["dp_shard_cp"] if c.zero_stage >= 2 else span["dp_cp"]
-        hsdp = int(c.dp_replicate) > 1 and c.zero_stage > 0
-        sharded = f"sharded over {int(c.dp_shard) * (c.cp if c.zero_stage == 3 else 1)} ranks {where(group)}, " \
+    if c.dp > 1 or c.zero.shards_parameters:
+        kind = c.zero.label
+        group = span["dp_shard_cp"] if c.zero.shards_gradients else span["dp_cp"]
+        hsdp = int(c.dp_replicate) > 1 and c.zero.shards_optimizer_states
+        shards = int(c.dp_shard) * (c.cp if c.zero.shards_parameters else 1)
+        sharded = f"sharded over {shards} ranks {where(group)}, " \
             f"replicated {int(c.dp_replicate)} times {where(span['dp_replicate'])}" if hsdp else where(group)
         reasons.append(f"dp={c.dp} ({kind}) {sharded}: {_seconds(t.comm.get('dp', 0))} of communication, "
                        f"{_seconds(t.exposed.get('dp', 0))} not hidden behind compute"

@@ -265,7 +265,7 @@ def _data_parallel_options(dp: int, cp: int, training: TrainingSpec,
 def _cp_fits(method: str, cp: int, tp: int, training: TrainingSpec, model: ModelSpec) -> bool:
     if cp == 1:
         return method == "ulysses"  # the method is irrelevant; keep one
-    if method == "ulysses":  # heads split over cp (sequence.ulysses_attention)
+    if method == "ulysses":  # heads split over cp (parallel/context.py: ulysses_attention)
         return training.seq_len % cp == 0 and (model.heads // tp) % cp == 0
     return training.seq_len % (2 * cp) == 0  # causal load balancing: 2 chunks per rank
 
@@ -327,7 +327,7 @@ def layout_memory(model: ModelSpec, training: TrainingSpec, config: ParallelConf
 def chosen_units(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig) -> ParallelConfig:
     """``config`` with ZeRO-3's gather controls as a strategy left at its defaults chooses them for ``model`` on
     ``cluster`` (``lightning_par.layout.zero_units.choose_units``), so that what is costed is what runs."""
-    if config.zero_stage != 3:
+    if not config.zero.shards_parameters:
         return config
     stages = rank_stages(model, config)[0]
     gather_bytes = 2 if config.param_dtype in ("bf16", "fp16") else 4

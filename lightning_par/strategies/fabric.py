@@ -29,17 +29,19 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par.checkpoint import format as ckpt
-from lightning_par import strategies as trainer_strategies
 from lightning_par.layout.config import ParallelConfig
+from lightning_par.parallel.compose import runs_on_a_sample
 from lightning_par.parallel.model_call import ModelCall
 from lightning_par.parallel.model_map import ModelMap
 from lightning_par.parallel.modules import clean_name, tied_aliases
 from lightning_par.parallel.parallelized import Parallelized
 from lightning_par.strategies.base import MeshStrategy, point_scheduler_at
 from lightning_par.strategies.processes import DevicesOfTheRun, launched_ranks_grace, start_ranks
+from lightning_par.strategies import (context_parallel, data_parallel, expert_parallel, hybrid3d, pipeline_parallel,
+                                      tensor_parallel, zero)
 
 
-class _SubprocessLauncher(_SubprocessScriptLauncher):
+class _FabricSubprocessLauncher(_SubprocessScriptLauncher):
     """Fabric's subprocess launcher, its ranks watched as the Trainer's are
     (:class:`~lightning_par.strategies.processes.LaunchedRanksObserver`)."""
 
@@ -93,8 +95,8 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
-                                                 grace=launched_ranks_grace(self.layout._timeout))
+            self._launcher = _FabricSubprocessLauncher(self.cluster_environment, self.num_processes,
+                                                       self.num_nodes, grace=launched_ranks_grace(self.layout._timeout))
 
     def _hand_over(self) -> None:
         """Give the Trainer strategy held what Fabric set on this one: devices, nodes, cluster, launcher."""
@@ -175,11 +177,11 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
 
     def _sample(self, module: nn.Module, config: ParallelConfig,
                 model_map: ModelMap | None) -> tuple[Tensor, None] | ModelCall | None:
-        """The model's ``example_input_array`` (rank 0's, on every rank), where the layout runs the model at set-up:
-        to check a tensor-parallel split, to trace the code outside a pipeline's blocks, to find where context
-        parallel's head runs. One micro-batch of it under pipeline parallel. A tuple is the forward's positional
-        inputs and a dict its keyword inputs (Lightning's convention): the set-up calls the model with them."""
-        if config.tp == 1 and config.pp == 1 and config.cp == 1:
+        """The model's ``example_input_array`` (rank 0's, on every rank), where the layout runs the model at set-up
+        (``runs_on_a_sample``, as for the Trainer). One micro-batch of it under pipeline parallel. A tuple is the
+        forward's positional inputs and a dict its keyword inputs (Lightning's convention): the set-up calls the model
+        with them."""
+        if not runs_on_a_sample(module, config, model_map):
             return None
         example = getattr(module, "example_input_array", None)
         if example is None or not isinstance(example, (Tensor, tuple, list, dict)):
@@ -424,14 +426,14 @@ def _fabric_counterpart(layout: type[MeshStrategy]) -> type[MeshFabricStrategy]:
     return type(layout.__name__, (MeshFabricStrategy,), {"layout_of": layout, "__doc__": doc, "__module__": __name__})
 
 
-DataParallelStrategy = _fabric_counterpart(trainer_strategies.DataParallelStrategy)
-ZeroStrategy = _fabric_counterpart(trainer_strategies.ZeroStrategy)
-TensorParallelStrategy = _fabric_counterpart(trainer_strategies.TensorParallelStrategy)
-ContextParallelStrategy = _fabric_counterpart(trainer_strategies.ContextParallelStrategy)
-PipelineParallelStrategy = _fabric_counterpart(trainer_strategies.PipelineParallelStrategy)
-ExpertParallelStrategy = _fabric_counterpart(trainer_strategies.ExpertParallelStrategy)
-Hybrid3DStrategy = _fabric_counterpart(trainer_strategies.Hybrid3DStrategy)
-AutoParallelStrategy = _fabric_counterpart(trainer_strategies.AutoParallelStrategy)
+DataParallelStrategy = _fabric_counterpart(data_parallel.DataParallelStrategy)
+ZeroStrategy = _fabric_counterpart(zero.ZeroStrategy)
+TensorParallelStrategy = _fabric_counterpart(tensor_parallel.TensorParallelStrategy)
+ContextParallelStrategy = _fabric_counterpart(context_parallel.ContextParallelStrategy)
+PipelineParallelStrategy = _fabric_counterpart(pipeline_parallel.PipelineParallelStrategy)
+ExpertParallelStrategy = _fabric_counterpart(expert_parallel.ExpertParallelStrategy)
+Hybrid3DStrategy = _fabric_counterpart(hybrid3d.Hybrid3DStrategy)
+AutoParallelStrategy = _fabric_counterpart(hybrid3d.AutoParallelStrategy)
 FABRIC_STRATEGIES = (DataParallelStrategy, ZeroStrategy, TensorParallelStrategy, ContextParallelStrategy,
                      PipelineParallelStrategy, ExpertParallelStrategy, Hybrid3DStrategy, AutoParallelStrategy)
 

@@ -40,7 +40,7 @@ def check_fault_tolerance(option: dict[str, Any] | None, config: ParallelConfig)
     """The ``fault_tolerance`` option resolved, or a ValueError naming what it cannot be combined with."""
     if option is None:
         return None
-    if config.zero_stage != 3:
+    if not config.zero.shards_parameters:
         raise ValueError(f"fault_tolerance needs zero_stage=3 (FSDP2, whose units all-reduce across replica groups "
                          f"through torchft); zero_stage={config.zero_stage} is not supported")
     if config.dp_replicate != 1:

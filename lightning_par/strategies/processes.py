@@ -129,8 +129,8 @@ class MeshProcesses(DevicesOfTheRun, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
-                                                 grace=launched_ranks_grace(self._timeout))
+            self._launcher = _TrainerSubprocessLauncher(self.cluster_environment, self.num_processes,
+                                                        self.num_nodes, grace=launched_ranks_grace(self._timeout))
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -311,7 +311,7 @@ class LaunchedRanksObserver(_ChildProcessObserver):
         super()._terminate_all()
 
 
-class _SubprocessLauncher(_SubprocessScriptLauncher):
+class _TrainerSubprocessLauncher(_SubprocessScriptLauncher):
     """Lightning's subprocess launcher (the command runs again for every other rank of this machine), with the
     :class:`LaunchedRanksObserver`."""
 

@@ -18,8 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_par.layout.config import ParallelConfig
-from lightning_par.parallel.experts import moe_layers
-from lightning_par.parallel.compose import check_batch_fits
+from lightning_par.parallel.compose import check_batch_fits, runs_on_a_sample
 from lightning_par.parallel.pipeline.split import check_microbatches
 from lightning_par.parallel.initialize import RandomState
 from lightning_par.parallel.model_call import ModelCall
@@ -107,8 +106,7 @@ def sample_for_layout(module: LightningModule, config: ParallelConfig, model_map
     where the module defines ``split_batch``, else as the call its ``training_step`` makes of the model
     (:func:`step_call`, on ``device``). Raises when a tensor-parallel split needs one and the data gives none the
     model contract can read."""
-    if (config.tp == 1 and config.pp == 1 and config.cp == 1 and config.ep == 1 and config.zero_stage != 3
-            and not moe_layers(module, model_map)):
+    if not runs_on_a_sample(module, config, model_map):
         return None
     device = device or torch.device("cpu")
     # One process never takes this batch nor runs the copy: the user's random stream (which a loader's iterator draws

@@ -28,7 +28,7 @@ def resolve_units(config: ParallelConfig, auto: set[str], module: nn.Module, mod
     """``config`` with the controls named in ``auto`` chosen for ZeRO-3 from the sizes of ``module``'s blocks and
     the memory (logged once); unchanged without ZeRO-3, a model map or anything left auto. Collective when it chooses:
     every rank must call it alike."""
-    if not auto or config.zero_stage != 3 or model_map is None:
+    if not auto or not config.zero.shards_parameters or model_map is None:
         return config
     blocks = [block for block in module.get_submodule(model_map.blocks).children()
               if next(block.parameters(), None) is not None]

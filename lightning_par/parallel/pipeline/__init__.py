@@ -8,6 +8,3 @@
 - ``bubble.py``: the idle share of each rank, measured;
 - ``ties.py``: parameters several stages hold, kept equal.
 """
-
-from lightning_par.parallel.pipeline.split import *  # noqa: F401,F403  (the names of ``split``, as before)
-from lightning_par.parallel.pipeline.split import __all__  # noqa: F401

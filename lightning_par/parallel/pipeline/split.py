@@ -62,8 +62,7 @@ from lightning_par.parallel.modules import clean_name
 from lightning_par.layout.schedules import (SCHEDULES, Schedule, balance, stage_indices, stages_per_rank,
                                            too_few_microbatches)
 from lightning_par.layout.config import ParallelConfig
-
-BALANCE_METHODS = ("parameters", "profile")
+from lightning_par.layout.zero_stages import ZERO_STAGE_ROWS
 
 
 def check_weight_pass_with_zero3(schedule: Schedule, zero_stage: int) -> None:
@@ -74,8 +73,8 @@ def check_weight_pass_with_zero3(schedule: Schedule, zero_stage: int) -> None:
     it would reduce incomplete gradients, so the pair is refused there, naming the limitation."""
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-    if zero_stage == 3 and SCHEDULES[schedule].splits_backward and not hasattr(_PipelineStageBase,
-                                                                                 "perform_reduce_grad"):
+    splits = ZERO_STAGE_ROWS[zero_stage].shards_parameters and SCHEDULES[schedule].splits_backward
+    if splits and not hasattr(_PipelineStageBase, "perform_reduce_grad"):
         raise ValueError(f"pipeline_schedule={schedule!r} with zero_stage=3 needs torch's pipeline runtime to "
                          "reduce FSDP2's gradients after each stage's last weight-gradient pass "
                          f"(PipelineStage.perform_reduce_grad), which torch {torch.__version__} lacks; use "
@@ -681,7 +680,7 @@ def _check_boundaries(blocks: list[str], sizes: list[int], changed: frozenset[in
 
 
 def _trace(module: nn.Module, model_map: ModelMap, sample: Tensor) -> NetworkTrace:
-    """What the network does outside its blocks (``pipeline_trace``), traced on one sample. A model built on the
+    """What the network does outside its blocks (``trace.py``), traced on one sample. A model built on the
     meta device (``Trainer.init_module(empty_init=True)``) cannot run: its trace runs on a small copy with its
     first blocks (code such as a causal mask built from the data needs real values)."""
     prefix = network_prefix(model_map)
@@ -773,7 +772,6 @@ def build_schedule(stages: list[PipelineStage], schedule: Schedule, n_microbatch
 
 
 __all__ = [
-    "BALANCE_METHODS",
     "SkippedBlock",
     "AbsentTensor",
     "StandInModule",

@@ -21,7 +21,7 @@ model was built there) and reads, from the graph:
 It refuses, naming the blocks or the argument, a network whose stages could not reproduce it: an output that
 uses more than the last block's output, a block argument the network computes from the hidden states outside the
 blocks, or a parameter outside the blocks that only a block registers. Code between two blocks is noted
-(``changed``): a stage must not start after it (:func:`~lightning_par.parallel.pipeline.split_pipeline` refuses
+(``changed``): a stage must not start after it (:func:`~lightning_par.parallel.pipeline.split.split_pipeline` refuses
 such a split and names the split points that avoid it).
 """
 
