@@ -73,7 +73,7 @@ class Chaos(lightning.Callback):
         if self._at("write", trainer, finished=False):
             resilience_run._die_while_writing()
         if self._at("replace", trainer, finished=False):
-            _die_once_the_old_copy_leaves_its_name()
+            resilience_run._die_in_replace()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self._at("backward", trainer, finished=False):
@@ -91,22 +91,6 @@ class Chaos(lightning.Callback):
 def _die() -> None:
     resilience_run._note_fault()
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _die_once_the_old_copy_leaves_its_name() -> None:
-    """The next checkpoint put in place kills this process as soon as the old copy has left its name, however it
-    leaves: swapped with the new one, or renamed into the staging folder."""
-    from lightning_par.checkpoint import atomic
-
-    exchange, replace = atomic.exchange, os.replace
-    atomic.exchange = lambda first, second: exchange(first, second) and _die()
-
-    def replace_and_die(source: str, target: str) -> None:
-        replace(source, target)
-        if Path(target).parent.name == atomic.STAGING_DIR and Path(source).parent.name != atomic.STAGING_DIR:
-            _die()
-
-    os.replace = replace_and_die
 
 
 def _fault_of(plan: str, attempt: int, layout: str, rank: int) -> tuple[str, int] | None:

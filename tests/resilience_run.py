@@ -104,24 +104,22 @@ def _die_while_writing() -> None:
     FileSystemWriter.write_data = write_half_and_die
 
 
-def _die_in_replace(swap: bool) -> None:
-    """The next checkpoint put in place kills this process as soon as the old copy has left its name."""
+def _die_in_replace(swap: bool = True) -> None:
+    """The next checkpoint put in place kills this process as soon as the old copy has left its name, however it
+    leaves: swapped with the new one, or moved into the staging folder (``swap=False``: as on a filesystem that
+    cannot swap, between the two renames)."""
     from lightning_par.checkpoint import atomic
 
     def die() -> None:
         _note_fault()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if swap:
-        exchange = atomic.exchange
-        atomic.exchange = lambda first, second: exchange(first, second) and die()
-        return
-    atomic.exchange = lambda first, second: False
-    replace = os.replace
+    exchange, replace = (atomic.exchange if swap else lambda first, second: False), os.replace
+    atomic.exchange = lambda first, second: exchange(first, second) and die()
 
     def replace_and_die(source, target):
         replace(source, target)
-        if str(target).endswith(atomic.RETIRED_SUFFIX):
+        if Path(target).parent.name == atomic.STAGING_DIR and Path(source).parent.name != atomic.STAGING_DIR:
             die()
 
     os.replace = replace_and_die
