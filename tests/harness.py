@@ -91,8 +91,8 @@ def _context() -> Any:
     return context
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any, stacks: str,
-               environment: dict[str, str], args: tuple, kwargs: dict) -> None:
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any, released: Any,
+               stacks: str, environment: dict[str, str], args: tuple, kwargs: dict) -> None:
     # Where this rank writes the stack of each of its threads when the harness gives up waiting for it, or when
     # the process dies of a signal (an abort in C++ leaves no Python traceback otherwise).
     stack_file = open(stacks, "w")  # noqa: SIM115 - kept open for the life of the rank
@@ -120,6 +120,9 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, re
         results.put((rank, "ok", _serialize(value)))
     except BaseException:  # noqa: BLE001 - the traceback is the point
         results.put((rank, "error", traceback.format_exc()))
+    # Rank 0 hosts the rendezvous store: had it exited on its result, ranks still making process groups of their own
+    # (which rank 0 is not in) would lose the store ("Connection was likely closed"). Every rank waits for the others.
+    released.wait(timeout=60)
 
 
 class RanksKilledBySignal(AssertionError):
@@ -161,9 +164,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
 def _launch(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
     ctx = _context()
     results = ctx.Queue()
+    released = ctx.Event()  # set once every rank has reported: then they may exit
     port = free_port()
     stacks = tempfile.mkdtemp(prefix="lightning_par-ranks-")
-    procs = [ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, results, f"{stacks}/{rank}",
+    procs = [ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, results, released, f"{stacks}/{rank}",
                                                   dict(os.environ), args, kwargs), daemon=True)
              for rank in range(world_size)]
     for proc in procs:
@@ -198,11 +202,15 @@ def _launch(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, 
                         f"ranks died without a result (exit codes {codes}){_format_errors(outcomes)}"
                         f"{_stacks_of(procs, dead, stacks)}")
     finally:
-        for proc in procs:
-            if proc.is_alive():
+        released.set()
+        for rank, proc in enumerate(procs):
+            if rank not in outcomes and proc.is_alive():
                 proc.kill()
         for proc in procs:
             proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
         for path in Path(stacks).iterdir():
             path.unlink()
         Path(stacks).rmdir()

@@ -29,3 +29,19 @@ def test_a_launch_stops_before_the_tests_deadline_with_the_ranks_stacks() -> Non
 def test_a_ranks_timeout_not_below_pytests_is_refused() -> None:
     with pytest.raises(ValueError, match="not below this test's pytest timeout of 50 s"):
         run_distributed(_sleep, 2, 0, timeout=50)
+
+
+def _group_without_rank_zero(rank: int, world_size: int) -> list[int]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if rank == 0:
+        return []  # done at once; its process hosts the rendezvous store the others still need
+    time.sleep(2.0)  # the others make their group after rank 0 has reported
+    group = dist.new_group([1, 2], use_local_synchronization=True) if rank in (1, 2) else None
+    return dist.get_process_group_ranks(group) if group is not None else []
+
+
+def test_a_rank_that_reports_first_keeps_the_store_up_for_the_others() -> None:
+    """Rank 0's result does not end its process, and so the store, while other ranks still make process groups."""
+    assert run_distributed(_group_without_rank_zero, 3) == [[], [1, 2], [1, 2]]
