@@ -1,16 +1,18 @@
 """lightning-par: PyTorch Lightning strategies for data, sharded, tensor, pipeline, context and expert parallel.
 
-Importing this package makes the strategy names (``Trainer(strategy="data_parallel")``, ``L.Fabric(strategy=...)``)
-known to Lightning, in whichever order the two are imported: where Lightning is installed, it imports
-``lightning_par.strategies``, which registers them. The layers below the strategies (``layout/``, ``parallel/``,
-``planner/``, ``checkpoint/``, ``health/``, ``dry_run/``) never import Lightning themselves and run where it is not
-installed (docs/architecture.md; ``tests/test_layering.py``). Public classes are loaded on first access (PEP 562).
+The strategy names (``Trainer(strategy="data_parallel")``, ``L.Fabric(strategy=...)``) become known to Lightning
+when ``lightning_par.strategies`` is imported: by ``import lightning_par`` after Lightning, or by the first use of any
+strategy class or of the ``lightning-par`` command. Lightning offers no entry point for strategies, and this package does not import
+it itself: ``import lightning_par.planner`` and ``lightning-par plan`` stay free of it. The layers below the
+strategies (``layout/``, ``parallel/``, ``planner/``, ``checkpoint/``, ``health/``, ``dry_run/``) never import
+Lightning and run where it is not installed (docs/architecture.md; ``tests/test_layering.py``). Public classes are
+loaded on first access (PEP 562).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
@@ -42,5 +44,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-if importlib.util.find_spec("lightning") is not None:
+if sys.modules.get("lightning") is not None:  # already imported, so free: register the names now
     importlib.import_module("lightning_par.strategies")

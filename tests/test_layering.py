@@ -33,7 +33,7 @@ def _in(module: str, packages: tuple[str, ...]) -> bool:
 def test_pure_layers_import_no_lightning_and_run_where_it_is_not_installed() -> None:
     """Statically: no module of the pure layers imports Lightning or a module of the Lightning layers, directly or
     through the package's modules it imports. At run time (the planner's command as well): with Lightning made unimportable, importing them works and
-    the planner plans (the package's own ``__init__`` registers the strategy names only where Lightning is)."""
+    the planner plans."""
     graph, outside = _package_imports(with_outside=True)
     pure = [module for module in graph if _in(module, PURE_PACKAGES) or module in PURE_MODULES]
     for module in pure:
@@ -86,18 +86,29 @@ def test_the_top_level_holds_the_packages_the_architecture_names_and_nothing_els
                               f"named there but absent: {sorted(named - packages)}"
 
 
-def test_strategy_names_resolve_whatever_the_import_order() -> None:
+def test_strategy_names_resolve_after_lightning_and_the_planner_imports_no_lightning() -> None:
+    """``import lightning_par`` after Lightning registers the names, as ``lightning_par.strategies`` does in any order;
+    ``import lightning_par`` alone, the planner and its command import no Lightning (Lightning has no entry point for
+    strategies, so the names come with the strategies' module)."""
     check = ("from lightning.pytorch.strategies import StrategyRegistry; "
              "import lightning; t = lightning.Trainer(strategy='data_parallel', accelerator='cpu', devices=2, "
              "logger=False); print(type(t.strategy).__name__, 'data_parallel' in StrategyRegistry)")
-    assert _run(f"import lightning_par; {check}").endswith("DataParallelStrategy True")
     assert _run(f"import lightning; import lightning_par; {check}").endswith("DataParallelStrategy True")
+    assert _run(f"import lightning_par.strategies; {check}").endswith("DataParallelStrategy True")
+    assert _run("import sys, lightning_par, lightning_par.planner, lightning_par.cli.main; "
+                "print(sorted(m for m in sys.modules if m.split('.')[0] in " + repr(LIGHTNING) + "))") == "[]"
+    plan = subprocess.run([sys.executable, "-X", "importtime", "-m", "lightning_par.cli.main", "plan", "--model",
+                           "llama3-8b", "--nodes", "1", "--devices-per-node", "8", "--device", "h100-80gb",
+                           "--global-batch-size", "64", "--seq-len", "2048"], capture_output=True, text=True,
+                          timeout=120)
+    assert plan.returncode == 0 and "Chosen:" in plan.stdout, plan.stderr
+    imported = {line.split("|")[-1].strip() for line in plan.stderr.splitlines() if line.startswith("import time:")}
+    assert not {name for name in imported if name.split(".")[0] in LIGHTNING}
 
 
 def test_the_planner_needs_nothing_of_the_techniques() -> None:
     """The planner reasons on sizes: it takes the layout rules from ParallelConfig and imports nothing of
-    lightning_par.parallel (planning a search, composability included, loads no technique). Lightning is kept out, as
-    the package's ``__init__`` would load the strategies, and with them every technique."""
+    lightning_par.parallel (planning a search, composability included, loads no technique)."""
     code = ("import sys; sys.modules['lightning'] = None; import lightning_par.planner as planner; from lightning_par.cli.plan import main; "
             "from lightning_par.planner.runtime import plan_for_run; "
             "plan_for_run(planner.ModelSpec.preset('llama3-8b'), planner.ClusterSpec.from_preset('h100-80gb', "

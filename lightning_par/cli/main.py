@@ -16,9 +16,8 @@ import sys
 import traceback
 from typing import Any
 
-from lightning_par.cli.lightning_cli import ParallelCLI, Parser, check_strategy_name
 from lightning_par.cli.errors import CommandLineError
-from lightning_par.strategies.processes import ONE_TRACEBACK_VARIABLE, VERBOSE_HINT, VERBOSE_VARIABLE, one_line
+from lightning_par.health.failure_text import ONE_TRACEBACK_VARIABLE, VERBOSE_HINT, VERBOSE_VARIABLE, one_line
 
 VERBOSE_FLAG = "--verbose"
 
@@ -55,6 +54,8 @@ def main(args: Any = None) -> None:
 
         _one_line_errors(verify, argv[1:], verbose)
         return
+    from lightning_par.cli.lightning_cli import ParallelCLI, Parser  # Lightning: only for the commands that need it
+
     _notes_to_stdout()
     # For the ranks Lightning starts (they run this command again), and only for the command's own run.
     saved = {name: os.environ.get(name) for name in (VERBOSE_VARIABLE, ONE_TRACEBACK_VARIABLE)}
@@ -129,6 +130,15 @@ def _one_line(error: BaseException) -> str:
 
     # A class's refusal of its arguments comes wrapped in jsonargparse's union text.
     return one_line(error, explain(str(error)))
+
+
+def __getattr__(name: str) -> Any:
+    # The command's LightningCLI classes, importable from here; loaded (with Lightning) only when asked for (PEP 562).
+    if name in ("ParallelCLI", "check_strategy_name"):
+        from lightning_par.cli import lightning_cli
+
+        return getattr(lightning_cli, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["ParallelCLI", "check_strategy_name", "main"]

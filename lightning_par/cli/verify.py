@@ -50,7 +50,7 @@ from lightning_par.cli.lightning_cli import quiet_lightning
 from lightning_par.data.drawn import OneProcessData, join_batches, samples_of, streamed_training_of
 from lightning_par.data.shard_windows import ShardWindows, StreamedTraining
 from lightning_par.data.share_check import WindowIndex, first_misread
-from lightning_par.strategies.processes import VERBOSE_HINT
+from lightning_par.health.failure_text import VERBOSE_HINT
 
 __all__ = ["Comparison", "Run", "VerifyCommand", "compare", "format_comparison", "main", "read_command",
            "read_layout_run", "record_callback", "reference_run"]

@@ -46,6 +46,7 @@ from typing_extensions import override
 
 from lightning_par.health.fault_monitor import (FLIGHT_RECORDER_ENTRIES, FaultMonitor, heartbeat_interval,
                                              is_communication_error, stop_processes)
+from lightning_par.health.failure_text import ONE_TRACEBACK_VARIABLE, VERBOSE_HINT, VERBOSE_VARIABLE, one_line
 from lightning_par.parallel.mesh import ParallelMesh
 
 # Metrics logged with sync_dist are averaged over the ranks that saw different data. Ranks in the same
@@ -54,11 +55,6 @@ METRIC_GROUP = "dp_cp"
 
 # Set when a run raised: the exit handlers then leave the process group alone instead of waiting for peers.
 _RUN_FAILED = False
-# Set by the lightning-par command (cli.main): say the run's first failure here, once, in one line (with its
-# traceback under VERBOSE_VARIABLE, which the command's --verbose sets).
-ONE_TRACEBACK_VARIABLE = "LIGHTNING_PAR_ONE_TRACEBACK"
-VERBOSE_VARIABLE = "LIGHTNING_PAR_VERBOSE"
-VERBOSE_HINT = f"lightning-par: (run again with --verbose or {VERBOSE_VARIABLE}=1 for the traceback)"
 _STOPPING_LAUNCHED_RANKS = False  # the exit handler that stops launched ranks is registered
 
 
@@ -366,8 +362,3 @@ def _say_first_failure(exception: BaseException, report: str, *, verbose: bool) 
         print(VERBOSE_HINT, file=sys.stderr)
     sys.stderr.flush()
 
-
-def one_line(error: BaseException, message: str) -> str:
-    """``error``'s ``message`` as the command says it: a refusal's (a ``ValueError``'s) own words, any other error's
-    after its type's name."""
-    return message if isinstance(error, ValueError) else f"{type(error).__name__}: {message}"
