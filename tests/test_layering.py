@@ -109,6 +109,10 @@ def test_strategy_names_resolve_after_lightning_and_the_planner_imports_no_light
 def test_the_planner_needs_nothing_of_the_techniques() -> None:
     """The planner reasons on sizes: it takes the layout rules from ParallelConfig and imports nothing of
     lightning_par.parallel (planning a search, composability included, loads no technique)."""
+    graph = _package_imports()
+    reads_techniques = sorted(module for module, imported in graph.items() if _in(module, ("lightning_par.planner",))
+                              and any(_in(target, ("lightning_par.parallel",)) for target in imported))
+    assert reads_techniques == ["lightning_par.planner.module_spec"], reads_techniques  # a live module's description
     code = ("import sys; sys.modules['lightning'] = None; import lightning_par.planner as planner; from lightning_par.cli.plan import main; "
             "from lightning_par.planner.runtime import plan_for_run; "
             "plan_for_run(planner.ModelSpec.preset('llama3-8b'), planner.ClusterSpec.from_preset('h100-80gb', "

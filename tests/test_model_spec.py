@@ -1,5 +1,5 @@
 """The planner's ModelSpec read off a module without a configuration
-(lightning_par.strategies.model_spec), checked against the configuration-read spec where there is one."""
+(lightning_par.planner.module_spec), checked against the configuration-read spec where there is one."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from zoo import ARCHITECTURES, NanoGPT, make_model
 
 from lightning_par.models import LlamaLM
 from lightning_par.planner import ModelSpec
-from lightning_par.strategies.model_spec import CannotDescribe, derive_model_spec, module_spec
+from lightning_par.planner.module_spec import CannotDescribe, derive_model_spec, module_spec
 
 
 def _meta(build):

@@ -116,7 +116,7 @@ def planned_memory(cli: DryRunCLI, config: ParallelConfig) -> list[dict[str, flo
     """The planner's memory model of ``config`` for the config's model and batch: one breakdown (bytes) per
     pipeline rank, in order (``lightning_par.planner.memory.rank_memory``)."""
     from lightning_par.planner.memory import LIGHTNING_PRECISIONS, rank_memory
-    from lightning_par.strategies.model_spec import module_spec
+    from lightning_par.planner.module_spec import module_spec
 
     inputs, _ = cli.model.split_batch(_first_batch(cli))
     microbatches = config.microbatches if config.pp > 1 else 1

@@ -249,7 +249,7 @@ class ModelSpec:
             except UnknownConfig:  # a configuration read and refused raises its own reason
                 continue
         # UnknownConfig: nothing was read (callers may describe the module otherwise, from its parameters:
-        # lightning_par.strategies.model_spec); a configuration read and refused raised its own ValueError above.
+        # lightning_par.planner.module_spec); a configuration read and refused raised its own ValueError above.
         raise UnknownConfig(f"cannot read the architecture of {type(module).__name__}: the planner looks for a "
                          "LlamaConfig-like or Hugging Face-like `.config` on the module or on its `.model`; give the "
                          "strategy's model_spec instead (a preset name such as 'llama3-8b', or the sizes: "

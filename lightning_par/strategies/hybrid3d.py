@@ -153,7 +153,7 @@ class Hybrid3DStrategy(MeshStrategy):
             return config
         from lightning_par.planner import ClusterSpec, explain, format_table
         from lightning_par.planner.runtime import plan_for_run
-        from lightning_par.strategies.model_spec import module_spec
+        from lightning_par.planner.module_spec import module_spec
 
         module = self.lightning_module
         trainer = module.trainer
@@ -272,7 +272,7 @@ class AutoParallelStrategy(Hybrid3DStrategy):
             Off by default: a measured layout depends on the machine's load, a data-sheet layout is reproducible.
         model_spec: the architecture (a preset name or ``ModelSpec``'s sizes); by default read from the model's
             configuration, or, for a module without one, off its parameters
-            (``lightning_par.strategies.model_spec``).
+            (``lightning_par.planner.module_spec``).
         data_parallel_size: ``"auto"`` (default) or a fixed number of data-parallel ranks.
         tensor_parallel_size: ``"auto"`` (default) or fixed.
         pipeline_parallel_size: ``"auto"`` (default) or fixed.
