@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
 from parity import assert_fails_on_every_rank, assert_layout_matches
 from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule, make_module
 
+from lightning_par.layout.context_methods import CONTEXT_METHODS
+from lightning_par.layout.dimensions import FIELD_NAMES
 from lightning_par.parallel.context import causal_score_blocks, check_sequence_length, local_positions
 
 PARITY_RTOL = 1e-5
@@ -47,7 +50,7 @@ def _attention_against_whole(rank: int, world_size: int, method: str, kv_heads: 
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from lightning_par.parallel.context import ring_attention, ulysses_attention
+    from lightning_par.parallel import context
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -60,35 +63,53 @@ def _attention_against_whole(rank: int, world_size: int, method: str, kv_heads: 
 
     positions = local_positions(T, rank, world_size, method)
     local = [t[:, :, positions].clone().requires_grad_() for t in (q, k, v)]
-    attention = ulysses_attention if method == "ulysses" else ring_attention
-    sent = []  # bytes of every point-to-point send (the ring's exchanges)
-    batch_isend_irecv = dist.batch_isend_irecv
+    attention = getattr(context, CONTEXT_METHODS[method].attention_function)
+    sent = []  # bytes sent to other ranks: every point-to-point send, and what leaves the rank in an all-to-all
+    batch_isend_irecv, all_to_all_single = dist.batch_isend_irecv, dist.all_to_all_single
 
-    def counted(ops: list) -> list:
+    def counted_sends(ops: list) -> list:
         sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
         return batch_isend_irecv(ops)
 
-    dist.batch_isend_irecv = counted
+    def counted_all_to_all(output: torch.Tensor, tensor: torch.Tensor, *args, **kwargs) -> Any:  # also backward's
+        sent.append(tensor.numel() * tensor.element_size() * (world_size - 1) / world_size)
+        return all_to_all_single(output, tensor, *args, **kwargs)
+
+    dist.batch_isend_irecv, dist.all_to_all_single = counted_sends, counted_all_to_all
     try:
         out = attention(*local, dist.group.WORLD, is_causal=is_causal, scale=None)
         out.backward(grad[:, :, positions])
     finally:
-        dist.batch_isend_irecv = batch_isend_irecv
+        dist.batch_isend_irecv, dist.all_to_all_single = batch_isend_irecv, all_to_all_single
+    refusal = None
+    if not CONTEXT_METHODS[method].attention_dropout:  # its row says it has none: the router refuses it by name
+        try:
+            context._RouteAttention(dist.group.WORLD, method, FIELD_NAMES).attend(*local, dropout_p=0.1)
+        except ValueError as error:
+            refusal = str(error)
     errors = {"out": (out - expected[:, :, positions]).abs().max().item()}
     # Gradients of k and v include every rank's queries: the methods send them back to their owner.
     for name, mine, ref in zip("qkv", local, whole):
         errors[name] = (mine.grad - ref.grad[:, :, positions]).abs().max().item()
     dist.destroy_process_group()
-    return {"errors": errors, "sent": sum(sent)}
+    return {"errors": errors, "sent": sum(sent), "refusal": refusal}
 
 
-@pytest.mark.parametrize("method", ["ulysses", "ring"])
+@pytest.mark.parametrize("method", list(CONTEXT_METHODS))
 @pytest.mark.parametrize(("world_size", "kv_heads", "is_causal"), [(2, 4, True), (4, 2, True), (2, 2, False)])
 def test_attention_over_slices_equals_attention_over_the_whole(method, world_size, kv_heads, is_causal) -> None:
     from harness import run_distributed
 
+    B, H, T, D = 2, 4, 16, 8
     for result in run_distributed(_attention_against_whole, world_size, method, kv_heads, is_causal):
         assert max(result["errors"].values()) < 1e-5, result
+        # What the method's row says it sends is what it sent: the planner's communication volume of a block.
+        local = B * H * (T // world_size) * D * 4
+        assert result["sent"] == CONTEXT_METHODS[method].exchange_bytes(local, H, kv_heads, world_size, False), result
+        if not CONTEXT_METHODS[method].attention_dropout:
+            assert result["refusal"] and "no attention dropout" in result["refusal"] and all(
+                f"cp_method={name!r}" in result["refusal"] for name, spec in CONTEXT_METHODS.items()
+                if spec.attention_dropout), result["refusal"]
         if method == "ring":
             # Keys and values travel with their own heads, not expanded to the query heads: forward passes them on
             # cp - 1 times, backward as well, and their gradients cp times (home at last). fp32, (B, Hkv, T/cp, D).

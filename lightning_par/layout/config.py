@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Union, get_args
 
 from lightning_par.layout.dimensions import DIMENSIONS, FIELD_NAMES, MESH_DIM_NAMES, Spelling
+from lightning_par.layout.context_methods import CONTEXT_METHODS, ContextMethod
 from lightning_par.layout.schedules import SCHEDULES, Schedule
 from lightning_par.layout.zero_stages import ZERO_STAGE_ROWS, ZERO_STAGES, ZeroStage
 
@@ -26,7 +27,7 @@ ZERO3_UNIT_DEFAULTS = {"keep_gathered_blocks": 0, "prefetch_blocks": 0, "blocks_
 # Each knob's values, declared once: the strategies' signatures (which LightningCLI reads) use these aliases, and
 # the checks below their values.
 Recompute = Literal["none", "full", "selective"]
-ContextParallelMethod = Literal["ulysses", "ring"]
+ContextParallelMethod = ContextMethod  # the names of layout.context_methods.CONTEXT_METHODS
 PipelineSchedule = Schedule  # the names of layout.schedules.SCHEDULES
 PipelineBalance = Literal["parameters", "profile"]
 GradientCompression = Literal["none", "bf16", "fp16"]
@@ -36,7 +37,7 @@ Float8Recipe = Literal["tensorwise", "rowwise"]
 GRADIENT_COMPRESSIONS = get_args(GradientCompression)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 RECOMPUTE_MODES = get_args(Recompute)
-CP_METHODS = get_args(ContextParallelMethod)
+CP_METHODS = tuple(sorted(CONTEXT_METHODS, key=lambda name: CONTEXT_METHODS[name].search_order))
 PP_SCHEDULES = get_args(PipelineSchedule)
 PP_BALANCE = get_args(PipelineBalance)
 FLOAT8_RECIPES = get_args(Float8Recipe)
@@ -300,8 +301,8 @@ class ParallelConfig:
                                  f"{named('zero_stage')} keeps parameters whole; use {name('zero_stage')}=3 or "
                                  f"{name(knob)}={default}")
         if self.cp_method not in CP_METHODS:
-            raise ValueError(f"{named('cp_method')} is not one of {CP_METHODS} (ulysses: all-to-all of heads "
-                             "and sequence; ring: key/value blocks passed round the ranks)")
+            methods = "; ".join(f"{spec.name}: {spec.summary}" for spec in CONTEXT_METHODS.values())
+            raise ValueError(f"{named('cp_method')} is not one of {CP_METHODS} ({methods})")
         if self.activation_checkpointing not in RECOMPUTE_MODES:
             raise ValueError(f"{named('activation_checkpointing')} is not one of {RECOMPUTE_MODES}")
         every = self.activation_checkpointing_every

@@ -1,7 +1,7 @@
 """Context parallelism: each rank of the ``cp`` group holds a slice of every sequence.
 
 The blocks of the model run on ``T / cp`` tokens per rank; only attention needs the other ranks'
-tokens, and two methods provide them:
+tokens, and the methods of ``layout/context_methods.py``'s table provide them, each with its function here:
 
 * ``ulysses`` (Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for Enabling Training of
   Extreme Long Sequence Transformer Models"): an all-to-all turns q/k/v split by sequence into q/k/v
@@ -50,7 +50,8 @@ from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 
-from lightning_par.layout.config import CP_METHODS, ContextParallelMethod
+from lightning_par.layout.config import CP_METHODS
+from lightning_par.layout.context_methods import CONTEXT_METHODS, ContextMethod, chunks_of_rank, sequence_divisor
 from lightning_par.layout.dimensions import FIELD_NAMES, Spelling
 from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.model_map import ModelMap, why_no_blocks
@@ -63,20 +64,10 @@ from lightning_par.parallel.model_call import run_model
 warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_to_all_single is deprecated",
                         module=re.escape(__name__))
 
-Method = ContextParallelMethod  # ulysses or ring, as config.py names them
+Method = ContextMethod  # a name of layout.context_methods.CONTEXT_METHODS
 
 
 # ----------------------------------------------------------------------------------- token layout
-def chunks_of_rank(rank: int, cp: int, method: Method) -> tuple[int, ...]:
-    """Indices of the equal sequence chunks rank ``rank`` holds: ``cp`` chunks for Ulysses, ``2cp`` for ring."""
-    return (rank,) if method == "ulysses" else (rank, 2 * cp - 1 - rank)
-
-
-def sequence_divisor(cp: int, method: Method) -> int:
-    """The sequence length must be a multiple of this number."""
-    return cp if method == "ulysses" else 2 * cp
-
-
 def local_positions(seq_len: int, rank: int, cp: int, method: Method) -> Tensor:
     """Global token positions held by ``rank``, in the order it holds them."""
     n_chunks = sequence_divisor(cp, method)
@@ -89,8 +80,8 @@ def check_sequence_length(seq_len: int, cp: int, method: Method, *, spelling: Sp
     ``spelling`` does."""
     divisor = sequence_divisor(cp, method)
     if seq_len % divisor != 0:
-        why = ("" if method == "ulysses" else
-               f" (2 x {spelling.name('cp')}: causal load balancing gives each rank 2 of {divisor} chunks)")
+        why = ("" if divisor == cp else f" ({divisor // cp} x {spelling.name('cp')}: causal load balancing gives "
+                                         f"each rank {divisor // cp} of {divisor} chunks)")
         fits = [seq_len - seq_len % divisor, seq_len + divisor - seq_len % divisor]
         raise ValueError(f"sequence length {seq_len} is not divisible by {divisor}{why}, which "
                          f"{spelling.named('cp', cp)} with {spelling.named('cp_method', method)} needs; nearest "
@@ -135,9 +126,11 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup,
     cp = dist.get_world_size(group)
     H, Hkv = q.shape[1], k.shape[1]
     if H % cp != 0:
+        whole_heads = " or ".join(spelling.named("cp_method", spec.name) for spec in CONTEXT_METHODS.values()
+                                  if not spec.splits_heads)
         raise ValueError(f"context parallel 'ulysses' splits attention heads over {spelling.named('cp', cp)} ranks, "
                          f"but the layer has {H} query heads; use a {spelling.name('cp')} that divides {H}, or "
-                         f"{spelling.named('cp_method', 'ring')}")
+                         f"{whole_heads}")
     if Hkv % cp != 0:  # too few kv heads to split: give every query head its own copy first
         k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
     q, k, v = (_sequence_to_heads(t, group, cp) for t in (q, k, v))
@@ -280,10 +273,12 @@ def _share(log_part: Tensor, log_total: Tensor) -> Tensor:
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, *, is_causal: bool,
-                   scale: float | None, mask: Tensor | None = None) -> Tensor:
+                   scale: float | None, mask: Tensor | None = None, dropout_p: float = 0.0,
+                   spelling: Spelling = FIELD_NAMES) -> Tensor:
     """Attention of q/k/v (B, H, T/cp, D) over the whole sequence, keys and values passed round the ring; ``mask``:
     the whole sequence's (B or 1, H or 1, T, T), as ``scaled_dot_product_attention``'s ``attn_mask``, each chunk
-    pair taking its block (a pair whose block masks everything is skipped, as the causal ones are)."""
+    pair taking its block (a pair whose block masks everything is skipped, as the causal ones are). It has no
+    attention dropout (its row says so, and the router refuses ``dropout_p`` before calling)."""
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"grouped-query attention needs the {q.shape[1]} query heads to be a multiple of the "
                          f"{k.shape[1]} key/value heads")
@@ -313,15 +308,15 @@ class _RouteAttention(TorchFunctionMode):
             raise ValueError(f"context parallel attention takes an attn_mask of the whole sequence, (batch, heads, "
                              f"{whole}, {whole}) with batch and heads 1 or full (each rank attends for its chunks), "
                              f"got shape {tuple(attn_mask.shape)}: use is_causal=True, or a mask of every position")
-        if dropout_p != 0.0 and self.method == "ring":
-            raise ValueError(f"context parallel 'ring' attention has no attention dropout (it merges blocks of scores "
-                             f"with an online softmax); got dropout_p={dropout_p}: use "
-                             f"{self.spelling.named('cp_method', 'ulysses')}, whose attention runs whole for each "
-                             "rank's heads, or turn attention dropout off")
-        if self.method == "ulysses":
-            return ulysses_attention(query, key, value, self.group, is_causal=is_causal, scale=scale, mask=attn_mask,
-                                     dropout_p=dropout_p, spelling=self.spelling)
-        return ring_attention(query, key, value, self.group, is_causal=is_causal, scale=scale, mask=attn_mask)
+        method = CONTEXT_METHODS[self.method]
+        if dropout_p != 0.0 and not method.attention_dropout:
+            others = " or ".join(self.spelling.named("cp_method", spec.name) for spec in CONTEXT_METHODS.values()
+                                 if spec.attention_dropout)
+            raise ValueError(f"context parallel {self.method!r} attention has no attention dropout ({method.summary}); "
+                             f"got dropout_p={dropout_p}: use {others}, or turn attention dropout off")
+        attend = globals()[method.attention_function]  # the row's function, defined in this module
+        return attend(query, key, value, self.group, is_causal=is_causal, scale=scale, mask=attn_mask,
+                      dropout_p=dropout_p, spelling=self.spelling)
 
 
 class _GatherSequence(torch.autograd.Function):

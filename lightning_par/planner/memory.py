@@ -76,6 +76,7 @@ from dataclasses import asdict, dataclass
 
 from lightning_par.layout import schedules
 from lightning_par.layout.config import ParallelConfig
+from lightning_par.layout.context_methods import CONTEXT_METHODS
 from lightning_par.planner.model import ModelSpec
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -140,12 +141,6 @@ def param_bytes(precision: str) -> int:
 
 def matmul_activation_bytes(precision: str) -> int:
     return 4 if precision == "32-true" else 2
-
-
-# Chunk-pair score blocks a ring attention's backward holds at its peak (parallel.context._RingAttention.backward:
-# the probabilities, the masked scores and their exponential being formed, the scores' gradient), measured by the
-# dry run at 128K tokens (tests/test_dry_run.py).
-RING_SCORE_BLOCKS = 4
 
 
 def computed_precision(precision: str, config: ParallelConfig) -> str:
@@ -268,10 +263,8 @@ def block_activation_bytes(model: ModelSpec, *, moe: bool = False, precision: st
         attention_input, ffn_input = 3 * 2 * h, (1 if moe else 2) * 2 * h  # an MoE's router casts once
     else:
         attention_input = ffn_input = a * h
-    if cp > 1 and cp_method == "ring":
-        attention = 3 * a * h + 4 * h + a * h + 4 * heads
-    elif cp > 1:
-        attention = 5 * a * h + 4 * heads
+    if cp > 1:  # the method's row of layout.context_methods.CONTEXT_METHODS
+        attention = CONTEXT_METHODS[cp_method].attention_activation_bytes(a, h, heads)
     else:
         attention = 4 * a * h + 4 * heads
     ffn = _ffn_bytes(model, moe, a)
@@ -529,13 +522,10 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
         returning = len(stages.stage_blocks) - int(stages.head)
         comm += boundary * microbatches * (receiving + returning)
         activations -= boundary * receiving
-    # ---- ring attention's scores: each pair of sequence chunks (2 cp chunks of the sequence, parallel.context) is
-    # attended to as an fp32 (heads, chunk, chunk) block per sequence; the backward of a pair holds
-    # RING_SCORE_BLOCKS of them at once.
+    # ---- the score blocks a context-parallel method attends in (ring attention: one fp32 block per chunk pair)
     attention_scores = 0.0
-    if cp > 1 and config.cp_method == "ring" and stages.n_blocks:
-        chunk = seq_len / (2 * cp)
-        attention_scores = RING_SCORE_BLOCKS * mbs * model.heads / tp * chunk * chunk * 4
+    if cp > 1 and stages.n_blocks:
+        attention_scores = CONTEXT_METHODS[config.cp_method].score_bytes(mbs, model.heads / tp, seq_len, cp)
     return MemoryBreakdown(parameters=parameters, gradients=gradients, optimizer_states=optimizer_states,
                            activations=activations, logits=logits, autocast_copies=autocast_copies,
                            recompute=recompute, loss_workspace=loss_workspace, comm_buffers=comm,

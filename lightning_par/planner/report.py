@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lightning_par.layout.config import ParallelConfig
+from lightning_par.layout.context_methods import CONTEXT_METHODS
 from lightning_par.layout.schedules import SCHEDULES
 from lightning_par.planner.cluster import GiB
 from lightning_par.planner.search import Candidate
@@ -24,7 +25,7 @@ def layout_name(candidate: Candidate) -> str:
     elif rep * shard > 1:
         parts.append(f"dp{rep * shard}")
     if c.cp > 1:
-        parts.append(f"cp{c.cp}{'-ring' if c.cp_method == 'ring' else ''}")
+        parts.append(f"cp{c.cp}{CONTEXT_METHODS[c.cp_method].label}")
     if c.tp > 1:
         parts.append(f"tp{c.tp}" + ("+sp" if c.sequence_parallel else "") + ("+lp" if c.loss_parallel else ""))
     if c.ep > 1:

@@ -33,6 +33,7 @@ from lightning_par.layout.config import (
     ParallelConfig,
     divisors,
 )
+from lightning_par.layout.context_methods import fits as method_fits
 from lightning_par.layout.schedules import SCHEDULES, fewest_microbatches
 from lightning_par.planner.cluster import ClusterSpec, GiB
 from lightning_par.planner.memory import (OPTIMIZERS, PRECISIONS, MemoryBreakdown, block_local_params, estimate_memory,
@@ -201,7 +202,10 @@ def enumerate_layouts(model: ModelSpec, world: int, training: TrainingSpec,
     _check_fixed_sizes(fixed, world)
     layouts = []
     for tp, cp, pp, dp in _mesh_sizes(model, world, training, fixed):
-        methods = [m for m in _options("cp_method", fixed, training.cp_methods) if _cp_fits(m, cp, tp, training, model)]
+        offered = list(_options("cp_method", fixed, training.cp_methods))
+        # At cp = 1 the method changes nothing: the first offered stands for all.
+        methods = offered[:1] if cp == 1 else [method for method in offered
+                                               if method_fits(training.seq_len, model.heads // tp, cp, method)]
         for mbs in training.micro_batch_sizes:
             if training.global_batch_size % (dp * mbs):
                 continue
@@ -233,7 +237,7 @@ def enumerate_layouts(model: ModelSpec, world: int, training: TrainingSpec,
 def _mesh_sizes(model: ModelSpec, world: int, training: TrainingSpec,
                 fixed: dict[str, Any]) -> Iterator[tuple[int, int, int, int]]:
     """(tp, cp, pp, dp) multiplying to ``world`` that split the model: tp its heads, key/value heads, vocabulary
-    and MLP; pp its layers (at least one a stage); cp its sequence (the methods are checked by ``_cp_fits``)."""
+    and MLP; pp its layers (at least one a stage); cp its sequence (each method by ``layout.context_methods.fits``)."""
     splits = [t for t in divisors(world) if all(n % t == 0 for n in (model.heads, model.kv_heads,
                                                                        model.vocab_size, model.ffn_hidden))]
     for tp in _options("tp", fixed, splits):
@@ -261,13 +265,6 @@ def _data_parallel_options(dp: int, cp: int, training: TrainingSpec,
                 continue  # nothing to shard over
             yield zero, rep, shard
 
-
-def _cp_fits(method: str, cp: int, tp: int, training: TrainingSpec, model: ModelSpec) -> bool:
-    if cp == 1:
-        return method == "ulysses"  # the method is irrelevant; keep one
-    if method == "ulysses":  # heads split over cp (parallel/context.py: ulysses_attention)
-        return training.seq_len % cp == 0 and (model.heads // tp) % cp == 0
-    return training.seq_len % (2 * cp) == 0  # causal load balancing: 2 chunks per rank
 
 
 def _pipeline_options(pp: int, m: int, model: ModelSpec, training: TrainingSpec,

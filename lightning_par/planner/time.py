@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_par.layout.config import ParallelConfig
+from lightning_par.layout.context_methods import CONTEXT_METHODS
 from lightning_par.layout.schedules import SCHEDULES
 from lightning_par.planner.cluster import ClusterSpec
 from lightning_par.planner.memory import (
@@ -247,23 +248,17 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
         volume["tp"] = m * (n_blocks * per_block + ends)
         comm["tp"] = exposed["tp"] = volume["tp"] / cluster.bandwidth(span["tp"])
 
-    # ---- context parallel (lightning_par.parallel.context), per tensor-parallel rank: its heads
+    # ---- context parallel (lightning_par.parallel.context), per tensor-parallel rank: its heads; the method's row of
+    # layout.context_methods.CONTEXT_METHODS gives its exchanges and whether they hide behind attention
     if cp > 1:
+        method = CONTEXT_METHODS[config.cp_method]
         local = tokens * h * a / tp  # one (B, H/tp, T/cp, D) tensor
-        if config.cp_method == "ulysses":  # all-to-alls before and after attention: on the critical path
-            per_block = 8 * _gather(local, cp)
-            if config.activation_checkpointing == "full":
-                per_block += 4 * _gather(local, cp)
-        else:
-            # Key and value blocks at their own heads: forward passes them on cp - 1 times, backward too, and their
-            # gradients cp times; each exchange runs behind the attention of the blocks at hand.
-            kv = 2 * local * model.kv_heads / model.heads
-            passes = 2 if config.activation_checkpointing == "full" else 1
-            per_block = ((cp - 1) * (passes + 1) + cp) * kv
+        per_block = method.exchange_bytes(local, model.heads // tp, max(model.kv_heads // tp, 1), cp,
+                                          config.activation_checkpointing == "full")
         gather = _gather(mbs * seq_len * model.vocab_size / tp * a, cp) if stages.head else 0.0  # the logits
         volume["cp"] = m * (n_blocks * per_block + gather)
         comm["cp"] = exposed["cp"] = volume["cp"] / cluster.bandwidth(span["cp"])
-        if config.cp_method == "ring":  # each exchange behind the attention of the blocks at hand, as collectives hide
+        if method.hides_behind_attention:  # each exchange behind the attention of the blocks at hand
             attention = m * n_blocks * dense_s["attention"] * mbs * seq_len * (cp - 1) / cp  # this rank's, per step
             hiding = COLLECTIVE_OVERLAP if cluster.collective_overlap is None else cluster.collective_overlap
             exposed["cp"] = _exposed(comm["cp"] - m * gather / cluster.bandwidth(span["cp"]), attention,
