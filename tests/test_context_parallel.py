@@ -64,23 +64,36 @@ def _attention_against_whole(rank: int, world_size: int, method: str, kv_heads: 
     positions = local_positions(T, rank, world_size, method)
     local = [t[:, :, positions].clone().requires_grad_() for t in (q, k, v)]
     attention = getattr(context, CONTEXT_METHODS[method].attention_function)
-    sent = []  # bytes sent to other ranks: every point-to-point send, and what leaves the rank in an all-to-all
-    batch_isend_irecv, all_to_all_single = dist.batch_isend_irecv, dist.all_to_all_single
+    sent = []  # bytes sent to other ranks by each kind of collective the methods use (what leaves the rank)
+    originals = {name: getattr(dist, name) for name in ("batch_isend_irecv", "all_to_all_single", "all_gather",
+                                                         "reduce_scatter")}
 
     def counted_sends(ops: list) -> list:
         sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
-        return batch_isend_irecv(ops)
+        return originals["batch_isend_irecv"](ops)
 
     def counted_all_to_all(output: torch.Tensor, tensor: torch.Tensor, *args, **kwargs) -> Any:  # also backward's
         sent.append(tensor.numel() * tensor.element_size() * (world_size - 1) / world_size)
-        return all_to_all_single(output, tensor, *args, **kwargs)
+        return originals["all_to_all_single"](output, tensor, *args, **kwargs)
 
-    dist.batch_isend_irecv, dist.all_to_all_single = counted_sends, counted_all_to_all
+    def counted_all_gather(outputs: list, tensor: torch.Tensor, *args, **kwargs) -> Any:  # to the others
+        sent.append(tensor.numel() * tensor.element_size() * (world_size - 1))
+        return originals["all_gather"](outputs, tensor, *args, **kwargs)
+
+    def counted_reduce_scatter(output: torch.Tensor, inputs: list, *args, **kwargs) -> Any:  # all but its own part
+        sent.append(output.numel() * output.element_size() * (world_size - 1))
+        return originals["reduce_scatter"](output, inputs, *args, **kwargs)
+
+    counters = {"batch_isend_irecv": counted_sends, "all_to_all_single": counted_all_to_all,
+                "all_gather": counted_all_gather, "reduce_scatter": counted_reduce_scatter}
+    for name, counter in counters.items():
+        setattr(dist, name, counter)
     try:
         out = attention(*local, dist.group.WORLD, is_causal=is_causal, scale=None)
         out.backward(grad[:, :, positions])
     finally:
-        dist.batch_isend_irecv, dist.all_to_all_single = batch_isend_irecv, all_to_all_single
+        for name, original in originals.items():
+            setattr(dist, name, original)
     refusal = None
     if not CONTEXT_METHODS[method].attention_dropout:  # its row says it has none: the router refuses it by name
         try:
@@ -134,6 +147,13 @@ def test_context_parallel_matches_single_process(world_size: int, kwargs: dict, 
     assert_layout_matches(make_module, make_datamodule, functools.partial(make_strategy, **kwargs),
                           world_size=world_size, dp=dp, steps=STEPS, accumulate=accumulate, clip=clip,
                           rtol=PARITY_RTOL, label=f"sequence_parallel {kwargs} ws={world_size}")
+
+
+def test_all_gathered_keys_match_single_process_over_20_steps() -> None:
+    """Llama 3's context parallel (keys and values all-gathered, the queries of balanced chunks) on cp=4, clipped."""
+    kwargs = dict(context_parallel_size=4, context_parallel_method="allgather")
+    assert_layout_matches(make_module, make_datamodule, functools.partial(make_strategy, **kwargs), world_size=4, dp=1,
+                          steps=20, clip=0.05, rtol=PARITY_RTOL, label=f"context_parallel {kwargs}")
 
 
 @pytest.mark.parametrize(

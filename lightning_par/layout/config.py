@@ -272,8 +272,8 @@ class ParallelConfig:
     def _check_knobs(self) -> None:
         name, named = self.name, self.named
         if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
-            raise ValueError(f"{named('zero_stage')} is not one of {ZERO_STAGES} "
-                             "(0: DDP, 1: optimizer states sharded, 2: + gradients, 3: + parameters)")
+            stages = ", ".join(f"{row.level}: {row.summary}" for row in ZERO_STAGE_ROWS.values())
+            raise ValueError(f"{named('zero_stage')} is not one of {ZERO_STAGES} ({stages})")
         for knob in ("param_dtype", "reduce_dtype"):
             value = getattr(self, knob)
             if value not in DTYPES and not (knob == "reduce_dtype" and value is None):

@@ -57,8 +57,8 @@ class ContextMethodSpec:
     #: The exchanges run behind the attention of the blocks at hand (else on the critical path).
     hides_behind_attention: bool
     #: Bytes per token a block keeps for its attention's backward, before the split over tp:
-    #: ``attention_activation_bytes(a, h, heads)``.
-    attention_activation_bytes: Callable[[int, int, int], float]
+    #: ``attention_activation_bytes(a, h, heads, cp)``.
+    attention_activation_bytes: Callable[[int, int, int, int], float]
     #: fp32 score blocks held at the peak of a block's backward: ``score_bytes(micro_batch, heads_per_rank, seq_len,
     #: cp)``.
     score_bytes: Callable[[int, float, int, int], float]
@@ -85,14 +85,25 @@ def _round_the_ring(local: float, heads: int, kv_heads: int, cp: int, recomputed
     return ((cp - 1) * (passes + 1) + cp) * kv
 
 
-def _heads_gathered(a: int, h: int, heads: int) -> float:
+def _keys_gathered(local: float, heads: int, kv_heads: int, cp: int, recomputed: bool) -> float:
+    # k and v at their own heads: all-gathered forward (each rank sends its chunks to the cp - 1 others), their
+    # gradients reduce-scattered backward; the forward again when recomputed.
+    return (3 if recomputed else 2) * 2 * (cp - 1) * local * kv_heads / heads
+
+
+def _heads_gathered(a: int, h: int, heads: int, cp: int) -> float:
     # q, k, v and the output at their heads, and the attention output gathered back to the sequence; fp32 log-sum-exp.
     return 5 * a * h + 4 * heads
 
 
-def _blockwise(a: int, h: int, heads: int) -> float:
+def _blockwise(a: int, h: int, heads: int, cp: int) -> float:
     # q, k, v and the output; the fp32 accumulated output (4 h) and log-sum-exp.
     return 3 * a * h + 4 * h + a * h + 4 * heads
+
+
+def _whole_keys(a: int, h: int, heads: int, cp: int) -> float:
+    # q, k, v and the output, and the other ranks' keys and values gathered; fp32 log-sum-exp.
+    return 4 * a * h + 2 * a * h * (cp - 1) + 4 * heads
 
 
 def _no_score_blocks(micro_batch: int, heads_per_rank: float, seq_len: int, cp: int) -> float:
@@ -115,6 +126,11 @@ CONTEXT_METHODS: dict[str, ContextMethodSpec] = {spec.name: spec for spec in (
                       splits_heads=False, attention_dropout=False, exchange_bytes=_round_the_ring,
                       hides_behind_attention=True, attention_activation_bytes=_blockwise,
                       score_bytes=_ring_score_blocks, attention_function="ring_attention", search_order=1),
+    ContextMethodSpec("allgather", label="-ag", paper="Dubey et al. 2024 (Llama 3), sec. 3.3.2",
+                      summary="keys and values all-gathered", balances_causal_work=True, splits_heads=False,
+                      attention_dropout=True, exchange_bytes=_keys_gathered, hides_behind_attention=False,
+                      attention_activation_bytes=_whole_keys, score_bytes=_no_score_blocks,
+                      attention_function="allgather_attention", search_order=2),
 )}
 
 ContextMethod = Literal[tuple(CONTEXT_METHODS)]  # type: ignore[valid-type]

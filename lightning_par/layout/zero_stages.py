@@ -27,7 +27,8 @@ GradientReduction = Literal["all-reduce", "to owners", "reduce-scatter"]
 
 @dataclass(frozen=True)
 class ZeroStage:
-    """One stage: what it shards over the data-parallel ranks, how it reduces gradients, and its report label."""
+    """One stage: what it shards over the data-parallel ranks, how it reduces gradients, its report label and the
+    words the config's error lists it with."""
 
     level: int
     shards_optimizer_states: bool
@@ -35,17 +36,18 @@ class ZeroStage:
     shards_parameters: bool
     gradient_reduction: GradientReduction
     label: str
+    summary: str
 
 
 ZERO_STAGE_ROWS = {
     0: ZeroStage(0, shards_optimizer_states=False, shards_gradients=False, shards_parameters=False,
-                 gradient_reduction="all-reduce", label="DDP"),
+                 gradient_reduction="all-reduce", label="DDP", summary="DDP"),
     1: ZeroStage(1, shards_optimizer_states=True, shards_gradients=False, shards_parameters=False,
-                 gradient_reduction="all-reduce", label="ZeRO-1"),
+                 gradient_reduction="all-reduce", label="ZeRO-1", summary="optimizer states sharded"),
     2: ZeroStage(2, shards_optimizer_states=True, shards_gradients=True, shards_parameters=False,
-                 gradient_reduction="to owners", label="ZeRO-2"),
+                 gradient_reduction="to owners", label="ZeRO-2", summary="+ gradients"),
     3: ZeroStage(3, shards_optimizer_states=True, shards_gradients=True, shards_parameters=True,
-                 gradient_reduction="reduce-scatter", label="ZeRO-3/FSDP2"),
+                 gradient_reduction="reduce-scatter", label="ZeRO-3/FSDP2", summary="+ parameters"),
 }
 
 #: The stage numbers a layout may ask for.

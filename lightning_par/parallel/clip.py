@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_par.parallel.ddp import is_expert
+from lightning_par.parallel.modules import is_expert
 from lightning_par.parallel.experts import local_part
 
 

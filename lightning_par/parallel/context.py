@@ -286,6 +286,47 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, *,
     return _RingAttention.apply(q, k, v, group, is_causal, scale, mask)
 
 
+# ---------------------------------------------------------------------------- all-gathered keys
+class _GatherAlongSequence(torch.autograd.Function):
+    """Every rank's (B, H, T/cp, D) chunks side by side in rank order; backward sums each rank's gradient of this
+    rank's part onto it (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        parts = [part.contiguous() for part in grad.chunk(dist.get_world_size(ctx.group), dim=2)]
+        mine = torch.empty_like(parts[0])
+        dist.reduce_scatter(mine, parts, group=ctx.group)
+        return mine, None
+
+
+def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, *, is_causal: bool,
+                        scale: float | None, mask: Tensor | None = None, dropout_p: float = 0.0,
+                        spelling: Spelling = FIELD_NAMES) -> Tensor:
+    """Attention of q/k/v (B, H, T/cp, D) over the whole sequence, keys and values all-gathered at their own heads
+    and this rank's queries attending to all of them (Llama 3's context parallel: Dubey et al. 2024, "The Llama 3
+    Herd of Models", sec. 3.3.2); ``mask``: the whole sequence's, as ``scaled_dot_product_attention``'s
+    ``attn_mask``; ``dropout_p``: drawn by each rank for its queries."""
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    seq_len = q.shape[2] * cp
+    keys, values = (_GatherAlongSequence.apply(t, group) for t in (k, v))
+    queries_at = local_positions(seq_len, rank, cp, "allgather").to(q.device)
+    keys_at = torch.cat([local_positions(seq_len, r, cp, "allgather") for r in range(cp)]).to(q.device)
+    attn_mask = None if mask is None else mask[:, :, queries_at][:, :, :, keys_at]
+    if is_causal:
+        causal = queries_at[:, None] >= keys_at[None, :]
+        attn_mask = (causal if attn_mask is None else attn_mask & causal if attn_mask.dtype == torch.bool
+                     else attn_mask.masked_fill(~causal, float("-inf")))
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
+                                          enable_gqa=keys.shape[1] != q.shape[1])
+
+
 # ------------------------------------------------------------------------- attaching to a model
 class _RouteAttention(TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` to context-parallel attention over ``group``."""

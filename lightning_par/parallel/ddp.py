@@ -18,15 +18,13 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_par.parallel.buckets import all_reduce_in_buckets, local_tensor
 from lightning_par.parallel.mesh import ParallelMesh
+from lightning_par.parallel.modules import is_expert
 
 # The group that averages gradients: every rank that trains on different tokens. Context-parallel
 # ranks hold different chunks of the same sequences, so their gradients are summed in too.
 GRADIENT_GROUP = "dp_cp"
-# The ranks over which ZeRO-1 and -2 partition optimizer states and gradients: the gradient group without its
-# replicated groups (HSDP), so context-parallel ranks too (Megatron-Core's distributed optimizer shards over data x
-# context parallel).
-PARTITION_GROUP = "dp_shard_cp"
 
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's own default for the initial broadcast
 
@@ -122,7 +120,7 @@ def broadcast_replicas(module: nn.Module, mesh: ParallelMesh) -> None:
     if mesh.size(GRADIENT_GROUP) == 1:
         return
     with torch.no_grad():
-        tensors = [_local(t) for _, t in [*module.named_parameters(), *module.named_buffers()] if not is_expert(t)]
+        tensors = [local_tensor(t) for t in [*module.parameters(), *module.buffers()] if not is_expert(t)]
         dist._broadcast_coalesced(mesh.group(GRADIENT_GROUP), tensors, _BROADCAST_BUCKET_BYTES, 0)
 
 
@@ -140,92 +138,9 @@ def reduce_gradients(module: nn.Module, mesh: ParallelMesh, *, bucket_cap_mb: fl
     """
     if mesh.size(GRADIENT_GROUP) == 1:
         return
-    grads = [_local(p.grad) for p in module.parameters() if p.grad is not None and not is_expert(p)]
+    grads = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None and not is_expert(p)]
     all_reduce_in_buckets(grads, mesh.group(GRADIENT_GROUP), bucket_cap_mb=bucket_cap_mb,
                           divide_by=mesh.size(GRADIENT_GROUP))
-
-
-@torch.no_grad()
-def all_reduce_in_buckets(grads: list[torch.Tensor], group: dist.ProcessGroup, *, bucket_cap_mb: float = 25.0,
-                          divide_by: int = 1) -> None:
-    """All-reduce ``grads`` (plain tensors) over ``group`` in place, flattened into buckets of at most
-    ``bucket_cap_mb`` MiB per dtype, the sums divided by ``divide_by``."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_dtype.setdefault(grad.dtype, []).append(grad)
-
-    def all_reduce(flat: torch.Tensor) -> bool:
-        dist.all_reduce(flat, group=group)
-        return True
-
-    for same in by_dtype.values():
-        _average_in_buckets(same, bucket_cap_mb, all_reduce, divide_by)
-
-
-@torch.no_grad()
-def reduce_gradients_to_owners(module: nn.Module, mesh: ParallelMesh, owners: dict[torch.Tensor, int], *,
-                               bucket_cap_mb: float = 25.0) -> None:
-    """ZeRO-1's gradient average after the last backward (Megatron-LM's distributed optimizer): each gradient is
-    reduced to the data-parallel rank whose optimizer steps it, ``owners[parameter]`` (a rank of ``PARTITION_GROUP``),
-    averaged there (and across ``dp_replicate``), and dropped elsewhere. Half the bytes of :func:`reduce_gradients`'
-    all-reduce, which together with the owners' broadcast of the updated parameters makes what an all-reduce costs;
-    the gradients are bucketed by owner as there. Expert gradients are left alone, as there."""
-    if mesh.size(GRADIENT_GROUP) == 1:
-        return
-    shard_group, replicate = mesh.group(PARTITION_GROUP), mesh.size("dp_replicate")
-    me, ranks = dist.get_rank(shard_group), mesh.size(GRADIENT_GROUP)
-    by_owner: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-    for p in module.parameters():
-        if p.grad is not None and not is_expert(p):
-            by_owner.setdefault((owners[p], _local(p.grad).dtype), []).append(p)
-    # Every rank holds the same parameters in the same order, so the groups come in the same order everywhere.
-    for (owner, _), params in by_owner.items():
-
-        def reduce_to_owner(flat: torch.Tensor) -> bool:
-            dist.reduce(flat, dst=dist.get_global_rank(shard_group, owner), group=shard_group)
-            if owner == me and replicate > 1:
-                dist.all_reduce(flat, group=mesh.group("dp_replicate"))
-            return owner == me
-
-        _average_in_buckets([_local(p.grad) for p in params], bucket_cap_mb, reduce_to_owner, ranks)
-        if owner != me:
-            for p in params:
-                p.grad = None  # another rank steps this parameter: its gradient is of no use here
-
-
-def _average_in_buckets(grads: list[torch.Tensor], bucket_cap_mb: float, reduce: Callable[[torch.Tensor], bool],
-                        ranks: int) -> None:
-    """Flatten ``grads`` (one dtype) into buckets of at most ``bucket_cap_mb`` MiB, ``reduce`` each flat bucket
-    (it returns whether this rank holds the sum), and give the sum divided by ``ranks`` back to the gradients."""
-    for bucket in _buckets(grads, bucket_cap_mb * 1024 * 1024):
-        flat = torch._utils._flatten_dense_tensors(bucket)
-        if reduce(flat):
-            flat.div_(ranks)
-            for grad, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
-                grad.copy_(reduced)
-
-
-def _buckets(tensors: list[torch.Tensor], cap_bytes: float) -> list[list[torch.Tensor]]:
-    """``tensors`` in order, in consecutive groups of at most ``cap_bytes`` (a larger tensor alone)."""
-    buckets: list[list[torch.Tensor]] = [[]]
-    size = 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if buckets[-1] and size + nbytes > cap_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(tensor)
-        size += nbytes
-    return [bucket for bucket in buckets if bucket]
-
-
-def is_expert(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is an expert weight split by expert parallel (a DTensor on the ``ep`` mesh)."""
-    return isinstance(tensor, DTensor) and "ep" in (tensor.device_mesh.mesh_dim_names or ())
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _dtensor_names(module: nn.Module) -> list[str]:
@@ -254,5 +169,5 @@ def unwrap(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-__all__ = ["apply_data_parallel", "broadcast_replicas", "compressed_allreduce_hook", "is_expert", "no_allreduce",
-           "reduce_gradients", "unwrap", "GRADIENT_GROUP"]
+__all__ = ["apply_data_parallel", "broadcast_replicas", "compressed_allreduce_hook", "no_allreduce", "reduce_gradients",
+           "unwrap", "GRADIENT_GROUP"]

@@ -138,5 +138,10 @@ def materialize_meta_parameters(module: nn.Module, device: torch.device) -> bool
     return True
 
 
-__all__ = ["clean_name", "first_tensor", "holds_for_submodule", "materialize_meta_parameters", "retie", "tied_aliases",
-           "tied_groups"]
+def is_expert(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is an expert weight split by expert parallel (a DTensor on the ``ep`` mesh)."""
+    return isinstance(tensor, DTensor) and "ep" in (tensor.device_mesh.mesh_dim_names or ())
+
+
+__all__ = ["clean_name", "first_tensor", "holds_for_submodule", "is_expert", "materialize_meta_parameters", "retie",
+           "tied_aliases", "tied_groups"]

@@ -111,7 +111,7 @@ class Parallelized:
         if self.ties is not None:  # (summing the copies first or averaging over data-parallel ranks first is alike)
             self.ties.sum_gradients()
         if self._owners is not None:
-            ddp.reduce_gradients_to_owners(self.inner, self.mesh, self._owners,
+            zero.reduce_gradients_to_owners(self.inner, self.mesh, self._owners,
                                             bucket_cap_mb=self.config.ddp_bucket_cap_mb)
             for param in self._unowned:  # experts: reduced by expert parallel, kept by the ranks that step them
                 param.grad = None
@@ -134,10 +134,10 @@ class Parallelized:
         already is: it was built on FSDP2's sharded parameters.) DTensor parameters on a CPU are stepped with the
         optimizer's foreach implementation where its ``foreach`` was left to torch (:mod:`~.foreach`)."""
         foreach_over_dtensors(optimizer)
-        sharded = zero.shard_optimizer(optimizer, self.inner, self.mesh, stage=self.config.zero_stage,
+        sharded = zero.shard_optimizer(optimizer, self.inner, self.mesh, stage=self.config.zero,
                                        sharded_accumulation=self.config.sharded_accumulation,
                                        reduce_in_backward=not self.reduces_after_backward)
-        if self.config.zero_stage in (1, 2) and self.reduces_after_backward:
+        if sharded is not optimizer and self.reduces_after_backward:  # ZeRO-1/2 (stage 3's FSDP2 keeps its own)
             self._owners, self._unowned = zero.partition_of(sharded)
         return sharded
 

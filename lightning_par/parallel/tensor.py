@@ -46,7 +46,7 @@ from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.adapters import base_layer as adapter_base
 from lightning_par.parallel.adapters import is_adapted, is_lora, unused_lora_weights
 from lightning_par.parallel.context import SequenceSplit
-from lightning_par.parallel.ddp import all_reduce_in_buckets
+from lightning_par.parallel.buckets import all_reduce_in_buckets
 from lightning_par.parallel.experts import local_part, moe_layers
 from lightning_par.parallel.local_heads import localize_head_counts
 from lightning_par.parallel.model_map import (SPLIT_STYLES, ModelMap, is_conv1d, is_projection, projection_features,
@@ -322,7 +322,7 @@ def routed_on_local_tokens(module: nn.Module) -> list[nn.Module]:
 
 def sum_over_tensor_parallel(module: nn.Module, mesh: ParallelMesh, *, bucket_cap_mb: float = 25.0) -> None:
     """Sum over ``tp`` the gradients of the layers that route this rank's tokens (:class:`RoutedOnLocalTokens`), in
-    buckets per dtype as the data-parallel average is (``data.all_reduce_in_buckets``). Every rank of a
+    buckets per dtype as the data-parallel average is (``buckets.all_reduce_in_buckets``). Every rank of a
     tensor-parallel group holds the same of them (the same data-parallel coordinate owns the same ZeRO partition),
     so they reduce alike."""
     grads = [local_part(p.grad) for layer in routed_on_local_tokens(module) for p in layer.parameters()

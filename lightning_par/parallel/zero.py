@@ -38,14 +38,22 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_par.layout.zero_stages import ZeroStage
 from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.background_reduce import SUPPORTED, BackgroundReduceScatter
 from lightning_par.parallel.experts import expert_modules, local_part
 from lightning_par.parallel.model_map import ModelMap
-from lightning_par.parallel.ddp import GRADIENT_GROUP, PARTITION_GROUP, is_expert
+from lightning_par.parallel.buckets import average_in_buckets, local_tensor
+from lightning_par.parallel.ddp import GRADIENT_GROUP
+from lightning_par.parallel.modules import is_expert
 from lightning_par.parallel.record import layout_record
 from lightning_par.parallel.shared_parts import shared_parts
 from lightning_par.parallel.zero_experts import ZeroWithExperts
+
+# The ranks over which ZeRO-1 and -2 partition optimizer states and gradients: the gradient group without its
+# replicated groups (HSDP), so context-parallel ranks too (Megatron-Core's distributed optimizer shards over data x
+# context parallel).
+PARTITION_GROUP = "dp_shard_cp"
 
 
 def fully_shard_model(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap | None, *,
@@ -239,7 +247,7 @@ class GradientReducer:
                     param.grad = None
                 continue
             # Average the whole bucket (one all-reduce across replicas per bucket, not per parameter), then unpack
-            # it, as data.reduce_gradients_to_owners does.
+            # it, as reduce_gradients_to_owners does.
             if self.replicate_group is not None:
                 dist.all_reduce(flat, group=self.replicate_group)
             flat.div_(self.world)
@@ -272,18 +280,20 @@ def keep_reduced_sum(param: Tensor, aside: dict[Tensor, Tensor], *, last: bool) 
         param.grad = earlier + param.grad
 
 
-def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh, *, stage: int,
+def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh, *, stage: ZeroStage,
                     sharded_accumulation: bool = False, reduce_in_backward: bool = True) -> Optimizer:
-    """Stages 1 and 2: the same optimizer, its states partitioned over the sharding ranks.
+    """Stages 1 and 2 (the rows of ``layout/zero_stages.py`` that shard optimizer states and keep parameters whole):
+    the same optimizer, its states partitioned over the sharding ranks.
 
     Returns a ``ZeroRedundancyOptimizer`` built from ``optimizer``'s class, parameter groups and defaults, or, for a
     model with experts split by expert parallel, a :class:`~.zero_experts.ZeroWithExperts` of two (the experts'
     states partitioned over the ranks holding the same experts).
-    Stage 2 also installs the :class:`GradientReducer` (kept in the module's layout record), reducing on every
+    A stage that reduces gradients to their owners (2) also installs the :class:`GradientReducer` (kept in the
+    module's layout record), reducing on every
     micro-batch with ``sharded_accumulation``; not with ``reduce_in_backward=False`` (pipeline stages, whose
     schedule runs the backward: the caller reduces to the owners after it).
     """
-    if stage not in (1, 2):
+    if not stage.shards_optimizer_states or stage.shards_parameters:  # none, or FSDP2's own sharded states
         return optimizer
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         raise ValueError("the optimizer is already a ZeroRedundancyOptimizer; return a plain one from "
@@ -308,13 +318,44 @@ def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh,
         sharded: Optimizer = ZeroWithExperts(groups, partition, is_expert)
     else:
         sharded = partition(groups, False)
-    if stage == 2 and reduce_in_backward:
+    if stage.gradient_reduction == "to owners" and reduce_in_backward:
         record = layout_record(module, create=True)
         if record.gradient_reducer is not None:
             record.gradient_reducer.remove()
         owners, unowned = partition_of(sharded)
         record.gradient_reducer = GradientReducer(owners, mesh, unowned=unowned, sharded=sharded_accumulation)
     return sharded
+
+
+@torch.no_grad()
+def reduce_gradients_to_owners(module: nn.Module, mesh: ParallelMesh, owners: dict[torch.Tensor, int], *,
+                               bucket_cap_mb: float = 25.0) -> None:
+    """ZeRO-1's gradient average after the last backward (Megatron-LM's distributed optimizer): each gradient is
+    reduced to the data-parallel rank whose optimizer steps it, ``owners[parameter]`` (a rank of ``PARTITION_GROUP``),
+    averaged there (and across ``dp_replicate``), and dropped elsewhere. Half the bytes of :func:`reduce_gradients`'
+    all-reduce, which together with the owners' broadcast of the updated parameters makes what an all-reduce costs;
+    the gradients are bucketed by owner as there. Expert gradients are left alone, as there."""
+    if mesh.size(GRADIENT_GROUP) == 1:
+        return
+    shard_group, replicate = mesh.group(PARTITION_GROUP), mesh.size("dp_replicate")
+    me, ranks = dist.get_rank(shard_group), mesh.size(GRADIENT_GROUP)
+    by_owner: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    for p in module.parameters():
+        if p.grad is not None and not is_expert(p):
+            by_owner.setdefault((owners[p], local_tensor(p.grad).dtype), []).append(p)
+    # Every rank holds the same parameters in the same order, so the groups come in the same order everywhere.
+    for (owner, _), params in by_owner.items():
+
+        def reduce_to_owner(flat: torch.Tensor) -> bool:
+            dist.reduce(flat, dst=dist.get_global_rank(shard_group, owner), group=shard_group)
+            if owner == me and replicate > 1:
+                dist.all_reduce(flat, group=mesh.group("dp_replicate"))
+            return owner == me
+
+        average_in_buckets([local_tensor(p.grad) for p in params], bucket_cap_mb, reduce_to_owner, ranks)
+        if owner != me:
+            for p in params:
+                p.grad = None  # another rank steps this parameter: its gradient is of no use here
 
 
 def partition_of(optimizer: Optimizer) -> tuple[dict[Tensor, int], list[Tensor]]:
@@ -380,7 +421,9 @@ def _gradient_reducer(module: nn.Module) -> GradientReducer | None:
 
 
 __all__ = [
+    "PARTITION_GROUP",
     "fully_shard_model",
+    "reduce_gradients_to_owners",
     "shard_optimizer",
     "GradientReducer",
     "no_reduction",

@@ -264,7 +264,7 @@ def block_activation_bytes(model: ModelSpec, *, moe: bool = False, precision: st
     else:
         attention_input = ffn_input = a * h
     if cp > 1:  # the method's row of layout.context_methods.CONTEXT_METHODS
-        attention = CONTEXT_METHODS[cp_method].attention_activation_bytes(a, h, heads)
+        attention = CONTEXT_METHODS[cp_method].attention_activation_bytes(a, h, heads, cp)
     else:
         attention = 4 * a * h + 4 * heads
     ffn = _ffn_bytes(model, moe, a)

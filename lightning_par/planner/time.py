@@ -284,7 +284,7 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     pbytes = param_bytes(precision)
     gbytes = pbytes / (2 if config.gradient_compression != "none" and pbytes == 4 else 1)
     shard, rep = int(config.dp_shard), int(config.dp_replicate)
-    partition = shard * cp  # the ranks ZeRO-1/2 partition over (lightning_par.parallel.ddp.PARTITION_GROUP)
+    partition = shard * cp  # the ranks ZeRO-1/2 partition over (lightning_par.parallel.zero.PARTITION_GROUP)
     stage = config.zero_stage
     units = n_blocks + 1
     reductions = m if config.sharded_accumulation else 1  # ZeRO-2/3 gradient reductions per optimizer step
@@ -312,7 +312,7 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
         # reduce_gradients, as Megatron-LM does under pipeline parallelism): nothing left to hide it behind.
         after_backward = config.reduces_gradients_after_backward
         if stage == 1 and after_backward:
-            # ZeRO-1 there reduces each gradient to its owner only (parallel.ddp.reduce_gradients_to_owners):
+            # ZeRO-1 there reduces each gradient to its owner only (parallel.zero.reduce_gradients_to_owners):
             # half an all-reduce, then averaged across dp_replicate.
             add(_gather(dense * gbytes, partition), span["dp_shard_cp"], None)
             add(_all_reduce(dense * gbytes / partition, rep), span["dp_replicate"], None)

@@ -22,14 +22,15 @@ class ContextParallelStrategy(MeshStrategy):
     Args:
         context_parallel_size: ranks that share one sequence.
         context_parallel_method: ``ulysses`` (all-to-all of heads and sequence; heads must divide by
-            ``context_parallel_size``) or ``ring`` (key/value blocks passed round the ranks, causal load
-            balancing; the sequence length must divide by ``2 x context_parallel_size``).
+            ``context_parallel_size``), ``ring`` (key/value blocks passed round the ranks, causal load
+            balancing; the sequence length must divide by ``2 x context_parallel_size``) or ``allgather``
+            (Llama 3's: keys and values all-gathered, the same balancing); docs/context_parallel.md.
         data_parallel_size: ranks that read different samples; ``"auto"``: every remaining rank.
         zero_stage: 0 (DDP over data and context ranks) or 3 (FSDP2 shards over them).
     """
 
     strategy_name = "context_parallel"
-    strategy_description = "context parallel: Ulysses or ring attention"
+    strategy_description = "context parallel: Ulysses, ring or all-gathered-keys attention"
 
     def __init__(self, context_parallel_size: int = 2, context_parallel_method: ContextParallelMethod = "ulysses",
                  data_parallel_size: Size = "auto", zero_stage: Literal[0, 3] = 0, **kwargs: Any) -> None:

@@ -52,7 +52,7 @@ class Hybrid3DStrategy(MeshStrategy):
         replicate_size: HSDP under ``zero_stage=3``: shard within groups, replicate across them.
         sequence_parallel: with tensor parallel, keep activations between regions split along the sequence.
         loss_parallel: with tensor parallel, cross-entropy on vocabulary-sharded logits.
-        context_parallel_method: ``ulysses`` or ``ring``.
+        context_parallel_method: ``ulysses``, ``ring`` or ``allgather`` (docs/context_parallel.md).
         pipeline_schedule: a schedule of ``lightning_par.layout.schedules.SCHEDULES`` (``gpipe``, ``1f1b``,
             ``interleaved_1f1b``, ``zbv``, ``dualpipev``, ...).
         microbatches: micro-batches per batch under pipeline parallel.

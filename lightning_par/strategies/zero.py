@@ -8,6 +8,7 @@ from typing_extensions import override
 
 from lightning_par.layout.config import Dtype, ParallelConfig, Size, shard_size
 from lightning_par.layout.dimensions import strategy_spelling
+from lightning_par.layout.zero_stages import ZERO_STAGE_ROWS
 from lightning_par.strategies.base import MeshStrategy
 from lightning_par.strategies.fault_tolerant import FaultTolerantReplicas, check_fault_tolerance
 
@@ -68,7 +69,8 @@ class ZeroStrategy(FaultTolerantReplicas, MeshStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for stage in (1, 2, 3):
-            strategy_registry.register(f"zero{stage}", cls, description=f"ZeRO stage {stage}", zero_stage=stage,
-                                       override=True)
+        for row in ZERO_STAGE_ROWS.values():
+            if row.shards_optimizer_states:  # "zero0" would be DDP under another name
+                strategy_registry.register(f"zero{row.level}", cls, description=f"ZeRO stage {row.level} ({row.label})",
+                                           zero_stage=row.level, override=True)
         strategy_registry.register("fsdp2", cls, description="FSDP2 = ZeRO stage 3", zero_stage=3, override=True)
