@@ -177,3 +177,29 @@ def test_the_package_imports_form_no_circle() -> None:
 
     circles = [circle for module in sorted(graph) if (circle := circle_from(module)) is not None]
     assert not circles, "import circles: " + "; ".join(" -> ".join(circle) for circle in circles)
+
+
+def test_methods_schedules_and_stages_are_named_only_by_their_rows() -> None:
+    """docs/architecture.md: a context method is its row and its function, a schedule its row, a ZeRO stage its row.
+    So a method or schedule name other than the config's default is quoted only in its table, its own code and the
+    published layouts the planner reproduces; no code compares stage numbers."""
+    import re
+    from pathlib import Path
+
+    import lightning_par
+    from lightning_par.layout.config import ParallelConfig
+    from lightning_par.layout.context_methods import CONTEXT_METHODS
+    from lightning_par.layout.schedules import SCHEDULES
+
+    root = Path(lightning_par.__file__).parent
+    sources = {str(path.relative_to(root)): path.read_text() for path in root.rglob("*.py")}
+    published = "planner/published.py"
+    for names, default, allowed in ((CONTEXT_METHODS, ParallelConfig.cp_method,
+                                     {"layout/context_methods.py", "parallel/context.py", published}),
+                                    (SCHEDULES, ParallelConfig.pp_schedule, {"layout/schedules.py", published})):
+        for name in set(names) - {default}:
+            quoted = {path for path, text in sources.items() if re.search(rf"[\"']{name}[\"']", text)}
+            assert quoted <= allowed, (name, sorted(quoted - allowed))
+    compared = [f"{path}: {line.strip()}" for path, text in sources.items() for line in text.splitlines()
+                if re.search(r"zero_stage *(==|!=|>=|<=|<|>|in|not in) *[(\d]", line)]
+    assert not compared, compared
