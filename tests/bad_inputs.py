@@ -56,9 +56,9 @@ def _at_set_up(name: str, *, batch_size: int, seq_len: int, **kwargs: Any) -> Ca
     """What a strategy checks at set-up on the first batch of (batch_size, seq_len) tokens."""
 
     def make() -> Any:
-        from lightning_par.parallel.compose import check_batch_fits
+        from lightning_par.strategies.setup_checks import check_batch
 
-        check_batch_fits(_strategy(name, **kwargs)().parallel_config, batch_size=batch_size, seq_len=seq_len)
+        check_batch(_strategy(name, **kwargs)().parallel_config, batch_size=batch_size, seq_len=seq_len)
 
     return make
 

@@ -11,7 +11,6 @@ from parity import assert_fails_on_every_rank, assert_layout_matches
 from test_data_parallel import MODEL, STEPS, SGDLlamaLM, make_datamodule, make_module
 
 from lightning_par.layout.context_methods import CONTEXT_METHODS
-from lightning_par.layout.dimensions import FIELD_NAMES
 from lightning_par.parallel.context import causal_score_blocks, check_sequence_length, local_positions
 
 PARITY_RTOL = 1e-5
@@ -97,7 +96,7 @@ def _attention_against_whole(rank: int, world_size: int, method: str, kv_heads: 
     refusal = None
     if not CONTEXT_METHODS[method].attention_dropout:  # its row says it has none: the router refuses it by name
         try:
-            context._RouteAttention(dist.group.WORLD, method, FIELD_NAMES).attend(*local, dropout_p=0.1)
+            context._RouteAttention(dist.group.WORLD, method).attend(*local, dropout_p=0.1)
         except ValueError as error:
             refusal = str(error)
     errors = {"out": (out - expected[:, :, positions]).abs().max().item()}

@@ -483,7 +483,6 @@ def test_a_block_list_whose_entries_share_one_module_is_refused_by_name() -> Non
     rather than counting one block."""
     from types import SimpleNamespace
 
-    from lightning_par.layout.dimensions import FIELD_NAMES
     from lightning_par.parallel.model_map import ModelMap
     from lightning_par.parallel.pipeline.split import split_pipeline
 
@@ -496,7 +495,7 @@ def test_a_block_list_whose_entries_share_one_module_is_refused_by_name() -> Non
     model = Shared()
     model_map = ModelMap(blocks="layers")
     assert model_map.shared_blocks(model) == [["layers.0", "layers.1", "layers.2", "layers.3"]]
-    mesh = SimpleNamespace(size=lambda name: 2, spelling=FIELD_NAMES)
+    mesh = SimpleNamespace(size=lambda name: 2)
     with pytest.raises(ValueError, match=r"the 4 entries of the block list 'layers' hold only 1 distinct module, "
                                          r"because entries share one module \(layers.0 = layers.1 = layers.2 = layers.3\)"):
         split_pipeline(model, mesh, model_map, schedule="1f1b", virtual_stages=1, balance_by="parameters",

@@ -13,6 +13,7 @@ from it. This module imports nothing of the package (tests/test_layering.py).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -114,6 +115,20 @@ class Spelling:
     def named(self, field_name: str, value: object) -> str:
         """``tensor_parallel_size=2`` (or ``tp=2``): the field with ``value``, as its maker spells it."""
         return f"{self.name(field_name)}={value!r}"
+
+    def spell(self, message: str) -> str:
+        """``message``, written with the fields' own names (as ``parallel/`` words its refusals: ``tp=4``), with each
+        field named as its maker names it. A field's name is replaced where it stands as a word of its own: not
+        inside a longer name (``dp_cp``) or a dotted path (``layers.tp.weight``)."""
+        for field_name in sorted(self.names, key=len, reverse=True):
+            message = re.sub(rf"(?<![\w.]){re.escape(field_name)}(?!\w|\.\w)", self.names[field_name], message)
+        return message
+
+    def spell_error(self, error: BaseException) -> None:
+        """Reword ``error``'s message in place with :meth:`spell`: a refusal of the compute code (a ``ValueError``)
+        reaches the user in the names they wrote."""
+        if isinstance(error, ValueError) and error.args and isinstance(error.args[0], str):
+            error.args = (self.spell(error.args[0]), *error.args[1:])
 
 
 FIELD_NAMES = Spelling()

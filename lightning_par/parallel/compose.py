@@ -86,12 +86,12 @@ def check_batch_fits(config: ParallelConfig, *, batch_size: int | None, seq_len:
     if seq_len is None:
         return
     if config.cp > 1:
-        check_sequence_length(seq_len, config.cp, config.cp_method, spelling=config.spelling)
+        check_sequence_length(seq_len, config.cp, config.cp_method)
     local = seq_len // config.cp
     if config.sequence_parallel and config.tp > 1 and local % config.tp:
         held = (f"the {local} tokens each context-parallel rank holds" if config.cp > 1 else
                 f"a sequence of {seq_len} tokens")
-        raise ValueError(f"{config.name('sequence_parallel')}=True splits the sequence over {config.named('tp')} "
+        raise ValueError(f"sequence_parallel=True splits the sequence over tp={config.tp!r} "
                          f"ranks, but {held} cannot be split into {config.tp}; use a sequence length divisible by "
                          f"{config.tp * config.cp}")
 
@@ -193,7 +193,7 @@ def _preflight(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig, mod
     """Step 0: the checks run on the model as built, and on ``sample_batch`` where there is one (which ones:
     :func:`runs_on_a_sample`); ``checked=False`` (a dry run) leaves out those that compare numbers."""
     _check_fsdp_roots(model, config)
-    check_experts_found(model, model_map, config.ep, spelling=config.spelling)
+    check_experts_found(model, model_map, config.ep)
     inputs = sample_batch[0] if sample_batch is not None and model_map is not None else None
     used_outside = (blocks_used_outside(model, model_map, inputs, analysis_device)
                     if config.zero.shards_parameters and config.pp == 1 and inputs is not None else {})
@@ -356,11 +356,10 @@ def _check_fsdp_roots(model: nn.Module, config: ParallelConfig) -> None:
     if config.zero.shards_parameters and config.pp > 1 and held > 1:
         tied = tied_groups(model)
         if tied:
-            stage, schedule = config.name("zero_stage"), config.name("pp_schedule")
-            raise ValueError(f"{config.named('pp')} with {stage}=3 and {config.named('pp_schedule')}: each rank "
+            raise ValueError(f"pp={config.pp!r} with zero_stage=3 and pp_schedule={config.pp_schedule!r}: each rank "
                              f"holds several stages, and the tied parameter {' = '.join(tied[0])} would belong to "
-                             f"two of them, which FSDP2 cannot shard twice; use {schedule} 1f1b or gpipe (one stage "
-                             f"per rank), {stage} 0 or 1, or untie the weights")
+                             f"two of them, which FSDP2 cannot shard twice; use pp_schedule 1f1b or gpipe (one stage "
+                             f"per rank), zero_stage 0 or 1, or untie the weights")
 
 
 def _dtype(name: str | None) -> torch.dtype | None:

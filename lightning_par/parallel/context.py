@@ -52,7 +52,6 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_par.layout.config import CP_METHODS
 from lightning_par.layout.context_methods import CONTEXT_METHODS, ContextMethod, chunks_of_rank, sequence_divisor
-from lightning_par.layout.dimensions import FIELD_NAMES, Spelling
 from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.model_map import ModelMap, why_no_blocks
 from lightning_par.parallel.modules import first_tensor
@@ -75,16 +74,15 @@ def local_positions(seq_len: int, rank: int, cp: int, method: Method) -> Tensor:
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks_of_rank(rank, cp, method)])
 
 
-def check_sequence_length(seq_len: int, cp: int, method: Method, *, spelling: Spelling = FIELD_NAMES) -> None:
-    """Raise ``ValueError`` when ``seq_len`` tokens cannot be split over ``cp`` ranks with ``method``, naming them as
-    ``spelling`` does."""
+def check_sequence_length(seq_len: int, cp: int, method: Method) -> None:
+    """Raise ``ValueError`` when ``seq_len`` tokens cannot be split over ``cp`` ranks with ``method``, naming them."""
     divisor = sequence_divisor(cp, method)
     if seq_len % divisor != 0:
-        why = ("" if divisor == cp else f" ({divisor // cp} x {spelling.name('cp')}: causal load balancing gives "
+        why = ("" if divisor == cp else f" ({divisor // cp} x cp: causal load balancing gives "
                                          f"each rank {divisor // cp} of {divisor} chunks)")
         fits = [seq_len - seq_len % divisor, seq_len + divisor - seq_len % divisor]
         raise ValueError(f"sequence length {seq_len} is not divisible by {divisor}{why}, which "
-                         f"{spelling.named('cp', cp)} with {spelling.named('cp_method', method)} needs; nearest "
+                         f"cp={cp!r} with cp_method={method!r} needs; nearest "
                          f"lengths that fit: {[n for n in fits if n > 0]}")
 
 
@@ -117,19 +115,18 @@ def _heads_to_sequence(x: Tensor, group: dist.ProcessGroup, cp: int) -> Tensor:
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, *, is_causal: bool,
-                      scale: float | None, mask: Tensor | None = None, dropout_p: float = 0.0,
-                      spelling: Spelling = FIELD_NAMES) -> Tensor:
+                      scale: float | None, mask: Tensor | None = None, dropout_p: float = 0.0) -> Tensor:
     """Attention of q/k/v (B, H, T/cp, D) over the whole sequence, via two all-to-alls per tensor set; ``mask``: the
     whole sequence's (B or 1, H or 1, T, T), as ``scaled_dot_product_attention``'s ``attn_mask``; ``dropout_p``: its
     attention dropout, drawn by each rank for its heads (in the block's stream of ``lightning_par.parallel.rng``,
-    which differs per rank). ``spelling`` names the layout's sizes when the heads do not split."""
+    which differs per rank)."""
     cp = dist.get_world_size(group)
     H, Hkv = q.shape[1], k.shape[1]
     if H % cp != 0:
-        whole_heads = " or ".join(spelling.named("cp_method", spec.name) for spec in CONTEXT_METHODS.values()
+        whole_heads = " or ".join(f"cp_method={spec.name!r}" for spec in CONTEXT_METHODS.values()
                                   if not spec.splits_heads)
-        raise ValueError(f"context parallel 'ulysses' splits attention heads over {spelling.named('cp', cp)} ranks, "
-                         f"but the layer has {H} query heads; use a {spelling.name('cp')} that divides {H}, or "
+        raise ValueError(f"context parallel 'ulysses' splits attention heads over cp={cp!r} ranks, "
+                         f"but the layer has {H} query heads; use a cp that divides {H}, or "
                          f"{whole_heads}")
     if Hkv % cp != 0:  # too few kv heads to split: give every query head its own copy first
         k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
@@ -273,8 +270,7 @@ def _share(log_part: Tensor, log_total: Tensor) -> Tensor:
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, *, is_causal: bool,
-                   scale: float | None, mask: Tensor | None = None, dropout_p: float = 0.0,
-                   spelling: Spelling = FIELD_NAMES) -> Tensor:
+                   scale: float | None, mask: Tensor | None = None, dropout_p: float = 0.0) -> Tensor:
     """Attention of q/k/v (B, H, T/cp, D) over the whole sequence, keys and values passed round the ring; ``mask``:
     the whole sequence's (B or 1, H or 1, T, T), as ``scaled_dot_product_attention``'s ``attn_mask``, each chunk
     pair taking its block (a pair whose block masks everything is skipped, as the causal ones are). It has no
@@ -307,8 +303,7 @@ class _GatherAlongSequence(torch.autograd.Function):
 
 
 def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, *, is_causal: bool,
-                        scale: float | None, mask: Tensor | None = None, dropout_p: float = 0.0,
-                        spelling: Spelling = FIELD_NAMES) -> Tensor:
+                        scale: float | None, mask: Tensor | None = None, dropout_p: float = 0.0) -> Tensor:
     """Attention of q/k/v (B, H, T/cp, D) over the whole sequence, keys and values all-gathered at their own heads
     and this rank's queries attending to all of them (Llama 3's context parallel: Dubey et al. 2024, "The Llama 3
     Herd of Models", sec. 3.3.2); ``mask``: the whole sequence's, as ``scaled_dot_product_attention``'s
@@ -331,9 +326,9 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGrou
 class _RouteAttention(TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` to context-parallel attention over ``group``."""
 
-    def __init__(self, group: dist.ProcessGroup, method: Method, spelling: Spelling) -> None:
+    def __init__(self, group: dist.ProcessGroup, method: Method) -> None:
         super().__init__()
-        self.group, self.method, self.spelling = group, method, spelling
+        self.group, self.method = group, method
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -351,13 +346,13 @@ class _RouteAttention(TorchFunctionMode):
                              f"got shape {tuple(attn_mask.shape)}: use is_causal=True, or a mask of every position")
         method = CONTEXT_METHODS[self.method]
         if dropout_p != 0.0 and not method.attention_dropout:
-            others = " or ".join(self.spelling.named("cp_method", spec.name) for spec in CONTEXT_METHODS.values()
+            others = " or ".join(f"cp_method={spec.name!r}" for spec in CONTEXT_METHODS.values()
                                  if spec.attention_dropout)
             raise ValueError(f"context parallel {self.method!r} attention has no attention dropout ({method.summary}); "
                              f"got dropout_p={dropout_p}: use {others}, or turn attention dropout off")
         attend = globals()[method.attention_function]  # the row's function, defined in this module
         return attend(query, key, value, self.group, is_causal=is_causal, scale=scale, mask=attn_mask,
-                      dropout_p=dropout_p, spelling=self.spelling)
+                      dropout_p=dropout_p)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -440,23 +435,22 @@ class _Total(torch.autograd.Function):
 
 class ContextParallelBlock:
     """Replaces a block's ``forward``: cut sequence inputs, route attention, gather after the last block when no
-    head gathers (:class:`GatherAtHead`). ``spelling`` names the layout's sizes in its messages."""
+    head gathers (:class:`GatherAtHead`)."""
 
     def __init__(self, forward: Callable, group: dist.ProcessGroup, method: Method, *, first: bool,
-                 last: bool, spelling: Spelling) -> None:
+                 last: bool) -> None:
         self.forward, self.group, self.method, self.first, self.last = forward, group, method, first, last
-        self.spelling = spelling
         self.rank, self.cp = dist.get_rank(group), dist.get_world_size(group)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         hidden = args[0] if args else kwargs["hidden_states"]  # (B, T, C), or (B, T/cp, C) after the first
         seq_len = hidden.shape[1] if self.first else hidden.shape[1] * self.cp
         if self.first:
-            check_sequence_length(seq_len, self.cp, self.method, spelling=self.spelling)
+            check_sequence_length(seq_len, self.cp, self.method)
         positions = local_positions(seq_len, self.rank, self.cp, self.method).to(hidden.device)
         cut = _SequenceCut(hidden, positions, seq_len, first=self.first)
         args, kwargs = cut(args), {name: cut(value) for name, value in kwargs.items()}
-        with _RouteAttention(self.group, self.method, self.spelling):
+        with _RouteAttention(self.group, self.method):
             output = self.forward(*args, **kwargs)
         if not self.last:
             return output
@@ -585,7 +579,7 @@ def apply_context_parallel(module: nn.Module, mesh: ParallelMesh, model_map: Mod
     if method not in CP_METHODS:
         raise ValueError(f"context parallel method {method!r} is not one of {CP_METHODS}")
     if model_map is None:
-        raise ValueError(f"{mesh.spelling.named('cp', cp)} needs to know where the blocks are, and no model map was "
+        raise ValueError(f"cp={cp!r} needs to know where the blocks are, and no model map was "
                          f"found ({why_no_blocks(module)}): give the strategy a model map (model_map: "
                          "{blocks: ...}) or use a standard decoder layout")
     # A router's per-sequence numbers (capacity, load-balancing statistics) are computed over the whole sequence
@@ -603,8 +597,7 @@ def apply_context_parallel(module: nn.Module, mesh: ParallelMesh, model_map: Mod
         block = module.get_submodule(name)
         # An instance attribute shadows the class's forward; the parameter names (and checkpoints) stay.
         block.forward = ContextParallelBlock(block.forward, mesh.group("cp"), method, first=index == 0,
-                                             last=not gather_at_head and index == len(names) - 1,
-                                             spelling=mesh.spelling)
+                                             last=not gather_at_head and index == len(names) - 1)
     return module
 
 

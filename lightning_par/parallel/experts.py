@@ -21,7 +21,6 @@ from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_par.layout.config import divisors
-from lightning_par.layout.dimensions import FIELD_NAMES, Spelling
 from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.model_map import ModelMap
 
@@ -86,8 +85,8 @@ def apply_expert_parallel(module: nn.Module, mesh: ParallelMesh, ep: int, model_
         return module
     for n_experts in [layer.n_experts for layer in ours] + [stacked_experts(m) for m in theirs]:
         if n_experts % ep != 0:
-            raise ValueError(f"{mesh.spelling.named('ep', ep)} does not divide the {n_experts} experts of an MoE "
-                             f"layer; use an {mesh.spelling.name('ep')} in {divisors(n_experts)}")
+            raise ValueError(f"ep={ep!r} does not divide the {n_experts} experts of an MoE "
+                             f"layer; use an ep in {divisors(n_experts)}")
     meshes = mesh.experts(ep)
     replicas = meshes.replicas.get_group() if meshes.replicas.size() > 1 else None
     gradient = _ExpertGradient(replicas, mesh.size("dp_cp")) if reduce_gradients else None
@@ -111,11 +110,10 @@ def _expert_layers(module: nn.Module, model_map: ModelMap | None) -> tuple[list[
     return ours, theirs
 
 
-def check_experts_found(module: nn.Module, model_map: ModelMap | None, ep: int, *,
-                        spelling: Spelling = FIELD_NAMES) -> None:
+def check_experts_found(module: nn.Module, model_map: ModelMap | None, ep: int) -> None:
     """Refuse expert parallel (``ep > 1``) on a model in which it would split no expert: it would train as plain data
     parallel, not as asked. Run on the whole model, before a pipeline cuts it (each stage's rank sees its own layers
-    only), so that every rank decides alike. ``spelling`` names ``ep`` in the message."""
+    only), so that every rank decides alike."""
     if ep == 1 or any(_expert_layers(module, model_map)):
         return
     marked = [name for name, _ in module.named_modules() if model_map is not None
@@ -130,10 +128,10 @@ def check_experts_found(module: nn.Module, model_map: ModelMap | None, ep: int, 
         blocks = module.get_submodule(model_map.blocks)
         kinds = sorted({type(block).__name__ for block in blocks.children()})
         where += f"'s blocks {model_map.blocks!r} ({', '.join(kinds)})"
-    raise ValueError(f"{spelling.named('ep', ep)}: expert parallel found no experts to split in {where} ({found}). It "
+    raise ValueError(f"ep={ep!r}: expert parallel found no experts to split in {where} ({found}). It "
                      "splits MoE layers that route their own tokens (lightning_par's MoEFeedForward: expert_group, "
                      "n_experts, experts) and modules the model map marks 'experts' whose weights are stacked by "
-                     f"expert (transformers' Mixtral, Qwen-MoE, OLMoE). Use {spelling.name('ep')}=1 for this model, or "
+                     f"expert (transformers' Mixtral, Qwen-MoE, OLMoE). Use ep=1 for this model, or "
                      "mark its experts in the model map (docs/expert_parallel.md)")
 
 

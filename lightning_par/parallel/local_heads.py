@@ -18,7 +18,6 @@ from typing import Any
 
 from torch import nn
 
-from lightning_par.layout.dimensions import FIELD_NAMES, Spelling
 
 # Attributes holding a number of heads or a width of all heads, by the names model families give them.
 HEAD_COUNT_NAMES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "heads", "n_query_groups",
@@ -39,27 +38,26 @@ def head_counts(module: nn.Module, parts: int) -> dict[str, tuple[int, int]] | N
     return found
 
 
-def localize_head_counts(modules: Iterable[nn.Module], parts: int, *, spelling: Spelling = FIELD_NAMES) -> None:
+def localize_head_counts(modules: Iterable[nn.Module], parts: int) -> None:
     """Set the head counts of ``modules`` (and their submodules) to each rank's share, in place; a config they hold
     is replaced by a copy (one copy per shared config). Raises ``ValueError`` naming a count ``parts`` does not
-    divide (and the tensor-parallel size as ``spelling`` names it)."""
+    divide (and the tensor-parallel size)."""
     copies: dict[int, Any] = {}
     for module in modules:
         for sub in module.modules():
             config = sub.__dict__.get("config")
             if config is not None and not isinstance(config, nn.Module) and any(True for _ in _counts(config)):
                 if id(config) not in copies:
-                    copies[id(config)] = _localized(copy.copy(config), parts, type(sub).__name__ + ".config",
-                                                    spelling)
+                    copies[id(config)] = _localized(copy.copy(config), parts, type(sub).__name__ + ".config")
                 sub.config = copies[id(config)]
-            _localized(sub, parts, type(sub).__name__, spelling)
+            _localized(sub, parts, type(sub).__name__)
 
 
-def _localized(holder: Any, parts: int, what: str, spelling: Spelling) -> Any:
+def _localized(holder: Any, parts: int, what: str) -> Any:
     counts = list(_counts(holder))
     for attribute, value in counts:  # all checked before any is set
         if value % parts:
-            raise ValueError(f"{spelling.named('tp', parts)} does not divide {what}.{attribute}={value}: its heads "
+            raise ValueError(f"tp={parts!r} does not divide {what}.{attribute}={value}: its heads "
                              f"cannot be split over the tensor-parallel ranks; sizes that fit: "
                              f"{[d for d in range(1, min(value, 64) + 1) if value % d == 0]}")
     for attribute, value in counts:

@@ -17,14 +17,13 @@ Flattened views (kept here, as PyTorch asks callers to keep them rather than re-
 
 from __future__ import annotations
 
-import copy
 from typing import NamedTuple
 
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_par.layout.config import ParallelConfig
-from lightning_par.layout.dimensions import FIELD_NAMES, FLATTENED_DIMS, MESH_DIM_NAMES, Spelling
+from lightning_par.layout.dimensions import FLATTENED_DIMS, MESH_DIM_NAMES
 
 
 class ExpertMeshes(NamedTuple):
@@ -37,15 +36,12 @@ class ExpertMeshes(NamedTuple):
 
 
 class ParallelMesh:
-    """Owns the root :class:`DeviceMesh` and its named flattened sub-meshes (torchtitan's ParallelDims).
+    """Owns the root :class:`DeviceMesh` and its named flattened sub-meshes (torchtitan's ParallelDims)."""
 
-    ``spelling``: how the layout's maker names its dimensions (``ParallelConfig.spelling``), for the messages of the
-    techniques laid out on the mesh, which see its sizes but not the config."""
-
-    def __init__(self, root: DeviceMesh, spelling: Spelling = FIELD_NAMES) -> None:
+    def __init__(self, root: DeviceMesh) -> None:
         if root.mesh_dim_names != MESH_DIM_NAMES:
             raise ValueError(f"mesh dimensions must be {MESH_DIM_NAMES}, got {root.mesh_dim_names}")
-        self.root, self.spelling = root, spelling
+        self.root = root
         self._flat = {name: root[dims]._flatten(name) for name, dims in FLATTENED_DIMS.items()}
         # One object per root dimension: slicing the root makes a new DeviceMesh each time, and a compiled block
         # whose DTensors meet two equal tp meshes (the parameters' and the pipeline's received activations')
@@ -78,14 +74,6 @@ class ParallelMesh:
             self._experts[ep] = ExpertMeshes(ep=experts["ep"], shard=shard, partition=experts["ep_dp_shard"],
                                              replicas=experts[names[:2]]._flatten("ep_replicas"))
         return self._experts[ep]
-
-    def spelled(self, spelling: Spelling) -> ParallelMesh:
-        """This mesh, sharing its groups and sub-meshes, with messages in ``spelling``."""
-        if spelling == self.spelling:
-            return self
-        spelled = copy.copy(self)
-        spelled.spelling = spelling
-        return spelled
 
     def size(self, name: str) -> int:
         return self[name].size()
@@ -124,7 +112,7 @@ def build_mesh(config: ParallelConfig, device_type: str = "cpu") -> ParallelMesh
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("build_mesh() needs an initialized torch.distributed process group")
     config = config.validate(dist.get_world_size())
-    return build_device_mesh(device_type, dict(zip(MESH_DIM_NAMES, config.mesh_shape())), config.spelling)
+    return build_device_mesh(device_type, dict(zip(MESH_DIM_NAMES, config.mesh_shape())))
 
 
 # The meshes built over the current default process group, by device type and shape (see build_device_mesh).
@@ -132,7 +120,7 @@ _BUILT: dict[tuple[str, tuple[int, ...]], ParallelMesh] = {}
 _BUILT_IN: object = None  # the default group _BUILT's meshes belong to
 
 
-def build_device_mesh(device_type: str, sizes: dict[str, int], spelling: Spelling = FIELD_NAMES) -> ParallelMesh:
+def build_device_mesh(device_type: str, sizes: dict[str, int]) -> ParallelMesh:
     """The root mesh with ``sizes`` given for every name of :data:`MESH_DIM_NAMES`.
 
     Built once per shape and default process group, then shared: a mesh holds nothing of a run but its process
@@ -149,4 +137,4 @@ def build_device_mesh(device_type: str, sizes: dict[str, int], spelling: Spellin
     key = (device_type, shape)
     if key not in _BUILT:
         _BUILT[key] = ParallelMesh(init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES))
-    return _BUILT[key].spelled(spelling)
+    return _BUILT[key]

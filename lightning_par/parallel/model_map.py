@@ -43,7 +43,7 @@ MAP_SOURCES = ("given", "huggingface", "derived", "structure")
 
 # The names model families give a projection of each role inside a block: one vocabulary for the model map (which
 # pairs projections for tensor parallel) and for the planner's description of a module
-# (lightning_par.strategies.model_spec). Llama/Mistral/Qwen q_proj..., Meta's wq..., BERT-style query...,
+# (lightning_par.planner.module_spec). Llama/Mistral/Qwen q_proj..., Meta's wq..., BERT-style query...,
 # GPT-2 c_attn/c_proj, GPT-NeoX query_key_value/dense, Phi dense/fc1/fc2, MLA's q_b_proj/kv_b_proj, single letters.
 PROJECTION_NAMES: dict[str, tuple[str, ...]] = {
     "query": ("q_proj", "wq", "query", "q", "q_b_proj"),

@@ -124,7 +124,7 @@ def check_model_map(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap, 
     if not any(is_projection(sub) and candidate.style_of(name) in SPLIT_STYLES
                for name, sub in module.named_modules() if name.startswith(model_map.blocks + ".")):
         why = "; ".join(notes) if notes else "the model map marks no projection inside the blocks column- and row-wise"
-        named_tp = mesh.spelling.named("tp", mesh.size("tp"))
+        named_tp = f"tp={mesh.size('tp')!r}"
         raise ValueError(f"{named_tp} would split no layer inside the blocks {model_map.blocks!r} of "
                          f"{type(module).__name__} ({model_map.source} map; {why}): the blocks would train "
                          "replicated on every tensor-parallel rank. Give a model map whose blocks pair colwise and rowwise projections (docs/models.md), "
@@ -244,7 +244,7 @@ def _refusal(model_map: ModelMap, outcome: _Outcome, mesh: ParallelMesh, sequenc
     else:
         advice = (f"change the styles of {key!r}'s layers in the model map (colwise_gather/rowwise_split when the "
                   "model slices a projection's output by global sizes, replicate to keep it whole; see docs/models.md)")
-    named_tp = mesh.spelling.named("tp", mesh.size("tp"))
+    named_tp = f"tp={mesh.size('tp')!r}"
     return (f"tensor parallel ({named_tp}, {model_map.source} map) does not compute what the model computes in "
             f"{key!r}: {outcome.reason}. {advice[0].upper()}{advice[1:]}")
 

@@ -42,9 +42,9 @@ class Parallelized:
     def __init__(self, module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, *,
                  reduces_after_backward: bool, pipeline: PipelineRunner | None = None) -> None:
         if config.pp > 1 and pipeline is None:
-            raise ValueError(f"{config.named('pp')}: pipeline parallel runs the stages parallelize() cuts from the "
+            raise ValueError(f"pp={config.pp!r}: pipeline parallel runs the stages parallelize() cuts from the "
                              "model, and this module parallelized itself; let the strategy lay it out (drop "
-                             f"parallelize() and the splitting in configure_model()), or use {config.name('pp')}=1")
+                             f"parallelize() and the splitting in configure_model()), or use pp=1")
         self.module, self.mesh, self.config = module, mesh, config
         self.reduces_after_backward = reduces_after_backward
         self.pipeline = pipeline

@@ -25,7 +25,6 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_par.layout.dimensions import FIELD_NAMES, Spelling
 from lightning_par.parallel.modules import clean_name
 
 
@@ -43,12 +42,11 @@ class Regrouped:
         return section_order(self.sections, self.parts)
 
 
-def section_order(sections: tuple[int, ...], parts: int, *, spelling: Spelling = FIELD_NAMES) -> Tensor:
-    """The stored rows in training order: for each of ``parts`` ranks, its part of each section in turn. ``spelling``
-    names the tensor-parallel size in the message when ``parts`` does not divide a section."""
+def section_order(sections: tuple[int, ...], parts: int) -> Tensor:
+    """The stored rows in training order: for each of ``parts`` ranks, its part of each section in turn."""
     bad = [size for size in sections if size % parts]
     if bad:
-        raise ValueError(f"{spelling.named('tp', parts)} does not divide the sections {list(sections)} of a fused "
+        raise ValueError(f"tp={parts!r} does not divide the sections {list(sections)} of a fused "
                          f"projection (sizes {bad}); tensor-parallel sizes that fit: "
                          f"{[d for d in range(1, 65) if all(size % d == 0 for size in sections)]}")
     starts = torch.tensor([0, *sections]).cumsum(0)[:-1].tolist()
@@ -56,11 +54,10 @@ def section_order(sections: tuple[int, ...], parts: int, *, spelling: Spelling =
                       for rank in range(parts) for start, size in zip(starts, sections)])
 
 
-def regroup_rows(layer: nn.Module, sections: tuple[int, ...], parts: int, dims: dict[str, int], *,
-                 spelling: Spelling = FIELD_NAMES) -> None:
+def regroup_rows(layer: nn.Module, sections: tuple[int, ...], parts: int, dims: dict[str, int]) -> None:
     """Put the rows of ``layer``'s parameters ``dims`` in training order, in place (on the meta device too)."""
     width = sum(sections)
-    order = section_order(tuple(sections), parts, spelling=spelling)
+    order = section_order(tuple(sections), parts)
     regrouped = Regrouped(tuple(sections), parts, dict(dims))
     for name, dim in dims.items():
         parameter = layer.get_parameter(name)

@@ -41,7 +41,6 @@ from torch.distributed.tensor.parallel import (
 from torch.overrides import TorchFunctionMode
 
 from lightning_par.layout.config import divisors
-from lightning_par.layout.dimensions import FIELD_NAMES, Spelling
 from lightning_par.parallel.mesh import ParallelMesh
 from lightning_par.parallel.adapters import base_layer as adapter_base
 from lightning_par.parallel.adapters import is_adapted, is_lora, unused_lora_weights
@@ -446,13 +445,11 @@ def _takes_input_once(module: nn.Module, parent: str, model_map: ModelMap) -> bo
     return True
 
 
-def check_tensor_parallel(module: nn.Module, model_map: ModelMap | None, tp: int, *,
-                          spelling: Spelling = FIELD_NAMES) -> None:
-    """Raise ``ValueError`` when ``module`` cannot be split ``tp`` ways, naming the size (as ``spelling`` does) and
-    what fits."""
+def check_tensor_parallel(module: nn.Module, model_map: ModelMap | None, tp: int) -> None:
+    """Raise ``ValueError`` when ``module`` cannot be split ``tp`` ways, naming the size and what fits."""
     if tp == 1:
         return
-    named_tp = spelling.named("tp", tp)
+    named_tp = f"tp={tp!r}"
     if model_map is None:
         raise ValueError(
             f"{named_tp} needs to know which layers to split, and no model map was found ({why_no_blocks(module)}): "
@@ -500,11 +497,11 @@ def apply_tensor_parallel(module: nn.Module, mesh: ParallelMesh, model_map: Mode
     tp = mesh.size("tp")
     if tp == 1:
         return module
-    check_tensor_parallel(module, model_map, tp, spelling=mesh.spelling)
+    check_tensor_parallel(module, model_map, tp)
     assert model_map is not None
     styles = tensor_parallel_styles(module, model_map, sequence_parallel=sequence_parallel,
                                     vocab_parallel_logits=loss_parallel)
-    _split_heads_per_rank(module, model_map, tp, mesh.spelling)
+    _split_heads_per_rank(module, model_map, tp)
     ties = tied_groups(module)
     parallelize_module(module, mesh["tp"], styles)
     # parallelize_module gives each module its own DTensors: a head tied to the embedding would become a copy.
@@ -516,11 +513,11 @@ def apply_tensor_parallel(module: nn.Module, mesh: ParallelMesh, model_map: Mode
     if sequence_parallel and model_map.embedding is not None:
         # Before the embedding's collective, on every rank alike: a sequence that does not split would
         # otherwise fail deep inside DTensor with shapes that do not mention the cause.
-        module.get_submodule(model_map.embedding).register_forward_pre_hook(_SequenceLengthCheck(tp, mesh.spelling))
+        module.get_submodule(model_map.embedding).register_forward_pre_hook(_SequenceLengthCheck(tp))
     return module
 
 
-def _split_heads_per_rank(module: nn.Module, model_map: ModelMap, tp: int, spelling: Spelling) -> None:
+def _split_heads_per_rank(module: nn.Module, model_map: ModelMap, tp: int) -> None:
     """Fused projections regrouped so that each rank's rows hold its part of every section
     (:mod:`~lightning_par.parallel.regroup`), and head counts set to each rank's
     (:mod:`~lightning_par.parallel.local_heads`), where the model map says so."""
@@ -535,9 +532,8 @@ def _split_heads_per_rank(module: nn.Module, model_map: ModelMap, tp: int, spell
         held = dict(sub.named_parameters())
         dims = {parameter: placement.dim for parameter, placement in _split_placements(sub, colwise=True).items()
                 if isinstance(placement, Shard) and parameter in held}
-        regroup_rows(sub, sections, tp, dims, spelling=spelling)
-    localize_head_counts([sub for name, sub in module.named_modules() if model_map.has_local_heads(name)], tp,
-                         spelling=spelling)
+        regroup_rows(sub, sections, tp, dims)
+    localize_head_counts([sub for name, sub in module.named_modules() if model_map.has_local_heads(name)], tp)
 
 
 def split_summary(module: nn.Module, model_map: ModelMap) -> str:
@@ -577,13 +573,13 @@ def _with_placements(grad: Tensor, *, placements: tuple[Placement, ...]) -> Tens
 
 
 class _SequenceLengthCheck:
-    def __init__(self, tp: int, spelling: Spelling) -> None:
-        self.tp, self.spelling = tp, spelling
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         seq_len = args[0].shape[1]
         if seq_len % self.tp != 0:
-            raise ValueError(f"sequence parallel splits the sequence over {self.spelling.named('tp', self.tp)} "
+            raise ValueError(f"sequence parallel splits the sequence over tp={self.tp!r} "
                              f"ranks, but a batch has {seq_len} tokens; use a sequence length divisible by {self.tp}")
 
 

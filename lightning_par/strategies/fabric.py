@@ -168,9 +168,13 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
         if self._parallelized is not None:
             raise ValueError(f"{type(self).__name__} lays out one model per run, and one is set up already; a second "
                              "model needs a Fabric of its own")
-        self._parallelized = self.layout.lay_out(
-            module, module, training=True, accumulate=1,
-            sample=lambda config, model_map: self._sample(module, config, model_map))
+        try:
+            self._parallelized = self.layout.lay_out(
+                module, module, training=True, accumulate=1,
+                sample=lambda config, model_map: self._sample(module, config, model_map))
+        except ValueError as refusal:  # parallel/ refuses with the fields' names: say them as the user wrote them
+            self.parallel_config.spelling.spell_error(refusal)
+            raise
         if self._parallelized.pipeline is not None:
             self._parallelized.module.register_forward_pre_hook(self._refuse_forward_outside_schedule)
         return self._parallelized.module

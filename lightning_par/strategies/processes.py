@@ -181,6 +181,9 @@ class MeshProcesses(DevicesOfTheRun, ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         global _RUN_FAILED
         _RUN_FAILED = True  # peers may be gone or stuck: do not wait for them at exit
+        config = getattr(self, "parallel_config", None)
+        if config is not None:  # parallel/ refuses with the fields' names: say them as the user wrote them
+            config.spelling.spell_error(exception)
         self._failed_with = exception
         if self._fault_monitor is not None:
             # Name the rank and the collective; from here this rank exits within the timeout.

@@ -89,12 +89,21 @@ def layout_sample(module: LightningModule, config: ParallelConfig, batch: Any, *
         inputs = batch[0]
     else:
         return None
-    check_batch_fits(config, batch_size=batch_size if batch_size is not None else inputs.shape[0],
-                     seq_len=inputs.shape[1] if inputs.dim() == 2 else None)
+    check_batch(config, batch_size=batch_size if batch_size is not None else inputs.shape[0],
+                seq_len=inputs.shape[1] if inputs.dim() == 2 else None)
     if callable(split) and config.pp > 1:
         size = max(1, inputs.shape[0] // config.microbatches)
         inputs, targets = inputs[:size], targets[:size]
     return inputs, targets
+
+
+def check_batch(config: ParallelConfig, *, batch_size: int | None, seq_len: int | None) -> None:
+    """``parallel.compose.check_batch_fits``, its refusal in the names the user gave the strategy."""
+    try:
+        check_batch_fits(config, batch_size=batch_size, seq_len=seq_len)
+    except ValueError as refusal:
+        config.spelling.spell_error(refusal)
+        raise
 
 
 def sample_for_layout(module: LightningModule, config: ParallelConfig, model_map: ModelMap | None,
@@ -121,8 +130,8 @@ def sample_for_layout(module: LightningModule, config: ParallelConfig, model_map
         random_state.restore()
     if call is not None:
         inputs = call.sample
-        check_batch_fits(config, batch_size=taken[1] if taken[1] is not None else inputs.shape[0],
-                         seq_len=inputs.shape[1] if inputs.dim() == 2 else None)
+        check_batch(config, batch_size=taken[1] if taken[1] is not None else inputs.shape[0],
+                    seq_len=inputs.shape[1] if inputs.dim() == 2 else None)
         return call
     sample = None if taken is None else layout_sample(module, config, taken[0], batch_size=taken[1])
     if config.tp > 1 and model_map is not None and sample is None:

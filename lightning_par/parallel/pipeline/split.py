@@ -90,7 +90,7 @@ def check_microbatches(config: ParallelConfig, batch_size: int | None = None) ->
     if too_few:
         raise ValueError(too_few)
     if batch_size is not None and batch_size % n_microbatches != 0:
-        raise ValueError(f"a batch of {batch_size} samples does not split into {config.named('microbatches')}; "
+        raise ValueError(f"a batch of {batch_size} samples does not split into microbatches={config.microbatches!r}; "
                          f"use a batch size divisible by {n_microbatches}, and a loader that leaves out a partial "
                          "last batch (DataLoader(drop_last=True))")
 
@@ -624,7 +624,7 @@ def split_pipeline(module: nn.Module, mesh: ParallelMesh, model_map: ModelMap | 
     in ``model_map`` win over balancing.
     """
     pp = mesh.size("pp")
-    named_pp = mesh.spelling.named("pp", pp)  # as the layout's maker spells it
+    named_pp = f"pp={pp!r}"
     if model_map is None:
         raise ValueError(f"{named_pp} needs to know where the blocks are, and no model map was found "
                          f"({why_no_blocks(module)}): give the "
