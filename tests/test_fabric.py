@@ -214,7 +214,7 @@ def test_every_strategy_name_resolves_in_fabric_with_the_trainers_arguments() ->
         strategy = L.Fabric(accelerator="cpu", devices=2, strategy=name).strategy
         assert isinstance(strategy, MeshFabricStrategy), name
         trainer_strategy = StrategyRegistry.get(name)
-        assert type(strategy.layout) is type(trainer_strategy), name
+        assert type(strategy.trainer_strategy) is type(trainer_strategy), name
         assert strategy.parallel_config == trainer_strategy.parallel_config, name
     # The planner reads the model and its data, which Fabric has not seen when it starts the processes.
     with pytest.raises(ValueError, match=r"AutoParallelStrategy: activation_checkpointing, .*, zero_stage left "

@@ -1,12 +1,13 @@
 """Every lightning_par layout under Lightning Fabric: ``L.Fabric(strategy="hybrid3d", ...)`` (docs/fabric.md).
 
-A Fabric strategy holds the Trainer strategy of the same name (its ``layout``) and lets it do what does not depend
-on who drives the loop: read and check the arguments, start the processes (with the fault monitor), build the mesh,
-lay the model out (``MeshStrategy.lay_out``: the same ``parallelize`` call, the same ``Parallelized`` handle). What
-Fabric's loop asks goes to that handle: ``fabric.backward`` (in the loss context, then ``after_backward``),
+A Fabric strategy holds the Trainer strategy of the same name (its ``trainer_strategy``) and lets it do what does not
+depend on who drives the loop: read and check the arguments, start the processes (with the fault monitor), build the
+mesh, lay the model out (``MeshStrategy.lay_out``: the same ``parallelize`` call, the same ``Parallelized`` handle).
+What Fabric's loop asks goes to that handle: ``fabric.backward`` (in the loss context, then ``after_backward``),
 ``fabric.no_backward_sync`` (``no_sync``), ``fabric.clip_gradients`` (the norm of the whole gradient),
-``fabric.save``/``fabric.load`` (``lightning_par/checkpoint/format.py``: the Trainer's format, so either loads the other's).
-Under pipeline parallel a step is one call, :meth:`MeshFabricStrategy.pipeline_step`, which runs the schedule.
+``fabric.save``/``fabric.load`` (``lightning_par/checkpoint/format.py``: the Trainer's format, so either loads the
+other's). Under pipeline parallel a step is one call, :meth:`MeshFabricStrategy.pipeline_step`, which runs the
+schedule.
 """
 
 from __future__ import annotations
@@ -56,15 +57,15 @@ class _FabricSubprocessLauncher(_SubprocessScriptLauncher):
 
 
 class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
-    """A lightning_par layout for ``L.Fabric``: the arguments of the Trainer strategy :attr:`layout_of`."""
+    """A lightning_par layout for ``L.Fabric``: the arguments of its :attr:`trainer_strategy_class`."""
 
     #: The Trainer strategy whose arguments, names and layout this strategy takes.
-    layout_of: type[MeshStrategy] = MeshStrategy
+    trainer_strategy_class: type[MeshStrategy] = MeshStrategy
 
     def __init__(self, *args: Any, accelerator: Any = None, checkpoint_io: Any = None, precision: Any = None,
                  **kwargs: Any) -> None:
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
-        self.layout = self.layout_of(*args, **kwargs)
+        self.trainer_strategy = self.trainer_strategy_class(*args, **kwargs)
         self._parallelized: Parallelized | None = None
         self._in_schedule = False  # inside pipeline_step / pipeline_evaluate
         self._backward_sync_control = _NoSyncThroughTheHandle(self)
@@ -73,18 +74,18 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register every name the Trainer strategy registers, with the same arguments."""
-        cls.layout_of.register_strategies(_RegisteredAs(cls, strategy_registry))
+        cls.trainer_strategy_class.register_strategies(_RegisteredAs(cls, strategy_registry))
 
     # ------------------------------------------------------------------------------------------ processes
     @property
     def parallel_config(self) -> ParallelConfig:
         """The layout this run trains in (sizes checked against the world size once the processes started)."""
-        return self.layout.parallel_config
+        return self.trainer_strategy.parallel_config
 
     @property
     def mesh(self) -> Any:
         """The named device mesh (``lightning_par.parallel.mesh.ParallelMesh``), from ``fabric.launch()`` on."""
-        return self.layout.mesh
+        return self.trainer_strategy.mesh
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -95,36 +96,37 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _FabricSubprocessLauncher(self.cluster_environment, self.num_processes,
-                                                       self.num_nodes, grace=launched_ranks_grace(self.layout._timeout))
+            grace = launched_ranks_grace(self.trainer_strategy._timeout)
+            self._launcher = _FabricSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
+                                                       grace=grace)
 
     def _hand_over(self) -> None:
         """Give the Trainer strategy held what Fabric set on this one: devices, nodes, cluster, launcher."""
-        layout = self.layout
-        layout.cluster_environment = self.cluster_environment
-        layout.parallel_devices = self.parallel_devices
-        layout.num_nodes = self.num_nodes
-        layout._launcher = self._launcher
+        trainer_strategy = self.trainer_strategy
+        trainer_strategy.cluster_environment = self.cluster_environment
+        trainer_strategy.parallel_devices = self.parallel_devices
+        trainer_strategy.num_nodes = self.num_nodes
+        trainer_strategy._launcher = self._launcher
 
     def _set_world_ranks(self) -> None:
         self._hand_over()
-        self.layout.set_world_ranks()
+        self.trainer_strategy.set_world_ranks()
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self._hand_over()
-        planned = sorted(getattr(self.layout, "_planned", ()))
+        planned = sorted(getattr(self.trainer_strategy, "_planned", ()))
         if planned:  # the planner reads the model and its data, which Fabric has not seen when the processes start
             raise ValueError(f"{type(self).__name__}: {', '.join(planned)} left 'auto', and under Fabric the layout "
                              "is fixed when the processes start, before the model exists: give every size (the "
                              "command `lightning-par plan` proposes them), or use the Trainer, which plans from the "
                              "model")
-        self.layout.start_processes_and_mesh()
+        self.trainer_strategy.start_processes_and_mesh()
 
     @override
     def teardown(self) -> None:
-        self.layout.stop_watching()
+        self.trainer_strategy.stop_watching()
         super().teardown()
 
     # ------------------------------------------------------------------------------------------ model
@@ -169,7 +171,7 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
             raise ValueError(f"{type(self).__name__} lays out one model per run, and one is set up already; a second "
                              "model needs a Fabric of its own")
         try:
-            self._parallelized = self.layout.lay_out(
+            self._parallelized = self.trainer_strategy.lay_out(
                 module, module, training=True, accumulate=1,
                 sample=lambda config, model_map: self._sample(module, config, model_map))
         except ValueError as refusal:  # parallel/ refuses with the fields' names: say them as the user wrote them
@@ -197,7 +199,8 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
                                  "set model.example_input_array = <a batch of inputs> (token ids of shape [batch, "
                                  "sequence]; a tuple or dict of the forward's inputs) before fabric.setup")
             return None
-        example = move_data_to_device(self.layout.broadcast(move_data_to_device(example, "cpu")), self.root_device)
+        example = move_data_to_device(self.trainer_strategy.broadcast(move_data_to_device(example, "cpu")),
+                                      self.root_device)
         if isinstance(example, Tensor):
             if config.pp > 1:
                 example = example[: max(1, example.shape[0] // config.microbatches)]
@@ -303,11 +306,11 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        self.layout.barrier()
+        self.trainer_strategy.barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return self.layout.broadcast(obj, src)
+        return self.trainer_strategy.broadcast(obj, src)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     @override
@@ -321,7 +324,7 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
         if storage_options is not None or filter is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter: a "
                             "checkpoint holds the whole model, so that it loads under any layout")
-        inner, full = self.parallelized.inner, not self.layout._save_distributed_checkpoint
+        inner, full = self.parallelized.inner, not self.trainer_strategy._save_distributed_checkpoint
         model_key, optimizers, checkpoint = self._parts(state)
         checkpoint = {key: value.state_dict() if isinstance(value, _Stateful) else value
                       for key, value in checkpoint.items()}
@@ -330,7 +333,7 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
         checkpoint[ckpt.TIED_KEY] = tied_aliases(inner)
         checkpoint[ckpt.FABRIC_KEY] = {"model": model_key, "optimizers": [key for key, _ in optimizers]}
         path = Path(self.broadcast(str(path)))
-        self.layout._enter(f"saving checkpoint {path}")
+        self.trainer_strategy._enter(f"saving checkpoint {path}")
         ckpt.save_checkpoint(checkpoint, path, sharded=not full)
 
     @override
@@ -344,10 +347,10 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
             raise ValueError(f"{type(self).__name__}.load_checkpoint takes the state to restore, with the model set up "
                              "in it: fabric.load(path, {'model': model, 'optimizer': optimizer, ...})")
         path = Path(self.broadcast(str(path)))
-        self.layout._enter(f"loading checkpoint {path}")
+        self.trainer_strategy._enter(f"loading checkpoint {path}")
         _, optimizers, requested = self._parts(state)
         rest = ckpt.load_checkpoint(path, self.parallelized.inner, [o for _, o in optimizers], strict=strict,
-                                    weights_only=self.layout._checkpoint_weights_only if weights_only is None
+                                    weights_only=self.trainer_strategy._checkpoint_weights_only if weights_only is None
                                     else weights_only)
         for key in (ckpt.FABRIC_KEY, ckpt.TIED_KEY, ckpt.MODEL_KEY):
             rest.pop(key, None)
@@ -423,11 +426,12 @@ def _inputs_and_targets(module: nn.Module, batch: Any) -> tuple[Tensor, Tensor]:
                      f".split_batch(batch); got a {type(batch).__name__}")
 
 
-def _fabric_counterpart(layout: type[MeshStrategy]) -> type[MeshFabricStrategy]:
-    """The Fabric strategy of the Trainer strategy ``layout``: the same name, arguments and layout."""
-    doc = (f"``{layout.strategy_name}`` under Lightning Fabric: the arguments of the Trainer's "
-           f":class:`lightning_par.strategies.{layout.__name__}`, laid out alike (docs/fabric.md).")
-    return type(layout.__name__, (MeshFabricStrategy,), {"layout_of": layout, "__doc__": doc, "__module__": __name__})
+def _fabric_counterpart(trainer_strategy: type[MeshStrategy]) -> type[MeshFabricStrategy]:
+    """The Fabric strategy of ``trainer_strategy``: the same name, arguments and layout."""
+    doc = (f"``{trainer_strategy.strategy_name}`` under Lightning Fabric: the arguments of the Trainer's "
+           f":class:`lightning_par.strategies.{trainer_strategy.__name__}`, laid out alike (docs/fabric.md).")
+    return type(trainer_strategy.__name__, (MeshFabricStrategy,),
+                {"trainer_strategy_class": trainer_strategy, "__doc__": doc, "__module__": __name__})
 
 
 DataParallelStrategy = _fabric_counterpart(data_parallel.DataParallelStrategy)
