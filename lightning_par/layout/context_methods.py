@@ -5,13 +5,15 @@
 sequence slices of ``cp`` ranks: which chunks of the sequence a rank holds, whether the heads are split over the
 ranks, whether attention dropout runs, the bytes it exchanges, whether those hide behind attention, the activations
 and score blocks it keeps, and the function of ``parallel/context.py`` that runs it. Adding a method is adding a row
-and that function (docs/architecture.md shows one added, tested and removed); nothing else names methods. The rows'
-papers:
+and that function (docs/architecture.md walks through the all-gather row, added so); nothing else names methods. The
+rows' papers:
 
 * Ulysses: Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for Enabling Training of Extreme Long
   Sequence Transformer Models";
 * ring: Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context", with the causal load
-  balancing of Llama 3 and Megatron's context parallel (rank ``r`` holds chunks ``r`` and ``2cp - 1 - r``).
+  balancing of Llama 3 and Megatron's context parallel (rank ``r`` holds chunks ``r`` and ``2cp - 1 - r``);
+* all-gather: Dubey et al. 2024, "The Llama 3 Herd of Models", sec. 3.3.2: keys and values all-gathered, each rank's
+  queries (the same balanced chunks) attending to the whole sequence.
 
 Pure Python: neither torch nor the package is imported, so the config and the planner read the table without torch.
 """

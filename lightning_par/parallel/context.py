@@ -12,8 +12,11 @@ tokens, and the methods of ``layout/context_methods.py``'s table provide them, e
   with an online softmax (Milakov & Gimelshein 2018; Dao et al. 2022, "FlashAttention"). Under a causal
   mask, rank ``r`` holds chunks ``r`` and ``2cp-1-r`` of ``2cp`` equal chunks, so that every rank
   computes the same number of unmasked score blocks (the load balancing of Llama 3 / Megatron-CP).
+* ``allgather`` (Dubey et al. 2024, "The Llama 3 Herd of Models", sec. 3.3.2): keys and values are all-gathered
+  at their own heads and this rank's queries (the same balanced chunks) attend to the whole sequence in one
+  ``scaled_dot_product_attention``; backward reduce-scatters the key and value gradients.
 
-Both are plain PyTorch with gloo-capable collectives, so they run on CPU; PyTorch's own
+All are plain PyTorch with gloo-capable collectives, so they run on CPU; PyTorch's own
 ``context_parallel`` needs SDPA sharding rules that CPU lacks.
 
 How it attaches to a model, without model-specific code (``apply_context_parallel``):
