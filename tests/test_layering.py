@@ -1,5 +1,6 @@
 """Layering (docs/architecture.md): the pure layers never import Lightning, ``layout/`` imports nothing of the package,
-nothing below ``cli/`` imports it, no import circles, a short top level; importing lightning_par registers names."""
+nothing below ``cli/`` imports it, no import circles, a short top level; the strategies register their names and the
+planner starts without Lightning; methods, schedules and stages are named only by their rows."""
 
 from __future__ import annotations
 
