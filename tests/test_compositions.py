@@ -36,6 +36,11 @@ CASES = {
     # Sequence parallel splits each context-parallel chunk over tp; loss parallel on top.
     "cp2xtp2-sp-ring-lp-tied": (4, 1, dict(context_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
                                            loss_parallel=True, context_parallel_method="ring"), "tied"),
+    # Llama 3's context parallel (all-gathered keys) with tensor and sequence parallel, and inside pipeline stages.
+    "cp2xtp2-sp-allgather-lp-tied": (4, 1, dict(context_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
+                                                loss_parallel=True, context_parallel_method="allgather"), "tied"),
+    "pp2xcp2-allgather-1f1b-moe": (4, 1, dict(pipeline_parallel_size=2, context_parallel_size=2, microbatches=2,
+                                              context_parallel_method="allgather"), "moe-capacity"),
     # The last stage keeps the logits split over the vocabulary.
     "pp2xtp2-lp-tied": (4, 1, dict(pipeline_parallel_size=2, tensor_parallel_size=2, loss_parallel=True,
                                    microbatches=2), "tied"),
