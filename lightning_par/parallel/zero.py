@@ -289,9 +289,9 @@ def shard_optimizer(optimizer: Optimizer, module: nn.Module, mesh: ParallelMesh,
     model with experts split by expert parallel, a :class:`~.zero_experts.ZeroWithExperts` of two (the experts'
     states partitioned over the ranks holding the same experts).
     A stage that reduces gradients to their owners (2) also installs the :class:`GradientReducer` (kept in the
-    module's layout record), reducing on every
-    micro-batch with ``sharded_accumulation``; not with ``reduce_in_backward=False`` (pipeline stages, whose
-    schedule runs the backward: the caller reduces to the owners after it).
+    module's layout record), reducing on every micro-batch with ``sharded_accumulation``; not with
+    ``reduce_in_backward=False`` (pipeline stages, whose schedule runs the backward: the caller reduces to the owners
+    after it).
     """
     if not stage.shards_optimizer_states or stage.shards_parameters:  # none, or FSDP2's own sharded states
         return optimizer
@@ -332,9 +332,10 @@ def reduce_gradients_to_owners(module: nn.Module, mesh: ParallelMesh, owners: di
                                bucket_cap_mb: float = 25.0) -> None:
     """ZeRO-1's gradient average after the last backward (Megatron-LM's distributed optimizer): each gradient is
     reduced to the data-parallel rank whose optimizer steps it, ``owners[parameter]`` (a rank of ``PARTITION_GROUP``),
-    averaged there (and across ``dp_replicate``), and dropped elsewhere. Half the bytes of :func:`reduce_gradients`'
-    all-reduce, which together with the owners' broadcast of the updated parameters makes what an all-reduce costs;
-    the gradients are bucketed by owner as there. Expert gradients are left alone, as there."""
+    averaged there (and across ``dp_replicate``), and dropped elsewhere. Half the bytes of the all-reduce of
+    :func:`~lightning_par.parallel.ddp.reduce_gradients`, which together with the owners' broadcast of the updated
+    parameters makes what an all-reduce costs; the gradients are bucketed by owner as there. Expert gradients are
+    left alone, as there."""
     if mesh.size(GRADIENT_GROUP) == 1:
         return
     shard_group, replicate = mesh.group(PARTITION_GROUP), mesh.size("dp_replicate")
