@@ -1,12 +1,12 @@
 """lightning-par: PyTorch Lightning strategies for data, sharded, tensor, pipeline, context and expert parallel.
 
-The strategy names (``Trainer(strategy="data_parallel")``, ``L.Fabric(strategy=...)``) become known to Lightning
-when ``lightning_par.strategies`` is imported: by ``import lightning_par`` after Lightning, or by the first use of any
-strategy class or of the ``lightning-par`` command. Lightning offers no entry point for strategies, and this package does not import
-it itself: ``import lightning_par.planner`` and ``lightning-par plan`` stay free of it. The layers below the
-strategies (``layout/``, ``parallel/``, ``planner/``, ``checkpoint/``, ``health/``, ``dry_run/``) never import
-Lightning and run where it is not installed (docs/architecture.md; ``tests/test_layering.py``). Public classes are
-loaded on first access (PEP 562).
+The strategy names (``Trainer(strategy="data_parallel")``, ``L.Fabric(strategy=...)``) become known to Lightning when
+``lightning_par.strategies`` is imported: by ``import lightning_par`` after Lightning, or by the first use of any
+strategy class or of the ``lightning-par`` command. Lightning offers no entry point for strategies, and this package
+does not import it itself: ``import lightning_par.planner`` and ``lightning-par plan`` stay free of it. The layers
+below the strategies (``layout/``, ``parallel/``, ``planner/``, ``checkpoint/``, ``health/``, ``dry_run/``) never
+import Lightning and run where it is not installed (docs/architecture.md; ``tests/test_layering.py``). Public classes
+are loaded on first access (PEP 562).
 """
 
 from __future__ import annotations
