@@ -87,16 +87,15 @@ def test_the_top_level_holds_the_packages_the_architecture_names_and_nothing_els
                               f"named there but absent: {sorted(named - packages)}"
 
 
-def test_strategy_names_resolve_after_lightning_and_the_planner_imports_no_lightning() -> None:
-    """``import lightning_par`` after Lightning registers the names, as ``lightning_par.strategies`` does in any order;
-    ``import lightning_par`` alone, the planner and its command import no Lightning (Lightning has no entry point for
-    strategies, so the names come with the strategies' module)."""
+def test_strategy_names_resolve_whatever_the_import_order_and_the_planner_imports_no_lightning() -> None:
+    """``import lightning_par`` registers the names before or after Lightning (which has no entry point for
+    strategies); importing only a Lightning-free part (the planner, the command's module) imports no Lightning."""
     check = ("from lightning.pytorch.strategies import StrategyRegistry; "
              "import lightning; t = lightning.Trainer(strategy='data_parallel', accelerator='cpu', devices=2, "
              "logger=False); print(type(t.strategy).__name__, 'data_parallel' in StrategyRegistry)")
+    assert _run(f"import lightning_par; {check}").endswith("DataParallelStrategy True")
     assert _run(f"import lightning; import lightning_par; {check}").endswith("DataParallelStrategy True")
-    assert _run(f"import lightning_par.strategies; {check}").endswith("DataParallelStrategy True")
-    assert _run("import sys, lightning_par, lightning_par.planner, lightning_par.cli.main; "
+    assert _run("import sys, lightning_par.planner, lightning_par.layout.config, lightning_par.cli.main; "
                 "print(sorted(m for m in sys.modules if m.split('.')[0] in " + repr(LIGHTNING) + "))") == "[]"
     plan = subprocess.run([sys.executable, "-X", "importtime", "-m", "lightning_par.cli.main", "plan", "--model",
                            "llama3-8b", "--nodes", "1", "--devices-per-node", "8", "--device", "h100-80gb",
