@@ -76,8 +76,8 @@ def _registers_now() -> bool:
     if importlib.util.find_spec("lightning") is None:
         return False
     asked = _asked_for()
-    return not (asked in _LIGHTNING_FREE_MODULES or asked.startswith(tuple(p + "." for p in _LIGHTNING_FREE))
-                or asked in _LIGHTNING_FREE)
+    return asked not in _LIGHTNING_FREE_MODULES and not any(asked == part or asked.startswith(part + ".")
+                                                            for part in _LIGHTNING_FREE)
 
 
 if _registers_now():
