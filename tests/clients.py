@@ -155,6 +155,32 @@ class HuggingFaceByHand(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class HuggingFaceDictBatches(HuggingFaceByHand):
+    """The same model fed as a Hugging Face collator feeds it: dicts of right-padded ``input_ids``, their
+    ``attention_mask``, and ``labels`` that are -100 on the padding; the step hands the model the whole dict."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+
+class HuggingFaceCutsItsBatch(HuggingFaceByHand):
+    """The model's inputs cut from the batch in the step: what a pipeline's split cannot repeat."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        return self.model(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss
+
+
+def _padded_dicts(tokens: torch.Tensor, generator: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """Each row cut to a random length (half of it or more) and padded on the right with token 0."""
+    samples = []
+    for row in tokens:
+        length = int(torch.randint(len(row) // 2, len(row) + 1, (), generator=generator))
+        mask = (torch.arange(len(row)) < length).long()
+        samples.append({"input_ids": row * mask, "attention_mask": mask, "labels": row.masked_fill(mask == 0, -100)})
+    return samples
+
+
 # ------------------------------------------------------------------------------------------ Lightning's demos
 def demo_transformer(dropout: float = 0.2) -> L.LightningModule:
     """``lightning.pytorch.demos.LightningTransformer`` (``forward(inputs, target)``, ``nn.Transformer`` inside),
@@ -188,6 +214,7 @@ def demo_boring() -> L.LightningModule:
 TRAINER_CLIENTS = {"demo_transformer": demo_transformer, "demo_transformer_without_dropout":
                    lambda: demo_transformer(dropout=0.0), "demo_lstm": demo_lstm, "demo_boring": demo_boring,
                    "calls_its_model": CallsItsModel, "two_inputs": TwoInputs, "hf_by_hand": HuggingFaceByHand,
+                   "hf_dict_batches": HuggingFaceDictBatches, "hf_cuts_its_batch": HuggingFaceCutsItsBatch,
                    "plain_pairs": PlainPairs}
 
 
@@ -199,6 +226,8 @@ def client_data(name: str, batch_size: int) -> DataLoader:
     tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ + 1), generator=generator)
     if name.startswith(("demo_", "plain_pairs")):  # WikiText2: (inputs, target) pairs
         return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size)
+    if name == "hf_dict_batches":
+        return DataLoader(_padded_dicts(tokens, generator), batch_size=batch_size)
     return DataLoader(TensorDataset(tokens), batch_size=batch_size)
 
 

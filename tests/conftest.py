@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -81,6 +85,31 @@ def _alone_if_timed(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
             fcntl.flock(turnstile, fcntl.LOCK_UN)
+
+
+_WARM_SERVER = pytest.StashKey[subprocess.Popen]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Start the warm server (tests/warm_server.py) for the commands the tests start through ``installed.PYTHON``; the
+    controller of a pytest-xdist run starts none (its workers do)."""
+    os.environ["LIGHTNING_PAR_TEST_PYTHON"] = sys.executable  # the cold interpreter, for tests/warm/python
+    if getattr(config, "workerinput", None) is None and getattr(config.option, "numprocesses", None):
+        return
+    directory = Path(tempfile.mkdtemp(prefix="lightning-par-warm-"))
+    os.environ["LIGHTNING_PAR_WARM_SOCKET"] = str(directory / "socket")
+    with open(directory / "server.log", "w") as log:
+        config.stash[_WARM_SERVER] = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("warm_server.py")), str(directory / "socket")],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    server = config.stash.get(_WARM_SERVER, None)
+    if server is not None:
+        server.kill()
+        server.wait()
+        shutil.rmtree(Path(server.args[-1]).parent, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

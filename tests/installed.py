@@ -12,11 +12,14 @@ from types import ModuleType
 
 import pytest
 
-__all__ = ["LIGHTHOUSE", "TORCHRUN", "require", "require_lighthouse"]
+__all__ = ["LIGHTHOUSE", "PYTHON", "TORCHRUN", "require", "require_lighthouse"]
 
+# The interpreter for the commands the tests start: it runs them warm, forked from the test session's server that has
+# imported torch, Lightning and lightning_par (tests/warm_server.py), and cold where there is none.
+PYTHON = str(Path(__file__).with_name("warm") / "python")
 # torch's torchrun, as its console script runs it; torchft's torchft_lighthouse, which reads the process's own command
 # line (so it cannot run under `python -c`), from beside this interpreter.
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
 LIGHTHOUSE = [str(Path(sys.executable).parent / "torchft_lighthouse")]
 
 

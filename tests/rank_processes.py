@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 from harness import free_port
+from installed import PYTHON
 
 SCRIPT = Path(__file__).with_name("resilience_run.py")
 WORLD_SIZE = 2
@@ -31,7 +31,7 @@ def launch(directory: Path, out: Path, *args: str, slurm: bool = False, wait: fl
         else:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), NODE_RANK="0")
         env.update(extra_env or {})
-        command = [sys.executable, str(SCRIPT), "--dir", str(directory), "--out", str(out), *args]
+        command = [PYTHON, str(SCRIPT), "--dir", str(directory), "--out", str(out), *args]
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for rank, proc in enumerate(procs):

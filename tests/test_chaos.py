@@ -9,12 +9,12 @@ import json
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import chaos_run
 import pytest
 import torch
+from installed import TORCHRUN
 
 CHAOS_SCRIPT = Path(chaos_run.__file__)
 
@@ -34,7 +34,7 @@ def _torchrun(tmp_path: Path, world_size: int, layouts: str, plan: list[tuple[st
     ranks = random.Random(world_size)
     faults = ",".join(f"{layout}:{point}:{step}:{0 if point == 'replace' else ranks.randrange(world_size)}"
                       for layout, point, step in plan)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
+    command = [*TORCHRUN, "--standalone", "--nproc-per-node", str(world_size),
                "--max-restarts", str(len(plan)), str(CHAOS_SCRIPT), "--dir", str(tmp_path / f"ckpt-{out}"),
                "--out", str(tmp_path / out), "--layouts", layouts, "--plan", faults]
     result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,

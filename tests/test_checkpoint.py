@@ -13,6 +13,7 @@ import pytest
 import torch
 from harness import run_distributed
 from parity import RecordLoss
+from installed import PYTHON
 
 from lightning_par.checkpoint.format import STAGING_DIR, export_consolidated, is_sharded_checkpoint
 from lightning_par.data import TokenDataModule
@@ -216,11 +217,10 @@ def test_sharded_checkpoint_resumes_under_another_layout(tmp_path: Path, saved_u
 @pytest.mark.parametrize(("strategy", "sharded"), [("zero3", True), ("zero2", False)])
 def test_export_consolidated_loads_in_plain_pytorch(tmp_path: Path, strategy: str, sharded: bool) -> None:
     import subprocess
-    import sys
 
     trained = run_distributed(_fit, 2, str(tmp_path / "run"), (strategy, sharded), 0, None)[0]["state"]
     exported = tmp_path / "model.pt"
-    command = [sys.executable, "-m", "lightning_par.cli.export", str(tmp_path / "run" / "last.ckpt"), str(exported)]
+    command = [PYTHON, "-m", "lightning_par.cli.export", str(tmp_path / "run" / "last.ckpt"), str(exported)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "tensors" in result.stdout

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from installed import PYTHON
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -186,7 +187,7 @@ def test_a_users_own_module_trains_from_yaml(tmp_path: Path) -> None:
     """Any LightningModule, not only the reference model: a plain torch transformer of the user's, named by its
     class path, trains under a shipped config with the monitor on."""
     command = [
-        sys.executable, "-m", "lightning_par.cli", "fit", "--config", str(REPO / "configs" / "data_parallel.yaml"),
+        PYTHON, "-m", "lightning_par.cli", "fit", "--config", str(REPO / "configs" / "data_parallel.yaml"),
         "--model", "cli_callbacks.TinyCausalTransformer", "--trainer.max_steps=4", "--trainer.val_check_interval=2",
         "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
         "--data.init_args.max_bytes=100000",

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from installed import PYTHON
 
 REPO = Path(__file__).resolve().parents[1]
 TP = "--trainer.strategy.init_args.tensor_parallel_size"
@@ -95,17 +96,17 @@ def test_a_bad_input_is_said_in_its_first_line(case: str, tmp_path: Path, monkey
     assert "Union subtypes" not in lines[0] and "weights_only` set to `False`" not in lines[0]
 
 
-def _command(*arguments: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+def _command(*arguments: str, cwd: Path, python: str = PYTHON, **env: str) -> subprocess.CompletedProcess:
     environment = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO / "tests"), **env}
     environment.pop("LIGHTNING_PAR_VERBOSE", None)
     environment.update(env)
-    return subprocess.run([sys.executable, "-m", "lightning_par.cli", *arguments], cwd=cwd, capture_output=True,
+    return subprocess.run([python, "-m", "lightning_par.cli", *arguments], cwd=cwd, capture_output=True,
                           text=True, timeout=300, env=environment)
 
 
 def test_the_command_says_the_mistake_first_and_the_traceback_only_when_asked(tmp_path: Path) -> None:
     config = ["fit", "--config", str(REPO / "configs" / "tensor_parallel.yaml"), f"{TP}=-2"]
-    quiet = _command(*config, cwd=tmp_path)
+    quiet = _command(*config, cwd=tmp_path, python=sys.executable)  # cold: everything it prints from its start
     assert quiet.returncode == 1
     assert quiet.stderr.splitlines()[0] == ("lightning-par: error: tensor_parallel_size must be a positive integer, "
                                             "got -2"), quiet.stderr
@@ -168,7 +169,7 @@ def test_mistakes_found_after_start_up_are_said_in_the_first_line(tmp_path: Path
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
     environment.pop("LIGHTNING_PAR_VERBOSE", None)
     commands = {case: subprocess.Popen(
-        [sys.executable, "-m", "lightning_par.cli", "fit", "--config", str(REPO / "configs" / f"{config}.yaml"),
+        [PYTHON, "-m", "lightning_par.cli", "fit", "--config", str(REPO / "configs" / f"{config}.yaml"),
          *arguments, "--trainer.max_steps=2", "--trainer.logger=false", "--trainer.enable_checkpointing=false"],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=environment)
         for case, (config, arguments, _) in FOUND_AFTER_START.items()}

@@ -43,7 +43,9 @@ TRAINS = {  # client -> the layouts it trains in like Lightning's ddp
     "demo_transformer": DATA_PARALLEL, "demo_lstm": DATA_PARALLEL, "demo_boring": DATA_PARALLEL,
     "demo_transformer_without_dropout": ("tensor_parallel", "hybrid3d"),
     "calls_its_model": DATA_PARALLEL + MODEL_PARALLEL, "two_inputs": DATA_PARALLEL + MODEL_PARALLEL,
-    "hf_by_hand": ("zero3", "tensor_parallel", "hybrid3d"),
+    # its split, forward and loss (the model's own, from its labels) derived under pipeline parallel
+    "hf_by_hand": ("zero3", "tensor_parallel", "hybrid3d", "pipeline_parallel", "pp2xtp2"),
+    "hf_dict_batches": ("pipeline_parallel", "pp2xzero3"),  # padded, masked: a loss over each rank's tokens
     # its split and loss derived under pipeline parallel, alone and beside tensor parallel or ZeRO-3
     "plain_pairs": ("data_parallel", "pipeline_parallel", "pp2xtp2", "pp2xzero3"),
 }
@@ -57,6 +59,7 @@ REFUSED = {  # (client, layout) -> what the refusal shows
     ("calls_its_model", "pipeline_parallel"): "def loss_fn(self, logits, targets): return F.cross_entropy(",
     ("two_inputs", "pipeline_parallel"): "def forward(self, inputs): return self.model(inputs)",
     ("calls_its_model", "expert_parallel"): "Use expert_parallel_size=1 for this model",
+    ("hf_cuts_its_batch", "pipeline_parallel"): "computes the model's input_ids from the batch",
     # The step hands the model all 17 tokens of a sample (the model shifts its labels itself).
     ("hf_by_hand", "context_parallel"): "sequence length 17 is not divisible by 2",
 }

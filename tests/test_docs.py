@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+WARM_BIN = Path(__file__).resolve().parent / "warm" / "bin"
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # Commands that need what only a user has: checked by eye, not here.
 NOT_RUNNABLE = (
@@ -147,7 +148,8 @@ def test_training_command_runs_as_written(chain: list[str], tmp_path: Path) -> N
 
     for shipped in ("configs", "examples"):
         (tmp_path / shipped).symlink_to(REPO / shipped)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    # `python` and `lightning-par` start warm (tests/warm/bin): the command's words are the documented ones.
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PATH": f"{WARM_BIN}{os.pathsep}{os.environ['PATH']}"}
     result = subprocess.run(["bash", "-c", " && ".join(chain)], cwd=tmp_path, capture_output=True, text=True,
                             timeout=540, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]

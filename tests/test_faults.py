@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import signal
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 import torch.distributed as dist
 from harness import free_port
 from rank_processes import SCRIPT, WORLD_SIZE, launch, launch_command
+from installed import PYTHON, TORCHRUN
 
 from lightning_par.health import fault_monitor as fault
 from lightning_par.checkpoint.format import STAGING_DIR, export_consolidated, read_metadata
@@ -108,9 +108,9 @@ def _report(name: str, after_fault: float | None, output: str) -> None:
 def _command(launcher: str, out: Path, *args: str) -> list[str]:
     run = [str(SCRIPT), "--dir", str(out.parent / "ckpt"), "--out", str(out), "--timeout", TIMEOUT, *args]
     if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD_SIZE),
+        return [*TORCHRUN, "--standalone", "--nproc-per-node", str(WORLD_SIZE),
                 *run]
-    return [sys.executable, *run, "--devices", str(WORLD_SIZE)]  # Lightning's subprocess launcher starts rank 1
+    return [PYTHON, *run, "--devices", str(WORLD_SIZE)]  # Lightning's subprocess launcher starts rank 1
 
 
 def _visible(directory: Path) -> list[str]:

@@ -8,10 +8,10 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from installed import PYTHON
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu" / "validate.py"
@@ -33,7 +33,7 @@ def test_smoke_mode_runs_every_phase_with_finite_figures(tmp_path: Path) -> None
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "OUT")}
     # The script must run from the repository root without an installed package: no PYTHONPATH given.
     env.pop("PYTHONPATH", None)
-    completed = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], cwd=REPO, env=env,
+    completed = subprocess.run([PYTHON, str(SCRIPT), "--smoke", "--out", str(out)], cwd=REPO, env=env,
                                capture_output=True, text=True, timeout=280, check=False)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     print(completed.stdout)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from installed import require
+from installed import PYTHON, require
 import torch
 from harness import run_distributed
 from hf_directories import FAMILIES, make_model_directory
@@ -90,12 +90,11 @@ def test_export_round_trips_through_from_pretrained(pretrained: dict[str, Path],
     """A sharded checkpoint of a fine-tune under ``layout`` -> ``lightning-par-export --format hf`` -> a directory
     ``from_pretrained`` loads, with the trained weights (tied head included) and the trained model's logits."""
     import subprocess
-    import sys
 
     source = pretrained["llama-tied"]
     trained = run_distributed(_fine_tune, 2, str(source), layout, str(tmp_path / "ckpt"))[0]
     exported = tmp_path / "exported"
-    command = [sys.executable, "-m", "lightning_par.cli.export", str(tmp_path / "ckpt" / "last.ckpt"), str(exported),
+    command = [PYTHON, "-m", "lightning_par.cli.export", str(tmp_path / "ckpt" / "last.ckpt"), str(exported),
                "--format", "hf"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from rank_processes import SCRIPT, WORLD_SIZE, launch, outcome
+from installed import TORCHRUN
 
 from lightning_par.checkpoint.format import STAGING_DIR, is_sharded_checkpoint
 
@@ -69,7 +69,7 @@ def test_torchrun_restart_resumes_by_itself(tmp_path: Path, uninterrupted: list[
     """torchrun restarts the group after rank 1 is killed mid-save; both attempts get the same command line with
     ``ckpt_path="auto"``: the first found no checkpoint and started afresh, the restarted one passes over the
     half-written step-6 save and resumes from step 3, ending bit for bit as the uninterrupted run."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD_SIZE),
+    command = [*TORCHRUN, "--standalone", "--nproc-per-node", str(WORLD_SIZE),
                "--max-restarts", "3", str(SCRIPT), "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
                "--ckpt-path", "auto", "--kill-in-save", "6", "--timeout", "20"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -90,7 +90,7 @@ def test_a_kill_while_last_ckpt_is_replaced_resumes_from_the_newest_save(tmp_pat
     just after the old copy left the name; torchrun restarts the group with ``ckpt_path="auto"``, which resumes from
     step 6, bit for bit. Swapped (the default where the filesystem can), ``last.ckpt`` already is step 6's; renamed
     twice (a filesystem that cannot swap), the name is empty and both copies wait in the staging folder."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD_SIZE),
+    command = [*TORCHRUN, "--standalone", "--nproc-per-node", str(WORLD_SIZE),
                "--max-restarts", "1", str(SCRIPT), "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
                "--ckpt-path", "auto", "--only-last", "--kill-in-replace", "6", "--timeout", "20",
                *([] if swap else ["--no-swap"])]

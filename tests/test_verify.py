@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hf_directories import make_model_directory, write_corpus, write_instructions
+from installed import PYTHON
 
 from lightning_par.cli.verify import Run, compare, main
 from lightning_par.data.shard_windows import read_windows
@@ -48,6 +50,7 @@ def launched_before(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1"), ("NODE_RANK", "0"), ("LOCAL_RANK", "0"),
                         ("WORLD_SIZE", "2")):
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "executable", PYTHON)  # verify's runs start warm (tests/warm_server.py)
 
 
 @pytest.fixture
