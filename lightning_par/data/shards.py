@@ -25,8 +25,6 @@ Pure PyTorch plus litdata: no lightning import.
 from __future__ import annotations
 
 import copy
-import json
-import os
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager

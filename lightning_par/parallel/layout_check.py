@@ -148,7 +148,7 @@ def _mixing_hint(model: nn.Module, model_map: ModelMap, inputs: Tensor, config: 
         return ""
     mixer = next(iter(mixers.values()))
     block = f"Block {mixer.block!r} ({type(model_copy.get_submodule(mixer.block)).__name__})"
-    unsplit = f"set cp=1"
+    unsplit = "set cp=1"
     if mixer.softmax:  # attention written out: the model may run it through SDPA instead
         implementation = next((getattr(sub.config, "_attn_implementation", None) for sub in model.modules()
                                if getattr(getattr(sub, "config", None), "_attn_implementation", None)), None)

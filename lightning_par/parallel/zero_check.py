@@ -71,7 +71,7 @@ def check_sharded_units(model: nn.Module, mesh: ParallelMesh, config: ParallelCo
         finally:
             for handle in handles:
                 handle.remove()
-    agree_and_refuse(reason, config, model, what=f"zero_stage=3's units")
+    agree_and_refuse(reason, config, model, what="zero_stage=3's units")
 
 
 def _average_over(gradients: dict[str, Tensor], shapes: dict[str, torch.Size], group: dist.ProcessGroup,

@@ -12,6 +12,9 @@ they can be derived they are:
   (``self.model(inputs)``) or calls ``self`` twice (R-drop, a consistency loss) fails on the last stage at the first
   step, saying what to define (the fault monitor then stops the other ranks), instead of training on other values.
 
+A module whose step hands a Hugging Face causal LM its ``labels`` gets all three from the model's own loss
+(``lightning_par.strategies.pipeline_labels``).
+
 What cannot be derived is refused before step 0, with the lines to add as code (docs/models.md, "Bring your own
 module"). Lightning side: it reads and sets attributes of a LightningModule.
 """
@@ -25,6 +28,8 @@ from typing import Any
 
 from lightning.pytorch import LightningModule
 from torch import Tensor
+
+from lightning_par.strategies.pipeline_labels import huggingface_causal_lm, learn_labels_path, logging_muted
 
 __all__ = ["complete_pipeline_contract"]
 
@@ -44,6 +49,12 @@ def complete_pipeline_contract(module: LightningModule) -> None:
     derivable = one_input and not has_split and type(module).training_step is not LightningModule.training_step
     missing = [name for name, present in (("split_batch", has_split or derivable), ("forward", one_input),
                                           ("loss_fn", has_loss or derivable)) if not present]
+    network = huggingface_causal_lm(module)
+    if missing and network is not None and not (has_split or has_loss) and \
+            type(module).training_step is not LightningModule.training_step:
+        # A Hugging Face model given its labels by the step: its own loss, learned from the first batch.
+        learn_labels_path(module, network, _refusal(module, missing))
+        return
     if missing:
         raise TypeError(_refusal(module, missing))
     if has_split:
@@ -113,7 +124,7 @@ class _StepLoss:
         self.module = module
 
     def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
-        with _calls_return(self.module, logits) as calls, _logging_muted(self.module):
+        with _calls_return(self.module, logits) as calls, logging_muted(self.module):
             output = type(self.module).training_step(self.module, (_NotTheInputs(self.module), targets), 0)
         if len(calls) != 1:  # two passes (R-drop, a consistency loss) would each get the one pass's logits
             raise TypeError(f"{type(self.module).__name__}.training_step calls self(...) {len(calls)} times: pipeline "
@@ -140,15 +151,3 @@ def _calls_return(module: LightningModule, logits: Tensor) -> Iterator[list[None
         yield calls
     finally:
         del module.forward
-
-
-@contextmanager
-def _logging_muted(module: LightningModule) -> Iterator[None]:
-    def muted(*args: Any, **kwargs: Any) -> None:
-        return None
-
-    module.log = module.log_dict = muted
-    try:
-        yield
-    finally:
-        del module.log, module.log_dict
