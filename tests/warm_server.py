@@ -111,7 +111,10 @@ def _receive(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
     size = struct.unpack("!I", data[:4])[0]
     data = data[4:]
     while len(data) < size:
-        data += connection.recv(size - len(data))
+        more = connection.recv(size - len(data))
+        if not more:
+            raise ConnectionError("the client went away before its request was whole")
+        data += more
     return json.loads(data), list(files)
 
 
@@ -129,8 +132,12 @@ def _run(request: dict[str, Any], files: list[int]) -> None:
     if unbuffered:
         sys.stdout.reconfigure(line_buffering=True, write_through=True)
     sys.executable = str(WARM_PYTHON)
-    first = {"-m": os.getcwd(), "-c": ""}.get(arguments[0]) if arguments[0] in ("-m", "-c") else \
-        os.path.dirname(os.path.realpath(arguments[0]))
+    if arguments[0] == "-m":
+        first = os.getcwd()
+    elif arguments[0] == "-c":
+        first = ""
+    else:
+        first = os.path.dirname(os.path.realpath(arguments[0]))
     entries = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
     sys.path[:] = [first, *entries, *(p for p in sys.path[1:] if p not in server_entries)]
     random.seed()

@@ -49,12 +49,11 @@ def complete_pipeline_contract(module: LightningModule) -> None:
     derivable = one_input and not has_split and type(module).training_step is not LightningModule.training_step
     missing = [name for name, present in (("split_batch", has_split or derivable), ("forward", one_input),
                                           ("loss_fn", has_loss or derivable)) if not present]
-    network = huggingface_causal_lm(module)
-    if missing and network is not None and not (has_split or has_loss) and \
-            type(module).training_step is not LightningModule.training_step:
-        # A Hugging Face model given its labels by the step: its own loss, learned from the first batch.
-        learn_labels_path(module, network, _refusal(module, missing))
-        return
+    if missing and not (has_split or has_loss) and type(module).training_step is not LightningModule.training_step:
+        network = huggingface_causal_lm(module)
+        if network is not None:  # a Hugging Face model given its labels by the step: its own loss, learned
+            learn_labels_path(module, network, _refusal(module, missing))
+            return
     if missing:
         raise TypeError(_refusal(module, missing))
     if has_split:
