@@ -63,8 +63,9 @@ def _preload() -> None:
     """Import what the commands need (what the imports print goes to the server's log)."""
     from harness import PRELOADED
 
+    # Not torch.distributed.run: `-m torch.distributed.run` would warn that it was imported before it ran.
     for module in [*PRELOADED, "lightning.pytorch.cli", "lightning_par.cli.main", "lightning_par.cli.lightning_cli",
-                   "torch.distributed.run", "tensorboard"]:
+                   "tensorboard"]:
         try:
             importlib.import_module(module)
         except ImportError:
