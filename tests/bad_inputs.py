@@ -305,7 +305,7 @@ BAD_INPUTS: list[BadInput] = [
              "static_graph=True and find_unused_parameters=True exclude each other",
              _strategy("DataParallelStrategy", static_graph=True, find_unused_parameters=True)),
     BadInput("`DataParallelStrategy(activation_checkpointing='some')`",
-             "activation_checkpointing='some' is not one of ('none', 'full', 'selective')",
+             "activation_checkpointing='some' is not one of ('none', 'full', 'selective', 'op')",
              _strategy("DataParallelStrategy", activation_checkpointing="some")),
     BadInput("`DataParallelStrategy(activation_checkpointing_every=0)`",
              "activation_checkpointing_every must be a positive integer, got 0",

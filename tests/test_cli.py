@@ -312,4 +312,4 @@ def test_a_knob_value_outside_its_alias_is_refused_by_the_parser(capsys) -> None
     assert exit_.value.code == 2
     assert capsys.readouterr().err.splitlines()[0] == (
         "lightning-par: error: --trainer.strategy.init_args.activation_checkpointing=sometimes: not one of 'none', "
-        "'full', 'selective'")
+        "'full', 'selective', 'op'")

@@ -201,6 +201,46 @@ def test_activation_derivation_holds_in_every_precision(precision: str, checkpoi
     assert predicted == pytest.approx(measured, rel=0.01)
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_every_recomputation_mode_holds_what_the_tracker_measures(precision: str) -> None:
+    """What each activation checkpointing mode holds at the forward's end, measured by torch's memory tracker (which
+    sees the selective modes' cached outputs, outside autograd's saved tensors), is memory.py's activations: per-op
+    ("op") keeps the block input, q, v, the attention output, gate and down of each block."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from lightning_par.models.llama import LlamaConfig, Transformer
+    from lightning_par.parallel.model_map import derive_model_map
+    from lightning_par.parallel.recompute import apply_activation_checkpointing
+
+    config = LlamaConfig(**MODEL)
+    tokens = torch.randint(0, MODEL["vocab_size"], (GLOBAL_BATCH, SEQ_LEN + 1))
+    held = {}
+    for mode in ("none", "selective", "op", "full"):
+        torch.manual_seed(0)
+        model = Transformer(config).to(torch.bfloat16 if precision == "bf16-true" else torch.float32)
+        apply_activation_checkpointing(model, derive_model_map(model), mode=mode)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            before = next(iter(tracker.get_tracker_snapshot("current").values()))["Total"]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+                logits = model(tokens[:, :-1])
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())  # keeps its inputs
+                after = next(iter(tracker.get_tracker_snapshot("current").values()))["Total"]
+        # The logits the model returns are the caller's, not memory.py's (which counts the loss's log-softmax).
+        held[mode] = after - before - logits.untyped_storage().nbytes()
+        del loss, logits
+        memory = estimate_memory(ModelSpec.from_llama_config(config), ParallelConfig(
+            dp_shard=1, activation_checkpointing=mode), seq_len=SEQ_LEN, microbatch_size=GLOBAL_BATCH,
+            precision=precision)
+        predicted = memory.activations + memory.logits + memory.autocast_copies
+        print(f"{precision} {mode}: measured {held[mode]} B, predicted {predicted:.0f} B")
+        assert predicted == pytest.approx(held[mode], rel=0.01), mode
+    assert held["full"] < held["op"] < held["selective"] < held["none"]
+
+
 # ------------------------------------------------------------------------------ model and cluster specs
 def test_model_spec_counts_match_the_reference_model() -> None:
     from types import SimpleNamespace

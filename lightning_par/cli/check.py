@@ -165,8 +165,9 @@ def format_report(reports: list[dict[str, Any]]) -> str:
             cells.append(f"{total['calls']:>5} / {total['bytes'] / 2 ** 20:>8.1f}" if total else f"{'-':>16}")
         lines.append(f"{report['rank']:>6} " + " ".join(cells))
     lines += _cyclic_notes(reports)
-    lines.append("The tensor-parallel split is applied as the model map gives it, unchecked: lightning-par verify "
-                 "proves the layout trains what one process trains.")
+    if int(re.search(r"\btp=(\d+)", first["layout"]).group(1)) > 1:
+        lines.append("The tensor-parallel split is applied as the model map gives it, unchecked: lightning-par verify "
+                     "proves the layout trains what one process trains.")
     return "\n".join(lines)
 
 

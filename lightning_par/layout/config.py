@@ -26,7 +26,7 @@ Size = Union[int, Literal["auto"]]
 ZERO3_UNIT_DEFAULTS = {"keep_gathered_blocks": 0, "prefetch_blocks": 0, "blocks_per_unit": 1}
 # Each knob's values, declared once: the strategies' signatures (which LightningCLI reads) use these aliases, and
 # the checks below their values.
-Recompute = Literal["none", "full", "selective"]
+Recompute = Literal["none", "full", "selective", "op"]
 ContextParallelMethod = ContextMethod  # the names of layout.context_methods.CONTEXT_METHODS
 PipelineSchedule = Schedule  # the names of layout.schedules.SCHEDULES
 PipelineBalance = Literal["parameters", "profile"]

@@ -6,6 +6,10 @@
   only the cheap element-wise work around them (norms, activations, rotary, residual adds): most of the
   memory of full recomputation for a fraction of its FLOPs (Korthikanti et al. 2022, "Reducing
   Activation Recomputation in Large Transformer Models").
+- ``op``: per-op selective checkpointing as torchtitan's ``op`` policy runs it: a checkpointed block keeps
+  its attention outputs and every second matmul output (the first, third, ... of each block call), and
+  recomputes the rest. Between the two above: about half of selective's kept matmul outputs, for one
+  recomputed matmul in two.
 
 ``every`` checkpoints one block in ``every`` (1: all of them), trading memory for recompute time.
 Blocks come from the model map; the wrapper keeps parameter names (checkpoint wrappers strip their own
@@ -37,8 +41,30 @@ _SAVED_OPS = {
 }
 
 
+# Grouped experts' GEMM (models.moe.grouped_matmul), where this torch has it.
+_GROUPED_MM = {torch.ops.aten._grouped_mm.default} if hasattr(torch.ops.aten, "_grouped_mm") else set()
+_SAVED_OPS |= _GROUPED_MM
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default, *_GROUPED_MM}
+
+
 def _keep_matmul_outputs(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _every_second_matmul_contexts() -> tuple[object, object]:
+    """One block call's contexts for ``op``: a fresh count of matmuls for its forward, and one for its recomputation
+    where a torch version asks the policy again there, so both passes pick the same outputs."""
+    counts = {False: 0, True: 0}
+
+    def policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+        if op in _MATMULS:
+            counts[ctx.is_recompute] += 1
+            keep = counts[ctx.is_recompute] % 2 == 1
+        else:
+            keep = op in _SAVED_OPS
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def apply_activation_checkpointing(module: nn.Module, model_map: ModelMap | None, *, mode: str = "full",
@@ -61,9 +87,11 @@ def apply_activation_checkpointing(module: nn.Module, model_map: ModelMap | None
             continue  # not this one, or nothing to recompute (a pipeline stage's pass-through)
         if mode == "full":
             wrapped = checkpoint_wrapper(block)
-        else:
+        elif mode == "selective":
             wrapped = checkpoint_wrapper(block, context_fn=partial(create_selective_checkpoint_contexts,
                                                                    _keep_matmul_outputs))
+        else:
+            wrapped = checkpoint_wrapper(block, context_fn=_every_second_matmul_contexts)
         container.register_module(name, wrapped)
     return module
 

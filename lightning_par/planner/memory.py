@@ -53,7 +53,11 @@ logits (4·V per token; V/tp under loss parallel).
 
 Activation checkpointing: "full" keeps each block's input only and rebuilds one block's working set in
 backward; "selective" (``lightning_par.parallel.recompute``) keeps the block input and every matmul and
-SDPA output (q, k, v, attention output, o_proj, gate, up, down) and recomputes the element-wise ops.
+SDPA output (q, k, v, attention output, o_proj, gate, up, down) and recomputes the element-wise ops; "op" keeps
+the attention output and every second matmul output of a block call (``ModelSpec.block_matmuls``: q, v, gate,
+down; with grouped experts the router and up) and recomputes the rest. An expert loop of one matmul per expert
+(``models.moe``'s fallback without grouped GEMMs) keeps every second expert's instead, which the "op" estimate of
+an MoE block does not follow.
 
 Pipeline schedules keep several micro-batches in flight, each schedule's ``in_flight`` of
 ``lightning_par.layout.schedules.SCHEDULES``: GPipe all ``m``; 1F1B ``p - r`` on rank ``r``; interleaved 1F1B
@@ -258,6 +262,15 @@ def block_activation_bytes(model: ModelSpec, *, moe: bool = False, precision: st
         attention_out = a * h + 4 * heads
         # o_proj and down outputs are partial sums of the whole hidden size on every tensor-parallel rank.
         return block_input + (q_k_v + attention_out + ffn) / tp + 2 * a * h
+    if checkpointing == "op":
+        # The odd matmuls' outputs (ModelSpec.block_matmuls), the attention output, and the router's fp32 logits and
+        # probabilities as "selective" keeps them; o_proj and a dense down are partial sums of the whole hidden size
+        # on every tensor-parallel rank.
+        kept = model.block_matmuls(moe)[::2]
+        whole = sum(width for name, _, width in kept if name in ("o", "down") and not moe)
+        split = sum(width for name, _, width in kept if name != "router") - whole
+        router = 8 * model.moe_experts if moe else 0
+        return block_input + (a * split + a * h + 4 * heads + router) / tp + a * whole
     norm = {"32-true": 8 * h, "bf16-mixed": 8 * h, "bf16-true": 6 * h}[precision] + 4
     if precision == "bf16-mixed":
         attention_input, ffn_input = 3 * 2 * h, (1 if moe else 2) * 2 * h  # an MoE's router casts once

@@ -113,6 +113,21 @@ class ModelSpec:
         """The two RMSNorm gains of a block."""
         return 2 * self.hidden
 
+    def block_matmuls(self, moe: bool) -> tuple[tuple[str, int, int], ...]:
+        """A block's matmuls in the order its forward runs them, each ``(name, weights one token multiplies, output
+        width)``: q, k, v, o, then the router and the top-k experts' (grouped) matmuls, or the dense feed-forward's.
+        Per-op recomputation keeps the odd ones' outputs (``lightning_par.parallel.recompute``)."""
+        q_width = self.heads * self.head_dim
+        ffn = ("gate", "up", "down")[3 - self.ffn_matrices:]
+        attention = (("q", self.hidden * q_width, q_width), ("k", self.hidden * self.kv_dim, self.kv_dim),
+                     ("v", self.hidden * self.kv_dim, self.kv_dim), ("o", q_width * self.hidden, self.hidden))
+        if not moe:
+            return attention + tuple((name, self.hidden * self.ffn_hidden,
+                                      self.hidden if name == "down" else self.ffn_hidden) for name in ffn)
+        k, f = self.moe_top_k, self.expert_hidden
+        return attention + (("router", self.router_params, self.moe_experts),) + tuple(
+            (name, k * self.hidden * f, k * (self.hidden if name == "down" else f)) for name in ffn)
+
     def block_params(self, index: int) -> int:
         """All parameters of block ``index``."""
         return self.norm_params + self.attention_params + self.block_ffn_params(index)

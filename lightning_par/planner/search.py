@@ -44,7 +44,7 @@ from lightning_par.layout.dimensions import DIMENSIONS, argument_fields
 from lightning_par.layout.zero_units import choose_units
 
 # The values config.py allows, in the order the search tries them (cheapest first).
-CHECKPOINTING = tuple(sorted(RECOMPUTE_MODES, key=("none", "selective", "full").index))
+CHECKPOINTING = tuple(sorted(RECOMPUTE_MODES, key=("none", "selective", "op", "full").index))
 SCHEDULE_PREFERENCE = tuple(sorted(PP_SCHEDULES, key=lambda name: SCHEDULES[name].search_order))
 
 # Names a user may fix: every dimension's size (and dp, their data-parallel product) and the knobs the search

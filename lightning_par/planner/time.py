@@ -6,7 +6,8 @@ the linear layers' ``6N`` FLOPs per token at ``peak x compute_efficiency`` (Floa
 at ``peak x attention_efficiency``, and the element-wise ops' bytes (:data:`ELEMENTWISE_PASSES_H`,
 :data:`ELEMENTWISE_PASSES_F`; fewer under ``torch.compile``) over the memory bandwidth. Full activation
 checkpointing adds one more forward of the blocks (1/3 of their work), selective a few per cent for the
-element-wise ops it reruns (Korthikanti et al. 2022, table 4).
+element-wise ops it reruns (Korthikanti et al. 2022, table 4), per-op that and the forward of the matmuls whose
+outputs it drops (about a third of a Llama block's).
 
 Collectives move bytes over rings (bus bandwidth): an all-reduce sends ``2(d-1)/d`` of its tensor per rank,
 an all-gather or reduce-scatter ``(d-1)/d`` of the whole tensor, an all-to-all ``(d-1)/d`` of the local one.
@@ -153,6 +154,15 @@ def _compiled_fraction(cluster: ClusterSpec) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
+def _recomputed_matmul_share(model: ModelSpec, moe: bool) -> float:
+    """The share of a block's matmul FLOPs that per-op recomputation runs again in backward: the even matmuls of
+    ``ModelSpec.block_matmuls``, but a dense block's down projection, whose output backward never needs (the
+    recomputation stops once it has what backward needs)."""
+    matmuls = model.block_matmuls(moe)
+    rerun = sum(weights for name, weights, _ in matmuls[1::2] if moe or name != "down")
+    return rerun / sum(weights for _, weights, _ in matmuls)
+
+
 def _block_seconds(model: ModelSpec, cluster: ClusterSpec, moe: bool, *, tp: int, cp: int, sequence_parallel: bool,
                    seq_len: int, precision: str, compiled: bool, float8: bool) -> dict[str, float]:
     """Seconds of one block's forward + backward per token of the whole sequence on one tp x cp rank, by kind of
@@ -217,8 +227,11 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     head_seconds = work["head"]
     block_seconds = sum(work.values()) - head_seconds
     compute_mb = block_seconds + head_seconds
-    recompute_mb = {"none": 0.0, "full": block_seconds / 3,
-                    "selective": SELECTIVE_RECOMPUTE_OVERHEAD * block_seconds}[config.activation_checkpointing]
+    recompute_mb = {"none": 0.0, "full": block_seconds / 3, "selective": SELECTIVE_RECOMPUTE_OVERHEAD * block_seconds,
+                    "op": SELECTIVE_RECOMPUTE_OVERHEAD * block_seconds + mbs * seq_len / 3 * (
+                        stages.n_dense * dense_s["linear"] * _recomputed_matmul_share(model, False)
+                        + stages.n_moe * moe_s["linear"] * _recomputed_matmul_share(model, True)),
+                    }[config.activation_checkpointing]
     compute, recompute = m * compute_mb, m * recompute_mb
     forward_mb, backward_mb = compute_mb / 3, 2 * compute_mb / 3 + recompute_mb
 

@@ -54,8 +54,9 @@ class MeshStrategy(StepsThroughTheHandle):
 
     Args:
         parallel_config: sizes of every mesh dimension and technique knobs.
-        activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation per block (Chen et al. 2016;
-            selective: Korthikanti et al. 2022); by default the config's (``none``).
+        activation_checkpointing: ``none``, ``full``, ``selective`` or per-op (``op``) recomputation per block (Chen
+            et al. 2016; selective: Korthikanti et al. 2022; op: every second matmul output kept,
+            ``lightning_par.parallel.recompute``); by default the config's (``none``).
         activation_checkpointing_every: checkpoint one block in this many; by default the config's (1).
         compile: compile every transformer block with ``torch.compile`` after it is sharded (in place: checkpoint
             names do not change); by default the config's (False).
