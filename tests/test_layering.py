@@ -9,7 +9,7 @@ import sys
 
 # The layers below the strategies: usable where Lightning is not installed.
 PURE_PACKAGES = ("lightning_par.layout", "lightning_par.parallel", "lightning_par.planner", "lightning_par.checkpoint",
-                 "lightning_par.health", "lightning_par.dry_run")
+                 "lightning_par.health", "lightning_par.dry_run", "lightning_par.optim")
 # And the pure parts of the model and data packages.
 PURE_MODULES = ["lightning_par.models.llama", "lightning_par.data.corpus", "lightning_par.data.resumable",
                 "lightning_par.data.text", "lightning_par.data.documents", "lightning_par.data.prepare",

@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from typing_extensions import override
 
 from lightning_par.models.llama import LlamaConfig, Transformer
 from lightning_par.models.moe import MoEFeedForward
+from lightning_par.layout.config import DTYPES
+from lightning_par.optim import MuonWithAdamW, muon_parameter_groups
+from lightning_par.parallel.model_map import derive_model_map
 
 
 @dataclass
@@ -40,13 +45,23 @@ class WarmupCosine:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+OPTIMIZERS = ("adamw", "muon")
+
+
 def check_optimizer_hparams(hparams: Any) -> None:
-    """Raise ``ValueError`` naming the AdamW or schedule hyper-parameter (:func:`adamw_warmup_cosine`'s) that torch
+    """Raise ``ValueError`` naming the AdamW or schedule hyper-parameter (:func:`warmup_cosine_optimizer`'s) that torch
     would refuse only once the processes started (``Invalid learning rate``, naming no argument), or that would train
     nothing; called by the models' constructors, so the command says it before any process starts."""
     def number(value: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
+    ns_dtype = hparams.get("muon_ns_dtype", "bf16")
+    if ns_dtype not in ("bf16", "fp32"):
+        raise ValueError(f"muon_ns_dtype={ns_dtype!r} is not one of ('bf16', 'fp32') (Muon's Newton-Schulz precision)")
+    name = hparams.get("optimizer", "adamw")
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer={name!r} is not one of {OPTIMIZERS} (muon: Muon for the blocks' matrices, AdamW "
+                         "for the rest)")
     rate = hparams.get("learning_rate")
     if not number(rate) or rate <= 0:
         raise ValueError(f"learning_rate={rate!r} must be a positive number (AdamW's step size, e.g. 3e-4)")
@@ -67,25 +82,52 @@ def check_optimizer_hparams(hparams: Any) -> None:
         raise ValueError(f"max_steps={steps!r} must be a positive integer, or None for the trainer's estimate")
 
 
-def adamw_warmup_cosine(module: pl.LightningModule) -> dict[str, Any]:
-    """AdamW (Loshchilov & Hutter 2019) with warmup + cosine decay, stepped every optimizer step, from the module's
-    ``learning_rate``, ``weight_decay``, ``betas``, ``warmup_steps``, ``min_lr_ratio`` and ``max_steps``
-    hyper-parameters (``max_steps=None``: the trainer's estimate).
+def warmup_cosine_optimizer(module: pl.LightningModule) -> dict[str, Any]:
+    """The module's ``optimizer`` with warmup + cosine decay, stepped every optimizer step, from its ``learning_rate``,
+    ``weight_decay``, ``betas``, ``warmup_steps``, ``min_lr_ratio`` and ``max_steps`` hyper-parameters
+    (``max_steps=None``: the trainer's estimate).
 
-    Weight decay applies to matrices (linear and embedding weights) only; norm gains are left undecayed, as in
-    GPT-2/nanoGPT and Llama.
+    ``adamw`` (the default): AdamW (Loshchilov & Hutter 2019) on every parameter. ``muon``:
+    :class:`~lightning_par.optim.MuonWithAdamW`, Muon on the matrices of the blocks (the model map's) and AdamW on
+    the rest (embedding, head, gains), Muon's update scaled to AdamW's RMS so that both take the same learning rate
+    and weight decay; its Newton-Schulz iteration in ``muon_ns_dtype`` (``bf16`` as torch's Muon, or ``fp32``). Weight decay applies to matrices only; norm gains are left undecayed, as in GPT-2/nanoGPT and
+    Llama.
     """
     hparams = module.hparams
     params = [p for p in module.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": hparams.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    # fused=False keeps the portable implementation whatever device or DTensor a strategy leaves the parameters on.
-    optimizer = torch.optim.AdamW(groups, lr=hparams.learning_rate, betas=tuple(hparams.betas), fused=False)
+    if hparams.get("optimizer", "adamw") == "muon":
+        matrices = _block_matrices(module)
+        others = [p for p in params if all(p is not m for m in matrices)]
+        optimizer: torch.optim.Optimizer = MuonWithAdamW(
+            muon_parameter_groups(matrices, others, weight_decay=hparams.weight_decay), lr=hparams.learning_rate,
+            betas=tuple(hparams.betas), ns_dtype=DTYPES[hparams.get("muon_ns_dtype", "bf16")])
+    else:
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": hparams.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        # fused=False keeps the portable implementation whatever device or DTensor a strategy leaves the parameters on.
+        optimizer = torch.optim.AdamW(groups, lr=hparams.learning_rate, betas=tuple(hparams.betas), fused=False)
     schedule = WarmupCosine(hparams.warmup_steps, _total_steps(module), hparams.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _block_matrices(module: pl.LightningModule) -> list[torch.Tensor]:
+    """The trainable matrices (and stacks of expert matrices) inside the blocks: the module's ``blocks_path``, or its
+    model map's. Found by name, which a layout keeps (recomputation's and compilation's wrappers aside), where the
+    laid-out module (a pipeline stage, tensor-parallel shards) no longer shows a model map."""
+    path = getattr(module, "blocks_path", None)
+    if path is None:
+        model_map = derive_model_map(module)
+        if model_map is None:
+            raise ValueError(f"optimizer='muon' steps the matrices of the blocks, and no blocks were found in "
+                             f"{type(module).__name__}: set its blocks_path (e.g. 'model.layers'), use "
+                             "optimizer='adamw', or return MuonWithAdamW with your own parameter groups")
+        path = model_map.blocks
+    wrappers = re.compile(rf"(^|\.)({re.escape(_CHECKPOINT_PREFIX)}|_orig_mod\.)")
+    return [p for name, p in module.named_parameters() if p.requires_grad and p.dim() in (2, 3)
+            and wrappers.sub(r"\1", name).startswith(path + ".")]
 
 
 def _total_steps(module: pl.LightningModule) -> int | None:
@@ -102,8 +144,8 @@ def _total_steps(module: pl.LightningModule) -> int | None:
 class ContractModule(pl.LightningModule):
     """Training shared by the project's models (language models, the vision transformer). A subclass gives the model
     contract (``split_batch``, ``forward``, ``loss_fn``) and the optimizer's hyper-parameters; this logs
-    ``train_loss`` / ``val_loss`` / ``test_loss`` (averaged over ranks) and configures AdamW with warmup and cosine
-    decay."""
+    ``train_loss`` / ``val_loss`` / ``test_loss`` (averaged over ranks) and configures its ``optimizer`` (AdamW, or
+    Muon with AdamW: :func:`warmup_cosine_optimizer`) with warmup and cosine decay."""
 
     def _shared_step(self, batch: Any) -> Tensor:
         inputs, targets = self.split_batch(batch)
@@ -129,7 +171,7 @@ class ContractModule(pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        return adamw_warmup_cosine(self)
+        return warmup_cosine_optimizer(self)
 
 
 class LlamaLM(ContractModule):
@@ -147,6 +189,8 @@ class LlamaLM(ContractModule):
     The transformer is built in ``__init__`` (so ``self.model`` exists before any strategy runs) and its
     configuration is validated there.
     """
+
+    blocks_path = "model.layers"  # the blocks whose matrices optimizer='muon' steps with Muon
 
     def __init__(
         self,
@@ -173,6 +217,8 @@ class LlamaLM(ContractModule):
         warmup_steps: int = 0,
         min_lr_ratio: float = 0.1,
         max_steps: int | None = None,
+        optimizer: Literal["adamw", "muon"] = "adamw",
+        muon_ns_dtype: Literal["bf16", "fp32"] = "bf16",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()

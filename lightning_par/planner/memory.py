@@ -82,12 +82,13 @@ from lightning_par.layout import schedules
 from lightning_par.layout.config import ParallelConfig
 from lightning_par.layout.context_methods import CONTEXT_METHODS
 from lightning_par.planner.model import ModelSpec
+from lightning_par.planner.muon import muon_state_share
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 # Lightning's precision names (Trainer(precision=...)) as the memory model counts them: fp16 like bf16.
 LIGHTNING_PRECISIONS = {"32": "32-true", "32-true": "32-true", "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed",
                         "16-mixed": "bf16-mixed", "16": "bf16-mixed", "bf16-true": "bf16-true", "16-true": "bf16-true"}
-OPTIMIZERS = ("adamw",)
+OPTIMIZERS = ("adamw", "muon")  # lightning_par.optim: Muon keeps one buffer a block matrix (planner/muon.py)
 
 
 @dataclass(frozen=True)
@@ -399,7 +400,7 @@ def _ranks(model: ModelSpec, config: ParallelConfig, *, seq_len: int, microbatch
         if one is None:
             one = kinds[stages.kind] = _rank_memory(model, config, stages, seq_len=seq_len, mbs=microbatch_size,
                                                     precision=precision, microbatches=microbatches, kept=kept,
-                                                    rebuilt=rebuilt)
+                                                    rebuilt=rebuilt, optimizer=optimizer)
         ranks.append((stages, one, in_flight(config, stages.rank, microbatches)))
     return ranks
 
@@ -417,7 +418,7 @@ def _on_rank(one: MemoryBreakdown, held: float, rank: int) -> MemoryBreakdown:
 
 def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *, seq_len: int, mbs: int,
                  precision: str, microbatches: int, kept: dict[bool, float],
-                 rebuilt: dict[bool, float]) -> MemoryBreakdown:
+                 rebuilt: dict[bool, float], optimizer: str = "adamw") -> MemoryBreakdown:
     """The breakdown of ``stages``' kind of rank with the activations of ONE micro-batch in flight. ``kept`` and
     ``rebuilt``: a dense (False) and an MoE (True) block's activation bytes per token, kept for backward and
     rebuilt by recomputation (:func:`block_activation_bytes`)."""
@@ -459,6 +460,9 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
     else:
         gradients = params * pbytes
     optimizer_states = 2 * (fsdp_shard(pbytes) if stage == 3 else owned * pbytes if stage else params * pbytes)
+    if optimizer == "muon":  # the blocks' matrices (the head's aside) keep one momentum buffer, not two moments
+        head = model.vocab_size * model.hidden / tp if stages.head else 0.0
+        optimizer_states *= muon_state_share(matmul - head, params)
 
     # ---- activations of the blocks, one micro-batch (_on_rank multiplies them by the micro-batches in flight)
     tokens = mbs * seq_len / cp

@@ -308,7 +308,7 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, con
     memory = memory or layout_memory(model, training, config, microbatches, microbatch_size)
     time = estimate_step_time(model, config, cluster, seq_len=training.seq_len, microbatch_size=microbatch_size,
                               microbatches=microbatches, precision=training.precision, compiled=training.compiled,
-                              float8=training.float8)
+                              float8=training.float8, optimizer=training.optimizer)
     return Candidate(config=config, microbatches=microbatches, microbatch_size=microbatch_size, memory=memory,
                      time=time, fits=memory.total <= cluster.usable_memory_bytes, cluster=cluster,
                      mfu=time.mfu(cluster, training.precision))

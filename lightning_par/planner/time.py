@@ -58,6 +58,7 @@ from lightning_par.planner.memory import (
     stages_per_rank,
 )
 from lightning_par.planner.model import ModelSpec
+from lightning_par.planner.muon import muon_step
 
 SELECTIVE_RECOMPUTE_OVERHEAD = 0.03  # of the blocks' compute: element-wise ops rerun (Korthikanti, table 4)
 
@@ -194,10 +195,11 @@ def _block_seconds(model: ModelSpec, cluster: ClusterSpec, moe: bool, *, tp: int
 
 def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: ClusterSpec, *, seq_len: int,
                        microbatch_size: int, microbatches: int, precision: str = "bf16-mixed",
-                       compiled: bool = False, float8: bool = False) -> StepTime:
+                       compiled: bool = False, float8: bool = False, optimizer: str = "adamw") -> StepTime:
     """Seconds per optimizer step of ``config`` on ``cluster``: ``microbatches`` micro-batches of
     ``microbatch_size`` sequences per data-parallel rank (global batch = that x dp). ``compiled``: the
-    blocks run under ``torch.compile``; ``float8``: their linear layers in Float8 (torchao), the head in bf16."""
+    blocks run under ``torch.compile``; ``float8``: their linear layers in Float8 (torchao), the head in bf16;
+    ``optimizer="muon"``: Muon's Newton-Schulz iterations and gathers (planner/muon.py) in the optimizer step."""
     config.mesh_shape()
     tp, cp, pp, ep = config.tp, config.cp, config.pp, config.ep
     dp = config.dp
@@ -377,13 +379,22 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     # ---- the optimizer step, where the cluster gives its rate (measured clusters; the published runs' presets
     # leave it out, as their calibration did): AdamW updates this rank's share of the parameters, which ZeRO
     # divides by the ranks that shard the optimizer states (memory.py's accounting).
-    optimizer = 0.0
+    optimizer_seconds = 0.0
     if cluster.optimizer_rate is not None:
         stepped = params if stage == 0 else dense / partition + experts / expert_partition
-        optimizer = stepped / cluster.optimizer_rate
+        optimizer_seconds = stepped / cluster.optimizer_rate
+
+    if optimizer == "muon":  # its iterations (bf16, as torch's Muon) and its gathers of sharded matrices, exposed
+        flops, gathered = muon_step(model, config, stages.n_dense, stages.n_moe)
+        optimizer_seconds += flops / (cluster.flops("bf16-mixed") * cluster.compute_efficiency)
+        if gathered:
+            group = span["dp_shard_cp"] if config.zero.shards_parameters else span["tp"]
+            volume["muon"] = gathered
+            comm["muon"] = exposed["muon"] = gathered / cluster.bandwidth(group)
 
     step_tokens = mbs * m * dp * seq_len
-    return StepTime(compute=compute, recompute=recompute, bubble=bubble, comm=comm, exposed=exposed, optimizer=optimizer,
+    return StepTime(compute=compute, recompute=recompute, bubble=bubble, comm=comm, exposed=exposed,
+                    optimizer=optimizer_seconds,
                     comm_bytes=volume, model_flops=model.flops_per_token(seq_len) * step_tokens, tokens=step_tokens,
                     work={kind: m * seconds for kind, seconds in work.items()})
 
