@@ -64,7 +64,7 @@ def make_strategy(name: str = "data_parallel", sharded: bool = True):
 
 
 def _fit(rank: int, world_size: int, directory: str, strategy: str | tuple, seed: int, ckpt_path: str | None,
-         max_epochs: int = 2, asynchronous: bool = False) -> dict:
+         max_epochs: int = 2, asynchronous: bool = False, optimizer: str = "adamw") -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
@@ -78,7 +78,7 @@ def _fit(rank: int, world_size: int, directory: str, strategy: str | tuple, seed
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         plugins=[AsyncCheckpointIO()] if asynchronous else None,
     )
-    module = make_moe_module() if name.startswith("ep") else make_module()
+    module = (make_moe_module if name.startswith("ep") else make_module)(optimizer=optimizer)
     trainer.fit(module, datamodule=make_datamodule(), ckpt_path=ckpt_path)
     return {"losses": recorder.losses, "state": trainer.strategy.consolidated_state_dict(),
             "step": trainer.global_step}
@@ -110,12 +110,13 @@ def test_resume_continues_exactly(tmp_path: Path, sharded: bool, asynchronous: b
         assert torch.equal(resumed["state"][name], tensor), name
 
 
-def _resumes_bitwise(tmp_path: Path, world_size: int, layout: tuple[str, bool], epoch_steps: int = 4) -> tuple:
+def _resumes_bitwise(tmp_path: Path, world_size: int, layout: tuple[str, bool], epoch_steps: int = 4,
+                     optimizer: str = "adamw") -> tuple:
     """Train two epochs under ``layout``, resume a second run (another seed) from the first epoch's checkpoint, and
     assert it repeats the first run bitwise; returns the first run and that checkpoint."""
-    uninterrupted = run_distributed(_fit, world_size, str(tmp_path / "a"), layout, 0, None)[0]
+    uninterrupted = run_distributed(_fit, world_size, str(tmp_path / "a"), layout, 0, None, optimizer=optimizer)[0]
     epoch0 = tmp_path / "a" / f"epoch=0-step={epoch_steps}.ckpt"
-    resumed = run_distributed(_fit, world_size, str(tmp_path / "b"), layout, 1, str(epoch0))[0]
+    resumed = run_distributed(_fit, world_size, str(tmp_path / "b"), layout, 1, str(epoch0), optimizer=optimizer)[0]
     assert resumed["losses"] == uninterrupted["losses"][epoch_steps:]
     for name, tensor in uninterrupted["state"].items():
         assert torch.equal(resumed["state"][name], tensor), name
@@ -179,6 +180,13 @@ def test_experts_with_zero1_and_zero2_resume_exactly(tmp_path: Path, strategy: s
         assert resumed["losses"] == pytest.approx(uninterrupted["losses"][2:], rel=1e-6), name
         for key, tensor in uninterrupted["state"].items():
             torch.testing.assert_close(resumed["state"][key], tensor, rtol=1e-6, atol=1e-7, msg=f"{name}: {key}")
+
+
+@pytest.mark.parametrize("layout", ["zero3", "zero1"])
+def test_muon_resumes_exactly(tmp_path: Path, layout: str) -> None:
+    """Muon's momentum buffers (a ZeRO-3 shard of each matrix's, or an owner's whole ones) and AdamW's moments come
+    back from a sharded checkpoint: the resumed run repeats the uninterrupted one bit for bit."""
+    _resumes_bitwise(tmp_path, 2, (layout, True), optimizer="muon")
 
 
 def test_full_checkpoint_holds_whole_tensors_by_name(tmp_path: Path) -> None:
