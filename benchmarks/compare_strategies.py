@@ -6,6 +6,7 @@
                                             [--devices 2] [--steps 60] [--rounds 2] [--dim 128 --layers 4]
                                             [--hybrid-tp 2 --hybrid-pp 2 --microbatches 4]
                                             [--keep-gathered-blocks N|auto --prefetch-blocks N|auto --blocks-per-unit K|auto]
+                                            [--optimizers adamw adamw_bf16 adamw_8bit adamw_4bit muon]
 
 Each strategy trains the reference Llama model for ``--steps`` optimizer steps on ``--devices`` CPU
 processes (gloo); the first ``--warmup`` steps are not timed. Rounds alternate the order (A B C, C B A,
@@ -17,7 +18,9 @@ experts (top 2); ``expert_parallel`` then splits the experts over all processes,
 (experts replicated, ep=1) is its baseline. Reported per strategy: median step time (the
 slowest rank's), throughput in tokens per second of the global batch, model-state bytes per rank (parameters + gradients + optimizer states this rank holds
 before an optimizer step), peak resident memory per rank (ru_maxrss, which includes the interpreter and
-libraries), and each figure as a ratio to the first strategy listed.
+libraries), and each figure as a ratio to the first strategy listed. With several ``--optimizers`` (the reference
+model's ``optimizer``: docs/optimizers.md) every strategy runs with each, named ``strategy/optimizer``; the model
+states then count each optimizer's own state (torchao's quantised codes, scales and code books as stored).
 """
 
 from __future__ import annotations
@@ -33,11 +36,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from lightning_par.models.lightning_module import OPTIMIZERS
+
 STRATEGIES = ("lightning_ddp", "data_parallel", "zero1", "zero2", "zero3", "tensor_parallel", "context_parallel",
               "expert_parallel", "pipeline_parallel", "hybrid3d")
 
 
 def worker(strategy_name: str, args: argparse.Namespace) -> None:
+    from lightning_par.optim import state_bytes
+
     import lightning
     import torch
     from lightning.pytorch.strategies import DDPStrategy
@@ -71,8 +78,7 @@ def worker(strategy_name: str, args: argparse.Namespace) -> None:
                 return  # reading every DTensor's local shard each step would add to the timed step of sharded runs
             inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
             params = list(pl_module.parameters())
-            self.state_bytes = (sum(local_bytes(p) + local_bytes(p.grad) for p in params)
-                                + sum(local_bytes(v) for s in inner.state.values() for v in s.values()))
+            self.state_bytes = sum(local_bytes(p) + local_bytes(p.grad) for p in params) + state_bytes(inner)
 
         def on_train_end(self, trainer, pl_module):
             peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -98,7 +104,7 @@ def worker(strategy_name: str, args: argparse.Namespace) -> None:
                                                   sequence_parallel=args.hybrid_tp > 1, microbatches=args.microbatches)
     torch.manual_seed(0)
     model = LlamaLM(dim=args.dim, n_layers=args.layers, n_heads=4, n_kv_heads=2, max_seq_len=args.seq_len,
-                    moe_experts=args.moe_experts)
+                    moe_experts=args.moe_experts, optimizer=args.optimizer)
     data = TokenDataModule(source="synthetic", seq_len=args.seq_len, batch_size=args.batch_size, num_samples=8192)
     trainer = lightning.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                                 callbacks=[StepTimer()], logger=False, enable_checkpointing=False,
@@ -106,9 +112,11 @@ def worker(strategy_name: str, args: argparse.Namespace) -> None:
     trainer.fit(model, datamodule=data)
 
 
-def run_one(strategy_name: str, args: argparse.Namespace, out: str) -> dict:
-    shared = {k: v for k, v in vars(args).items() if k not in ("worker", "out", "strategies")}
+def run_one(name: str, args: argparse.Namespace, out: str) -> dict:
+    strategy_name, _, optimizer = name.partition("/")
+    shared = {k: v for k, v in vars(args).items() if k not in ("worker", "out", "strategies", "optimizers")}
     command = [sys.executable, os.path.abspath(__file__), "--worker", strategy_name, "--out", out,
+               f"--optimizer={optimizer or args.optimizers[0]}",
                *(f"--{k.replace('_', '-')}={v}" for k, v in shared.items())]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(args.devices)]
@@ -143,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hybrid-tp", type=int, default=2, help="hybrid3d: tensor-parallel size")
     parser.add_argument("--hybrid-pp", type=int, default=2, help="hybrid3d: pipeline-parallel size")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=["lightning_ddp", "data_parallel"])
+    parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=["adamw"])
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help=argparse.SUPPRESS)  # a worker's
     parser.add_argument("--worker", choices=STRATEGIES)
     parser.add_argument("--out")
     return parser
@@ -154,7 +164,8 @@ def main() -> None:
         worker(args.worker, args)
         return
 
-    names = args.strategies
+    names = [f"{strategy}/{optimizer}" if len(args.optimizers) > 1 else strategy
+             for strategy in args.strategies for optimizer in args.optimizers]
     samples: dict[str, list[float]] = {name: [] for name in names}
     memory: dict[str, float] = {name: 0.0 for name in names}
     state: dict[str, float] = {name: 0.0 for name in names}

@@ -182,11 +182,13 @@ def test_experts_with_zero1_and_zero2_resume_exactly(tmp_path: Path, strategy: s
             torch.testing.assert_close(resumed["state"][key], tensor, rtol=1e-6, atol=1e-7, msg=f"{name}: {key}")
 
 
-@pytest.mark.parametrize("layout", ["zero3", "zero1"])
-def test_muon_resumes_exactly(tmp_path: Path, layout: str) -> None:
-    """Muon's momentum buffers (a ZeRO-3 shard of each matrix's, or an owner's whole ones) and AdamW's moments come
-    back from a sharded checkpoint: the resumed run repeats the uninterrupted one bit for bit."""
-    _resumes_bitwise(tmp_path, 2, (layout, True), optimizer="muon")
+@pytest.mark.parametrize(("layout", "optimizer"), [("zero3", "muon"), ("zero1", "muon"), ("zero3", "adamw_bf16"),
+                                                   ("zero3", "adamw_8bit")])
+def test_other_optimizers_resume_exactly(tmp_path: Path, layout: str, optimizer: str) -> None:
+    """Muon's momentum buffers (a ZeRO-3 shard of each matrix's, or an owner's whole ones), bf16 moments and torchao's
+    quantised moments (codes, block scales, code book) come back from a sharded checkpoint: the resumed run repeats
+    the uninterrupted one bit for bit."""
+    _resumes_bitwise(tmp_path, 2, (layout, True), optimizer=optimizer)
 
 
 def test_full_checkpoint_holds_whole_tensors_by_name(tmp_path: Path) -> None:

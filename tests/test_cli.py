@@ -29,6 +29,11 @@ def _shortened(name: str) -> list[str]:
     return SHORTENED + ([] if name.startswith("pretrain_streaming") else SMALL_CORPUS)
 
 
+# The one process sums each batch's gradient in another order than the ranks do; a quantised moment then rounds a
+# last-bit difference to another level (docs/optimizers.md): 3.7e-5 in the weights after the 6 steps.
+VERIFY_TOLERANCE = {"adamw_8bit": 1e-4}
+
+
 def _devices(name: str) -> int:
     return _config(name)["trainer"]["devices"]
 
@@ -131,8 +136,8 @@ def test_shipped_config_trains_what_one_process_trains(shipped_runs: tuple[Path,
                                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``lightning-par verify``'s comparison of the run above: one process draws the global batches from the config's
     data module (at world size 1, dealt to the run's data-parallel replicas) and trains them with the config's model,
-    optimizer and schedule; the 6 steps' samples, losses, gradient norms and weights agree within 1e-5 (the
-    fine-tuning configs are verified in tests/test_verify.py)."""
+    optimizer and schedule; the 6 steps' samples, losses, gradient norms and weights agree within 1e-5 (quantised
+    optimizer moments: VERIFY_TOLERANCE; the fine-tuning configs are verified in tests/test_verify.py)."""
     from lightning_par.cli.verify import compare, format_comparison, read_layout_run, reference_run
 
     root, outcomes, _ = shipped_runs
@@ -142,7 +147,7 @@ def test_shipped_config_trains_what_one_process_trains(shipped_runs: tuple[Path,
     cli_args = ["--config", str(REPO / "configs" / f"{name}.yaml"), *_shortened(name)]
     steps, seed = len(layout.gradient_norms), _config(name)["seed_everything"]
     reference = reference_run(cli_args, seed, steps, layout.replicas, tmp_path)
-    comparison = compare(layout, reference, 1e-5)
+    comparison = compare(layout, reference, VERIFY_TOLERANCE.get(name, 1e-5))
     print(f"{name}: {comparison.reason}")
     assert len(layout.gradient_norms) == 6 and comparison.passed, format_comparison(comparison, name)
 

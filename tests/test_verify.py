@@ -208,3 +208,18 @@ def test_a_model_too_large_for_the_machine_is_refused_with_the_way_to_shrink_it(
               "--model.init_args.n_layers=32", "--model.init_args.n_heads=64", "--model.init_args.n_kv_heads=8"])
     with pytest.raises(ValueError, match=r"--steps 0 is not a number of optimizer steps; fit: 1 or more"):
         main(["--config", str(REPO / "configs" / "data_parallel.yaml"), "--steps", "0"])
+
+
+def test_the_reference_run_keeps_this_machines_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-process run drops only what would make it join the layout run's processes (RANK, SLURM_*, ...): PATH
+    and the rest stay, so a compiler the run starts (inductor's g++, for torch.compile or torchao's optimizers) finds
+    its tools."""
+    from lightning_par.cli.verify import _on_this_machine
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    path = os.environ["PATH"]
+    with _on_this_machine():
+        assert os.environ.get("PATH") == path
+        assert "RANK" not in os.environ and "SLURM_PROCID" not in os.environ
+    assert os.environ["RANK"] == "3"

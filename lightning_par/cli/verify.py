@@ -371,9 +371,9 @@ def _environment_of_this_machine() -> dict[str, str]:
 @contextmanager
 def _on_this_machine() -> Iterator[None]:
     """:func:`_environment_of_this_machine` as this process's environment while the reference runs."""
-    saved = dict(os.environ)
+    saved, kept = dict(os.environ), _environment_of_this_machine()  # read before the clear below empties it
     os.environ.clear()
-    os.environ.update(_environment_of_this_machine())
+    os.environ.update(kept)
     try:
         yield
     finally:

@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_par.models.llama import LlamaConfig, Transformer
 from lightning_par.models.moe import MoEFeedForward
 from lightning_par.layout.config import DTYPES
-from lightning_par.optim import MuonWithAdamW, muon_parameter_groups
+from lightning_par.optim import AdamWBF16States, MuonWithAdamW, muon_parameter_groups
 from lightning_par.parallel.model_map import derive_model_map
 
 
@@ -45,7 +45,7 @@ class WarmupCosine:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = ("adamw", "adamw_bf16", "adamw_8bit", "adamw_4bit", "muon")
 
 
 def check_optimizer_hparams(hparams: Any) -> None:
@@ -60,8 +60,8 @@ def check_optimizer_hparams(hparams: Any) -> None:
         raise ValueError(f"muon_ns_dtype={ns_dtype!r} is not one of ('bf16', 'fp32') (Muon's Newton-Schulz precision)")
     name = hparams.get("optimizer", "adamw")
     if name not in OPTIMIZERS:
-        raise ValueError(f"optimizer={name!r} is not one of {OPTIMIZERS} (muon: Muon for the blocks' matrices, AdamW "
-                         "for the rest)")
+        raise ValueError(f"optimizer={name!r} is not one of {OPTIMIZERS} (adamw_bf16/8bit/4bit: AdamW's moments in "
+                         "bf16 or quantised; muon: Muon for the blocks' matrices, AdamW for the rest)")
     rate = hparams.get("learning_rate")
     if not number(rate) or rate <= 0:
         raise ValueError(f"learning_rate={rate!r} must be a positive number (AdamW's step size, e.g. 3e-4)")
@@ -87,7 +87,9 @@ def warmup_cosine_optimizer(module: pl.LightningModule) -> dict[str, Any]:
     ``weight_decay``, ``betas``, ``warmup_steps``, ``min_lr_ratio`` and ``max_steps`` hyper-parameters
     (``max_steps=None``: the trainer's estimate).
 
-    ``adamw`` (the default): AdamW (Loshchilov & Hutter 2019) on every parameter. ``muon``:
+    ``adamw`` (the default): AdamW (Loshchilov & Hutter 2019) on every parameter; ``adamw_bf16``: its moments
+    stored in bf16 (:class:`~lightning_par.optim.AdamWBF16States`); ``adamw_8bit``, ``adamw_4bit``: torchao's
+    ``AdamW8bit`` and ``AdamW4bit`` (block-wise quantised moments, Dettmers et al. 2022). ``muon``:
     :class:`~lightning_par.optim.MuonWithAdamW`, Muon on the matrices of the blocks (the model map's) and AdamW on
     the rest (embedding, head, gains), Muon's update scaled to AdamW's RMS so that both take the same learning rate
     and weight decay; its Newton-Schulz iteration in ``muon_ns_dtype`` (``bf16`` as torch's Muon, or ``fp32``). Weight decay applies to matrices only; norm gains are left undecayed, as in GPT-2/nanoGPT and
@@ -106,11 +108,23 @@ def warmup_cosine_optimizer(module: pl.LightningModule) -> dict[str, Any]:
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": hparams.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        # fused=False keeps the portable implementation whatever device or DTensor a strategy leaves the parameters on.
-        optimizer = torch.optim.AdamW(groups, lr=hparams.learning_rate, betas=tuple(hparams.betas), fused=False)
+        optimizer = _adamw(hparams.get("optimizer", "adamw"))(groups, lr=hparams.learning_rate,
+                                                               betas=tuple(hparams.betas))
     schedule = WarmupCosine(hparams.warmup_steps, _total_steps(module), hparams.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _adamw(name: str) -> Any:
+    """The AdamW class of ``optimizer=name``."""
+    if name == "adamw_bf16":
+        return AdamWBF16States
+    if name in ("adamw_8bit", "adamw_4bit"):
+        from torchao.optim import AdamW4bit, AdamW8bit
+
+        return AdamW8bit if name == "adamw_8bit" else AdamW4bit
+    # fused=False keeps the portable implementation whatever device or DTensor a strategy leaves the parameters on.
+    return functools.partial(torch.optim.AdamW, fused=False)
 
 
 def _block_matrices(module: pl.LightningModule) -> list[torch.Tensor]:
@@ -217,7 +231,7 @@ class LlamaLM(ContractModule):
         warmup_steps: int = 0,
         min_lr_ratio: float = 0.1,
         max_steps: int | None = None,
-        optimizer: Literal["adamw", "muon"] = "adamw",
+        optimizer: Literal["adamw", "adamw_bf16", "adamw_8bit", "adamw_4bit", "muon"] = "adamw",
         muon_ns_dtype: Literal["bf16", "fp32"] = "bf16",
     ) -> None:
         super().__init__()

@@ -133,6 +133,12 @@ class Parallelized:
         """The optimizer to step: sharded over the data-parallel ranks under ZeRO stages 1 and 2. (Under stage 3 it
         already is: it was built on FSDP2's sharded parameters.) DTensor parameters on a CPU are stepped with the
         optimizer's foreach implementation where its ``foreach`` was left to torch (:mod:`~.foreach`)."""
+        if type(optimizer).__module__.startswith("torchao.optim") and self.config.tp > 1:
+            raise ValueError(
+                f"{type(optimizer).__name__} quantises each rank's shard of a state in blocks of values, and a "
+                f"tensor-parallel shard (tp={self.config.tp}) groups other values than the whole matrix does: the run "
+                "would not train what one process trains. Use optimizer adamw_bf16 (bf16 moments) under tensor "
+                "parallel, or the quantised states with ZeRO-1/2/3 and tp=1 (docs/optimizers.md)")
         foreach_over_dtensors(optimizer)
         sharded = zero.shard_optimizer(optimizer, self.inner, self.mesh, stage=self.config.zero,
                                        sharded_accumulation=self.config.sharded_accumulation,

@@ -88,7 +88,11 @@ PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 # Lightning's precision names (Trainer(precision=...)) as the memory model counts them: fp16 like bf16.
 LIGHTNING_PRECISIONS = {"32": "32-true", "32-true": "32-true", "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed",
                         "16-mixed": "bf16-mixed", "16": "bf16-mixed", "bf16-true": "bf16-true", "16-true": "bf16-true"}
-OPTIMIZERS = ("adamw", "muon")  # lightning_par.optim: Muon keeps one buffer a block matrix (planner/muon.py)
+OPTIMIZERS = ("adamw", "adamw_bf16", "adamw_8bit", "adamw_4bit", "muon")
+# Bytes of AdamW's two moments a parameter where they are not the parameters' dtype: bf16 (lightning_par.optim), and
+# torchao's block-quantised codes with a fp32 scale a block of 256 (8-bit) or 128 (4-bit). Muon keeps one buffer a
+# block matrix (planner/muon.py).
+MOMENT_BYTES = {"adamw_bf16": 4.0, "adamw_8bit": 2 * (1 + 4 / 256), "adamw_4bit": 2 * (0.5 + 4 / 128)}
 
 
 @dataclass(frozen=True)
@@ -460,6 +464,8 @@ def _rank_memory(model: ModelSpec, config: ParallelConfig, stages: RankStages, *
     else:
         gradients = params * pbytes
     optimizer_states = 2 * (fsdp_shard(pbytes) if stage == 3 else owned * pbytes if stage else params * pbytes)
+    if optimizer in MOMENT_BYTES:
+        optimizer_states *= MOMENT_BYTES[optimizer] / (2 * pbytes)
     if optimizer == "muon":  # the blocks' matrices (the head's aside) keep one momentum buffer, not two moments
         head = model.vocab_size * model.hidden / tp if stages.head else 0.0
         optimizer_states *= muon_state_share(matmul - head, params)
