@@ -114,7 +114,7 @@ def worker(strategy_name: str, args: argparse.Namespace) -> None:
 
 def run_one(name: str, args: argparse.Namespace, out: str) -> dict:
     strategy_name, _, optimizer = name.partition("/")
-    shared = {k: v for k, v in vars(args).items() if k not in ("worker", "out", "strategies", "optimizers")}
+    shared = {k: v for k, v in vars(args).items() if k not in ("worker", "out", "strategies", "optimizers", "optimizer")}
     command = [sys.executable, os.path.abspath(__file__), "--worker", strategy_name, "--out", out,
                f"--optimizer={optimizer or args.optimizers[0]}",
                *(f"--{k.replace('_', '-')}={v}" for k, v in shared.items())]
@@ -173,7 +173,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds):
             for name in names if round_index % 2 == 0 else names[::-1]:
-                result = run_one(name, args, f"{tmp}/{name}{round_index}")
+                result = run_one(name, args, f"{tmp}/{name.replace('/', '-')}{round_index}")
                 samples[name] += result["step_times"]
                 memory[name] = max(memory[name], result["peak_rss_mib"])
                 state[name] = max(state[name], result["state_mib"])

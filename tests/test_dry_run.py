@@ -79,17 +79,23 @@ def test_pipeline_tensor_and_data_parallel_traffic_per_block_at_512_ranks(tmp_pa
         assert held_model_states(report) == pytest.approx(report["planned"]["model_states"], rel=0.01), report["stages"]
 
 
+def zero3_dry_runs(tmp_path: Path, option: str, values: tuple[str, ...]) -> dict[str, dict]:
+    """Rank 0's report of configs/zero3.yaml dry-run on 2 ranks with ``--option=value``, for each value."""
+    reports = {}
+    for value in values:
+        report = tmp_path / f"{value}.json"
+        main(["--config", str(REPO / "configs" / "zero3.yaml"), "--world-size", "2", "--json", str(report),
+              f"--{option}={value}"])
+        reports[value] = json.loads(report.read_text())[0]
+    return reports
+
+
 def test_per_op_recomputation_saves_what_the_planner_says(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """configs/zero3.yaml (4 blocks) dry-run with selective and with per-op recomputation: at the step's peak (the
     last block's recomputation, which holds that block's whole working set in either mode) the other three blocks
     keep k, o_proj and up less under ``op``, each block the planner's difference; the planner's peak stays within 10%
     of the dry run's in both modes. A layout without tensor parallel has no split for the report to call unchecked."""
-    reports = {}
-    for mode in ("selective", "op"):
-        report = tmp_path / f"{mode}.json"
-        main(["--config", str(REPO / "configs" / "zero3.yaml"), "--world-size", "2", "--json", str(report),
-              f"--trainer.strategy.init_args.activation_checkpointing={mode}"])
-        reports[mode] = json.loads(report.read_text())[0]
+    reports = zero3_dry_runs(tmp_path, "trainer.strategy.init_args.activation_checkpointing", ("selective", "op"))
     blocks = 4
     planned_per_block = (reports["selective"]["planned"]["activations"] - reports["op"]["planned"]["activations"]) \
         / blocks

@@ -106,20 +106,12 @@ def test_the_dry_run_and_the_planner_count_muons_states_and_gathers(tmp_path) ->
     """configs/zero3.yaml on 2 ranks with AdamW and with Muon: Muon's optimizer states are what the planner says (one
     fp32 buffer per block-matrix parameter, AdamW's two for the rest); its step all-gathers each of the 28 block
     matrices (7 a block) once, the whole matrix's bytes, of which the planner counts the (d - 1)/d a ring moves."""
-    import json
-    from pathlib import Path
+    from test_dry_run import zero3_dry_runs
 
-    from lightning_par.cli.check import main
     from lightning_par.layout.config import ParallelConfig
     from lightning_par.planner import ClusterSpec, ModelSpec, estimate_step_time
 
-    repo = Path(__file__).resolve().parents[1]
-    reports = {}
-    for optimizer in ("adamw", "muon"):
-        report = tmp_path / f"{optimizer}.json"
-        main(["--config", str(repo / "configs" / "zero3.yaml"), "--world-size", "2", "--json", str(report),
-              f"--model.init_args.optimizer={optimizer}"])
-        reports[optimizer] = json.loads(report.read_text())[0]
+    reports = zero3_dry_runs(tmp_path, "model.init_args.optimizer", ("adamw", "muon"))
     adamw, muon = reports["adamw"], reports["muon"]
     model = ModelSpec(vocab_size=256, hidden=128, layers=4, heads=4, kv_heads=2, ffn_hidden=352)
     matrices = model.layers * (model.attention_params + model.mlp_params)

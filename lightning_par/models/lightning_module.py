@@ -92,8 +92,8 @@ def warmup_cosine_optimizer(module: pl.LightningModule) -> dict[str, Any]:
     ``AdamW8bit`` and ``AdamW4bit`` (block-wise quantised moments, Dettmers et al. 2022). ``muon``:
     :class:`~lightning_par.optim.MuonWithAdamW`, Muon on the matrices of the blocks (the model map's) and AdamW on
     the rest (embedding, head, gains), Muon's update scaled to AdamW's RMS so that both take the same learning rate
-    and weight decay; its Newton-Schulz iteration in ``muon_ns_dtype`` (``bf16`` as torch's Muon, or ``fp32``). Weight decay applies to matrices only; norm gains are left undecayed, as in GPT-2/nanoGPT and
-    Llama.
+    and weight decay; its Newton-Schulz iteration in ``muon_ns_dtype`` (``bf16`` as torch's Muon, or ``fp32``).
+    Weight decay applies to matrices only; norm gains are left undecayed, as in GPT-2/nanoGPT and Llama.
     """
     hparams = module.hparams
     params = [p for p in module.parameters() if p.requires_grad]

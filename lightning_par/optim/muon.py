@@ -33,6 +33,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.adamw import adamw
 
+
 def _torch_muon() -> Any:
     try:
         from torch.optim import _muon
@@ -116,9 +117,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
             steps.append(state["step"])
         beta1, beta2 = group["betas"]
         # foreach=False: the single-tensor kernel runs on any device and on DTensor shards alike.
-        adamw(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, [], steps, foreach=False,
-                                amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                                weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        adamw(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, [], steps, foreach=False, amsgrad=False,
+              beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+              maximize=False)
 
 
 def newton_schulz(matrix: Tensor, coefficients: tuple[float, float, float], steps: int, dtype: torch.dtype,
