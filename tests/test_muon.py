@@ -67,7 +67,8 @@ def test_muon_refuses_a_vector_and_a_bad_setting() -> None:
         MuonWithAdamW([nn.Parameter(torch.zeros(4, 4))], momentum=1.5)
     from lightning_par.models import LlamaLM
 
-    with pytest.raises(ValueError, match=r"optimizer='lion' is not one of \('adamw', 'muon'\)"):
+    with pytest.raises(ValueError, match=r"optimizer='lion' is not one of \('adamw', 'adamw_bf16', 'adamw_8bit', "
+                                         r"'adamw_4bit', 'muon'\)"):
         LlamaLM(optimizer="lion")
 
 
