@@ -229,11 +229,13 @@ def estimate_step_time(model: ModelSpec, config: ParallelConfig, cluster: Cluste
     head_seconds = work["head"]
     block_seconds = sum(work.values()) - head_seconds
     compute_mb = block_seconds + head_seconds
-    recompute_mb = {"none": 0.0, "full": block_seconds / 3, "selective": SELECTIVE_RECOMPUTE_OVERHEAD * block_seconds,
-                    "op": SELECTIVE_RECOMPUTE_OVERHEAD * block_seconds + mbs * seq_len / 3 * (
-                        stages.n_dense * dense_s["linear"] * _recomputed_matmul_share(model, False)
-                        + stages.n_moe * moe_s["linear"] * _recomputed_matmul_share(model, True)),
-                    }[config.activation_checkpointing]
+    checkpointing = config.activation_checkpointing
+    recompute_mb = {"none": 0.0, "full": block_seconds / 3}.get(checkpointing,
+                                                                SELECTIVE_RECOMPUTE_OVERHEAD * block_seconds)
+    if checkpointing == "op":  # and the forward of the matmuls whose outputs it drops
+        recompute_mb += mbs * seq_len / 3 * (
+            stages.n_dense * dense_s["linear"] * _recomputed_matmul_share(model, False)
+            + (stages.n_moe * moe_s["linear"] * _recomputed_matmul_share(model, True) if stages.n_moe else 0.0))
     compute, recompute = m * compute_mb, m * recompute_mb
     forward_mb, backward_mb = compute_mb / 3, 2 * compute_mb / 3 + recompute_mb
 
