@@ -123,7 +123,8 @@ def planned_memory(cli: DryRunCLI, config: ParallelConfig) -> list[dict[str, flo
     breakdowns = rank_memory(module_spec(cli.model, cli.trainer.strategy._model_map), config,
                              seq_len=inputs.shape[1], microbatch_size=max(1, inputs.shape[0] // microbatches),
                              precision=LIGHTNING_PRECISIONS.get(cli.trainer.precision, "32-true"),
-                             microbatches=microbatches, optimizer=getattr(cli.model, "hparams", {}).get("optimizer", "adamw"))
+                             microbatches=microbatches,
+                             optimizer=getattr(cli.model, "hparams", {}).get("optimizer", "adamw"))
     return [breakdown.as_dict() for breakdown in breakdowns]
 
 

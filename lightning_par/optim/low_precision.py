@@ -36,28 +36,44 @@ class AdamWBF16States(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = loss_of(closure)
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16,
-                                                           memory_format=torch.preserve_format)
-                moments = [state["exp_avg"].float(), state["exp_avg_sq"].float()]
-                adamw([p], [p.grad], moments[:1], moments[1:], [], [state["step"]], foreach=False, amsgrad=False,
-                      beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                      eps=group["eps"], maximize=False)
-                for stored, moment in zip((state["exp_avg"], state["exp_avg_sq"]), moments):
-                    stored.copy_(moment)
+            adamw_step(self, [p for p in group["params"] if p.grad is not None], group, torch.bfloat16)
         return loss
+
+
+def loss_of(closure: Any) -> Any:
+    """What an optimizer's ``step(closure)`` returns: the closure's loss, computed with gradients on, or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def adamw_step(optimizer: torch.optim.Optimizer, params: list[Tensor], group: dict[str, Any],
+               moment_dtype: torch.dtype | None = None) -> None:
+    """One AdamW step of ``params`` (one of ``optimizer``'s groups) with torch's single-tensor kernel, its moments
+    kept in ``optimizer.state``: in the parameters' dtype, as ``torch.optim.AdamW`` keeps them, or in
+    ``moment_dtype``, read into fp32 for the step and rounded back (to nearest)."""
+    if not params:
+        return
+    for p in params:
+        state = optimizer.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
+    stored = [(optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"]) for p in params]
+    moments = stored if moment_dtype is None else [(m.float(), v.float()) for m, v in stored]
+    beta1, beta2 = group["betas"]
+    # foreach=False: the single-tensor kernel runs on any device and on DTensor shards alike.
+    adamw(params, [p.grad for p in params], [m for m, _ in moments], [v for _, v in moments], [],
+          [optimizer.state[p]["step"] for p in params], foreach=False, amsgrad=False, beta1=beta1, beta2=beta2,
+          lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+    for pair, fp32 in zip(stored, moments):
+        for tensor, value in zip(pair, fp32):
+            if tensor is not value:
+                tensor.copy_(value)
 
 
 def _moments_in_bf16(optimizer: torch.optim.Optimizer) -> None:
@@ -89,4 +105,4 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(storages.values())
 
 
-__all__ = ["AdamWBF16States", "state_bytes"]
+__all__ = ["AdamWBF16States", "adamw_step", "loss_of", "state_bytes"]

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.optim.adamw import adamw
+
+from lightning_par.optim.low_precision import adamw_step, loss_of
 
 
 def _torch_muon() -> Any:
@@ -77,17 +78,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = loss_of(closure)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if group["use_muon"]:
                 for p in params:
                     self._muon_step(p, group)
-            elif params:
-                self._adamw_step(params, group)
+            else:
+                adamw_step(self, params, group)
         return loss
 
     def _muon_step(self, param: Tensor, group: dict[str, Any]) -> None:
@@ -103,23 +101,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
         lr = group["lr"]
         param.mul_(1 - lr * group["weight_decay"])
         param.add_(orthogonal.to(param.dtype), alpha=-muon._adjust_lr(lr, group["adjust_lr_fn"], param.shape[-2:]))
-
-    def _adamw_step(self, params: list[Tensor], group: dict[str, Any]) -> None:
-        exp_avgs, exp_avg_sqs, steps = [], [], []
-        for p in params:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        beta1, beta2 = group["betas"]
-        # foreach=False: the single-tensor kernel runs on any device and on DTensor shards alike.
-        adamw(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, [], steps, foreach=False, amsgrad=False,
-              beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-              maximize=False)
 
 
 def newton_schulz(matrix: Tensor, coefficients: tuple[float, float, float], steps: int, dtype: torch.dtype,
