@@ -382,6 +382,10 @@ BAD_INPUTS: list[BadInput] = [
              "async_tp=True with tensor_parallel_size=2, sequence_parallel=False, compile=False: async tensor parallel "
              "splits sequence parallel's all-gathers", _strategy("TensorParallelStrategy", tensor_parallel_size=2,
                                                                    async_tp=True)),
+    BadInput("`ZeroStrategy(async_save=True, save_distributed_checkpoint=False)`",
+             "async_save=True writes through torch.distributed.checkpoint.async_save, which writes the sharded format: "
+             "keep save_distributed_checkpoint=True, or save synchronously",
+             _strategy("ZeroStrategy", async_save=True, save_distributed_checkpoint=False)),
     BadInput("`DataParallelStrategy(float8_emulate=True)`", "float8_emulate=True emulates float8 matmuls, and float8 "
              "is None; set float8 to one of ('tensorwise', 'rowwise')", _strategy("DataParallelStrategy",
                                                                                   float8_emulate=True)),

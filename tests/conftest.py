@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from s3_server import bucket, s3  # noqa: F401 - fixtures of the object-store tests
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@
 The environment says who this process is, as a launcher would set it: ``RANK``/``WORLD_SIZE``/``MASTER_*``
 (srun-like independent processes or torchrun) or ``SLURM_*``; with none of them and ``--devices N``, Lightning's
 subprocess launcher starts the other ranks. The run trains the tiny Llama for two epochs of four steps with a
-checkpoint every three steps (``--async-save``: written in the background), and can tell rank 1 to fail in a
+checkpoint every three steps (``--async-save``: ``async_save=True``, written in the background), and can tell rank 1 to fail in a
 given way:
 
 - ``--kill-in-save STEP``: this rank SIGKILLs itself half-way through writing the checkpoint of ``STEP``;
@@ -38,7 +38,6 @@ from pathlib import Path
 import lightning
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity import RecordLoss  # noqa: E402
@@ -97,7 +96,8 @@ def _die_while_writing() -> None:
     from torch.distributed.checkpoint import FileSystemWriter
 
     def write_half_and_die(self, plan, planner):
-        (Path(self.path) / "__half_written.distcp").write_bytes(b"\0" * 100)
+        with self.fs.create_stream(self.fs.concat_path(self.path, "__half_written.distcp"), "wb") as stream:
+            stream.write(b"\0" * 100)  # on disk or on an object store (fsspec)
         _note_fault()
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -181,8 +181,8 @@ def main() -> None:
     checkpoints = ModelCheckpoint(dirpath=args.dir, every_n_train_steps=3, save_top_k=0 if args.only_last else -1,
                                   save_last=True)
     trainer = lightning.Trainer(
-        accelerator="cpu", devices=devices, plugins=[AsyncCheckpointIO()] if args.async_save else None,
-        strategy=DataParallelStrategy(timeout=timedelta(seconds=args.timeout)), max_epochs=2,
+        accelerator="cpu", devices=devices, max_epochs=2,
+        strategy=DataParallelStrategy(timeout=timedelta(seconds=args.timeout), async_save=args.async_save),
         callbacks=[recorder, misbehave, checkpoints], logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=args.dir,
     )

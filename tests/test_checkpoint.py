@@ -28,7 +28,8 @@ make_datamodule = functools.partial(TokenDataModule, source="synthetic", vocab_s
                                     num_samples=16, num_val_samples=8)
 
 
-def make_strategy(name: str = "data_parallel", sharded: bool = True):
+def make_strategy(name: str = "data_parallel", sharded: bool = True, **checkpointing):
+    """The layout ``name``; ``checkpointing``: more of the base strategy's checkpoint arguments (``async_save``)."""
     from lightning_par import (
         DataParallelStrategy,
         Hybrid3DStrategy,
@@ -39,41 +40,42 @@ def make_strategy(name: str = "data_parallel", sharded: bool = True):
     )
 
     if name == "data_parallel":
-        return DataParallelStrategy(save_distributed_checkpoint=sharded)
+        return DataParallelStrategy(save_distributed_checkpoint=sharded, **checkpointing)
     if name == "tensor_parallel":
-        return TensorParallelStrategy(tensor_parallel_size=2, save_distributed_checkpoint=sharded)
+        return TensorParallelStrategy(tensor_parallel_size=2, save_distributed_checkpoint=sharded, **checkpointing)
     if name == "pipeline_parallel":
-        return PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2)
+        return PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2, **checkpointing)
     if name == "hybrid3d":  # dp2 x tp2 x pp2 on 8 ranks
         return Hybrid3DStrategy(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2,
-                                sequence_parallel=True, microbatches=2)
+                                sequence_parallel=True, microbatches=2, **checkpointing)
     if name.startswith("pp2xdp2-zero"):  # 4 ranks: ZeRO over the data-parallel ranks of each pipeline stage
         return Hybrid3DStrategy(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=int(name[-1]),
-                                microbatches=2)
+                                microbatches=2, **checkpointing)
     if name.startswith("dp2xtp2-zero"):  # 4 ranks: ZeRO-1 over tensor-parallel shards, or FSDP2 over them
         return Hybrid3DStrategy(data_parallel_size=2, tensor_parallel_size=2, zero_stage=int(name[-1]),
-                                save_distributed_checkpoint=sharded)
+                                save_distributed_checkpoint=sharded, **checkpointing)
     if name.startswith("ep2-zero"):  # experts split over 2 ranks, sharded or partitioned over those holding them
-        return Hybrid3DStrategy(expert_parallel_size=2, zero_stage=int(name[-1]), save_distributed_checkpoint=sharded)
+        return Hybrid3DStrategy(expert_parallel_size=2, zero_stage=int(name[-1]), save_distributed_checkpoint=sharded, **checkpointing)
     if name == "ep4":
-        return Hybrid3DStrategy(expert_parallel_size=4, save_distributed_checkpoint=sharded)
+        return Hybrid3DStrategy(expert_parallel_size=4, save_distributed_checkpoint=sharded, **checkpointing)
     if name == "context_parallel":
         return ContextParallelStrategy(context_parallel_size=2, context_parallel_method="ring",
-                                       save_distributed_checkpoint=sharded)
-    return ZeroStrategy(zero_stage=int(name[-1]), save_distributed_checkpoint=sharded)
+                                       save_distributed_checkpoint=sharded, **checkpointing)
+    return ZeroStrategy(zero_stage=int(name[-1]), save_distributed_checkpoint=sharded, **checkpointing)
 
 
 def _fit(rank: int, world_size: int, directory: str, strategy: str | tuple, seed: int, ckpt_path: str | None,
-         max_epochs: int = 2, asynchronous: bool = False, optimizer: str = "adamw") -> dict:
+         max_epochs: int = 2, asynchronous: bool = False, optimizer: str = "adamw", async_save: bool = False,
+         save_last: bool = True) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
     name, sharded = strategy if isinstance(strategy, tuple) else ("data_parallel", strategy)
     torch.manual_seed(seed)
     recorder = RecordLoss()
-    checkpoints = ModelCheckpoint(dirpath=directory, every_n_epochs=1, save_top_k=-1, save_last=True)
+    checkpoints = ModelCheckpoint(dirpath=directory, every_n_epochs=1, save_top_k=-1, save_last=save_last)
     trainer = lightning.Trainer(
-        accelerator="cpu", devices=world_size, strategy=make_strategy(name, sharded),
+        accelerator="cpu", devices=world_size, strategy=make_strategy(name, sharded, async_save=async_save),
         max_epochs=max_epochs, callbacks=[recorder, checkpoints], logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         plugins=[AsyncCheckpointIO()] if asynchronous else None,
@@ -110,13 +112,17 @@ def test_resume_continues_exactly(tmp_path: Path, sharded: bool, asynchronous: b
         assert torch.equal(resumed["state"][name], tensor), name
 
 
-def _resumes_bitwise(tmp_path: Path, world_size: int, layout: tuple[str, bool], epoch_steps: int = 4,
-                     optimizer: str = "adamw") -> tuple:
-    """Train two epochs under ``layout``, resume a second run (another seed) from the first epoch's checkpoint, and
-    assert it repeats the first run bitwise; returns the first run and that checkpoint."""
-    uninterrupted = run_distributed(_fit, world_size, str(tmp_path / "a"), layout, 0, None, optimizer=optimizer)[0]
-    epoch0 = tmp_path / "a" / f"epoch=0-step={epoch_steps}.ckpt"
-    resumed = run_distributed(_fit, world_size, str(tmp_path / "b"), layout, 1, str(epoch0), optimizer=optimizer)[0]
+def _resumes_bitwise(root: Path | str, world_size: int, layout: tuple[str, bool], epoch_steps: int = 4,
+                     optimizer: str = "adamw", async_save: bool = False) -> tuple:
+    """Train two epochs under ``layout`` in ``root`` (a directory, or an object store's URL), resume a second run
+    (another seed) from the first epoch's checkpoint, and assert it repeats the first run bitwise; returns the first
+    run and that checkpoint."""
+    # No last.ckpt beside the asynchronous saves: its save would wait for the epoch's to be written before training
+    # goes on, and the epoch's checkpoint must be written while the next steps change the weights.
+    fit = functools.partial(_fit, optimizer=optimizer, async_save=async_save, save_last=not async_save)
+    uninterrupted = run_distributed(fit, world_size, f"{root}/a", layout, 0, None)[0]
+    epoch0 = f"{root}/a/epoch=0-step={epoch_steps}.ckpt"
+    resumed = run_distributed(fit, world_size, f"{root}/b", layout, 1, epoch0)[0]
     assert resumed["losses"] == uninterrupted["losses"][epoch_steps:]
     for name, tensor in uninterrupted["state"].items():
         assert torch.equal(resumed["state"][name], tensor), name
@@ -189,6 +195,14 @@ def test_other_optimizers_resume_exactly(tmp_path: Path, layout: str, optimizer:
     quantised moments (codes, block scales, code book) come back from a sharded checkpoint: the resumed run repeats
     the uninterrupted one bit for bit."""
     _resumes_bitwise(tmp_path, 2, (layout, True), optimizer=optimizer)
+
+
+@pytest.mark.parametrize(("layout", "world_size", "epoch_steps"), [("hybrid3d", 8, 4), ("ep2-zero3", 4, 2)])
+def test_asynchronous_saves_resume_exactly(tmp_path: Path, layout: str, world_size: int, epoch_steps: int) -> None:
+    """``async_save=True``: each checkpoint, written in the background while the next steps train, holds the state of
+    its own step. A run resumed from the first epoch's repeats the uninterrupted one bit for bit, under dp2 x tp2 x
+    pp2 with sequence parallel (dense Llama, 8 ranks) and ZeRO-3 over experts split ep=2 (mixture of experts)."""
+    _resumes_bitwise(tmp_path, world_size, (layout, True), epoch_steps=epoch_steps, async_save=True)
 
 
 def test_full_checkpoint_holds_whole_tensors_by_name(tmp_path: Path) -> None:

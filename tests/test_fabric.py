@@ -31,7 +31,8 @@ PARITY_RTOL = 1e-5
 WEIGHT_ATOL = 1e-3 * LEARNING_RATE * STEPS  # AdamW: see parity.assert_parity
 
 # name -> (strategy name or arguments of Hybrid3DStrategy, batches accumulated per step, model)
-TWO_RANKS = {"dp2": ("data_parallel", 2, "llama"), "zero3": ("zero3", 1, "llama"),
+# zero3 saves in the background (async_save); its checkpoint is then loaded by the Trainer (_checkpoints_across).
+TWO_RANKS = {"dp2": ("data_parallel", 2, "llama"), "zero3": (dict(zero_stage=3, async_save=True), 1, "llama"),
              "tp2": ("tensor_parallel", 1, "llama"), "pp2": ("pipeline_parallel", 1, "llama")}
 FOUR_RANKS = {"dp2xtp2": (dict(data_parallel_size=2, tensor_parallel_size=2), 2, "llama"),
               "pp2xtp2": (dict(pipeline_parallel_size=2, tensor_parallel_size=2, microbatches=2), 2, "llama")}
@@ -101,6 +102,7 @@ def _fabric_loop(strategy: Any, devices: int, steps: range, *, accumulate: int =
         losses.append(float(fabric.all_reduce(loss, reduce_op="mean")))  # dp ranks' means; the others agree
     if save is not None:
         fabric.save(save, {"model": model, "optimizer": optimizer, "step": steps.stop})
+        fabric.barrier()  # an asynchronous save is in place once every rank is past it
     return losses
 
 

@@ -65,21 +65,27 @@ def test_killed_rank_during_save(tmp_path: Path, uninterrupted: list[dict]) -> N
     assert_continues([outcome(tmp_path / "resumed", rank) for rank in range(WORLD_SIZE)], uninterrupted, 3)
 
 
-def test_torchrun_restart_resumes_by_itself(tmp_path: Path, uninterrupted: list[dict]) -> None:
-    """torchrun restarts the group after rank 1 is killed mid-save; both attempts get the same command line with
-    ``ckpt_path="auto"``: the first found no checkpoint and started afresh, the restarted one passes over the
-    half-written step-6 save and resumes from step 3, ending bit for bit as the uninterrupted run."""
+@pytest.mark.parametrize(("asynchronous", "store"), [(False, "disk"), (True, "disk"), (True, "s3")],
+                         ids=["sync", "async", "async-s3"])
+def test_torchrun_restart_resumes_by_itself(tmp_path: Path, uninterrupted: list[dict], asynchronous: bool, store: str,
+                                            request: pytest.FixtureRequest) -> None:
+    """torchrun restarts the group after rank 1 is killed mid-save (async: while its background thread writes, with
+    training gone on; s3: to an S3 server); both attempts get the same command line with ``ckpt_path="auto"``: the
+    first found no checkpoint and started afresh, the restarted one passes over the half-written step-6 save and
+    resumes from step 3, ending bit for bit as the uninterrupted run."""
+    checkpoints = f"{request.getfixturevalue('bucket')}/ckpt" if store == "s3" else str(tmp_path / "ckpt")
     command = [*TORCHRUN, "--standalone", "--nproc-per-node", str(WORLD_SIZE),
-               "--max-restarts", "3", str(SCRIPT), "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
-               "--ckpt-path", "auto", "--kill-in-save", "6", "--timeout", "20"]
+               "--max-restarts", "3", str(SCRIPT), "--dir", checkpoints, "--out", str(tmp_path / "out"),
+               "--ckpt-path", "auto", "--kill-in-save", "6", "--timeout", "20",
+               *(["--async-save"] if asynchronous else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert 'ckpt_path="auto": no checkpoint of this run yet, starting afresh' in output
     # The agent stops rank 0 of the failed attempt itself (SIGTERM), so no diagnosis is asked of it here.
-    assert f'ckpt_path="auto": resuming from {tmp_path / "ckpt"}' in output
-    assert f"Restored all states from the checkpoint at {tmp_path / 'ckpt'}" in output
+    assert f'ckpt_path="auto": resuming from {checkpoints}/' in output
+    assert f"Restored all states from the checkpoint at {checkpoints}/" in output
     assert_continues([outcome(tmp_path / "out", rank) for rank in range(WORLD_SIZE)], uninterrupted, 3)
 
 

@@ -18,7 +18,6 @@ import os
 import pickle
 import warnings
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -26,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch import Tensor, nn
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 from lightning_par.checkpoint import validation
 from lightning_par.checkpoint.atomic import STAGING_DIR, clear_staging, move_into_place, remove, staging_path
 from lightning_par.checkpoint import safe_dcp
+from lightning_par.checkpoint.object_store import Location, is_object_store, location, readable
 from lightning_par.parallel.modules import clean_name, tied_aliases
 from lightning_par.parallel.regroup import optimizer_to_stored_order, optimizer_to_training_order
 from lightning_par.parallel.zero_experts import ZeroWithExperts
@@ -163,20 +164,22 @@ def _load_optimizer_state(module: nn.Module, optimizer: Optimizer, state: dict[s
         exposed.update(_hyper_parameters(saved))
 
 
-def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
-    path = Path(path)
+def is_sharded_checkpoint(path: str | os.PathLike | Location) -> bool:
+    path = location(path)
     return path.is_dir() and (path / validation.DCP_INDEX).is_file()
 
 
 def save_checkpoint(
     checkpoint: dict[str, Any],
-    path: str | os.PathLike,
+    path: str | os.PathLike | Location,
     *,
     sharded: bool,
     asynchronous: bool = False,
     process_group: dist.ProcessGroup | None = None,
 ) -> Future | None:
-    """Write ``checkpoint`` to ``path`` atomically. Collective; ``path`` must be the same on every rank.
+    """Write ``checkpoint`` to ``path`` atomically, on disk or on an object store (an fsspec URL such as
+    ``s3://bucket/run/last.ckpt``: ``lightning_par.checkpoint.object_store``). Collective; ``path`` must be the same
+    on every rank.
 
     ``checkpoint`` is Lightning's checkpoint dict whose ``state_dict`` / ``optimizer_states`` entries come
     from :func:`model_state_dict` / :func:`optimizer_state_dict` with ``full=not sharded``.
@@ -191,7 +194,7 @@ def save_checkpoint(
         raise ValueError("asynchronous checkpoints are written by torch.distributed.checkpoint: "
                          "they need the sharded format (save_distributed_checkpoint=True)")
     checkpoint = {**checkpoint, validation.FORMAT_KEY: validation.FORMAT}
-    final = Path(path)
+    final = location(path)
     staging = staging_path(final)
     rank = _rank()
     tensors = {}
@@ -205,21 +208,25 @@ def save_checkpoint(
         clear_staging(final)
         if sharded:
             staging.mkdir()
-            torch.save(checkpoint, staging / META_FILE)
-        else:
-            torch.save(checkpoint, staging)
+        with (staging / META_FILE if sharded else staging).open("wb") as stream:
+            torch.save(checkpoint, stream)
 
     try:
         on_rank_zero(prepare)
         if sharded and asynchronous:
-            written = dcp.async_save(tensors, checkpoint_id=staging, process_group=process_group)
+            written = dcp.async_save(tensors, **_dcp_destination(staging), process_group=process_group)
             return _thenmove_into_place(written, staging, final, move=rank == 0)
         if sharded:
-            dcp.save(tensors, checkpoint_id=staging)
+            dcp.save(tensors, **_dcp_destination(staging))
         on_rank_zero(lambda: move_into_place(staging, final))
     except (Exception, CheckpointException) as error:
         raise CheckpointSaveError(_save_failed(final, error)) from error
     return None
+
+
+def _dcp_destination(staging: Location) -> dict[str, Any]:
+    """Where ``dcp.save`` writes: a local directory, or a prefix of an object store through fsspec."""
+    return {"storage_writer": FsspecWriter(str(staging))} if is_object_store(staging) else {"checkpoint_id": staging}
 
 
 class CheckpointSaveError(RuntimeError):
@@ -227,7 +234,7 @@ class CheckpointSaveError(RuntimeError):
     and the cause; nothing was put in the checkpoint's place."""
 
 
-def _save_failed(final: Path, error: BaseException) -> str:
+def _save_failed(final: Location, error: BaseException) -> str:
     cause = str(error) if isinstance(error, RankZeroFailed) else validation.one_line(error)
     return (f"saving checkpoint {str(final)!r} failed: {cause}. Nothing was put in its place: the checkpoints saved "
             f"before it are intact (its partial files are in {str(final.parent / STAGING_DIR)!r}, removed by the "
@@ -255,7 +262,7 @@ def on_rank_zero(action: Callable[[], None]) -> None:
         raise RankZeroFailed(failure)
 
 
-def _thenmove_into_place(written: Future, staging: Path, final: Path, *, move: bool) -> Future:
+def _thenmove_into_place(written: Future, staging: Location, final: Location, *, move: bool) -> Future:
     # DCP's future completes on rank 0 after every rank has written and rank 0 has added the metadata.
     in_place: Future = Future()
 
@@ -275,7 +282,7 @@ def _thenmove_into_place(written: Future, staging: Path, final: Path, *, move: b
 
 
 def load_checkpoint(
-    path: str | os.PathLike,
+    path: str | os.PathLike | Location,
     module: nn.Module,
     optimizers: list[Optimizer],
     *,
@@ -288,9 +295,9 @@ def load_checkpoint(
     another layout, and a full checkpoint is re-sharded by ``set_model_state_dict``. The non-tensor entries
     are unpickled with ``weights_only=True``, and a sharded checkpoint's DCP index with an unpickler that constructs
     only DCP's own classes (:mod:`lightning_par.checkpoint.safe_dcp`), unless ``weights_only=False`` says the file is trusted
-    (:func:`read_metadata`).
+    (:func:`read_metadata`). ``path`` is on disk or on an object store, as :func:`save_checkpoint` writes it.
     """
-    path = Path(path)
+    path = location(path)
     aliases = tied_aliases(module)
     # This rank's part of the model: the shapes to check, the names it loads, DCP's template.
     local = model_state_dict(module, full=False, aliases=False)
@@ -324,22 +331,22 @@ def load_checkpoint(
     return checkpoint
 
 
-def _refuse_pickled_code(error: BaseException, path: str | os.PathLike) -> None:
+def _refuse_pickled_code(error: BaseException, path: Location) -> None:
     """Raise the refusal of a non-tensor entry that ``weights_only=True`` would not unpickle, if ``error`` is one
     (DCP raises it on every rank)."""
     found = safe_dcp.refused_class(error)
     if found:
-        raise validation.CheckpointError(validation.pickled_code_problem(Path(path), found)) from None
+        raise validation.CheckpointError(validation.pickled_code_problem(path, found)) from None
 
 
-def checkpoint_problem(path: str | os.PathLike, *, weights_only: bool | None = None) -> str | None:
+def checkpoint_problem(path: str | os.PathLike | Location, *, weights_only: bool | None = None) -> str | None:
     """Why the checkpoint at ``path`` cannot be read (missing, not a checkpoint, truncated, written by a newer
     version, holding pickled code), or None: the checks :func:`load_checkpoint` runs before it reads a tensor, less
     those against a model. One process, no collective."""
-    return _check_before_loading(Path(path), {}, 0, False, weights_only)[0]
+    return _check_before_loading(location(path), {}, 0, False, weights_only)[0]
 
 
-def _check_before_loading(path: Path, expected: dict[str, tuple[int, ...]], optimizers: int, strict: bool,
+def _check_before_loading(path: Location, expected: dict[str, tuple[int, ...]], optimizers: int, strict: bool,
                           weights_only: bool | None,
                           trainable: set[str] | None = None) -> tuple[str | None, dict[str, Any], Any]:
     """(the problem found or None, the checkpoint's non-tensor entries, DCP's index for a sharded one). A checkpoint
@@ -375,7 +382,7 @@ def _check_before_loading(path: Path, expected: dict[str, tuple[int, ...]], opti
     return problem, checkpoint, metadata
 
 
-def _load_sharded(path: Path, module: nn.Module, local: dict[str, Any], optimizers: list[Optimizer],
+def _load_sharded(path: Location, module: nn.Module, local: dict[str, Any], optimizers: list[Optimizer],
                   aliases: dict[str, str], strict: bool, weights_only: bool | None) -> None:
     def load(state: dict[str, Any]) -> None:
         dcp.load(state, storage_reader=safe_dcp.storage_reader(path, weights_only),
@@ -398,11 +405,11 @@ def _load_sharded(path: Path, module: nn.Module, local: dict[str, Any], optimize
         _load_optimizer_state(module, optimizer, loaded, full=False)
 
 
-def consolidated_weights(checkpoint: str | os.PathLike, *,
+def consolidated_weights(checkpoint: str | os.PathLike | Location, *,
                          weights_only: bool | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(whole weights by name, the checkpoint's other entries) of a checkpoint of either format, in one process.
     A tied parameter appears under each of its names as one tensor."""
-    checkpoint = Path(checkpoint)
+    checkpoint = location(checkpoint)
     problem, saved, metadata = _check_before_loading(checkpoint, {}, 0, False, weights_only)
     if problem:  # raised here only: this runs in one process, maybe one rank of a larger run
         raise validation.CheckpointError(problem)
@@ -418,7 +425,7 @@ def consolidated_weights(checkpoint: str | os.PathLike, *,
     return with_aliases({name: tensor.contiguous() for name, tensor in weights.items()}, saved.get(TIED_KEY, {})), saved
 
 
-def _read_sharded_weights(path: Path, metadata: Any, weights_only: bool | None) -> dict[str, Any]:
+def _read_sharded_weights(path: Location, metadata: Any, weights_only: bool | None) -> dict[str, Any]:
     """The whole model weights of a sharded checkpoint, read in this one process (not the optimizer states)."""
     state: dict[str, Any] = {}
     for key, entry in metadata.state_dict_metadata.items():
@@ -434,7 +441,7 @@ def _read_sharded_weights(path: Path, metadata: Any, weights_only: bool | None) 
     return state.get(MODEL_KEY, {})
 
 
-def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike, *,
+def export_consolidated(checkpoint: str | os.PathLike | Location, output: str | os.PathLike | Location, *,
                         weights_only: bool | None = None) -> dict[str, torch.Tensor]:
     """Write the model weights of a checkpoint (either format) as one plain ``{name: tensor}`` file.
 
@@ -443,21 +450,22 @@ def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike
     lightning_par, no Lightning, no pickled code. The checkpoint's metadata is read as :func:`read_metadata`
     reads it (``weights_only=False`` for a trusted file holding other Python objects).
     """
-    output = Path(output)
+    output = location(output)
     weights, _ = consolidated_weights(checkpoint, weights_only=weights_only)
     staging = staging_path(output)
     staging.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(weights, staging)
+    with staging.open("wb") as stream:
+        torch.save(weights, stream)
     move_into_place(staging, output)
     return weights
 
 
-def remove_checkpoint(path: str | os.PathLike) -> None:
+def remove_checkpoint(path: str | os.PathLike | Location) -> None:
     """Delete a checkpoint of either format (call on one rank)."""
-    remove(Path(path))
+    remove(location(path))
 
 
-def read_metadata(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+def read_metadata(path: str | os.PathLike | Location, weights_only: bool | None = None) -> dict[str, Any]:
     """A checkpoint file (a full checkpoint, or a sharded one's ``meta.pt``) unpickled.
 
     By default with ``weights_only=True`` (PyTorch's default since 2.6, and Lightning's): tensors, containers,
@@ -465,12 +473,13 @@ def read_metadata(path: str | os.PathLike, weights_only: bool | None = None) -> 
     is refused with a message that names it. ``weights_only=False`` (a strategy's ``checkpoint_weights_only=False``,
     ``lightning-par-export --trust-pickled-code``) loads a file whose source you trust.
     """
+    path = location(path)
     try:
         if weights_only is False:
-            return torch.load(path, map_location="cpu", weights_only=False)
-        return safe_dcp.load_object(path)
+            return torch.load(readable(path), map_location="cpu", weights_only=False)
+        return safe_dcp.load_object(readable(path))
     except safe_dcp.PickledCodeError as error:
-        raise validation.CheckpointError(validation.pickled_code_problem(Path(path), error.found)) from None
+        raise validation.CheckpointError(validation.pickled_code_problem(path, error.found)) from None
     except pickle.UnpicklingError as error:
         raise validation.CheckpointError(f"checkpoint {str(path)!r} is corrupt: {validation.one_line(error)}; load an "
                                     "earlier checkpoint") from None

@@ -5,8 +5,9 @@ every non-tensor entry of the state dict (``DefaultLoadPlanner.load_bytes`` call
 ``weights_only=False``). A pickle can name any importable callable, so a directory from an untrusted source could run
 code the moment it is opened. Through DCP's own extension points this module closes both:
 
-- :class:`SafeFileSystemReader` unpickles ``.metadata`` with an unpickler that constructs only the classes DCP's
-  index is made of (its metadata dataclasses, ``torch.Size``, dtypes and layouts, paths);
+- :class:`SafeFileSystemReader` (:class:`SafeFsspecReader` on an object store) unpickles ``.metadata`` with an
+  unpickler that constructs only the classes DCP's index is made of (its metadata dataclasses, ``torch.Size``, dtypes
+  and layouts, paths);
 - :class:`SafeLoadPlanner` loads non-tensor entries with ``torch.load(weights_only=True)``.
 
 Tensors are already read with ``weights_only=True`` by DCP. Anything else is refused with
@@ -26,14 +27,17 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-__all__ = ["PickledCodeError", "SafeFileSystemReader", "SafeLoadPlanner", "storage_reader", "load_planner",
-           "load_object", "safe_globals", "refused_class"]
+from lightning_par.checkpoint.object_store import Location, is_object_store
+
+__all__ = ["PickledCodeError", "SafeFileSystemReader", "SafeFsspecReader", "SafeLoadPlanner", "storage_reader",
+           "load_planner", "load_object", "safe_globals", "refused_class"]
 
 
 class PickledCodeError(pickle.UnpicklingError):
@@ -89,6 +93,13 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+class SafeFsspecReader(FsspecReader):
+    """``FsspecReader`` (a directory on an object store) whose ``read_metadata`` constructs only the classes of DCP's
+    index."""
+
+    read_metadata = SafeFileSystemReader.read_metadata
+
+
 def safe_globals() -> list[Any]:
     """What ``torch.load(weights_only=True)`` admits beyond tensors and builtins in a checkpoint's non-tensor
     entries: the NumPy types of an RNG state (``np.random.get_state()``: an array and its dtype)."""
@@ -137,8 +148,11 @@ def refused_class(error: BaseException) -> str | None:
     return None
 
 
-def storage_reader(path: str | os.PathLike, weights_only: bool | None = None) -> StorageReader:
-    """The reader of a DCP directory: :class:`SafeFileSystemReader` unless ``weights_only=False`` trusts it."""
+def storage_reader(path: str | os.PathLike | Location, weights_only: bool | None = None) -> StorageReader:
+    """The reader of a DCP directory, on disk or on an object store: :class:`SafeFileSystemReader` or
+    :class:`SafeFsspecReader` unless ``weights_only=False`` trusts it."""
+    if is_object_store(path):
+        return FsspecReader(str(path)) if weights_only is False else SafeFsspecReader(str(path))
     return FileSystemReader(path) if weights_only is False else SafeFileSystemReader(path)
 
 

@@ -13,7 +13,6 @@ No lightning import (docs/architecture.md).
 from __future__ import annotations
 
 import zipfile
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from lightning_par.checkpoint import safe_dcp
+from lightning_par.checkpoint.object_store import DCP_INDEX, Location
 
 __all__ = ["CheckpointError", "FORMAT", "FORMAT_KEY", "agree", "file_problem", "sharded_problem", "model_problem",
            "pickled_code_problem", "one_line"]
@@ -31,7 +31,6 @@ __all__ = ["CheckpointError", "FORMAT", "FORMAT_KEY", "agree", "file_problem", "
 FORMAT = 1
 FORMAT_KEY = "lightning_par_checkpoint_format"
 _MODEL_PREFIX = "state_dict."
-DCP_INDEX = ".metadata"  # what torch.distributed.checkpoint writes last, naming every file and tensor
 _SHOWN = 3  # mismatching names shown in a message
 
 
@@ -39,24 +38,23 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this run: the message names the path, the cause and the fix."""
 
 
-def file_problem(path: Path) -> str | None:
+def file_problem(path: Location) -> str | None:
     """Why the file at ``path`` is not a checkpoint ``torch.load`` can read, or None if it looks like one."""
     size = path.stat().st_size
-    with open(path, "rb") as stream:
+    with path.open("rb") as stream:  # on disk or on an object store
         head = stream.read(8)
-    if head[:4] == b"PK\x03\x04":  # torch.save's zip archive: its index sits at the end of the file
-        if not zipfile.is_zipfile(path):
+        zipped = head[:4] == b"PK\x03\x04"  # torch.save's zip archive: its index sits at the end of the file
+        if zipped and not zipfile.is_zipfile(stream):
             return (f"checkpoint {str(path)!r} is truncated or corrupt: the archive's index at its end is missing "
                     f"({size} bytes), so it was not written completely; load an earlier checkpoint")
-        return None
-    if head[:1] == b"\x80":  # a pickle: torch.save's legacy format
+    if zipped or head[:1] == b"\x80":  # or a pickle: torch.save's legacy format
         return None
     return (f"{str(path)!r} is not a checkpoint: it is neither a directory written by torch.distributed.checkpoint "
             f"nor a file written by torch.save (it starts with {head!r}, {size} bytes); give the path of a .ckpt "
             "file or directory that Lightning or lightning-par wrote")
 
 
-def sharded_problem(path: Path, *, meta_file: str,
+def sharded_problem(path: Location, *, meta_file: str,
                     weights_only: bool | None = None) -> tuple[str | None, Metadata | None]:
     """Why the directory ``path`` is not a complete sharded checkpoint (None if it is), and its DCP index (read by
     :mod:`lightning_par.checkpoint.safe_dcp` unless ``weights_only=False`` trusts the directory)."""
@@ -90,7 +88,7 @@ def sharded_problem(path: Path, *, meta_file: str,
     return None, metadata
 
 
-def pickled_code_problem(path: Path, found: str) -> str:
+def pickled_code_problem(path: Location, found: str) -> str:
     """The refusal of a checkpoint file whose pickle names ``found``, a class outside what a checkpoint is made of."""
     return (f"checkpoint {str(path)!r} holds {found}, which unpickling would have to construct and which can run "
             "code: it was not loaded. If you trust the file's source, load it with weights_only=False (the "
@@ -104,7 +102,7 @@ def saved_shapes(metadata: Metadata, prefix: str = _MODEL_PREFIX) -> dict[str, t
             for key, entry in metadata.state_dict_metadata.items() if key.startswith(prefix)}
 
 
-def dtype_problem(path: Path, metadata: Metadata, state: dict[str, Any], *, prefix: str = _MODEL_PREFIX,
+def dtype_problem(path: Location, metadata: Metadata, state: dict[str, Any], *, prefix: str = _MODEL_PREFIX,
                   what: str = "checkpoint") -> str | None:
     """Why tensors saved in ``metadata`` cannot be copied into this rank's floating-point ``state`` by value: saved
     as integers or booleans (quantized weights), they would be converted silently into meaningless numbers."""
@@ -126,7 +124,7 @@ def saved_optimizers(metadata: Metadata) -> int:
     return len(indices)
 
 
-def model_problem(path: Path, saved: dict[str, tuple[int, ...] | None], expected: dict[str, tuple[int, ...]],
+def model_problem(path: Location, saved: dict[str, tuple[int, ...] | None], expected: dict[str, tuple[int, ...]],
                   *, strict: bool, what: str = "checkpoint") -> str | None:
     """Why weights of ``saved`` shapes do not load into a model of ``expected`` shapes (by name), or None.
     ``what`` the weights are (a checkpoint, a model directory), for the message."""
@@ -152,7 +150,7 @@ def model_problem(path: Path, saved: dict[str, tuple[int, ...] | None], expected
                                                           ", or load with strict_loading=False to skip missing names"))
 
 
-def format_problem(path: Path, checkpoint: dict[str, Any]) -> str | None:
+def format_problem(path: Location, checkpoint: dict[str, Any]) -> str | None:
     """Why a checkpoint written by another lightning-par version cannot be read by this one, or None."""
     written = checkpoint.get(FORMAT_KEY, FORMAT)
     if isinstance(written, int) and written > FORMAT:
@@ -161,7 +159,7 @@ def format_problem(path: Path, checkpoint: dict[str, Any]) -> str | None:
     return None
 
 
-def optimizer_problem(path: Path, saved: int, wanted: int) -> str | None:
+def optimizer_problem(path: Location, saved: int, wanted: int) -> str | None:
     if wanted and saved == 0:
         return (f"checkpoint {str(path)!r} holds the model but no optimizer state (saved with "
                 "ModelCheckpoint(save_weights_only=True)?): training cannot resume from it; load its weights into "

@@ -12,7 +12,8 @@ that replace it leaves both copies in the staging directory, and ``"auto"`` take
 numbers its versions, the run's checkpoint directory
 moves to a new ``version_N`` at each start, so the earlier versions' ``checkpoints`` directories are looked in
 too. Every rank decides by itself, before the processes connect, so the checkpoint directory must be one that every
-node sees (as for any resume).
+node sees (as for any resume): a shared filesystem, or an object store (``s3://``; there a sharded checkpoint counts
+as complete with its DCP index, ``lightning_par/checkpoint/object_store.py``).
 
 Installed into Lightning's checkpoint connector (its private ``_parse_ckpt_path``) when ``lightning_par`` is imported:
 ``Trainer.fit(ckpt_path="auto")`` and ``lightning-par fit --ckpt_path auto`` both work, with any strategy; any other
@@ -31,8 +32,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_par.checkpoint import object_store
 from lightning_par.checkpoint.atomic import interrupted_replacements
-from lightning_par.checkpoint.format import checkpoint_problem
+from lightning_par.checkpoint.format import META_FILE, checkpoint_problem, read_metadata
+from lightning_par.checkpoint.object_store import Location, location
 
 AUTO = "auto"
 
@@ -41,11 +44,11 @@ __all__ = ["AUTO", "install", "newest_checkpoint", "uninstall"]
 
 def newest_checkpoint(trainer: Trainer) -> str | None:
     """The newest checkpoint of ``trainer``'s run that can be loaded, or None. One process, no collective."""
-    candidates: set[Path] = set()
+    candidates: set[Location] = set()
     for callback in trainer.checkpoint_callbacks:
         if not isinstance(callback, ModelCheckpoint):
             continue
-        directory = Path(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))  # where it saves, as it decides
+        directory = location(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))  # where it saves, as it decides
         folders = [directory]
         if callback.dirpath is None and trainer.loggers and not isinstance(trainer.loggers[0].version, str):
             folders += directory.parent.parent.glob("version_*/checkpoints")  # the run's earlier starts
@@ -53,13 +56,27 @@ def newest_checkpoint(trainer: Trainer) -> str | None:
             candidates |= set(folder.glob(f"*{callback.FILE_EXTENSION}")) | set(interrupted_replacements(folder))
     hpc = trainer._checkpoint_connector._hpc_resume_path
     if hpc is not None:
-        candidates.add(Path(hpc))
-    for path in sorted(candidates, key=_written_at, reverse=True):
+        candidates.add(location(hpc))
+    for path in sorted(candidates, key=_newest, reverse=True):
         problem = checkpoint_problem(path)
         if problem is None:
             return str(path)
         rank_zero_warn(f'ckpt_path="auto" passes over {str(path)!r}: {problem}')
     return None
+
+
+def _newest(path: Location) -> tuple[float, int]:
+    """When ``path`` was last written, then, on an object store (whose clock counts seconds, so that several saves
+    can share one), the step of a sharded checkpoint (its small ``meta.pt``; a full one would be read whole)."""
+    if not object_store.is_object_store(path):
+        return _written_at(path), 0
+    step = 0
+    if (path / META_FILE).exists():
+        try:
+            step = read_metadata(path / META_FILE).get("global_step", 0)
+        except Exception:  # noqa: BLE001 - one that cannot be read is passed over below, with its reason
+            step = -1
+    return object_store.written_at(path), step
 
 
 def _written_at(path: Path) -> int:

@@ -70,9 +70,10 @@ class MeshStrategy(StepsThroughTheHandle):
             from the model when omitted. A LightningModule that defines ``parallelize(mesh, config)``
             parallelizes itself instead (it returns the module to train, or None if it changed itself).
         save_distributed_checkpoint: write sharded DCP directories (reshardable across layouts) instead
-            of one full file gathered on rank 0. With Lightning's ``AsyncCheckpointIO`` plugin
-            (``Trainer(plugins=[AsyncCheckpointIO()])``) they are written in the background while training
-            goes on (``torch.distributed.checkpoint.async_save``).
+            of one full file gathered on rank 0.
+        async_save: write sharded checkpoints in the background while training goes on
+            (``torch.distributed.checkpoint.async_save``; Lightning's ``AsyncCheckpointIO`` plugin asks the same).
+            Training stops only to copy the tensors to CPU memory; docs/checkpoints.md, "Asynchronous saves".
         checkpoint_weights_only: load checkpoints with ``torch.load(weights_only=True)``: tensors, containers,
             builtins and NumPy RNG states only, nothing whose unpickling could run code. ``False`` trusts the
             checkpoint's source (``trainer.fit(..., weights_only=False)`` does not reach strategies that restore
@@ -102,10 +103,11 @@ class MeshStrategy(StepsThroughTheHandle):
                  compile: bool | None = None, float8: Float8Recipe | None = None,
                  float8_emulate: bool | None = None, async_tp: bool | None = None,
                  model_map: ModelMap | dict[str, Any] | None = None,
-                 save_distributed_checkpoint: bool = True, checkpoint_weights_only: bool = True,
+                 save_distributed_checkpoint: bool = True, async_save: bool = False,
+                 checkpoint_weights_only: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  bad_steps: BadSteps | dict[str, Any] | None = None, **lightning_arguments: Any) -> None:
-        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, async_save=async_save,
                          checkpoint_weights_only=checkpoint_weights_only, process_group_backend=process_group_backend,
                          timeout=timeout, bad_steps=bad_steps, **lightning_arguments)
         config = parallel_config if parallel_config is not None else ParallelConfig()

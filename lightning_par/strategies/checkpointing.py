@@ -4,7 +4,7 @@ does the work in plain PyTorch).
 - A checkpoint is a sharded ``torch.distributed.checkpoint`` directory (reshardable across layouts) or, with
   ``save_distributed_checkpoint=False``, one full file that rank 0 writes. Either is written under a staging name
   and renamed into place, so a save that fails leaves the last good checkpoint visible and nothing half-written.
-- With Lightning's ``AsyncCheckpointIO`` plugin, sharded saves are written in the background
+- With ``async_save=True`` (or Lightning's ``AsyncCheckpointIO`` plugin), sharded saves are written in the background
   (``torch.distributed.checkpoint.async_save``) over a gloo group of their own while training goes on.
 - Each rank's RNG states go into the checkpoint and are put back at the first batch after a resume
   (``strategies/resilience.py``); loading checks the files before reading them (``checkpoint_validation``).
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import lightning
@@ -32,6 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par.checkpoint import format as ckpt
+from lightning_par.checkpoint.object_store import Location, location
 from lightning_par.checkpoint.validation import CheckpointError
 from lightning_par.checkpoint.adapters import base_reference, check_base
 from lightning_par.parallel.modules import tied_aliases
@@ -45,12 +45,20 @@ from lightning_par.strategies.resilience import (
 )
 
 
+_ASYNC_NEEDS_SHARDS = ("{asked} writes through torch.distributed.checkpoint.async_save, which writes the sharded "
+                       "format: keep save_distributed_checkpoint=True, or save synchronously")
+
+
 class ShardedCheckpoints(MeshProcesses):
     """Saving, loading and consolidating checkpoints of a module laid out on ``self.mesh``."""
 
-    def __init__(self, *, save_distributed_checkpoint: bool, checkpoint_weights_only: bool, **kwargs: Any) -> None:
+    def __init__(self, *, save_distributed_checkpoint: bool, async_save: bool, checkpoint_weights_only: bool,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if async_save and not save_distributed_checkpoint:
+            raise ValueError(_ASYNC_NEEDS_SHARDS.format(asked="async_save=True"))
         self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._async_save = async_save
         self._checkpoint_weights_only = checkpoint_weights_only
         self._rng_states_to_restore: dict[str, Any] | None = None  # put back at the first batch after a resume
         self._pending_save: Future | None = None  # an asynchronous save still being written
@@ -59,12 +67,11 @@ class ShardedCheckpoints(MeshProcesses):
 
     @property
     def _saves_asynchronously(self) -> bool:
-        return isinstance(self._checkpoint_io, AsyncCheckpointIO)
+        return self._async_save or isinstance(self._checkpoint_io, AsyncCheckpointIO)
 
     def _check_checkpoint_format(self) -> None:
         if self._saves_asynchronously and not self._save_distributed_checkpoint:
-            raise ValueError("AsyncCheckpointIO writes through torch.distributed.checkpoint.async_save, which needs "
-                             "the sharded format: set save_distributed_checkpoint=True or drop the plugin")
+            raise ValueError(_ASYNC_NEEDS_SHARDS.format(asked="the AsyncCheckpointIO plugin"))
 
     @property
     @override
@@ -98,7 +105,7 @@ class ShardedCheckpoints(MeshProcesses):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-        path = Path(self.broadcast(str(filepath)))  # one path for every rank
+        path = location(self.broadcast(str(filepath)))  # one path for every rank
         self._finish_pending_save()
         self._enter(f"saving checkpoint {path}")
         checkpoint[RNG_STATES_KEY] = gather_rng_states(self.root_device)
@@ -108,6 +115,14 @@ class ShardedCheckpoints(MeshProcesses):
             if self._base_reference is None:  # the base does not change during a run: its files are read once
                 self._base_reference = base_reference(base)
             checkpoint[ckpt.FROZEN_BASE_KEY] = self._base_reference
+        self._write_checkpoint(checkpoint, path)
+        # What runs next (the loop reading the next batch) is no longer the save.
+        trainer = self.lightning_module._trainer
+        self._enter(f"training after step {trainer.global_step}" if trainer is not None else f"after saving {path}")
+
+    def _write_checkpoint(self, checkpoint: dict[str, Any], path: Location) -> None:
+        """Write ``checkpoint`` (its tensors in the format chosen) to ``path``: now, or in the background when saves
+        are asynchronous (a pending save must be finished first: :meth:`_finish_pending_save`)."""
         if self._saves_asynchronously and self._checkpoint_group is None:
             self._checkpoint_group = torch.distributed.new_group(backend="gloo", group_desc="asynchronous checkpoints")
         self._pending_save = ckpt.save_checkpoint(
@@ -118,11 +133,8 @@ class ShardedCheckpoints(MeshProcesses):
             self._note_complete(path)
         else:
             self._pending_save.add_done_callback(lambda done: done.exception() or self._note_complete(path))
-        # What runs next (the loop reading the next batch) is no longer the save.
-        trainer = self.lightning_module._trainer
-        self._enter(f"training after step {trainer.global_step}" if trainer is not None else f"after saving {path}")
 
-    def _note_complete(self, path: Path) -> None:
+    def _note_complete(self, path: Location) -> None:
         if self._fault_monitor is not None:
             self._fault_monitor.last_checkpoint = str(path)
 
@@ -137,7 +149,7 @@ class ShardedCheckpoints(MeshProcesses):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.lightning_module is not None
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = location(self.broadcast(str(checkpoint_path)))
         self._finish_pending_save()
         self._enter(f"loading checkpoint {path}")
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
@@ -158,7 +170,7 @@ class ShardedCheckpoints(MeshProcesses):
                                                          self.world_size)
         return checkpoint
 
-    def _check_frozen_base(self, reference: dict[str, str], path: Path) -> None:
+    def _check_frozen_base(self, reference: dict[str, str], path: Location) -> None:
         """Refuse, on every rank, a checkpoint of adapters whose base model is not the module's (its files changed, or
         the module has none). Rank 0 reads the files; the others wait for its verdict."""
         problem = None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par.checkpoint import format as ckpt
+from lightning_par.checkpoint.object_store import location
 from lightning_par.layout.config import ParallelConfig
 from lightning_par.parallel.compose import runs_on_a_sample
 from lightning_par.parallel.model_call import ModelCall
@@ -126,6 +126,7 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self.trainer_strategy._finish_pending_save()
         self.trainer_strategy.stop_watching()
         super().teardown()
 
@@ -306,6 +307,8 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Wait for every rank, and for an asynchronous save still being written to be in place."""
+        self.trainer_strategy._finish_pending_save()
         self.trainer_strategy.barrier()
 
     @override
@@ -318,7 +321,8 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
                         storage_options: Any | None = None,
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
         """Write ``state`` as the Trainer's strategies do (``lightning_par/checkpoint/format.py``): sharded and
-        reshardable (or one full file with ``save_distributed_checkpoint=False``), written atomically. The model
+        reshardable (or one full file with ``save_distributed_checkpoint=False``), written atomically, in the
+        background with ``async_save=True`` (the next save or load, and teardown, wait for it). The model
         set up goes where the Trainer keeps the LightningModule's weights, the optimizers where it keeps its
         optimizers'; every other entry is kept as it is (its ``state_dict()`` where it has one)."""
         if storage_options is not None or filter is not None:
@@ -332,9 +336,11 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
         checkpoint[ckpt.OPTIMIZERS_KEY] = [ckpt.optimizer_state_dict(inner, o, full=full) for _, o in optimizers]
         checkpoint[ckpt.TIED_KEY] = tied_aliases(inner)
         checkpoint[ckpt.FABRIC_KEY] = {"model": model_key, "optimizers": [key for key, _ in optimizers]}
-        path = Path(self.broadcast(str(path)))
+        path = location(self.broadcast(str(path)))
+        self.trainer_strategy._finish_pending_save()
         self.trainer_strategy._enter(f"saving checkpoint {path}")
-        ckpt.save_checkpoint(checkpoint, path, sharded=not full)
+        self.trainer_strategy._write_checkpoint(checkpoint, path)
+        self.trainer_strategy._enter(f"after saving {path}")
 
     @override
     def load_checkpoint(self, path: _PATH, state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any]
@@ -346,7 +352,8 @@ class MeshFabricStrategy(DevicesOfTheRun, ParallelStrategy):
         if not isinstance(state, dict):
             raise ValueError(f"{type(self).__name__}.load_checkpoint takes the state to restore, with the model set up "
                              "in it: fabric.load(path, {'model': model, 'optimizer': optimizer, ...})")
-        path = Path(self.broadcast(str(path)))
+        path = location(self.broadcast(str(path)))
+        self.trainer_strategy._finish_pending_save()
         self.trainer_strategy._enter(f"loading checkpoint {path}")
         _, optimizers, requested = self._parts(state)
         rest = ckpt.load_checkpoint(path, self.parallelized.inner, [o for _, o in optimizers], strict=strict,
