@@ -125,3 +125,42 @@ def test_the_dry_run_and_the_planner_count_muons_states_and_gathers(tmp_path) ->
     planned = estimate_step_time(model, ParallelConfig(dp_shard=2, zero_stage=3), ClusterSpec.from_preset("cpu"),
                                  seq_len=128, microbatch_size=4, microbatches=1, optimizer="muon")
     assert planned.comm_bytes["muon"] == pytest.approx(4 * matrices / 2)
+
+
+def _hugging_face_model(optimizer: str, directory: str):
+    """The tiny Llama with a tied head of ``directory`` (transformers' code, ``save_pretrained``'s files) with
+    ``optimizer``, fp32 Newton-Schulz."""
+    from lightning_par.models import HFCausalLM
+
+    return HFCausalLM(pretrained=directory, learning_rate=1e-2, warmup_steps=1, max_steps=STEPS, optimizer=optimizer,
+                      muon_ns_dtype="fp32")
+
+
+@pytest.mark.parametrize(("world_size", "strategy"), [(2, dict(data_parallel_size=2, zero_stage=3)),
+                                                      (4, dict(data_parallel_size=1, tensor_parallel_size=2,
+                                                               pipeline_parallel_size=2, microbatches=2))],
+                         ids=["zero3", "tp2xpp2"])
+def test_muon_and_bf16_moments_train_a_hugging_face_model_as_in_one_process(world_size: int, strategy: dict,
+                                                                            tmp_path) -> None:
+    """Beyond the reference model: a Hugging Face Llama whose head is tied to its embedding, 20 steps against one
+    process. Muon finds its matrices through the model map (``model.model.layers``; the tied embedding stays with
+    AdamW): under ZeRO-3 and under tensor x pipeline parallel; bf16 AdamW moments under ZeRO-3 against a one-process
+    run with bf16 moments."""
+    from hf_directories import make_model_directory
+    from parity import assert_parity, layout_runs, reference_run
+    from test_data_parallel import make_datamodule
+    from test_hybrid3d import make_strategy
+
+    directory = str(make_model_directory(tmp_path / "llama-tied", "llama-tied", tokenizer=False))
+    optimizers = ["muon", "adamw_bf16"] if strategy.get("zero_stage") == 3 else ["muon"]
+    runs = {name: (functools.partial(_hugging_face_model, name, directory), make_datamodule,
+                   functools.partial(make_strategy, **strategy)) for name in optimizers}
+    actual = layout_runs(runs, world_size=world_size, steps=STEPS)
+    for name in optimizers:
+        # bf16 moments round a last-bit difference of a gradient to another bf16 value: the one process adds each
+        # batch's gradient in the ranks' pieces and order (parity.reference_run), as the optimizer-state tests do.
+        expected = reference_run(functools.partial(_hugging_face_model, name, directory), make_datamodule,
+                                 dp=strategy["data_parallel_size"], steps=STEPS, pieces_like_ranks=name != "muon")
+        loss_error, weight_error = assert_parity(actual[name], expected, rtol=1e-5)
+        print(f"{name} llama-tied {'x'.join(map(str, strategy.values()))}: loss rel err {loss_error:.1e}, "
+              f"weights {weight_error:.1e}")

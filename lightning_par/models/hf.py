@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ from lightning_par.data.text import TOKENIZER_MARKERS, load_tokenizer
 from lightning_par.checkpoint.huggingface import config_from_arguments, load_huggingface_weights
 from lightning_par.checkpoint.adapters import FROZEN_BASE_KEY, LORA_DEFAULTS, lora_settings, with_lora
 from lightning_par.models.lightning_module import ContractModule, check_optimizer_hparams
+from lightning_par.parallel.model_map import derive_model_map
 from lightning_par.models.packing import DocumentPositions, check_document_masking, cross_document_targets
 from lightning_par.parallel.adapters import initialize_lora
 
@@ -44,6 +45,9 @@ class HFCausalLM(ContractModule):
             ``AutoConfig.for_model`` (``model_type`` first), with random initial weights.
         learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio, max_steps: AdamW with warmup and cosine
             decay, as ``LlamaLM``.
+        optimizer, muon_ns_dtype: ``adamw``, ``adamw_bf16``, ``adamw_8bit``, ``adamw_4bit`` or ``muon`` (Muon on the
+            matrices of the decoder layers the model map finds, AdamW on the rest), as ``LlamaLM``
+            (docs/optimizers.md).
         lora: fine-tune LoRA adapters (Hu et al. 2021) instead of the whole model, built by ``peft`` once the model
             exists, before any layout applies: ``{r: 8, alpha: 16, dropout: 0.0, target_modules: [q_proj, v_proj],
             bias: none, seed: 0}`` (see :data:`LORA_DEFAULTS`; ``target_modules`` None lets peft choose by model
@@ -68,6 +72,8 @@ class HFCausalLM(ContractModule):
         max_steps: int | None = None,
         lora: dict[str, Any] | None = None,
         packed_documents: bool = False,
+        optimizer: Literal["adamw", "adamw_bf16", "adamw_8bit", "adamw_4bit", "muon"] = "adamw",
+        muon_ns_dtype: Literal["bf16", "fp32"] = "bf16",
     ) -> None:
         super().__init__()
         if (pretrained is None) == (config is None):
@@ -80,6 +86,7 @@ class HFCausalLM(ContractModule):
         self.model_config = (_pretrained_config(Path(pretrained)) if pretrained is not None
                              else config_from_arguments(config))
         self.model: torch.nn.Module | None = None
+        self.blocks_path: str | None = None  # the decoder layers' (configure_model)
         self._parameter_count = 0  # the whole model's, counted when it is built (a pipeline stage holds only a part)
         self._pretrained_loaded = False
         self._base_outside_checkpoint = False  # resumed from a LoRA checkpoint: the base is read from `pretrained`
@@ -105,6 +112,10 @@ class HFCausalLM(ContractModule):
             self.model.register_forward_pre_hook(DocumentPositions(self.document_separator), with_kwargs=True)
         if self.lora is not None:
             self.model = with_lora(self.model, self.lora)
+        # Where the decoder layers are, read off the whole model: optimizer='muon' steps their matrices, and a pipeline
+        # stage, which holds some of them, no longer looks like a decoder.
+        model_map = derive_model_map(self)
+        self.blocks_path = model_map.blocks if model_map is not None else None
 
     def _packing_separator(self) -> int:
         """The token the data closes each packed document with: the data module's (``document_separator``), else the
