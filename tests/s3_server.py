@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from installed import require
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -62,7 +63,7 @@ def _certificates(folder: Path) -> tuple[Path, Path, Path]:
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """The environment that points a client at an S3 server running in this process: its endpoint, the CA that
     issued its certificate, credentials."""
-    moto_server = pytest.importorskip("moto.server")
+    moto_server = require("moto.server")  # the test extra's: missing, the test fails
     from werkzeug.serving import make_server
 
     authority, certificate, key = _certificates(tmp_path_factory.mktemp("s3-tls"))

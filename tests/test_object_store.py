@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 from harness import run_distributed
-from installed import PYTHON
+from installed import PYTHON, require
 from s3_server import create_bucket, objects
 from test_checkpoint import Payload, _fit, _resumes_bitwise
 
@@ -20,8 +20,8 @@ from lightning_par.checkpoint import format as ckpt
 from lightning_par.checkpoint.atomic import STAGING_DIR, clear_staging, interrupted_replacements, staging_path
 from lightning_par.checkpoint.object_store import DCP_INDEX, location
 
-pytest.importorskip("s3fs")
-pytest.importorskip("upath")
+require("s3fs")  # the test extra's: missing, the module fails
+require("upath")
 
 RESHARD_RTOL = 1e-5
 REPO = Path(__file__).resolve().parent.parent

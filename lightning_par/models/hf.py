@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,8 @@ from typing_extensions import override
 from lightning_par.data.text import TOKENIZER_MARKERS, load_tokenizer
 from lightning_par.checkpoint.huggingface import config_from_arguments, load_huggingface_weights
 from lightning_par.checkpoint.adapters import FROZEN_BASE_KEY, LORA_DEFAULTS, lora_settings, with_lora
-from lightning_par.models.lightning_module import ContractModule, check_optimizer_hparams
+from lightning_par.models.lightning_module import (ContractModule, NewtonSchulzDtype, OptimizerName,
+                                                   check_optimizer_hparams)
 from lightning_par.parallel.model_map import derive_model_map
 from lightning_par.models.packing import DocumentPositions, check_document_masking, cross_document_targets
 from lightning_par.parallel.adapters import initialize_lora
@@ -72,8 +73,8 @@ class HFCausalLM(ContractModule):
         max_steps: int | None = None,
         lora: dict[str, Any] | None = None,
         packed_documents: bool = False,
-        optimizer: Literal["adamw", "adamw_bf16", "adamw_8bit", "adamw_4bit", "muon"] = "adamw",
-        muon_ns_dtype: Literal["bf16", "fp32"] = "bf16",
+        optimizer: OptimizerName = "adamw",
+        muon_ns_dtype: NewtonSchulzDtype = "bf16",
     ) -> None:
         super().__init__()
         if (pretrained is None) == (config is None):

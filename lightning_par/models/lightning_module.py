@@ -6,7 +6,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -45,7 +45,10 @@ class WarmupCosine:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-OPTIMIZERS = ("adamw", "adamw_bf16", "adamw_8bit", "adamw_4bit", "muon")
+# The models' ``optimizer`` and ``muon_ns_dtype`` hyper-parameters (warmup_cosine_optimizer).
+OptimizerName = Literal["adamw", "adamw_bf16", "adamw_8bit", "adamw_4bit", "muon"]
+NewtonSchulzDtype = Literal["bf16", "fp32"]
+OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 
 
 def check_optimizer_hparams(hparams: Any) -> None:
@@ -56,8 +59,9 @@ def check_optimizer_hparams(hparams: Any) -> None:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
     ns_dtype = hparams.get("muon_ns_dtype", "bf16")
-    if ns_dtype not in ("bf16", "fp32"):
-        raise ValueError(f"muon_ns_dtype={ns_dtype!r} is not one of ('bf16', 'fp32') (Muon's Newton-Schulz precision)")
+    choices = get_args(NewtonSchulzDtype)
+    if ns_dtype not in choices:
+        raise ValueError(f"muon_ns_dtype={ns_dtype!r} is not one of {choices} (Muon's Newton-Schulz precision)")
     name = hparams.get("optimizer", "adamw")
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer={name!r} is not one of {OPTIMIZERS} (adamw_bf16/8bit/4bit: AdamW's moments in "
@@ -231,8 +235,8 @@ class LlamaLM(ContractModule):
         warmup_steps: int = 0,
         min_lr_ratio: float = 0.1,
         max_steps: int | None = None,
-        optimizer: Literal["adamw", "adamw_bf16", "adamw_8bit", "adamw_4bit", "muon"] = "adamw",
-        muon_ns_dtype: Literal["bf16", "fp32"] = "bf16",
+        optimizer: OptimizerName = "adamw",
+        muon_ns_dtype: NewtonSchulzDtype = "bf16",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
